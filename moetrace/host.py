@@ -1,0 +1,26 @@
+"""Facts about the machine a trace was recorded on (NVML where GPUs exist); no torch, no polars."""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+
+def gpu_inventory() -> dict[str, Any]:
+    """GPU names and driver version from NVML, or a note saying why there are none."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:  # no driver, no library, no GPU: all mean "no GPU telemetry here"
+        return {"gpus": [], "driver": None, "note": f"no NVIDIA GPU visible ({type(exc).__name__})"}
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        names = [str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+        return {"gpus": names, "driver": str(pynvml.nvmlSystemGetDriverVersion()), "note": None}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def host_facts() -> dict[str, Any]:
+    return {"hostname": platform.node(), "machine": platform.machine(), "python": platform.python_version()}

@@ -1,0 +1,174 @@
+"""Trace reader: opens a trace directory (or a parent holding a k sweep) as lazy Polars frames.
+
+Every problem a reader can meet (missing manifest, unknown schema version, truncated or corrupt Parquet, wrong
+column types) is either a ``UserError`` with one line naming the file, or, for single damaged files, a warning
+naming the file while the intact files are still read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moetrace.errors import UserError
+from moetrace.schema import (
+    FOOTER_SCHEMA_KEY,
+    MANIFEST_NAME,
+    REQUIRED_MANIFEST_KEYS,
+    ROUTING_DIR,
+    SCHEMA_VERSION,
+    STEPS_DIR,
+    STEPS_SCHEMA,
+    TELEMETRY_DIR,
+    routing_schema,
+)
+from moetrace.writer import INPROGRESS_SUFFIX
+
+
+@dataclass
+class Trace:
+    """One recording at one k: its manifest and its tables as lazy frames over the intact files."""
+
+    path: Path
+    manifest: dict[str, Any]
+    routing_files: list[Path]
+    steps_files: list[Path]
+    telemetry_files: list[Path]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def k(self) -> int:
+        return int(self.manifest["spec"]["k"])
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    def routing(self) -> pl.LazyFrame:
+        return _scan(self.routing_files, routing_schema(int(self.manifest["model"]["top_k"]),
+                                                        int(self.manifest.get("capture", {}).get("candidates", 0))))
+
+    def steps(self) -> pl.LazyFrame:
+        return _scan(self.steps_files, STEPS_SCHEMA)
+
+    def telemetry(self) -> pl.LazyFrame | None:
+        return pl.scan_parquet(self.telemetry_files) if self.telemetry_files else None
+
+
+def _scan(files: list[Path], schema: pa.Schema) -> pl.LazyFrame:
+    if not files:
+        return pl.from_arrow(schema.empty_table()).lazy()  # type: ignore[union-attr]
+    return pl.scan_parquet(files)
+
+
+def _get(manifest: dict[str, Any], dotted: str) -> Any:
+    node: Any = manifest
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(dotted)
+        node = node[part]
+    return node
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise UserError(f"{directory}: not a moetrace trace (no {MANIFEST_NAME})")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: unreadable manifest ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise UserError(f"{path}: unreadable manifest (not a JSON object)")
+    if manifest.get("schema") != SCHEMA_VERSION:
+        raise UserError(f"{path}: unknown schema version {manifest.get('schema')!r} (this moetrace reads {SCHEMA_VERSION})")
+    for key in REQUIRED_MANIFEST_KEYS:
+        try:
+            _get(manifest, key)
+        except KeyError:
+            raise UserError(f"{path}: manifest lacks {key!r}") from None
+    return manifest
+
+
+def _compatible(wanted: pa.DataType, got: pa.DataType) -> bool:
+    """The contract's type, or one of the variants it allows (any string dictionary; float16 or float32
+    weights)."""
+    if got == wanted:
+        return True
+    if pa.types.is_dictionary(wanted):
+        return pa.types.is_dictionary(got) and pa.types.is_string(got.value_type)
+    if pa.types.is_fixed_size_list(wanted) and pa.types.is_fixed_size_list(got):
+        floats = (pa.float16(), pa.float32())
+        return bool(wanted.list_size == got.list_size and wanted.value_type in floats and got.value_type in floats)
+    return False
+
+
+def _check_file(path: Path, expected: pa.Schema) -> str | None:
+    """Why ``path`` cannot be used, or None when it is intact and matches the contract."""
+    try:
+        schema = pq.read_schema(path)
+    except Exception as exc:
+        return f"{path}: skipped, corrupt or truncated Parquet ({type(exc).__name__})"
+    version = (schema.metadata or {}).get(FOOTER_SCHEMA_KEY)
+    if version is not None and version.decode() != SCHEMA_VERSION:
+        return f"{path}: skipped, unknown schema version {version.decode()!r}"
+    for wanted in expected:
+        if wanted.name not in schema.names:
+            return f"{path}: skipped, missing column {wanted.name!r}"
+        got = schema.field(wanted.name).type
+        if not _compatible(wanted.type, got):
+            return f"{path}: skipped, column {wanted.name!r} is {got}, expected {wanted.type}"
+    return None
+
+
+def _table_files(directory: Path, expected: pa.Schema | None, warnings: list[str]) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    for lost in sorted(directory.glob(f"*{INPROGRESS_SUFFIX}")):
+        warnings.append(f"{lost}: skipped, file was still open when the recording stopped")
+    good = []
+    for path in sorted(directory.glob("*.parquet")):
+        problem = _check_file(path, expected) if expected is not None else None
+        if problem is None:
+            good.append(path)
+        else:
+            warnings.append(problem)
+    return good
+
+
+def open_trace(directory: Path) -> Trace:
+    """Open one trace directory; raises ``UserError`` for a directory that is not a readable trace."""
+    if not directory.exists():
+        raise UserError(f"{directory}: no such trace")
+    manifest = read_manifest(directory)
+    warnings: list[str] = []
+    if not manifest.get("complete"):
+        warnings.append(f"{directory}: recording incomplete (killed or still running); reading the closed files")
+    top_k = int(manifest["model"]["top_k"])
+    candidates = int(manifest.get("capture", {}).get("candidates", 0))
+    return Trace(
+        path=directory,
+        manifest=manifest,
+        routing_files=_table_files(directory / ROUTING_DIR, routing_schema(top_k, candidates), warnings),
+        steps_files=_table_files(directory / STEPS_DIR, STEPS_SCHEMA, warnings),
+        telemetry_files=_table_files(directory / TELEMETRY_DIR, None, warnings),
+        warnings=warnings,
+    )
+
+
+def open_traces(path: Path) -> list[Trace]:
+    """A trace directory, or a parent holding one trace per k (a sweep), ordered by k."""
+    if not path.exists():
+        raise UserError(f"{path}: no such trace")
+    if (path / MANIFEST_NAME).exists():
+        return [open_trace(path)]
+    children = sorted(p for p in path.iterdir() if (p / MANIFEST_NAME).exists()) if path.is_dir() else []
+    if not children:
+        raise UserError(f"{path}: not a moetrace trace (no {MANIFEST_NAME} here or in its subdirectories)")
+    return sorted((open_trace(child) for child in children), key=lambda t: t.k)

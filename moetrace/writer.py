@@ -1,0 +1,298 @@
+"""Trace writer: a background thread that turns per-step routing captures into rotated Parquet files.
+
+The engine thread only enqueues numpy arrays; building Arrow tables, compressing and writing happen here. A file
+being written is named ``*.parquet.inprogress`` and renamed when closed, so a killed recording leaves every
+rotated file readable and marks the one it lost. Any error stops recording with a warning; it never propagates
+into the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moetrace.schema import (
+    FOOTER_RUN_KEY,
+    FOOTER_SCHEMA_KEY,
+    MANIFEST_NAME,
+    PHASES,
+    ROUTING_DIR,
+    SCHEMA_VERSION,
+    STEPS_DIR,
+    STEPS_SCHEMA,
+    routing_schema,
+)
+
+log = logging.getLogger("moetrace")
+
+INPROGRESS_SUFFIX = ".inprogress"
+
+
+@dataclass
+class StepCapture:
+    """Everything one engine step contributes to the trace; arrays are host copies owned by the capture.
+
+    T tokens in the step, L recorded MoE layers, K top-k, C candidates, R requests in the batch.
+    """
+
+    step: int
+    request: npt.NDArray[np.uint32]  # [T]
+    position: npt.NDArray[np.uint32]  # [T]
+    phase: npt.NDArray[np.int8]  # [T] index into PHASES
+    draft_pos: npt.NDArray[np.uint8]  # [T]
+    token: npt.NDArray[np.uint32] | None  # [T], None when token ids are off
+    accepted: npt.NDArray[np.int8]  # [T] 1 accepted, 0 rejected, -1 not a draft
+    experts: npt.NDArray[np.uint16]  # [T, L, K]
+    weights: npt.NDArray[np.float32]  # [T, L, K]
+    cand_experts: npt.NDArray[np.uint16] | None  # [T, L, C]
+    cand_scores: npt.NDArray[np.float32] | None  # [T, L, C]
+    steps_rows: dict[str, npt.NDArray[Any]]  # one entry per STEPS_SCHEMA column, each [R]
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Replace ``path`` with ``payload`` so that readers never see a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass
+class _RotatingParquet:
+    """One table's rotated files: ``<dir>/part-NNNNN.parquet``, with a footer naming the schema and run."""
+
+    directory: Path
+    schema: pa.Schema
+    run_id: str
+    rotate_rows: int
+    rotate_seconds: float
+    row_group_rows: int
+    _writer: pq.ParquetWriter | None = None
+    _path: Path | None = None
+    _opened_at: float = 0.0
+    _rows_in_file: int = 0
+    _pending: list[pa.Table] = field(default_factory=list)
+    _pending_rows: int = 0
+    files_closed: int = 0
+    rows_written: int = 0
+    bytes_written: int = 0
+
+    def __post_init__(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        meta = {FOOTER_SCHEMA_KEY: SCHEMA_VERSION.encode(), FOOTER_RUN_KEY: self.run_id.encode()}
+        self.schema = self.schema.with_metadata(meta)
+
+    def append(self, table: pa.Table) -> None:
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        if self._pending_rows >= self.row_group_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending_rows:
+            return
+        if self._writer is None:
+            self._open()
+        assert self._writer is not None
+        self._writer.write_table(pa.concat_tables(self._pending), row_group_size=self.row_group_rows)
+        self._rows_in_file += self._pending_rows
+        self._pending.clear()
+        self._pending_rows = 0
+
+    def maybe_rotate(self) -> None:
+        too_old = time.monotonic() - self._opened_at >= self.rotate_seconds
+        if self._writer is not None or self._pending_rows:
+            if self._rows_in_file + self._pending_rows >= self.rotate_rows or too_old:
+                self.close_file()
+
+    def close_file(self) -> None:
+        self.flush()
+        if self._writer is None or self._path is None:
+            return
+        self._writer.close()
+        final = self._path.with_name(self._path.name.removesuffix(INPROGRESS_SUFFIX))
+        os.replace(self._path, final)
+        self.files_closed += 1
+        self.rows_written += self._rows_in_file
+        self.bytes_written += final.stat().st_size
+        self._writer, self._path, self._rows_in_file = None, None, 0
+
+    def _open(self) -> None:
+        self._path = self.directory / f"part-{self.files_closed:05d}.parquet{INPROGRESS_SUFFIX}"
+        self._writer = pq.ParquetWriter(
+            self._path,
+            self.schema,
+            compression="zstd",
+            compression_level=3,
+            use_dictionary=["phase", "step", "request", "draft_pos", "layer"],
+            write_statistics=["step", "request", "layer", "draft_pos"],
+        )
+        self._opened_at = time.monotonic()
+
+
+_STOP = object()
+
+
+class TraceWriter:
+    """Owns one trace directory: the manifest and the rotated routing/steps files, written by a thread."""
+
+    def __init__(
+        self,
+        root: Path,
+        manifest: dict[str, Any],
+        moe_layers: list[int],
+        top_k: int,
+        candidates: int = 0,
+        rotate_rows: int = 4_000_000,
+        rotate_seconds: float = 10.0,
+        row_group_rows: int = 262_144,
+        max_queue: int = 256,
+    ) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.layers = np.asarray(moe_layers, dtype=np.uint16)
+        self.top_k = top_k
+        self.candidates = candidates
+        run_id = str(manifest.get("run_id", root.name))
+        self._routing = _RotatingParquet(
+            root / ROUTING_DIR, routing_schema(top_k, candidates), run_id, rotate_rows, rotate_seconds, row_group_rows
+        )
+        self._steps = _RotatingParquet(
+            root / STEPS_DIR, STEPS_SCHEMA, run_id, rotate_rows, rotate_seconds, row_group_rows
+        )
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue)
+        self.failed: str | None = None
+        self.dropped_steps = 0
+        self.steps = 0
+        self.tokens = 0
+        self.drafts = 0
+        self.accepted = 0
+        write_json_atomic(root / MANIFEST_NAME, manifest)
+        self._thread = threading.Thread(target=self._run, name="moetrace-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, capture: StepCapture) -> None:
+        """Hand one step to the writer; never blocks the engine for long and never raises."""
+        if self.failed is not None:
+            return
+        try:
+            self._queue.put(capture, timeout=5.0)
+        except queue.Full:
+            self.dropped_steps += 1
+            log.warning("moetrace: writer queue full, dropped step %d", capture.step)
+
+    def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Flush everything, rename the open files and rewrite the manifest as complete."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+        for table in (self._routing, self._steps):
+            try:
+                table.close_file()
+            except Exception as exc:  # a full disk at close still leaves the manifest saying what happened
+                self._fail(exc)
+        self.manifest.update(extra or {})
+        self.manifest["complete"] = self.failed is None
+        self.manifest["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.manifest["counts"] = self.counts()
+        if self.failed is not None:
+            self.manifest["error"] = self.failed
+        try:
+            write_json_atomic(self.root / MANIFEST_NAME, self.manifest)
+        except OSError as exc:
+            log.warning("moetrace: could not finalise the manifest: %s", exc)
+        return self.manifest
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "drafts": self.drafts,
+            "accepted": self.accepted,
+            "routing_rows": self._routing.rows_written,
+            "routing_files": self._routing.files_closed,
+            "routing_bytes": self._routing.bytes_written,
+            "steps_rows": self._steps.rows_written,
+            "dropped_steps": self.dropped_steps,
+        }
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                return
+            if self.failed is not None:
+                continue
+            try:
+                if isinstance(item, StepCapture):
+                    self._write(item)
+                self._routing.maybe_rotate()
+                self._steps.maybe_rotate()
+            except Exception as exc:
+                self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failed is None:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("moetrace: recording stopped, the engine keeps serving (%s)", self.failed)
+
+    def _write(self, cap: StepCapture) -> None:
+        self._routing.append(self.routing_table(cap))
+        self._steps.append(pa.Table.from_pydict(cap.steps_rows, schema=self._steps.schema))
+        self.steps += 1
+        self.tokens += len(cap.request)
+        self.drafts += int((cap.accepted >= 0).sum())
+        self.accepted += int((cap.accepted == 1).sum())
+
+    def routing_table(self, cap: StepCapture) -> pa.Table:
+        """Expand per-token arrays to one row per (token, layer), token-major so per-token columns run-length
+        encode."""
+        num_tokens, num_layers = cap.experts.shape[:2]
+        # Routers may return top-k unsorted (torch.topk(sorted=False)); the contract orders by weight.
+        order = np.argsort(-cap.weights, axis=-1, kind="stable")
+        experts = np.take_along_axis(cap.experts, order, axis=-1)
+        weights = np.take_along_axis(cap.weights, order, axis=-1)
+
+        def per_row(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return np.repeat(values, num_layers)
+
+        def fixed_list(values: npt.NDArray[Any], width: int, arrow_type: pa.DataType) -> pa.Array:
+            flat = pa.array(values.reshape(-1), type=arrow_type)
+            return pa.FixedSizeListArray.from_arrays(flat, width)
+
+        phase = pa.DictionaryArray.from_arrays(
+            pa.array(per_row(cap.phase), type=pa.int8()), pa.array(PHASES, type=pa.string())
+        )
+        accepted = per_row(cap.accepted)
+        columns: dict[str, pa.Array] = {
+            "step": pa.array(np.full(num_tokens * num_layers, cap.step, dtype=np.uint32)),
+            "request": pa.array(per_row(cap.request)),
+            "position": pa.array(per_row(cap.position)),
+            "phase": phase,
+            "draft_pos": pa.array(per_row(cap.draft_pos)),
+            "token": pa.nulls(num_tokens * num_layers, pa.uint32())
+            if cap.token is None
+            else pa.array(per_row(cap.token)),
+            "accepted": pa.array(accepted == 1, mask=accepted < 0),
+            "layer": pa.array(np.tile(self.layers[:num_layers], num_tokens)),
+            "experts": fixed_list(experts, self.top_k, pa.uint16()),
+            "weights": fixed_list(weights.astype(np.float16), self.top_k, pa.float16()),
+        }
+        if self.candidates and cap.cand_experts is not None and cap.cand_scores is not None:
+            columns["cand_experts"] = fixed_list(cap.cand_experts, self.candidates, pa.uint16())
+            columns["cand_scores"] = fixed_list(cap.cand_scores, self.candidates, pa.float32())
+        return pa.Table.from_pydict(columns, schema=self._routing.schema)
