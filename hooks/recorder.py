@@ -57,7 +57,14 @@ class Recorder:
         for slot, moe in enumerate(self.runners):
             wrap_router(moe.router, slot, self.buffers)
         manifest = worker_manifest(vllm_config, infos, settings)
-        self.writer = TraceWriter(Path(settings["out"]), manifest, [i.layer for i in infos], self.top_k, self.candidates)
+        self.writer = TraceWriter(
+            Path(settings["out"]),
+            manifest,
+            [i.layer for i in infos],
+            self.top_k,
+            self.candidates,
+            rotate_seconds=float(settings.get("rotate_seconds", 10.0)),
+        )
         self.request_index: dict[str, int] = {}
         self.step = 0
         self._pending: dict[str, Any] | None = None

