@@ -90,7 +90,7 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
                       str(c["routing_rows"]), f"{c['routing_bytes']:,}", f"{run.wall_s:.1f}")
     console.print(table)
     k_next = max(request.ks)
-    console.print(f"next: moetrace report {run_dir} --k {k_next}", highlight=False)
+    click.echo(f"next: moetrace report {run_dir} --k {k_next}")
 
 
 @main.command()

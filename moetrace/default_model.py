@@ -82,7 +82,7 @@ def ensure_default_model() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
     config = DeepseekV3Config(**{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")})
-    model = DeepseekV3ForCausalLM(config).float().eval()
+    model = DeepseekV3ForCausalLM(config).float().eval()  # type: ignore[no-untyped-call]
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for layer in model.model.layers:

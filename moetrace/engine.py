@@ -40,7 +40,7 @@ def progress_to_file(path: Path, total: int) -> Any:
             super().__init__(*args, **kwargs)
 
         def update(self, n: float | None = 1) -> bool | None:
-            shown = super().update(n)
+            shown: bool | None = super().update(n)
             path.write_text(f"{self.n} {self.total}")
             return shown
 

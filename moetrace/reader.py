@@ -99,10 +99,10 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 def _compatible(wanted: pa.DataType, got: pa.DataType) -> bool:
     """The contract's type, or one of the variants it allows (any string dictionary; float16 or float32
     weights)."""
-    if got == wanted:
+    if bool(got == wanted):
         return True
     if pa.types.is_dictionary(wanted):
-        return pa.types.is_dictionary(got) and pa.types.is_string(got.value_type)
+        return bool(pa.types.is_dictionary(got) and pa.types.is_string(got.value_type))
     if pa.types.is_fixed_size_list(wanted) and pa.types.is_fixed_size_list(got):
         floats = (pa.float16(), pa.float32())
         return bool(wanted.list_size == got.list_size and wanted.value_type in floats and got.value_type in floats)

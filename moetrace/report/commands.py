@@ -1,0 +1,141 @@
+"""``moetrace report`` and ``moetrace budget``: thin click commands over the summary, terminal and dashboard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+
+from moetrace.analysis.budgets import smallest_budgets
+from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED
+from moetrace.analysis.shape import SHAPE_PRESETS
+from moetrace.errors import UserError
+from moetrace.report.dashboard import render_dashboard
+from moetrace.report.inputs import check_k, model_shape, open_run
+from moetrace.report.summary import Options, analyse_run, budget_curves_per_k, summary_json
+from moetrace.report.terminal import print_budget_table, print_summary
+
+SHAPE_CHOICE = click.Choice(sorted(SHAPE_PRESETS))
+
+
+def _dashboard_path(traces: tuple[Path, ...], output: Path | None) -> Path:
+    if output is not None:
+        return output
+    if len(traces) == 1:
+        return traces[0] / "report.html" if traces[0].is_dir() else Path(f"{traces[0].name}.report.html")
+    return Path("-vs-".join(path.name for path in traces)[:120] + ".report.html")
+
+
+def _refuse_overwrite(path: Path, force: bool) -> None:
+    if path.exists() and not force:
+        raise UserError(f"{path}: already exists (use --force to overwrite)")
+
+
+def _coverage(value: float) -> float:
+    if not 0.0 < value <= 1.0:
+        raise UserError(f"--coverage {value}: must be in (0, 1]")
+    return value
+
+
+@click.command()
+@click.argument("traces", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--k", "k", type=int, default=3, show_default=True, help="Draft length the summary is for.")
+@click.option("--max-k", type=int, default=None, help="Largest k on the curves [default: max(8, --k)].")
+@click.option("--coverage", type=float, default=0.95, show_default=True, help="Routing-weight coverage target for budgets.")
+@click.option("--shape", "shape_preset", type=SHAPE_CHOICE, default=None, help="Price bytes at a real model's size instead of the manifest's.")
+@click.option("--tp", type=int, default=None, help="Tensor-parallel size [default: the manifest's].")
+@click.option("--ep", type=int, default=None, help="Expert-parallel size [default: the manifest's].")
+@click.option("--placement", "placement_file", type=click.Path(path_type=Path), default=None,
+              help='JSON placement: {"expert_to_rank": [rank of expert 0, ...]} [default: linear].')
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Dashboard file [default: TRACE/report.html, or NAME-vs-NAME.report.html for several].")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
+@click.option("--force", is_flag=True, help="Overwrite an existing dashboard.")
+def report(
+    traces: tuple[Path, ...],
+    k: int,
+    max_k: int | None,
+    coverage: float,
+    shape_preset: str | None,
+    tp: int | None,
+    ep: int | None,
+    placement_file: Path | None,
+    output: Path | None,
+    as_json: bool,
+    force: bool,
+) -> None:
+    """Summarise TRACE(s) at --k (unique experts vs k, bytes per step, acceptance, expert budgets) in the terminal
+    and write one offline HTML dashboard. Several TRACEs (traces or sweep folders) are compared side by side."""
+    check_k(k)
+    options = Options(
+        k=k,
+        max_k=max(8, k) if max_k is None else max_k,
+        coverage=_coverage(coverage),
+        shape_preset=shape_preset,
+        tp=tp,
+        ep=ep,
+        placement_file=placement_file,
+    )
+    if options.max_k < k:
+        raise UserError(f"--max-k {options.max_k}: must be at least --k {k}")
+    check_k(options.max_k)
+    dashboard = _dashboard_path(traces, output)
+    _refuse_overwrite(dashboard, force)
+    analyses = [analyse_run(open_run(path, k), options) for path in traces]
+    summary = summary_json(analyses, options)
+    try:
+        dashboard.write_text(render_dashboard(analyses, options, summary), encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"{dashboard}: cannot write dashboard ({exc.strerror})") from None
+    summary["dashboard"] = str(dashboard)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    console = Console()
+    print_summary(summary, console)
+    console.print(f"dashboard: {dashboard}", markup=False, highlight=False)
+
+
+@click.command()
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option("--k", "k", type=int, default=3, show_default=True, help="Draft length the budget is for.")
+@click.option("--coverage", type=float, default=0.95, show_default=True, help="Routing-weight share each layer must keep.")
+@click.option("--shape", "shape_preset", type=SHAPE_CHOICE, default=None, help="Price bytes saved at a real model's size.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("budgets.json"), show_default=True,
+              help="Budget file to write.")
+@click.option("--force", is_flag=True, help="Overwrite an existing budget file.")
+def budget(trace: Path, k: int, coverage: float, shape_preset: str | None, output: Path, force: bool) -> None:
+    """Write the smallest expert budget per layer whose top-scored experts keep --coverage of the routing weight
+    in verification windows of k+1 tokens (measured when TRACE was recorded at --k, else counterfactual)."""
+    check_k(k)
+    if k < 1:
+        raise UserError("--k 0: a budget needs at least one draft")
+    _coverage(coverage)
+    _refuse_overwrite(output, force)
+    run = open_run(trace, k)
+    shape = model_shape(run.primary, shape_preset)
+    curves = budget_curves_per_k(run, range(k, k + 1), shape.expert_bytes).drop("k")
+    chosen = smallest_budgets(curves.lazy(), coverage)
+    payload: dict[str, Any] = {
+        "schema": "moetrace-budget/1",
+        "trace": str(run.primary.path),
+        "k": k,
+        "source": MEASURED if run.primary.k == k else COUNTERFACTUAL,
+        "coverage_target": coverage,
+        "expert_bytes": shape.expert_bytes,
+        "budgets": {str(row["layer"]): row["budget"] for row in chosen.to_dicts()},
+        "per_layer": chosen.to_dicts(),
+        "warnings": run.warnings,
+    }
+    try:
+        output.write_text(json.dumps(payload, indent=2) + "\n")
+    except OSError as exc:
+        raise UserError(f"{output}: cannot write budgets ({exc.strerror})") from None
+    console = Console()
+    for warning in run.warnings:
+        console.print(f"warning: {warning}", style="yellow", markup=False, highlight=False)
+    print_budget_table(payload, console)
+    console.print(f"budgets: {output}", markup=False, highlight=False)

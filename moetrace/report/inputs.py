@@ -1,0 +1,97 @@
+"""Turning command-line inputs (trace paths, --k, --shape, --ep, --placement) into checked analysis parameters."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import polars as pl
+
+from moetrace.analysis.placement import explicit_placement, linear_placement
+from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
+from moetrace.errors import UserError
+from moetrace.reader import Trace, open_traces
+from moetrace.schema import MAX_K
+
+
+@dataclass
+class Run:
+    """One TRACE argument: a trace, or a sweep of traces over k; ``primary`` is the one analysed at --k."""
+
+    path: Path
+    traces: list[Trace]
+    primary: Trace
+
+    @property
+    def label(self) -> str:
+        return self.path.name or str(self.path)
+
+    @property
+    def warnings(self) -> list[str]:
+        return [warning for trace in self.traces for warning in trace.warnings]
+
+
+def open_run(path: Path, k: int) -> Run:
+    """Open a trace or sweep; the primary trace is the one recorded at ``k``, else the one with the largest k."""
+    traces = open_traces(path)
+    for trace in traces:
+        if trace.routing().select(pl.len()).collect().item() == 0:
+            raise UserError(f"{trace.path}: trace has no routing rows (no readable routing/*.parquet)")
+    exact = [trace for trace in traces if trace.k == k]
+    return Run(path=path, traces=traces, primary=exact[0] if exact else traces[-1])
+
+
+def check_k(k: int) -> None:
+    if not 0 <= k <= MAX_K:
+        raise UserError(f"--k {k}: must be between 0 and {MAX_K}")
+
+
+def model_shape(trace: Trace, preset: str | None) -> ModelShape:
+    """The manifest's shape, or a named preset (checked to route over the same experts as the trace)."""
+    recorded = ModelShape.from_manifest(trace.manifest)
+    if preset is None:
+        return recorded
+    if preset not in SHAPE_PRESETS:
+        raise UserError(f"--shape {preset}: unknown preset (known: {', '.join(sorted(SHAPE_PRESETS))})")
+    shape = SHAPE_PRESETS[preset]
+    if (shape.num_experts, shape.top_k) != (recorded.num_experts, recorded.top_k):
+        raise UserError(
+            f"--shape {preset}: {shape.num_experts} experts top-{shape.top_k}, but {trace.path} routes over "
+            f"{recorded.num_experts} experts top-{recorded.top_k}"
+        )
+    return shape
+
+
+def parallel_size(trace: Trace, name: str, override: int | None) -> int:
+    value = override if override is not None else int(trace.manifest["parallel"].get(name) or 1)
+    if value < 1:
+        raise UserError(f"--{name} {value}: must be at least 1")
+    return value
+
+
+def expert_placement(trace: Trace, ep: int, placement_file: Path | None) -> npt.NDArray[np.int64]:
+    """Rank of every expert: from ``placement_file`` (JSON ``{"expert_to_rank": [...]}`` or a bare list), from a
+    list in the manifest, else linear over ``ep`` ranks."""
+    num_experts = int(trace.manifest["model"]["num_experts"])
+    source: Any = trace.manifest["parallel"].get("expert_placement", "linear")
+    where = f"{trace.path} manifest"
+    if placement_file is not None:
+        where = str(placement_file)
+        try:
+            source = json.loads(placement_file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UserError(f"{placement_file}: unreadable placement ({exc})") from None
+    if isinstance(source, dict):
+        source = source.get("expert_to_rank")
+    if source in (None, "linear"):
+        return linear_placement(num_experts, ep)
+    if not isinstance(source, list) or not all(isinstance(rank, int) for rank in source):
+        raise UserError(f"{where}: placement must be \"linear\" or a list of one rank per expert")
+    try:
+        return explicit_placement(source, num_experts)
+    except ValueError as exc:
+        raise UserError(f"{where}: {exc}") from None

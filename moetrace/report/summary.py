@@ -1,0 +1,215 @@
+"""Runs every analysis over each TRACE argument and gathers the results into one summary (the JSON form is what
+``--json`` prints; the terminal tables and the dashboard render the same data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary
+from moetrace.analysis.budgets import budget_curves, budget_windows, smallest_budgets
+from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, PER_BATCH, PER_REQUEST, growth, rejected_only_experts
+from moetrace.analysis.load import expert_load
+from moetrace.analysis.shape import ModelShape
+from moetrace.analysis.traffic import best_window_estimate, step_bytes
+from moetrace.report.inputs import Run, expert_placement, model_shape, parallel_size
+
+RANDOM_WEIGHTS_NOTE = "routing of a random-weight model: says nothing about a trained model's routing"
+
+
+@dataclass(frozen=True)
+class Options:
+    k: int
+    max_k: int
+    coverage: float
+    shape_preset: str | None
+    tp: int | None
+    ep: int | None
+    placement_file: Path | None
+
+
+@dataclass
+class RunAnalysis:
+    run: Run
+    shape: ModelShape
+    tp: int
+    ep: int
+    growth: pl.DataFrame
+    rejected_only: pl.DataFrame
+    step_bytes: pl.DataFrame
+    acceptance_by_position: pl.DataFrame
+    acceptance_per_k: pl.DataFrame
+    budget_source: str
+    budget_curves: pl.DataFrame  # with a k column: one curve set per k in 1..max_k
+    budgets: pl.DataFrame  # smallest budget per layer at --k
+    load: pl.DataFrame
+
+    k: int  # the --k the summary is for
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.run.primary.manifest
+
+    @property
+    def source_at_k(self) -> str:
+        return MEASURED if self.run.primary.k >= self.k else COUNTERFACTUAL
+
+
+def budget_curves_per_k(run: Run, ks: range, expert_bytes: int) -> pl.DataFrame:
+    """Budget curves (with a k column) of the primary trace: its verification windows at its own k, counterfactual
+    windows of accepted tokens at any other k."""
+    trace = run.primary
+    use_candidates = int(trace.manifest.get("capture", {}).get("candidates") or 0) > 0
+    frames = [
+        budget_curves(budget_windows(trace.routing(), k, measured=trace.k == k), expert_bytes, use_candidates)
+        .with_columns(k=pl.lit(k, pl.Int32))
+        for k in ks
+    ]
+    return pl.concat(frames)
+
+
+def analyse_run(run: Run, options: Options) -> RunAnalysis:
+    trace = run.primary
+    shape = model_shape(trace, options.shape_preset)
+    tp = parallel_size(trace, "tp", options.tp)
+    ep = parallel_size(trace, "ep", options.ep)
+    placement = expert_placement(trace, ep, options.placement_file)
+    routing = trace.routing()
+    growth_table = growth(
+        routing, shape.num_experts, shape.top_k, range(options.max_k + 1), trace.k, placement
+    )
+    by_position = pl.concat(
+        [acceptance_by_position(t.routing()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
+    )
+    per_k = pl.concat(
+        [acceptance_summary(t.steps()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
+    ).select("k", pl.exclude("k"))
+    curves = budget_curves_per_k(run, range(1, options.max_k + 1), shape.expert_bytes)
+    at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
+    return RunAnalysis(
+        run=run,
+        shape=shape,
+        tp=tp,
+        ep=ep,
+        growth=growth_table,
+        rejected_only=rejected_only_experts(routing, shape.num_experts),
+        step_bytes=step_bytes(growth_table.lazy(), shape, tp, ep),
+        acceptance_by_position=by_position,
+        acceptance_per_k=per_k,
+        budget_source=MEASURED if trace.k == max(options.k, 1) else COUNTERFACTUAL,
+        budget_curves=curves,
+        budgets=smallest_budgets(at_k.lazy(), options.coverage),
+        load=expert_load(routing),
+        k=options.k,
+    )
+
+
+def growth_overview(growth_table: pl.DataFrame) -> pl.DataFrame:
+    """Per k, the mean over layers of each series: measured per request and per batch, counterfactual, the uniform
+    bound, locality, and the per-rank view of the best per-request estimate (measured where recorded)."""
+    series = (
+        growth_table.group_by("k")
+        .agg(
+            *[
+                pl.col("unique_experts").filter((pl.col("source") == source) & (pl.col("scope") == scope)).mean()
+                .alias(name)
+                for name, source, scope in (
+                    ("measured_request", MEASURED, PER_REQUEST),
+                    ("measured_batch", MEASURED, PER_BATCH),
+                    ("counterfactual", COUNTERFACTUAL, PER_REQUEST),
+                )
+            ],
+            pl.col("uniform_bound").drop_nulls().first(),
+        )
+    )
+    best = (
+        best_window_estimate(growth_table.lazy())
+        .group_by("k")
+        .agg(
+            pl.col("source").min().alias("source"),
+            pl.col("unique_experts").mean().alias("best"),
+            pl.col("busiest_rank_experts").mean(),
+            pl.col("ranks_touched").mean(),
+        )
+        .collect()
+    )
+    return (
+        series.join(best, on="k")
+        .with_columns(locality=pl.col("best") / pl.col("uniform_bound"))
+        .select(
+            "k", "source", "measured_request", "measured_batch", "counterfactual", "uniform_bound", "locality",
+            "busiest_rank_experts", "ranks_touched",
+        )
+        .sort("k")
+    )
+
+
+def notes(analysis: RunAnalysis, k: int) -> list[str]:
+    found = []
+    if analysis.manifest["model"].get("random_weights"):
+        found.append(RANDOM_WEIGHTS_NOTE)
+    if analysis.run.primary.k < k:
+        found.append(
+            f"recorded at k={analysis.run.primary.k}: figures at k={k} are counterfactual "
+            f"(windows of {k + 1} consecutive accepted tokens)"
+        )
+    if analysis.budget_source == COUNTERFACTUAL:
+        found.append(f"budgets at k={max(k, 1)} use counterfactual windows of accepted tokens")
+    return found + analysis.run.warnings
+
+
+def budget_summary(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:
+    chosen = analysis.budgets
+    budgets = chosen["budget"]
+    return {
+        "k": max(analysis.k, 1),
+        "source": analysis.budget_source,
+        "coverage_target": coverage,
+        "min_budget": int(budgets.min()) if len(budgets) else None,  # type: ignore[arg-type]
+        "median_budget": float(budgets.median()) if len(budgets) else None,  # type: ignore[arg-type]
+        "max_budget": int(budgets.max()) if len(budgets) else None,  # type: ignore[arg-type]
+        # per verification window, over the model's MoE layers (mean per recorded layer × MoE layers)
+        "bytes_saved_per_window": float(chosen["bytes_saved"].mean()) * analysis.shape.moe_layers  # type: ignore[arg-type]
+        if len(chosen)
+        else None,
+        "per_layer": chosen.to_dicts(),
+    }
+
+
+def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any]:
+    """Everything the terminal shows, as plain JSON-able data."""
+    k = options.k
+    runs = []
+    for analysis in analyses:
+        model = analysis.manifest["model"]
+        overview = growth_overview(analysis.growth)
+        bytes_at_k = analysis.step_bytes.filter(pl.col("k") == k).to_dicts()
+        runs.append(
+            {
+                "label": analysis.run.label,
+                "path": str(analysis.run.path),
+                "model": str(model.get("name")),
+                "random_weights": bool(model.get("random_weights")),
+                "spec_method": analysis.manifest["spec"].get("method"),
+                "recorded_k": [trace.k for trace in analysis.run.traces],
+                "primary_k": analysis.run.primary.k,
+                "source_at_k": analysis.source_at_k,
+                "shape": options.shape_preset or "manifest",
+                "tp": analysis.tp,
+                "ep": analysis.ep,
+                "notes": notes(analysis, k),
+                "growth_at_k": next(iter(overview.filter(pl.col("k") == k).to_dicts()), None),
+                "growth_overview": overview.to_dicts(),
+                "bytes_at_k": bytes_at_k[0] if bytes_at_k else None,
+                "acceptance_per_k": analysis.acceptance_per_k.to_dicts(),
+                "acceptance_by_position": analysis.acceptance_by_position.to_dicts(),
+                "rejected_only": analysis.rejected_only.to_dicts(),
+                "budget": budget_summary(analysis, options.coverage),
+                "growth": analysis.growth.to_dicts(),
+                "step_bytes": analysis.step_bytes.to_dicts(),
+            }
+        )
+    return {"k": k, "coverage_target": options.coverage, "runs": runs}

@@ -1,0 +1,150 @@
+"""The terminal summary: rich tables of growth, bytes, acceptance and budgets, one set per TRACE argument, and a
+side-by-side comparison at --k when several traces are given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+
+def _number(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _bytes(value: Any) -> str:
+    if value is None:
+        return "–"
+    size = float(value)
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(size) < 1000:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
+
+
+def _table(title: str, headers: list[str]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for header in headers:
+        table.add_column(header, justify="right")
+    return table
+
+
+def _growth(run: dict[str, Any], k: int) -> Table:
+    table = _table(
+        "Unique experts per layer vs k (mean over layers)",
+        ["k", "measured/request", "measured/batch", "counterfactual", "uniform bound", "locality",
+         "busiest rank", "ranks/window"],
+    )
+    for row in run["growth_overview"]:
+        table.add_row(
+            str(row["k"]),
+            _number(row["measured_request"]),
+            _number(row["measured_batch"]),
+            _number(row["counterfactual"]),
+            _number(row["uniform_bound"]),
+            _number(row["locality"]),
+            _number(row["busiest_rank_experts"]),
+            _number(row["ranks_touched"]),
+            style="bold" if row["k"] == k else None,
+        )
+    return table
+
+
+def _step_bytes(run: dict[str, Any], k: int) -> Table:
+    table = _table(
+        f"Bytes per verification step, one request (shape: {run['shape']}, tp={run['tp']}, ep={run['ep']})",
+        ["k", "source", "expert weights", "busiest rank", "all-reduce/rank", "EP dispatch+combine"],
+    )
+    for row in run["step_bytes"]:
+        table.add_row(
+            str(row["k"]),
+            row["source"],
+            _bytes(row["expert_weight_bytes"]),
+            _bytes(row["busiest_rank_weight_bytes"]),
+            _bytes(row["allreduce_bytes"]),
+            _bytes(row["ep_bytes"]),
+            style="bold" if row["k"] == k else None,
+        )
+    return table
+
+
+def _acceptance(run: dict[str, Any]) -> Table:
+    table = _table("Acceptance per recorded k", ["k", "windows", "mean drafts", "mean accepted", "tokens/step",
+                                                 "rate by draft position"])
+    for row in run["acceptance_per_k"]:
+        rates = [p for p in run["acceptance_by_position"] if p["k"] == row["k"]]
+        table.add_row(
+            str(row["k"]),
+            str(row["verify_windows"]),
+            _number(row["mean_drafts"]),
+            _number(row["mean_accepted"]),
+            _number(row["tokens_per_step"]),
+            " ".join(f"{p['draft_pos']}:{p['acceptance_rate']:.2f}" for p in rates) or "–",
+        )
+    return table
+
+
+def _budget(budget: dict[str, Any]) -> Table:
+    table = _table(
+        f"Expert budget at k={budget['k']} for {budget['coverage_target']:.0%} routing-weight coverage "
+        f"({budget['source']} windows)",
+        ["layer", "budget", "coverage", "tokens re-routed", "bytes saved/window"],
+    )
+    for row in budget["per_layer"]:
+        table.add_row(
+            str(row["layer"]),
+            str(row["budget"]),
+            f"{row['coverage']:.3f}",
+            f"{row['rerouted_share']:.1%}",
+            _bytes(row["bytes_saved"]),
+        )
+    return table
+
+
+def _comparison(summary: dict[str, Any]) -> Table:
+    k = summary["k"]
+    runs = summary["runs"]
+    table = Table(title=f"Side by side at k={k}", title_justify="left")
+    table.add_column("")
+    for run in runs:
+        table.add_column(Text(run["label"]), justify="right")
+    rows: list[tuple[str, Any]] = [
+        ("model", lambda r: r["model"]),
+        ("source", lambda r: r["source_at_k"]),
+        ("unique experts/layer", lambda r: _number((r["growth_at_k"] or {}).get("measured_request")
+                                                  or (r["growth_at_k"] or {}).get("counterfactual"))),
+        ("locality", lambda r: _number((r["growth_at_k"] or {}).get("locality"))),
+        ("expert weights/step", lambda r: _bytes((r["bytes_at_k"] or {}).get("expert_weight_bytes"))),
+        ("tokens/step (recorded)", lambda r: _number(r["acceptance_per_k"][-1]["tokens_per_step"])),
+        ("median budget", lambda r: _number(r["budget"]["median_budget"], 1)),
+    ]
+    for name, value in rows:
+        table.add_row(name, *[Text(str(value(run))) for run in runs])
+    return table
+
+
+def print_summary(summary: dict[str, Any], console: Console) -> None:
+    k = summary["k"]
+    for run in summary["runs"]:
+        heading = Text(f"{run['label']}: {run['model']}, {run['spec_method'] or 'plain decoding'}, "
+                       f"recorded k={','.join(map(str, run['recorded_k']))}", style="bold")
+        console.print(heading)
+        for note in run["notes"]:
+            console.print(Text(f"note: {note}", style="yellow"))
+        console.print(_growth(run, k))
+        console.print(_step_bytes(run, k))
+        console.print(_acceptance(run))
+        console.print(_budget(run["budget"]))
+    if len(summary["runs"]) > 1:
+        console.print(_comparison(summary))
+
+
+def print_budget_table(budget: dict[str, Any], console: Console) -> None:
+    console.print(_budget(budget))

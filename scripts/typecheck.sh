@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# mypy --strict on the package as installed: moetrace.hooks and moetrace.analysis live in top-level folders
+# mapped by package-dir, which mypy cannot follow in the source tree, so check a plain install of it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+python3 -m pip install -q --root-user-action=ignore --no-deps --no-build-isolation --target "$site" . >/dev/null
+cp pyproject.toml "$site/"
+repo=$PWD
+cd "$site" && python3 -m mypy --strict --cache-dir "$repo/.mypy_cache" -p moetrace

@@ -1,0 +1,81 @@
+"""`moetrace record` and `moetrace info` refuse bad input with one line and a non-zero exit, before vLLM starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from moetrace.cli import main
+from moetrace.default_model import ensure_default_model
+from vllm_fixtures import run_cli
+
+
+def refuse(args: list[str]) -> str:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def test_missing_model_path_is_refused(tmp_path: Path) -> None:
+    assert "model not found" in refuse(["record", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
+
+
+def test_dense_model_is_refused(tmp_path: Path) -> None:
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
+    assert "not a MoE model" in refuse(["record", str(dense), "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("k", ["17", "-1", "2,x"])
+def test_k_out_of_range_is_refused(k: str, tmp_path: Path) -> None:
+    assert "--k" in refuse(["record", "--k", k, "--out", str(tmp_path)])
+
+
+def test_unknown_method_is_refused(tmp_path: Path) -> None:
+    assert "unknown method 'medusa'" in refuse(["record", "--method", "medusa", "--out", str(tmp_path)])
+
+
+def test_eagle3_without_drafter_is_refused(tmp_path: Path) -> None:
+    assert "needs --drafter" in refuse(["record", "--method", "eagle3", "--out", str(tmp_path)])
+
+
+def test_unreadable_prompt_file_is_refused(tmp_path: Path) -> None:
+    assert "cannot read prompt file" in refuse(["record", "--prompts", str(tmp_path / "none.jsonl")])
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    assert "cannot read prompt file" in refuse(["record", "--prompts", str(binary)])
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "no prompt field"}\n')
+    assert "needs a string field 'prompt'" in refuse(["record", "--prompts", str(bad_json)])
+
+
+def test_unwritable_output_directory_is_refused(tmp_path: Path) -> None:
+    ensure_default_model()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    assert "cannot write to" in refuse(["record", "--out", str(blocker / "traces")])
+
+
+def test_existing_run_directory_needs_force(tmp_path: Path) -> None:
+    ensure_default_model()
+    (tmp_path / "kimi-k2-tiny-random-ngram-k3").mkdir()
+    assert "--force" in refuse(["record", "--out", str(tmp_path)])
+
+
+def test_info_on_a_missing_trace_fails_in_one_line_as_a_subprocess(tmp_path: Path) -> None:
+    done = run_cli("info", str(tmp_path / "missing"), timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().startswith("error:") and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_info_on_an_unknown_schema_version_fails_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema": "moetrace/99", "complete": True}))
+    assert "unknown schema version 'moetrace/99'" in refuse(["info", str(tmp_path)])

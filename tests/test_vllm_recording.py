@@ -1,0 +1,227 @@
+"""End-to-end: real vLLM on the CPU, recorded by the plugin, checked against transformers and vLLM's own metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from vllm_fixtures import CANDIDATES, K, recorded_trace, run_cli  # noqa: F401 (fixture)
+from moetrace.cli import main
+from moetrace.default_model import default_model_dir
+from moetrace.reader import open_trace
+
+pytestmark = pytest.mark.vllm
+
+
+def load_outputs(trace_dir: Path) -> dict[int, dict[str, Any]]:
+    """vLLM's outputs keyed by the trace's request index (worker ids are "<external id>-<suffix>")."""
+    requests = json.loads((trace_dir / "manifest.json").read_text())["requests"]
+    index = {rid.rsplit("-", 1)[0]: i for i, rid in enumerate(requests)}
+    outputs = [json.loads(line) for line in (trace_dir / "outputs.jsonl").read_text().splitlines()]
+    return {index[o["request_id"]]: o for o in outputs}
+
+
+class TransformersRouting:
+    """Routing of the same checkpoint computed by transformers' DeepseekV3 implementation, in float32."""
+
+    def __init__(self) -> None:
+        import torch
+        from transformers import DeepseekV3ForCausalLM
+
+        self.torch = torch
+        self.model = DeepseekV3ForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+        self.scale = float(self.model.config.routed_scaling_factor)
+        self.captured: dict[int, tuple[Any, Any]] = {}
+        for index, layer in enumerate(self.model.model.layers):
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.register_forward_hook(self._hook(index))
+
+    def _hook(self, layer: int) -> Any:
+        def keep(_module: Any, _inputs: Any, output: tuple[Any, Any, Any]) -> None:
+            _, weights, ids = output
+            self.captured[layer] = (ids.detach().numpy(), weights.detach().numpy() / self.scale)
+
+        return keep
+
+    def route(self, tokens: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """{layer: (ids [T, K], weights [T, K])} for every position of ``tokens``."""
+        self.captured.clear()
+        with self.torch.no_grad():
+            self.model(self.torch.tensor([tokens]))
+        return dict(self.captured)
+
+
+def rows_agree(ids: np.ndarray, weights: np.ndarray, ref_ids: np.ndarray, ref_weights: np.ndarray) -> bool:
+    if set(ids.tolist()) != set(ref_ids.tolist()):
+        return False
+    order, ref_order = np.argsort(ids), np.argsort(ref_ids)
+    return bool(np.allclose(weights[order], ref_weights[ref_order], atol=2e-3))
+
+
+def near_tie(cand_scores: np.ndarray, top_k: int) -> bool:
+    """The k-th and (k+1)-th selection scores are so close that float rounding may swap them."""
+    return bool(abs(float(cand_scores[top_k - 1]) - float(cand_scores[top_k])) < 1e-4)
+
+
+def test_recorded_routing_matches_transformers_on_the_same_weights(recorded_trace: Path) -> None:
+    trace = open_trace(recorded_trace)
+    routing = trace.routing().collect()
+    outputs = load_outputs(recorded_trace)
+    reference = TransformersRouting()
+    compared = mismatched = unexplained = 0
+    rejected_checked = 0
+    for request, output in outputs.items():
+        sequence = output["prompt_token_ids"] + output["output_token_ids"]
+        rows = routing.filter(pl.col("request") == request)
+        final = reference.route(sequence)
+        # Rows of tokens that are part of the final sequence: prompt, decoded, anchors, accepted drafts.
+        kept = (pl.col("accepted").is_null() | pl.col("accepted")) & (pl.col("position") < len(sequence))
+        for row in rows.filter(kept).iter_rows(named=True):
+            assert row["token"] == sequence[row["position"]], "position/token mapping is wrong"
+            ids, weights = final[row["layer"]]
+            compared += 1
+            if not rows_agree(np.array(row["experts"]), np.array(row["weights"], dtype=np.float32),
+                              ids[row["position"]], weights[row["position"]]):
+                mismatched += 1
+                unexplained += not near_tie(np.array(row["cand_scores"]), 8)
+        # Drafts not in the final sequence (rejected, or accepted past max_tokens): route the window as vLLM saw
+        # it, the anchor's prefix followed by the window's draft tokens.
+        outside = rows.filter(~kept)
+        for window in outside.select("step").unique().to_series():
+            drafts = rows.filter((pl.col("step") == window) & (pl.col("draft_pos") > 0)).sort("draft_pos", "layer")
+            anchor = int(drafts["position"].min()) - 1
+            tokens = drafts.unique("draft_pos", maintain_order=True)["token"].to_list()
+            routed = reference.route(sequence[: anchor + 1] + tokens)
+            for row in outside.filter(pl.col("step") == window).iter_rows(named=True):
+                ids, weights = routed[row["layer"]]
+                compared += 1
+                rejected_checked += row["accepted"] is False
+                if not rows_agree(np.array(row["experts"]), np.array(row["weights"], dtype=np.float32),
+                                  ids[row["position"]], weights[row["position"]]):
+                    mismatched += 1
+                    unexplained += not near_tie(np.array(row["cand_scores"]), 8)
+    assert rejected_checked > 0, "the recording should contain rejected drafts"
+    assert compared == routing.height
+    assert 1 - mismatched / compared >= 0.999, f"{mismatched} of {compared} rows differ"
+    assert unexplained == 0
+
+
+def test_recorded_acceptance_agrees_with_vllm_per_request_metrics(recorded_trace: Path) -> None:
+    trace = open_trace(recorded_trace)
+    steps = trace.steps().collect()
+    routing = trace.routing().collect()
+    outputs = load_outputs(recorded_trace)
+    total_drafted = 0
+    for request, output in outputs.items():
+        mine = steps.filter((pl.col("request") == request) & (pl.col("num_drafts") > 0)).sort("step")
+        theirs = output["spec_decode"]
+        assert mine["num_drafts"].to_list() == theirs["per_step_drafted"]
+        recorded, reported = mine["num_accepted"].to_list(), theirs["per_step_accepted"]
+        # The one allowed difference: verification accepted drafts that max_tokens then cut off. vLLM's
+        # per-request metric counts only kept tokens; the trace records what verification decided.
+        assert recorded[:-1] == reported[:-1]
+        sequence_length = len(output["prompt_token_ids"]) + len(output["output_token_ids"])
+        cut_off = routing.filter(
+            (pl.col("request") == request) & (pl.col("step") == mine["step"][-1]) & pl.col("accepted")
+            & (pl.col("position") >= sequence_length)
+        )["position"].n_unique()
+        assert recorded[-1] - reported[-1] == cut_off
+        total_drafted += sum(theirs["per_step_drafted"])
+    assert total_drafted > 0
+
+
+def test_accepted_drafts_form_a_prefix_of_each_window(recorded_trace: Path) -> None:
+    trace = open_trace(recorded_trace)
+    drafts = trace.routing().filter(pl.col("draft_pos") > 0).collect()
+    steps = trace.steps().collect()
+    per_window = drafts.group_by("step", "request").agg(
+        pl.col("draft_pos").filter(pl.col("accepted")).max().fill_null(0).alias("last_accepted"),
+        pl.col("accepted").sum().alias("accepted_rows"),
+        pl.col("layer").n_unique().alias("layers"),
+    )
+    joined = per_window.join(steps, on=["step", "request"])
+    assert joined.height == per_window.height
+    # accepted rows = a drafts × layers, and the highest accepted position is a: accepted flags are 1..a
+    assert (joined["accepted_rows"] == joined["num_accepted"] * joined["layers"]).all()
+    assert (joined["last_accepted"] == joined["num_accepted"]).all()
+
+
+def test_every_window_token_and_layer_is_recorded_with_valid_experts(recorded_trace: Path) -> None:
+    trace = open_trace(recorded_trace)
+    manifest = trace.manifest
+    layers = manifest["model"]["moe_layers"]
+    experts = manifest["model"]["num_experts"]
+    routing = trace.routing().collect()
+    per_token = routing.group_by("step", "request", "position").agg(pl.col("layer").sort().alias("layers"))
+    assert all(got == layers for got in per_token["layers"].to_list())
+    ids = np.stack(routing["experts"].to_numpy())
+    assert ids.max() < experts
+    assert all(len(set(row)) == len(row) for row in ids.tolist())
+    windows = (
+        routing.filter(pl.col("phase") == "verify")
+        .group_by("step", "request")
+        .agg(pl.col("draft_pos").unique().sort().alias("positions"), pl.col("position").unique().sort().alias("abs"))
+    )
+    assert windows.height > 0
+    for positions, absolute in windows.select("positions", "abs").iter_rows():
+        assert positions == list(range(len(positions))) and len(positions) - 1 <= K
+        assert absolute == list(range(absolute[0], absolute[0] + len(absolute)))
+    weights = np.stack(routing["weights"].to_numpy()).astype(np.float32)
+    assert (np.diff(weights, axis=1) <= 0).all(), "experts are ordered by weight, highest first"
+    assert np.allclose(weights.sum(axis=1), 1.0, atol=5e-3), "vLLM scales the MoE output, not the weights"
+
+
+def test_candidates_rank_the_chosen_experts_first(recorded_trace: Path) -> None:
+    routing = open_trace(recorded_trace).routing().collect()
+    cand = np.stack(routing["cand_experts"].to_numpy())
+    chosen = np.stack(routing["experts"].to_numpy())
+    assert cand.shape[1] == CANDIDATES
+    same = [set(c[:8]) == set(e) for c, e in zip(cand.tolist(), chosen.tolist())]
+    assert sum(same) / len(same) >= 0.999
+
+
+def test_info_prints_manifest_and_counts(recorded_trace: Path) -> None:
+    result = CliRunner().invoke(main, ["info", str(recorded_trace)])
+    assert result.exit_code == 0, result.output
+    assert "complete" in result.output and "random weights" in result.output
+    as_json = CliRunner().invoke(main, ["info", str(recorded_trace), "--json"])
+    (summary,) = json.loads(as_json.output)
+    assert summary["routing_rows_readable"] == summary["manifest"]["counts"]["routing_rows"] > 0
+
+
+def test_sigkill_mid_recording_leaves_readable_files_and_an_incomplete_manifest(tmp_path: Path) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moetrace", "record", "--k", "2", "--max-tokens", "400", "--num-prompts", "16",
+         "--batch-size", "4", "--rotate-seconds", "1", "--out", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    routing_dir = tmp_path / "kimi-k2-tiny-random-ngram-k2" / "routing"
+    deadline = time.monotonic() + 300
+    try:
+        while len(list(routing_dir.glob("*.parquet"))) < 2:
+            assert process.poll() is None, "recording ended before it could be killed"
+            assert time.monotonic() < deadline, "no rotated files appeared"
+            time.sleep(0.2)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    trace_dir = routing_dir.parent
+    for path in routing_dir.glob("*.parquet"):
+        assert pq.read_table(path).num_rows > 0
+    assert json.loads((trace_dir / "manifest.json").read_text())["complete"] is False
+    shown = run_cli("info", str(trace_dir), timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "INCOMPLETE" in shown.stdout

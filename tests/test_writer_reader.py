@@ -1,0 +1,142 @@
+"""The trace writer and reader on their own: rotation, crash safety, failures that never reach the engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+
+from moetrace.errors import UserError
+from moetrace.reader import open_trace, open_traces
+from moetrace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION
+from moetrace.writer import StepCapture, TraceWriter
+
+LAYERS = [1, 2, 3]
+TOP_K = 8
+EXPERTS = 384
+
+
+def manifest(k: int = 2) -> dict[str, object]:
+    return {
+        "schema": SCHEMA_VERSION, "run_id": "unit", "complete": False,
+        "model": {"num_experts": EXPERTS, "top_k": TOP_K, "moe_layers": LAYERS, "hidden_size": 64},
+        "spec": {"method": "ngram", "k": k}, "parallel": {"tp": 1, "ep": 1}, "capture": {"candidates": 0},
+    }
+
+
+def verify_step(step: int, rng: np.random.Generator, requests: int = 2, drafts: int = 2, accepted: int = 1) -> StepCapture:
+    """``requests`` verify windows of ``drafts`` drafts each, the first ``accepted`` drafts accepted."""
+    window = drafts + 1
+    tokens = requests * window
+    draft_pos = np.tile(np.arange(window), requests).astype(np.uint8)
+    flags = np.where(draft_pos == 0, -1, (draft_pos <= accepted).astype(np.int8)).astype(np.int8)
+    experts = np.stack([np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in LAYERS]) for _ in range(tokens)])
+    weights = rng.random((tokens, len(LAYERS), TOP_K)).astype(np.float32)
+    return StepCapture(
+        step=step,
+        request=np.repeat(np.arange(requests), window).astype(np.uint32),
+        position=(100 + step * window + draft_pos).astype(np.uint32),
+        phase=np.full(tokens, 2, np.int8),
+        draft_pos=draft_pos,
+        token=rng.integers(0, 256, tokens).astype(np.uint32),
+        accepted=flags,
+        experts=experts.astype(np.uint16),
+        weights=weights,
+        cand_experts=None,
+        cand_scores=None,
+        steps_rows={
+            "step": np.full(requests, step, np.uint32), "request": np.arange(requests, dtype=np.uint32),
+            "num_tokens": np.full(requests, window, np.uint32), "num_drafts": np.full(requests, drafts, np.uint32),
+            "num_accepted": np.full(requests, accepted, np.uint32), "batch_size": np.full(requests, requests, np.uint32),
+            "t_start_ns": np.full(requests, step, np.int64), "t_end_ns": np.full(requests, step + 1, np.int64),
+        },
+    )
+
+
+def test_writer_rotates_files_orders_experts_by_weight_and_finalises_the_manifest(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K, rotate_rows=50, row_group_rows=10)
+    captures = [verify_step(s, rng) for s in range(6)]
+    for capture in captures:
+        writer.submit(capture)
+    final = writer.close()
+    assert final["complete"] is True and final["counts"]["routing_rows"] == 6 * 6 * len(LAYERS)
+    assert final["counts"]["drafts"] == 6 * 4 and final["counts"]["accepted"] == 6 * 2
+    files = sorted((tmp_path / "routing").glob("*.parquet"))
+    assert len(files) >= 2, "files rotate by row count"
+    assert pq.read_schema(files[0]).metadata[FOOTER_SCHEMA_KEY] == SCHEMA_VERSION.encode()
+    trace = open_trace(tmp_path)
+    assert trace.warnings == []
+    routing = trace.routing().sort("step", "request", "position", "layer").collect()
+    first = routing.row(0, named=True)
+    source = captures[0]
+    order = np.argsort(-source.weights[0, 0])
+    assert first["experts"] == source.experts[0, 0][order].tolist()
+    weights = np.stack(routing["weights"].to_numpy()).astype(np.float32)
+    assert (np.diff(weights, axis=1) <= 0).all()
+    assert routing.filter(pl.col("draft_pos") == 0)["accepted"].null_count() == routing.filter(pl.col("draft_pos") == 0).height
+
+
+def test_killed_writer_leaves_closed_files_readable_and_the_open_one_reported(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K, rotate_rows=30, row_group_rows=10)
+    for step in range(5):
+        writer.submit(verify_step(step, rng))
+    deadline = time.monotonic() + 10
+    while writer.steps < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Simulate SIGKILL: the process vanishes without close(); copy the directory as it is on disk now.
+    crashed = tmp_path.parent / "crashed"
+    shutil.copytree(tmp_path, crashed)
+    writer.close()
+    trace = open_trace(crashed)
+    assert not trace.complete
+    assert any("recording incomplete" in w for w in trace.warnings)
+    closed = trace.routing().collect().height
+    assert closed > 0 and closed % len(LAYERS) == 0
+
+
+def test_writer_failure_stops_recording_without_raising(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K, row_group_rows=1)
+    shutil.rmtree(tmp_path / "routing")  # the disk under the writer goes away
+    (tmp_path / "routing").write_text("now a file")
+    for step in range(3):
+        writer.submit(verify_step(step, rng))  # must not raise into the engine
+    final = writer.close()
+    assert final["complete"] is False and "error" in final
+    assert writer.failed is not None
+
+
+def test_reader_skips_a_corrupt_file_naming_it_and_reads_the_rest(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K, rotate_rows=30, row_group_rows=10)
+    for step in range(4):
+        writer.submit(verify_step(step, rng))
+    writer.close()
+    files = sorted((tmp_path / "routing").glob("*.parquet"))
+    intact = sum(pq.read_metadata(f).num_rows for f in files[1:])
+    files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
+    trace = open_trace(tmp_path)
+    assert any(str(files[0]) in w and "corrupt or truncated" in w for w in trace.warnings)
+    assert trace.routing().collect().height == intact
+
+
+def test_reader_refuses_unknown_schema_and_missing_manifest_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="not a moetrace trace"):
+        open_traces(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest(), "schema": "moetrace/2"}))
+    with pytest.raises(UserError, match="unknown schema version 'moetrace/2'"):
+        open_trace(tmp_path)
+
+
+def test_sweep_parent_opens_every_k_in_order(tmp_path: Path) -> None:
+    for k in (3, 0, 1):
+        TraceWriter(tmp_path / f"k{k}", manifest(k), LAYERS, TOP_K).close()
+    assert [t.k for t in open_traces(tmp_path)] == [0, 1, 3]
