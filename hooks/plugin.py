@@ -100,3 +100,16 @@ class RecordingWorkerExtension:
 
     def moetrace_close(self) -> dict[str, Any] | None:
         return close_quietly(self)
+
+    def moetrace_pause(self) -> bool:
+        """Unwrap routers and runner (recording off, engine as without moetrace) until ``moetrace_resume``."""
+        recorder = getattr(self, "_moetrace_recorder", None)
+        if recorder is not None:
+            recorder.uninstall()
+        return recorder is not None
+
+    def moetrace_resume(self) -> bool:
+        recorder = getattr(self, "_moetrace_recorder", None)
+        if recorder is not None:
+            recorder.install()
+        return recorder is not None

@@ -54,8 +54,6 @@ class Recorder:
         self.token_ids = bool(settings.get("token_ids", True))
         device = next(runner.model.parameters()).device
         self.buffers = RoutingBuffers(int(runner.max_num_tokens), len(infos), self.top_k, self.candidates, device)
-        for slot, moe in enumerate(self.runners):
-            wrap_router(moe.router, slot, self.buffers)
         manifest = worker_manifest(vllm_config, infos, settings)
         self.writer = TraceWriter(
             Path(settings["out"]),
@@ -70,15 +68,22 @@ class Recorder:
         self._pending: dict[str, Any] | None = None
         self._original_execute = runner.execute_model
         self._original_sample = runner._sample
-        runner.execute_model = self.execute_model
-        runner._sample = self.sample
+        self.install()
+
+    def install(self) -> None:
+        """Wrap the routers and the runner's step methods; installing twice changes nothing."""
+        for slot, moe in enumerate(self.runners):
+            wrap_router(moe.router, slot, self.buffers)
+        self.runner.execute_model = self.execute_model
+        self.runner._sample = self.sample
 
     def uninstall(self) -> None:
-        """Restore the runner and routers as they were; the writer is closed separately."""
+        """Restore the runner and routers as they were; the writer stays open until ``close``."""
         for moe in self.runners:
             unwrap_router(moe.router)
         for name in ("execute_model", "_sample"):
             vars(self.runner).pop(name, None)
+        self._pending = None
 
     def close(self) -> dict[str, Any]:
         self.uninstall()

@@ -48,52 +48,59 @@ def progress_to_file(path: Path, total: int) -> Any:
     return ProgressToFile
 
 
-def run(settings: dict[str, Any]) -> int:
-    out = Path(settings["out"])
+def build_llm(settings: dict[str, Any]) -> Any:
+    """vLLM's offline engine for ``settings`` (see ``moetrace.record.engine_settings``), recording switched on."""
     os.environ[ENV_VAR] = json.dumps(settings["recording"])
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # moetrace records from Model Runner V1
     from vllm import LLM
 
-    engine_args: dict[str, Any] = {
-        "model": settings["model"],
-        "skip_tokenizer_init": settings["token_prompts"] is not None,
-        "enforce_eager": settings["eager"],
-        "dtype": settings["dtype"],
-        "max_model_len": settings["max_model_len"],
-        "max_num_seqs": settings["batch_size"],
-        "tensor_parallel_size": settings["tp"],
-        "speculative_config": speculative_config(
+    return LLM(
+        model=settings["model"],
+        skip_tokenizer_init=settings["token_prompts"] is not None,
+        enforce_eager=settings["eager"],
+        dtype=settings["dtype"],
+        max_model_len=settings["max_model_len"],
+        max_num_seqs=settings["batch_size"],
+        tensor_parallel_size=settings["tp"],
+        speculative_config=speculative_config(
             settings["method"], settings["k"], settings["drafter"], settings["spec_args"]
         ),
-        "worker_extension_cls": WORKER_EXTENSION,
+        worker_extension_cls=WORKER_EXTENSION,
         # vLLM's own per-request acceptance, the cross-check for the recorded accepted flags.
         **({"per_request_spec_decode_metrics": "detailed"} if settings["k"] > 0 else {}),
-        "seed": 0,
+        seed=0,
         **settings["engine_args"],
-    }
-    llm = LLM(**engine_args)
+    )
+
+
+def engine_prompts(settings: dict[str, Any]) -> list[Any]:
+    from vllm.inputs import TokensPrompt
+
+    if settings["token_prompts"] is not None:
+        return [TokensPrompt(prompt_token_ids=ids) for ids in settings["token_prompts"]]
+    return list(settings["prompts"])
+
+
+def run(settings: dict[str, Any]) -> int:
+    llm = build_llm(settings)
     try:
-        return generate_and_record(llm, settings, out, progress_to_file(Path(settings["progress_file"]), len(settings["prompts"])))
+        return generate_and_record(llm, settings)
     finally:
         llm.llm_engine.engine_core.shutdown()
 
 
-def generate_and_record(llm: Any, settings: dict[str, Any], out: Path, progress_bar: Any) -> int:
+def generate_and_record(llm: Any, settings: dict[str, Any]) -> int:
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
+    out = Path(settings["out"])
+    progress_bar = progress_to_file(Path(settings["progress_file"]), len(settings["prompts"]))
     statuses = llm.collective_rpc("moetrace_status")
     if not any(s["recording"] for s in statuses):
         reason = next((s["error"] for s in statuses if s["error"]), "the moetrace plugin did not load in the worker")
         print(f"moetrace: cannot record: {reason}", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=settings["max_tokens"], temperature=0.0, ignore_eos=True)
-    prompts: list[Any] = (
-        [TokensPrompt(prompt_token_ids=ids) for ids in settings["token_prompts"]]
-        if settings["token_prompts"] is not None
-        else settings["prompts"]
-    )
-    outputs = llm.generate(prompts, params, use_tqdm=progress_bar)
+    outputs = llm.generate(engine_prompts(settings), params, use_tqdm=progress_bar)
     llm.collective_rpc("moetrace_close")
     with open(out / "outputs.jsonl", "w") as sink:
         for output in outputs:

@@ -157,13 +157,15 @@ class TraceWriter:
         rotate_rows: int = 4_000_000,
         rotate_seconds: float = 10.0,
         row_group_rows: int = 262_144,
-        max_queue: int = 256,
+        max_queue: int = 1024,
+        batch_seconds: float = 0.25,
     ) -> None:
         self.root = root
         self.manifest = manifest
         self.layers = np.asarray(moe_layers, dtype=np.uint16)
         self.top_k = top_k
         self.candidates = candidates
+        self.batch_seconds = batch_seconds
         run_id = str(manifest.get("run_id", root.name))
         self._routing = _RotatingParquet(
             root / ROUTING_DIR, routing_schema(top_k, candidates), run_id, rotate_rows, rotate_seconds, row_group_rows
@@ -228,44 +230,65 @@ class TraceWriter:
         }
 
     def _run(self) -> None:
-        while True:
+        # Yield the CPU to the engine: on a CPU backend its OpenMP team stalls whenever one core is taken.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+        stopping = False
+        while not stopping:
+            batch: list[StepCapture] = []
             try:
                 item = self._queue.get(timeout=0.5)
+                while True:  # drain: one Arrow table for many steps costs far less than one per step
+                    if item is _STOP:
+                        stopping = True
+                        break
+                    assert isinstance(item, StepCapture)
+                    batch.append(item)
+                    item = self._queue.get_nowait()
             except queue.Empty:
-                item = None
-            if item is _STOP:
-                return
+                pass
             if self.failed is not None:
                 continue
             try:
-                if isinstance(item, StepCapture):
-                    self._write(item)
+                if batch:
+                    self._write(batch)
                 self._routing.maybe_rotate()
                 self._steps.maybe_rotate()
             except Exception as exc:
                 self._fail(exc)
+            if not stopping:
+                time.sleep(self.batch_seconds)
 
     def _fail(self, exc: BaseException) -> None:
         if self.failed is None:
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("moetrace: recording stopped, the engine keeps serving (%s)", self.failed)
 
-    def _write(self, cap: StepCapture) -> None:
-        self._routing.append(self.routing_table(cap))
-        self._steps.append(pa.Table.from_pydict(cap.steps_rows, schema=self._steps.schema))
-        self.steps += 1
-        self.tokens += len(cap.request)
-        self.drafts += int((cap.accepted >= 0).sum())
-        self.accepted += int((cap.accepted == 1).sum())
+    def _write(self, captures: list[StepCapture]) -> None:
+        self._routing.append(self.routing_table(captures))
+        steps = {name: np.concatenate([c.steps_rows[name] for c in captures]) for name in STEPS_SCHEMA.names}
+        self._steps.append(pa.Table.from_pydict(steps, schema=self._steps.schema))
+        for cap in captures:
+            self.steps += 1
+            self.tokens += len(cap.request)
+            self.drafts += int((cap.accepted >= 0).sum())
+            self.accepted += int((cap.accepted == 1).sum())
 
-    def routing_table(self, cap: StepCapture) -> pa.Table:
+    def routing_table(self, captures: list[StepCapture]) -> pa.Table:
         """Expand per-token arrays to one row per (token, layer), token-major so per-token columns run-length
         encode."""
-        num_tokens, num_layers = cap.experts.shape[:2]
+
+        def joined(name: str) -> npt.NDArray[Any]:
+            return np.concatenate([getattr(c, name) for c in captures])
+
+        experts, weights = joined("experts"), joined("weights")
+        num_tokens, num_layers = experts.shape[:2]
         # Routers may return top-k unsorted (torch.topk(sorted=False)); the contract orders by weight.
-        order = np.argsort(-cap.weights, axis=-1, kind="stable")
-        experts = np.take_along_axis(cap.experts, order, axis=-1)
-        weights = np.take_along_axis(cap.weights, order, axis=-1)
+        order = np.argsort(-weights, axis=-1, kind="stable")
+        experts = np.take_along_axis(experts, order, axis=-1)
+        weights = np.take_along_axis(weights, order, axis=-1)
 
         def per_row(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
             return np.repeat(values, num_layers)
@@ -274,25 +297,25 @@ class TraceWriter:
             flat = pa.array(values.reshape(-1), type=arrow_type)
             return pa.FixedSizeListArray.from_arrays(flat, width)
 
+        step = np.concatenate([np.full(len(c.request), c.step, dtype=np.uint32) for c in captures])
         phase = pa.DictionaryArray.from_arrays(
-            pa.array(per_row(cap.phase), type=pa.int8()), pa.array(PHASES, type=pa.string())
+            pa.array(per_row(joined("phase")), type=pa.int8()), pa.array(PHASES, type=pa.string())
         )
-        accepted = per_row(cap.accepted)
+        accepted = per_row(joined("accepted"))
+        with_tokens = all(c.token is not None for c in captures)
         columns: dict[str, pa.Array] = {
-            "step": pa.array(np.full(num_tokens * num_layers, cap.step, dtype=np.uint32)),
-            "request": pa.array(per_row(cap.request)),
-            "position": pa.array(per_row(cap.position)),
+            "step": pa.array(per_row(step)),
+            "request": pa.array(per_row(joined("request"))),
+            "position": pa.array(per_row(joined("position"))),
             "phase": phase,
-            "draft_pos": pa.array(per_row(cap.draft_pos)),
-            "token": pa.nulls(num_tokens * num_layers, pa.uint32())
-            if cap.token is None
-            else pa.array(per_row(cap.token)),
+            "draft_pos": pa.array(per_row(joined("draft_pos"))),
+            "token": pa.array(per_row(joined("token"))) if with_tokens else pa.nulls(num_tokens * num_layers, pa.uint32()),
             "accepted": pa.array(accepted == 1, mask=accepted < 0),
             "layer": pa.array(np.tile(self.layers[:num_layers], num_tokens)),
             "experts": fixed_list(experts, self.top_k, pa.uint16()),
             "weights": fixed_list(weights.astype(np.float16), self.top_k, pa.float16()),
         }
-        if self.candidates and cap.cand_experts is not None and cap.cand_scores is not None:
-            columns["cand_experts"] = fixed_list(cap.cand_experts, self.candidates, pa.uint16())
-            columns["cand_scores"] = fixed_list(cap.cand_scores, self.candidates, pa.float32())
+        if self.candidates and all(c.cand_experts is not None for c in captures):
+            columns["cand_experts"] = fixed_list(joined("cand_experts"), self.candidates, pa.uint16())
+            columns["cand_scores"] = fixed_list(joined("cand_scores"), self.candidates, pa.float32())
         return pa.Table.from_pydict(columns, schema=self._routing.schema)

@@ -225,3 +225,22 @@ def test_sigkill_mid_recording_leaves_readable_files_and_an_incomplete_manifest(
     shown = run_cli("info", str(trace_dir), timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert "INCOMPLETE" in shown.stdout
+
+
+def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Path, tmp_path: Path) -> None:
+    """With vLLM compiling the model (Dynamo traces through the router wrapper), the static-buffer writes are
+    part of the compiled graph and record the same routing as eager mode."""
+    done = run_cli(
+        "record", "--compiled", "--k", str(K), "--max-tokens", "40", "--batch-size", "4",
+        "--candidates", str(CANDIDATES), "--out", str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (compiled_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    compiled = open_trace(compiled_dir)
+    assert compiled.manifest["capture"]["mode"] == "graph-safe"
+    keys = ["request", "position", "layer", "draft_pos", "token"]
+    eager = open_trace(recorded_trace).routing().collect()
+    joined = compiled.routing().collect().join(eager, on=keys, suffix="_eager")
+    assert joined.height >= 0.9 * eager.height
+    same = [a.to_list() == b.to_list() for a, b in zip(joined["experts"], joined["experts_eager"])]
+    assert sum(same) / len(same) >= 0.999

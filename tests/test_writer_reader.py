@@ -59,12 +59,21 @@ def verify_step(step: int, rng: np.random.Generator, requests: int = 2, drafts: 
     )
 
 
+def submit_and_wait(writer: TraceWriter, capture: StepCapture) -> None:
+    """Submit one step and wait until the writer thread has written it (so each step is its own batch)."""
+    before = writer.steps
+    writer.submit(capture)
+    deadline = time.monotonic() + 10
+    while writer.steps == before and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def test_writer_rotates_files_orders_experts_by_weight_and_finalises_the_manifest(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K, rotate_rows=50, row_group_rows=10)
     captures = [verify_step(s, rng) for s in range(6)]
     for capture in captures:
-        writer.submit(capture)
+        submit_and_wait(writer, capture)
     final = writer.close()
     assert final["complete"] is True and final["counts"]["routing_rows"] == 6 * 6 * len(LAYERS)
     assert final["counts"]["drafts"] == 6 * 4 and final["counts"]["accepted"] == 6 * 2
@@ -87,10 +96,7 @@ def test_killed_writer_leaves_closed_files_readable_and_the_open_one_reported(tm
     rng = np.random.default_rng(1)
     writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K, rotate_rows=30, row_group_rows=10)
     for step in range(5):
-        writer.submit(verify_step(step, rng))
-    deadline = time.monotonic() + 10
-    while writer.steps < 5 and time.monotonic() < deadline:
-        time.sleep(0.01)
+        submit_and_wait(writer, verify_step(step, rng))
     # Simulate SIGKILL: the process vanishes without close(); copy the directory as it is on disk now.
     crashed = tmp_path.parent / "crashed"
     shutil.copytree(tmp_path, crashed)
@@ -118,7 +124,7 @@ def test_reader_skips_a_corrupt_file_naming_it_and_reads_the_rest(tmp_path: Path
     rng = np.random.default_rng(3)
     writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K, rotate_rows=30, row_group_rows=10)
     for step in range(4):
-        writer.submit(verify_step(step, rng))
+        submit_and_wait(writer, verify_step(step, rng))
     writer.close()
     files = sorted((tmp_path / "routing").glob("*.parquet"))
     intact = sum(pq.read_metadata(f).num_rows for f in files[1:])
