@@ -11,8 +11,10 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from moetrace.errors import UserError
+from moetrace.report.commands import budget, report
 
 err_console = Console(stderr=True)
 console = Console()
@@ -25,7 +27,8 @@ class Group(click.Group):
         try:
             return super().invoke(ctx)
         except UserError as exc:
-            err_console.print(f"[red]error:[/red] {exc}", highlight=False, markup=True, soft_wrap=True)
+            # Text, not markup: paths and model names may hold "[...]".
+            err_console.print(Text("error: ", style="red") + Text(str(exc)), highlight=False, soft_wrap=True)
             sys.exit(1)
 
 
@@ -130,3 +133,7 @@ def info(trace: Path, as_json: bool) -> None:
                       highlight=False)
         for warning in t.warnings:
             err_console.print(f"  [yellow]warning:[/yellow] {warning}", highlight=False)
+
+
+main.add_command(report)
+main.add_command(budget)

@@ -50,7 +50,16 @@ CONFIG: dict[str, Any] = {
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 4096,
-    "rope_theta": 50000.0,
+    # YaRN with factor 1 is plain RoPE (theta 50000), but it makes vLLM build DeepseekScalingRotaryEmbedding (the
+    # class real Kimi-K2 gets), whose CPU path is PyTorch-native. With rope_type "default" vLLM builds
+    # RotaryEmbedding, whose CPU kernel (_C.rotary_embedding) mis-rotates MLA's strided q_pe/k_pe views (it takes the
+    # token stride from dim -2): hidden states drift from transformers from the second token on.
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
     "tie_word_embeddings": False,
     "num_nextn_predict_layers": 0,
     "bos_token_id": BOS_ID,

@@ -122,23 +122,13 @@ def test_recorded_routing_matches_transformers_on_the_same_weights(recorded_trac
 def test_recorded_acceptance_agrees_with_vllm_per_request_metrics(recorded_trace: Path) -> None:
     trace = open_trace(recorded_trace)
     steps = trace.steps().collect()
-    routing = trace.routing().collect()
     outputs = load_outputs(recorded_trace)
     total_drafted = 0
     for request, output in outputs.items():
         mine = steps.filter((pl.col("request") == request) & (pl.col("num_drafts") > 0)).sort("step")
         theirs = output["spec_decode"]
         assert mine["num_drafts"].to_list() == theirs["per_step_drafted"]
-        recorded, reported = mine["num_accepted"].to_list(), theirs["per_step_accepted"]
-        # The one allowed difference: verification accepted drafts that max_tokens then cut off. vLLM's
-        # per-request metric counts only kept tokens; the trace records what verification decided.
-        assert recorded[:-1] == reported[:-1]
-        sequence_length = len(output["prompt_token_ids"]) + len(output["output_token_ids"])
-        cut_off = routing.filter(
-            (pl.col("request") == request) & (pl.col("step") == mine["step"][-1]) & pl.col("accepted")
-            & (pl.col("position") >= sequence_length)
-        )["position"].n_unique()
-        assert recorded[-1] - reported[-1] == cut_off
+        assert mine["num_accepted"].to_list() == theirs["per_step_accepted"]
         total_drafted += sum(theirs["per_step_drafted"])
     assert total_drafted > 0
 

@@ -30,7 +30,7 @@ def _load_matrix(analysis: RunAnalysis) -> dict[str, Any]:
     return {"layers": layers, "z": matrix}
 
 
-def _run_data(analysis: RunAnalysis, options: Options) -> dict[str, Any]:
+def _run_data(analysis: RunAnalysis) -> dict[str, Any]:
     """What the page plots for one TRACE argument; strings from the trace are HTML-escaped for Plotly's text."""
     model = analysis.manifest["model"]
     growth = analysis.growth.select("layer", "k", "source", "scope", "unique_experts", "uniform_bound")
@@ -60,10 +60,7 @@ def render_dashboard(analyses: list[RunAnalysis], options: Options, summary: dic
             "k": options.k,
             "max_k": options.max_k,
             "coverage": options.coverage,
-            "runs": [_run_data(analysis, options) for analysis in analyses],
+            "runs": [_run_data(analysis) for analysis in analyses],
         },
     )
 
-
-def write_dashboard(path: Path, content: str) -> None:
-    path.write_text(content, encoding="utf-8")

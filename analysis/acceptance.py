@@ -1,0 +1,35 @@
+"""How many drafts verification accepts: per draft position, and mean accepted length per step."""
+
+from __future__ import annotations
+
+import polars as pl
+
+
+def acceptance_by_position(routing: pl.LazyFrame) -> pl.DataFrame:
+    """Per draft position 1..k: drafts proposed, accepted, and the acceptance rate (one row per token: the first
+    recorded layer stands for all)."""
+    return (
+        routing.filter(
+            (pl.col("phase").cast(pl.String) == "verify")
+            & (pl.col("draft_pos") > 0)
+            & (pl.col("layer") == pl.col("layer").min())
+        )
+        .group_by("draft_pos")
+        .agg(proposed=pl.len().cast(pl.Int64), accepted=pl.col("accepted").fill_null(False).sum().cast(pl.Int64))
+        .with_columns(acceptance_rate=pl.col("accepted") / pl.col("proposed"))
+        .sort("draft_pos")
+        .collect()
+    )
+
+
+def acceptance_summary(steps: pl.LazyFrame) -> pl.DataFrame:
+    """One row: verification windows (request-steps with drafts), mean drafts and mean accepted length per window,
+    and tokens gained per decoding request-step (1 + accepted; prefill chunks excluded)."""
+    decoding = steps.filter(pl.col("num_tokens") == pl.col("num_drafts") + 1)
+    with_drafts = pl.col("num_drafts") > 0
+    return decoding.select(
+        verify_windows=with_drafts.sum().cast(pl.Int64),
+        mean_drafts=pl.col("num_drafts").filter(with_drafts).mean().cast(pl.Float64),
+        mean_accepted=pl.col("num_accepted").filter(with_drafts).mean().cast(pl.Float64),
+        tokens_per_step=(pl.col("num_accepted").mean() + 1).cast(pl.Float64),
+    ).collect()

@@ -1,0 +1,118 @@
+"""Expert budgets: keep only the B experts with the highest aggregated router score in each verification window
+(per layer) and see what that keeps of the routing.
+
+Experts are ranked per window by the sum of their candidate scores when the trace recorded router candidates
+(``cand_experts``/``cand_scores``), else by the sum of their top-k routing weights. For each budget B:
+
+- ``coverage``: share of the routing weight (top-k weights, all windows) that lands on kept experts;
+- ``rerouted_share``: share of tokens with at least one top-k expert outside the kept set (they would re-route);
+- ``experts_read`` / ``experts_saved``: mean experts read per window, min(unique, B), and the reduction;
+- ``bytes_saved``: ``experts_saved`` × bytes of one expert, per window and layer.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from moetrace.analysis.growth import accepted_sequence
+
+WINDOW = ["layer", "window_major", "window_minor"]
+NEVER_KEPT = 1 << 30  # rank of a picked expert the candidates did not list
+
+
+def budget_windows(routing: pl.LazyFrame, k: int, measured: bool) -> pl.LazyFrame:
+    """Routing rows keyed by window. Measured: the recorded verification windows ``(step, request)``.
+    Counterfactual: complete windows of k+1 consecutive accepted tokens (``(request, position // (k+1))``)."""
+    if measured:
+        return routing.filter(pl.col("phase").cast(pl.String) == "verify").with_columns(
+            window_major=pl.col("step"), window_minor=pl.col("request")
+        )
+    return (
+        accepted_sequence(routing)
+        .with_columns(window_major=pl.col("request"), window_minor=pl.col("position") // (k + 1))
+        .filter(pl.len().over(WINDOW) == k + 1)
+    )
+
+
+def budget_curves(windows: pl.LazyFrame, expert_bytes: int, use_candidates: bool) -> pl.DataFrame:
+    """Per (layer, budget) from 1 to the largest useful budget: see the module doc for the columns."""
+    picks = windows.select(
+        *WINDOW,
+        "position",
+        pl.col("experts").arr.to_list().alias("expert"),
+        pl.col("weights").arr.to_list().cast(pl.List(pl.Float64)).alias("weight"),
+    ).explode("expert", "weight")
+    picked = picks.group_by(*WINDOW, "expert").agg(pl.col("weight").sum())
+    if use_candidates:
+        candidates = windows.select(
+            *WINDOW,
+            pl.col("cand_experts").arr.to_list().alias("expert"),
+            pl.col("cand_scores").arr.to_list().cast(pl.List(pl.Float64)).alias("score"),
+        ).explode("expert", "score")
+        scored = (
+            candidates.group_by(*WINDOW, "expert")
+            .agg(pl.col("score").sum())
+            .join(picked, on=[*WINDOW, "expert"], how="left")
+            .with_columns(pl.col("weight").fill_null(0.0))
+        )
+    else:
+        scored = picked.with_columns(score=pl.col("weight"))
+
+    def rank_by(column: str) -> pl.Expr:
+        return (pl.int_range(pl.len()) + 1).over(WINDOW, order_by=[pl.col(column).neg(), pl.col("expert")])
+
+    ranked = scored.with_columns(rank_by("score").alias("rank"))
+    kept_by_rank = ranked.group_by("layer", pl.col("rank").alias("budget")).agg(kept_weight=pl.col("weight").sum())
+    windows_reaching = (  # windows with at least `budget` picked experts
+        picked.with_columns(rank_by("weight").alias("budget")).group_by("layer", "budget").agg(reaching=pl.len())
+    )
+    worst_rank_per_token = (
+        picks.join(ranked.select(*WINDOW, "expert", "rank"), on=[*WINDOW, "expert"], how="left")
+        .group_by(*WINDOW, "position")
+        .agg(pl.col("rank").fill_null(NEVER_KEPT).max().alias("budget"))
+        .group_by("layer", "budget")
+        .agg(tokens_served=pl.len())
+    )
+    totals = picks.group_by("layer").agg(total_weight=pl.col("weight").sum()).join(
+        picks.select(*WINDOW, "position").unique().group_by("layer").agg(total_tokens=pl.len()), on="layer"
+    ).join(picked.select(*WINDOW).unique().group_by("layer").agg(total_windows=pl.len()), on="layer")
+    per_layer = pl.col("budget")
+    return (
+        kept_by_rank.join(windows_reaching, on=["layer", "budget"], how="left")
+        .join(worst_rank_per_token, on=["layer", "budget"], how="left")
+        .join(totals, on="layer")
+        .fill_null(0)
+        .sort("layer", "budget")
+        .with_columns(
+            coverage=pl.col("kept_weight").cum_sum().over("layer", order_by=per_layer) / pl.col("total_weight"),
+            rerouted_share=1.0
+            - pl.col("tokens_served").cum_sum().over("layer", order_by=per_layer) / pl.col("total_tokens"),
+            experts_read=pl.col("reaching").cum_sum().over("layer", order_by=per_layer) / pl.col("total_windows"),
+            mean_unique=pl.col("reaching").sum().over("layer") / pl.col("total_windows"),
+        )
+        .with_columns(experts_saved=pl.col("mean_unique") - pl.col("experts_read"))
+        .with_columns(bytes_saved=pl.col("experts_saved") * float(expert_bytes))
+        .select(
+            pl.col("layer"),
+            pl.col("budget").cast(pl.Int64),
+            "coverage",
+            "rerouted_share",
+            "experts_read",
+            "experts_saved",
+            "bytes_saved",
+        )
+        .collect()
+    )
+
+
+def smallest_budgets(curves: pl.LazyFrame, coverage: float) -> pl.DataFrame:
+    """Per layer, the smallest budget whose coverage reaches ``coverage`` (layers where none does are absent)."""
+    return (
+        curves.filter(pl.col("coverage") >= coverage - 1e-12)
+        .sort("budget")
+        .group_by("layer")
+        .first()
+        .select("layer", "budget", "coverage", "rerouted_share", "bytes_saved")
+        .sort("layer")
+        .collect()
+    )

@@ -1,0 +1,25 @@
+"""Which expert-parallel rank holds which expert."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+
+def linear_placement(num_experts: int, ep: int) -> npt.NDArray[np.int64]:
+    """Rank ``r`` holds experts ``[r*N/ep, (r+1)*N/ep)`` (vLLM's default); ``ep=1`` puts every expert on rank 0."""
+    if ep < 1:
+        raise ValueError(f"expert-parallel size must be at least 1, got {ep}")
+    return (np.arange(num_experts, dtype=np.int64) * ep) // num_experts
+
+
+def explicit_placement(expert_rank: Sequence[int], num_experts: int) -> npt.NDArray[np.int64]:
+    """A placement given as the rank of every expert, checked for length and range."""
+    ranks = np.asarray(expert_rank, dtype=np.int64)
+    if ranks.ndim != 1 or len(ranks) != num_experts:
+        raise ValueError(f"placement lists {ranks.size} experts, the model has {num_experts}")
+    if len(ranks) and ranks.min() < 0:
+        raise ValueError("placement has a negative rank")
+    return ranks

@@ -1,0 +1,86 @@
+"""Budgets against brute force: rank experts per window, keep the top B, measure what is kept."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import polars as pl
+import pytest
+
+from moetrace.analysis.budgets import budget_curves, budget_windows, smallest_budgets
+from trace_builder import Model, routing_frame, verify_tokens
+
+MODEL = Model(num_experts=16, top_k=2, layers=(1, 2))
+EXPERT_BYTES = 1000
+
+
+def _brute_force(rows: list[dict[str, object]], layer: int, budget: int, use_candidates: bool) -> dict[str, float]:
+    windows: dict[tuple[object, object], list[dict[str, object]]] = defaultdict(list)
+    for r in rows:
+        if r["layer"] == layer and r["phase"] == "verify":
+            windows[(r["step"], r["request"])].append(r)
+    kept_weight = total_weight = 0.0
+    rerouted = tokens = 0
+    read: list[int] = []
+    unique: list[int] = []
+    for window in windows.values():
+        score: dict[int, float] = defaultdict(float)
+        for r in window:
+            names, values = ("cand_experts", "cand_scores") if use_candidates else ("experts", "weights")
+            for e, s in zip(r[names], r[values]):  # type: ignore[call-overload]
+                score[e] += s
+        kept = set(sorted(score, key=lambda e: (-score[e], e))[:budget])
+        picked = {e for r in window for e in r["experts"]}  # type: ignore[attr-defined]
+        for r in window:
+            tokens += 1
+            rerouted += any(e not in kept for e in r["experts"])  # type: ignore[attr-defined]
+            for e, w in zip(r["experts"], r["weights"]):  # type: ignore[call-overload]
+                total_weight += w
+                kept_weight += w if e in kept else 0.0
+        read.append(min(len(picked), budget))
+        unique.append(len(picked))
+    saved = float(np.mean(unique) - np.mean(read))
+    return {
+        "coverage": kept_weight / total_weight,
+        "rerouted_share": rerouted / tokens,
+        "experts_read": float(np.mean(read)),
+        "experts_saved": saved,
+        "bytes_saved": saved * EXPERT_BYTES,
+    }
+
+
+@pytest.mark.parametrize("candidates", [0, 5])
+def test_budget_curves_match_brute_force(candidates: int) -> None:
+    tokens = verify_tokens(np.random.default_rng(7), MODEL, requests=3, steps=8, k=3, accept_prob=0.5,
+                           candidates=candidates)
+    routing = routing_frame(tokens, MODEL)
+    rows = routing.with_columns(pl.col("phase").cast(pl.String)).collect().to_dicts()
+    curves = budget_curves(budget_windows(routing, 3, measured=True), EXPERT_BYTES, use_candidates=bool(candidates))
+    for layer in MODEL.layers:
+        mine = curves.filter(pl.col("layer") == layer)
+        assert mine["budget"].to_list() == list(range(1, mine.height + 1))
+        assert mine["coverage"][-1] == pytest.approx(1.0)
+        for row in mine.to_dicts():
+            expected = _brute_force(rows, layer, row["budget"], bool(candidates))
+            for name, value in expected.items():
+                assert row[name] == pytest.approx(value), (layer, row["budget"], name)
+
+
+def test_smallest_budget_meets_the_target() -> None:
+    tokens = verify_tokens(np.random.default_rng(8), MODEL, requests=2, steps=8, k=3, accept_prob=0.5)
+    curves = budget_curves(budget_windows(routing_frame(tokens, MODEL), 3, measured=True), EXPERT_BYTES, False)
+    chosen = smallest_budgets(curves.lazy(), 0.9)
+    for row in chosen.to_dicts():
+        layer_curve = curves.filter(pl.col("layer") == row["layer"])
+        assert row["coverage"] >= 0.9
+        smaller = layer_curve.filter(pl.col("budget") == row["budget"] - 1)["coverage"].to_list()
+        assert not smaller or smaller[0] < 0.9
+
+
+def test_counterfactual_windows_are_complete_runs_of_accepted_tokens() -> None:
+    tokens = verify_tokens(np.random.default_rng(9), MODEL, requests=2, steps=10, k=2, accept_prob=0.5)
+    windows = budget_windows(routing_frame(tokens, MODEL), 4, measured=False).collect()
+    sizes = windows.group_by("layer", "window_major", "window_minor").len()["len"].unique().to_list()
+    assert sizes == [5]
+    assert windows["phase"].cast(pl.String).is_in(["decode", "verify"]).all()

@@ -1,0 +1,84 @@
+"""Bytes per step and acceptance, checked against hand computation."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary
+from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
+from moetrace.analysis.traffic import step_bytes
+from trace_builder import Model, routing_frame, steps_frame, verify_tokens
+
+SHAPE = ModelShape(
+    num_experts=16,
+    top_k=2,
+    num_layers=3,
+    moe_layers=2,
+    hidden_size=100,
+    expert_width=10,
+    shared_experts=1,
+    expert_weight_bits=4,
+    quant_group_size=10,
+)
+
+
+def _growth() -> pl.LazyFrame:
+    rows = [
+        # layer, k, source, scope, unique, busiest, ranks touched
+        (1, 0, "measured", "request", 2.0, 1.0, 1.5),
+        (2, 0, "measured", "request", 2.0, 2.0, 2.5),
+        (1, 1, "measured", "request", 4.0, 2.0, 2.0),
+        (2, 1, "measured", "request", 3.0, 2.0, 2.0),
+        (1, 1, "counterfactual", "request", 99.0, 99.0, 9.0),  # measured wins where both exist
+        (2, 1, "measured", "batch", 99.0, 99.0, 9.0),  # batch rows do not price one request
+        (1, 2, "counterfactual", "request", 5.0, 3.0, 3.0),
+        (2, 2, "counterfactual", "request", 6.0, 3.0, 3.0),
+    ]
+    columns = ["layer", "k", "source", "scope", "unique_experts", "busiest_rank_experts", "ranks_touched"]
+    return pl.DataFrame(rows, schema=columns, orient="row").lazy()
+
+
+def test_expert_bytes_include_scales() -> None:
+    # 3 matrices of 100x10 int4 = 1500 bytes, plus one bf16 scale per 10 weights = 600 bytes
+    assert SHAPE.expert_bytes == 2100
+    kimi = SHAPE_PRESETS["kimi-k2"]
+    assert kimi.expert_bytes == 3 * 7168 * 2048 // 2 + 3 * 7168 * 2048 // 32 * 2
+
+
+def test_step_bytes_under_tensor_parallelism() -> None:
+    table = step_bytes(_growth(), SHAPE, tp=4, ep=1).to_dicts()
+    assert [row["k"] for row in table] == [0, 1, 2]
+    assert [row["source"] for row in table] == ["measured", "measured", "counterfactual"]
+    k1 = table[1]
+    assert k1["tokens"] == 2
+    assert k1["expert_weight_bytes"] == pytest.approx((3.5 + 1) * 2100 * 2)
+    assert k1["busiest_rank_weight_bytes"] == pytest.approx((3.5 + 1) * 2100 * 2 / 4)
+    # 3 layers x 2 all-reduces x ring 2*3/4 x 2 tokens x 100 hidden x 2 bytes
+    assert k1["allreduce_bytes"] == pytest.approx(3 * 2 * 1.5 * 2 * 100 * 2)
+    assert k1["ep_bytes"] == 0.0
+
+
+def test_step_bytes_under_expert_parallelism() -> None:
+    k2 = step_bytes(_growth(), SHAPE, tp=1, ep=4).to_dicts()[2]
+    assert k2["busiest_rank_weight_bytes"] == pytest.approx((3.0 + 1) * 2100 * 2)
+    assert k2["allreduce_bytes"] == 0.0
+    # dispatch + combine, 2 MoE layers, 3 tokens, 2 ranks per token (mean of k=0 rows), 100 x 2 bytes
+    assert k2["ep_bytes"] == pytest.approx(2 * 2 * 3 * 2.0 * 100 * 2)
+
+
+def test_acceptance_matches_the_drafts() -> None:
+    model = Model()
+    tokens = verify_tokens(np.random.default_rng(10), model, requests=3, steps=20, k=3, accept_prob=0.7)
+    by_position = acceptance_by_position(routing_frame(tokens, model)).to_dicts()
+    for row in by_position:
+        mine = [a for a, d in zip(tokens.accepted, tokens.draft_pos) if d == row["draft_pos"]]
+        assert row["proposed"] == len(mine)
+        assert row["accepted"] == sum(bool(a) for a in mine)
+    summary = acceptance_summary(steps_frame(tokens)).to_dicts()[0]
+    accepted = sum(bool(a) for a in tokens.accepted)
+    assert summary["verify_windows"] == 60
+    assert summary["mean_drafts"] == 3.0
+    assert summary["mean_accepted"] == pytest.approx(accepted / 60)
+    assert summary["tokens_per_step"] == pytest.approx(1 + accepted / 60)

@@ -1,0 +1,189 @@
+"""`moetrace report` and `moetrace budget` end to end on small built traces: terminal, JSON, dashboard, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+
+from moetrace.cli import main
+from moetrace.report.commands import budget, report
+from moetrace.report.summary import RANDOM_WEIGHTS_NOTE
+from trace_builder import Model, decode_tokens, verify_tokens, write_trace
+
+HOSTILE = "<script>alert(1)</script>"
+CLI = main
+
+
+def _invoke(*args: str | Path) -> Result:
+    return CliRunner().invoke(CLI, [str(a) for a in args], catch_exceptions=False)
+
+
+def _one_line_error(result: Result, *fragments: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    for fragment in fragments:
+        assert fragment in result.output.replace("\n", "")
+
+
+@pytest.fixture
+def verify_trace(tmp_path: Path) -> Path:
+    model = Model(name=HOSTILE, random_weights=True)
+    tokens = verify_tokens(np.random.default_rng(0), model, requests=3, steps=12, k=3, accept_prob=0.6,
+                           variable_drafts=True)
+    return write_trace(tmp_path / "verify-k3", tokens, model, k=3)
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    model = Model()
+    for k in (1, 2):
+        tokens = verify_tokens(np.random.default_rng(k), model, requests=2, steps=10, k=k, accept_prob=0.7)
+        write_trace(tmp_path / "sweep" / f"k{k}", tokens, model, k=k)
+    return tmp_path / "sweep"
+
+
+def test_report_prints_tables_and_writes_dashboard(verify_trace: Path) -> None:
+    result = _invoke("report", verify_trace, "--k", "3")
+    assert result.exit_code == 0, result.output
+    for heading in ("Unique experts per layer", "Bytes per verification step", "Acceptance", "Expert budget"):
+        assert heading in result.output
+    assert RANDOM_WEIGHTS_NOTE.split(":")[0] in result.output
+    assert HOSTILE in result.output  # the terminal shows the name as text
+    dashboard = verify_trace / "report.html"
+    assert dashboard.is_file()
+    page = dashboard.read_text()
+    assert "routing of a random-weight model" in page
+    assert "<script src" not in page and "<link" not in page
+
+
+def test_hostile_model_name_is_escaped(verify_trace: Path) -> None:
+    assert _invoke("report", verify_trace).exit_code == 0
+    page = (verify_trace / "report.html").read_text()
+    assert HOSTILE not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def test_json_summary(verify_trace: Path) -> None:
+    result = _invoke("report", verify_trace, "--k", "2", "--json", "--ep", "4")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    run = summary["runs"][0]
+    assert summary["k"] == 2 and run["source_at_k"] == "measured" and run["ep"] == 4
+    assert run["model"] == HOSTILE and run["random_weights"] is True
+    assert run["growth_at_k"]["measured_request"] >= 2.0
+    assert run["growth_at_k"]["uniform_bound"] == pytest.approx(16 * (1 - (1 - 2 / 16) ** 3))
+    assert run["bytes_at_k"]["ep_bytes"] > 0
+    assert set(run["budget"]["per_layer"][0]) >= {"layer", "budget", "coverage"}
+    assert Path(summary["dashboard"]).is_file()
+
+
+def test_k_beyond_the_trace_is_counterfactual_and_labelled(verify_trace: Path) -> None:
+    result = _invoke("report", verify_trace, "--k", "6", "--json")
+    run = json.loads(result.output)["runs"][0]
+    assert run["source_at_k"] == "counterfactual"
+    assert any("counterfactual" in note for note in run["notes"])
+    assert run["growth_at_k"]["measured_request"] is None and run["growth_at_k"]["counterfactual"] is not None
+
+
+def test_sweep_and_side_by_side(tmp_path: Path, verify_trace: Path, sweep: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = _invoke("report", verify_trace, sweep, "--k", "2")
+    assert result.exit_code == 0, result.output
+    assert "Side by side at k=2" in result.output
+    assert (tmp_path / "verify-k3-vs-sweep.report.html").is_file()
+    summary = json.loads(_invoke("report", sweep, "--k", "2", "--json", "-o", tmp_path / "s.html").output)
+    run = summary["runs"][0]
+    assert run["recorded_k"] == [1, 2] and run["primary_k"] == 2
+    assert [row["k"] for row in run["acceptance_per_k"]] == [1, 2]
+
+
+def test_dashboard_is_not_overwritten_without_force(verify_trace: Path) -> None:
+    assert _invoke("report", verify_trace).exit_code == 0
+    _one_line_error(_invoke("report", verify_trace), "already exists", "--force")
+    assert _invoke("report", verify_trace, "--force").exit_code == 0
+
+
+def test_shape_preset_prices_at_real_size(tmp_path: Path, verify_trace: Path) -> None:
+    _one_line_error(_invoke("report", verify_trace, "--shape", "kimi-k2"), "kimi-k2", "384 experts")
+    model = Model(num_experts=384, top_k=8, layers=(1, 2, 3))
+    trace = write_trace(tmp_path / "kimi-tiny", decode_tokens(np.random.default_rng(1), model, 2, 40), model, k=0)
+    run = json.loads(_invoke("report", trace, "--k", "3", "--shape", "kimi-k2", "--tp", "8", "--json").output)["runs"][0]
+    unique = run["bytes_at_k"]["unique_experts"]
+    expert = 3 * 7168 * 2048 // 2 + 3 * 7168 * 2048 // 32 * 2
+    assert run["bytes_at_k"]["expert_weight_bytes"] == pytest.approx((unique + 1) * expert * 60)
+    assert run["bytes_at_k"]["allreduce_bytes"] == pytest.approx(61 * 2 * (2 * 7 / 8) * 4 * 7168 * 2)
+
+
+@pytest.mark.parametrize("k", ["-1", "99"])
+def test_bad_k(verify_trace: Path, k: str) -> None:
+    _one_line_error(_invoke("report", verify_trace, "--k", k), "--k")
+
+
+def test_missing_and_empty_traces(tmp_path: Path, verify_trace: Path) -> None:
+    _one_line_error(_invoke("report", tmp_path / "nope"), "no such trace")
+    (tmp_path / "empty").mkdir()
+    _one_line_error(_invoke("report", tmp_path / "empty"), "not a moetrace trace")
+    for table in ("routing", "steps"):
+        for part in (verify_trace / table).iterdir():
+            part.unlink()
+    _one_line_error(_invoke("report", verify_trace), "no routing rows")
+
+
+def test_unknown_schema_version(verify_trace: Path) -> None:
+    manifest = json.loads((verify_trace / "manifest.json").read_text())
+    manifest["schema"] = "moetrace/99"
+    (verify_trace / "manifest.json").write_text(json.dumps(manifest))
+    _one_line_error(_invoke("report", verify_trace), "unknown schema version", "moetrace/99")
+
+
+def test_corrupt_and_truncated_parquet_are_skipped_with_a_warning(verify_trace: Path) -> None:
+    routing = verify_trace / "routing"
+    truncated = routing / "part-00001.parquet"
+    truncated.write_bytes(truncated.read_bytes()[:200])
+    (routing / "part-00002.parquet").write_bytes(b"not parquet at all")
+    result = _invoke("report", verify_trace, "--json")
+    assert result.exit_code == 0, result.output
+    notes = " ".join(json.loads(result.output)["runs"][0]["notes"])
+    assert "part-00001.parquet" in notes and "part-00002.parquet" in notes and "skipped" in notes
+
+
+def test_budget_command(tmp_path: Path, verify_trace: Path) -> None:
+    output = tmp_path / "budgets.json"
+    result = _invoke("budget", verify_trace, "--k", "3", "--coverage", "0.9", "-o", output)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(output.read_text())
+    assert payload["source"] == "measured" and payload["coverage_target"] == 0.9
+    assert set(payload["budgets"]) == {"1", "2"}
+    assert all(row["coverage"] >= 0.9 for row in payload["per_layer"])
+    _one_line_error(_invoke("budget", verify_trace, "-o", output), "already exists")
+    counterfactual = json.loads(
+        (_invoke("budget", verify_trace, "--k", "5", "-o", output, "--force"), output.read_text())[1]
+    )
+    assert counterfactual["source"] == "counterfactual"
+    _one_line_error(_invoke("budget", verify_trace, "--coverage", "1.5", "-o", tmp_path / "x.json"), "--coverage")
+
+
+def test_cli_as_a_subprocess(verify_trace: Path) -> None:
+    command = [sys.executable, "-m", "moetrace"]
+    done = subprocess.run([*command, "report", str(verify_trace), "--k", "3", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["runs"][0]["primary_k"] == 3
+    failed = subprocess.run([*command, "report", str(verify_trace / "missing")], capture_output=True, text=True,
+                            timeout=120)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert failed.stderr.strip().startswith("error:") and len(failed.stderr.strip().splitlines()) == 1
+
+
+def test_commands_have_help() -> None:
+    for command in (report, budget):
+        assert isinstance(command, click.Command) and command.help
