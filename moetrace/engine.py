@@ -54,23 +54,23 @@ def build_llm(settings: dict[str, Any]) -> Any:
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # moetrace records from Model Runner V1
     from vllm import LLM
 
-    return LLM(
-        model=settings["model"],
-        skip_tokenizer_init=settings["token_prompts"] is not None,
-        enforce_eager=settings["eager"],
-        dtype=settings["dtype"],
-        max_model_len=settings["max_model_len"],
-        max_num_seqs=settings["batch_size"],
-        tensor_parallel_size=settings["tp"],
-        speculative_config=speculative_config(
+    engine_args: dict[str, Any] = {
+        "model": settings["model"],
+        "skip_tokenizer_init": settings["token_prompts"] is not None,
+        "enforce_eager": settings["eager"],
+        "dtype": settings["dtype"],
+        "max_model_len": settings["max_model_len"],
+        "max_num_seqs": settings["batch_size"],
+        "tensor_parallel_size": settings["tp"],
+        "speculative_config": speculative_config(
             settings["method"], settings["k"], settings["drafter"], settings["spec_args"]
         ),
-        worker_extension_cls=WORKER_EXTENSION,
-        # vLLM's own per-request acceptance, the cross-check for the recorded accepted flags.
-        **({"per_request_spec_decode_metrics": "detailed"} if settings["k"] > 0 else {}),
-        seed=0,
-        **settings["engine_args"],
-    )
+        "worker_extension_cls": WORKER_EXTENSION,
+        "seed": 0,
+    }
+    if settings["k"] > 0:  # vLLM's own per-request acceptance, the cross-check for the recorded accepted flags
+        engine_args["per_request_spec_decode_metrics"] = "detailed"
+    return LLM(**{**engine_args, **settings["engine_args"]})  # the user's --engine-arg wins
 
 
 def engine_prompts(settings: dict[str, Any]) -> list[Any]:
