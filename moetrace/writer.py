@@ -136,6 +136,10 @@ class _RotatingParquet:
             compression="zstd",
             compression_level=3,
             use_dictionary=["phase", "step", "request", "draft_pos", "layer"],
+            # Expert ids are uint16 stored as INT32: split into byte streams, the two zero bytes and the near-
+            # constant third compress away (-2.7 bytes/row on uniform routing). Not for float16 weights: DuckDB
+            # cannot read byte-stream-split FIXED_LEN_BYTE_ARRAY.
+            use_byte_stream_split=["experts.list.element", "cand_experts.list.element"],
             write_statistics=["step", "request", "layer", "draft_pos"],
         )
         self._opened_at = time.monotonic()
