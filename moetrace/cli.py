@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from moetrace.calibrate.command import calibrate
 from moetrace.errors import UserError
 from moetrace.report.commands import budget, report
 
@@ -137,3 +138,4 @@ def info(trace: Path, as_json: bool) -> None:
 
 main.add_command(report)
 main.add_command(budget)
+main.add_command(calibrate)

@@ -61,7 +61,7 @@ CONFIG: dict[str, Any] = {
         "original_max_position_embeddings": 4096,
     },
     "tie_word_embeddings": False,
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 1,  # one MTP layer (a MoE decoder layer), so `--method mtp` has a drafter
     "bos_token_id": BOS_ID,
     "eos_token_id": EOS_ID,
     "initializer_range": 0.02,
@@ -90,7 +90,14 @@ def ensure_default_model() -> Path:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
-    config = DeepseekV3Config(**{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")})
+    # transformers has no MTP module: build the MTP layer's decoder as one more ordinary layer (same names as the
+    # checkpoint's layer L), then add the MTP-only tensors. vLLM's target model skips them; its MTP drafter loads
+    # them. transformers, loading the L-layer config, ignores them.
+    num_layers, mtp_layers = CONFIG["num_hidden_layers"], CONFIG["num_nextn_predict_layers"]
+    config = DeepseekV3Config(**{
+        **{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")},
+        "num_hidden_layers": num_layers + mtp_layers,
+    })
     model = DeepseekV3ForCausalLM(config).float().eval()  # type: ignore[no-untyped-call]
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
@@ -102,8 +109,10 @@ def ensure_default_model() -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)
+        add_mtp_tensors(staging / "model.safetensors", num_layers, mtp_layers, generator)
         config_json = json.loads((staging / "config.json").read_text())
-        config_json.update({"topk_method": CONFIG["topk_method"], "scoring_func": CONFIG["scoring_func"]})
+        config_json.update({"topk_method": CONFIG["topk_method"], "scoring_func": CONFIG["scoring_func"],
+                            "num_hidden_layers": num_layers, "num_nextn_predict_layers": mtp_layers})
         (staging / "config.json").write_text(json.dumps(config_json, indent=2))
         (staging / "moetrace.json").write_text(json.dumps({"name": DEFAULT_MODEL_NAME, "random_weights": True}))
         os.replace(staging, target)
@@ -112,6 +121,24 @@ def ensure_default_model() -> Path:
         if not (target / "config.json").exists():  # another process may have won the race
             raise
     return target
+
+
+def add_mtp_tensors(path: Path, first_mtp_layer: int, mtp_layers: int, generator: Any) -> None:
+    """The tensors DeepSeek's MTP layer has beyond a decoder layer: input norms, the projection of
+    [embedding; hidden] and the shared head."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hidden, vocab, std = CONFIG["hidden_size"], CONFIG["vocab_size"], CONFIG["initializer_range"]
+    tensors = load_file(path)
+    for layer in range(first_mtp_layer, first_mtp_layer + mtp_layers):
+        prefix = f"model.layers.{layer}."
+        tensors[prefix + "enorm.weight"] = torch.ones(hidden)
+        tensors[prefix + "hnorm.weight"] = torch.ones(hidden)
+        tensors[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * std
+        tensors[prefix + "shared_head.norm.weight"] = torch.ones(hidden)
+        tensors[prefix + "shared_head.head.weight"] = torch.randn(vocab, hidden, generator=generator) * std
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def encode_text(text: str) -> list[int]:

@@ -234,3 +234,23 @@ def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Pat
     assert joined.height >= 0.9 * eager.height
     same = [a.to_list() == b.to_list() for a, b in zip(joined["experts"], joined["experts_eager"])]
     assert sum(same) / len(same) >= 0.999
+
+
+def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> None:
+    """The MTP drafter is a MoE decoder layer (layer 4 of the default model) that runs after every target
+    forward; only the target's MoE layers may appear in the trace, and acceptance still matches vLLM's."""
+    done = run_cli("record", "--method", "mtp", "--k", "1", "--max-tokens", "24", "--batch-size", "4",
+                   "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (trace_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    trace = open_trace(trace_dir)
+    layers = trace.manifest["model"]["moe_layers"]
+    assert layers == [1, 2, 3] and trace.manifest["spec"]["method"] == "mtp"
+    routing = trace.routing().collect()
+    assert sorted(routing["layer"].unique().to_list()) == layers
+    assert routing.height == trace.manifest["counts"]["tokens"] * len(layers)
+    steps = trace.steps().collect()
+    assert steps["num_drafts"].sum() > 0
+    for request, output in load_outputs(trace_dir).items():
+        mine = steps.filter((pl.col("request") == request) & (pl.col("num_drafts") > 0)).sort("step")
+        assert mine["num_accepted"].to_list() == output["spec_decode"]["per_step_accepted"]

@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 
 from moetrace.analysis.budgets import smallest_budgets
+from moetrace.analysis.cost import PROFILE_PRESETS, Profile, check_calibration, parse_profile
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED
 from moetrace.analysis.shape import SHAPE_PRESETS
 from moetrace.errors import UserError
@@ -34,6 +35,42 @@ def _refuse_overwrite(path: Path, force: bool) -> None:
         raise UserError(f"{path}: already exists (use --force to overwrite)")
 
 
+def _calibration(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        check_calibration(doc)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read calibration ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+        raise UserError(f"{path}: not a moetrace calibration ({exc})") from None
+    return doc
+
+
+def _profile(text: str | None) -> Profile | None:
+    if text is None:
+        return None
+    path = Path(text)
+    if text not in PROFILE_PRESETS and path.suffix == ".json":
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise UserError(f"--profile {path}: cannot read ({exc.strerror})") from None
+    try:
+        return parse_profile(text)
+    except ValueError as exc:
+        raise UserError(f"--profile: {exc}") from None
+
+
+def _acceptance(value: float | None) -> float | None:
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise UserError(f"--acceptance {value}: must be in [0, 1]")
+    return value
+
+
 def _coverage(value: float) -> float:
     if not 0.0 < value <= 1.0:
         raise UserError(f"--coverage {value}: must be in (0, 1]")
@@ -50,6 +87,15 @@ def _coverage(value: float) -> float:
 @click.option("--ep", type=int, default=None, help="Expert-parallel size [default: the manifest's].")
 @click.option("--placement", "placement_file", type=click.Path(path_type=Path), default=None,
               help='JSON placement: {"expert_to_rank": [rank of expert 0, ...]} [default: linear].')
+@click.option("--calibration", "calibration_file", type=click.Path(path_type=Path), default=None,
+              help="Calibration JSON from `moetrace calibrate`: predict step time and speedup per k from it.")
+@click.option("--profile", "profile_text", default=None,
+              help="Measured step breakdown at k=0: a preset (kimi-k2-tp8), a .json file, or "
+                   "'step=12.1ms,allreduce=51.5%,moe=11.1%,attention=15.3%,other=13.4%'. Predicts per k.")
+@click.option("--acceptance", type=float, default=None,
+              help="Per-draft acceptance rate for the prediction [default: measured per draft position].")
+@click.option("--routing", type=click.Choice(["measured", "uniform"]), default="measured", show_default=True,
+              help="Unique experts for the prediction: the trace's, or uniformly random routing's.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Dashboard file [default: TRACE/report.html, or NAME-vs-NAME.report.html for several].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
@@ -63,12 +109,17 @@ def report(
     tp: int | None,
     ep: int | None,
     placement_file: Path | None,
+    calibration_file: Path | None,
+    profile_text: str | None,
+    acceptance: float | None,
+    routing: str,
     output: Path | None,
     as_json: bool,
     force: bool,
 ) -> None:
     """Summarise TRACE(s) at --k (unique experts vs k, bytes per step, acceptance, expert budgets) in the terminal
-    and write one offline HTML dashboard. Several TRACEs (traces or sweep folders) are compared side by side."""
+    and write one offline HTML dashboard. Several TRACEs (traces or sweep folders) are compared side by side.
+    With --calibration and/or --profile it also predicts verify-step time, tokens per step and speedup per k."""
     check_k(k)
     options = Options(
         k=k,
@@ -78,6 +129,11 @@ def report(
         tp=tp,
         ep=ep,
         placement_file=placement_file,
+        calibration=_calibration(calibration_file),
+        calibration_path=calibration_file,
+        profile=_profile(profile_text),
+        acceptance=_acceptance(acceptance),
+        routing=routing,
     )
     if options.max_k < k:
         raise UserError(f"--max-k {options.max_k}: must be at least --k {k}")

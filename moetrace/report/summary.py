@@ -11,10 +11,20 @@ import polars as pl
 
 from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary
 from moetrace.analysis.budgets import budget_curves, budget_windows, smallest_budgets
+from moetrace.analysis.cost import (
+    Profile,
+    acceptance_curve,
+    deployment_for,
+    geometric_acceptance,
+    predict,
+    tokens_per_step,
+    uniform_routing,
+)
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, PER_BATCH, PER_REQUEST, growth, rejected_only_experts
 from moetrace.analysis.load import expert_load
 from moetrace.analysis.shape import ModelShape
 from moetrace.analysis.traffic import best_window_estimate, step_bytes
+from moetrace.errors import UserError
 from moetrace.report.inputs import Run, expert_placement, model_shape, parallel_size
 
 RANDOM_WEIGHTS_NOTE = "routing of a random-weight model: says nothing about a trained model's routing"
@@ -29,6 +39,15 @@ class Options:
     tp: int | None
     ep: int | None
     placement_file: Path | None
+    calibration: dict[str, Any] | None = None  # a moetrace-calibration/1 document
+    calibration_path: Path | None = None
+    profile: Profile | None = None
+    acceptance: float | None = None  # per-draft acceptance rate given instead of the measured one
+    routing: str = "measured"  # or "uniform": unique experts of uniformly random routing
+
+    @property
+    def predicts(self) -> bool:
+        return self.calibration is not None or self.profile is not None
 
 
 @dataclass
@@ -48,6 +67,8 @@ class RunAnalysis:
     load: pl.DataFrame
 
     k: int  # the --k the summary is for
+    prediction: pl.DataFrame | None = None  # predicted step per k (analysis.cost.predict)
+    prediction_basis: dict[str, Any] | None = None
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -71,6 +92,59 @@ def budget_curves_per_k(run: Run, ks: range, expert_bytes: int) -> pl.DataFrame:
     return pl.concat(frames)
 
 
+def prediction_inputs(run: Run, growth_table: pl.DataFrame, by_position: pl.DataFrame, shape: ModelShape,
+                      placement: Any, options: Options) -> pl.DataFrame:
+    """Per k = 0..max_k: unique experts and busiest-rank experts per layer (measured/counterfactual mean over layers,
+    or uniform routing) and tokens per step (measured acceptance per draft position, or the given rate)."""
+    ks = range(options.max_k + 1)
+    if options.routing == "uniform":
+        routing = uniform_routing(shape.num_experts, shape.top_k, placement, ks).with_columns(
+            routing_source=pl.lit("uniform"))
+    else:
+        routing = (
+            best_window_estimate(growth_table.lazy())
+            .group_by("k")
+            .agg(pl.col("unique_experts").mean(), pl.col("busiest_rank_experts").mean(),
+                 pl.col("source").min().alias("routing_source"))
+            .sort("k")
+            .collect()
+        )
+    measured = {
+        int(row["draft_pos"]): float(row["acceptance_rate"])
+        for row in by_position.filter(pl.col("k") == run.primary.k).to_dicts()
+    }
+    if options.acceptance is None and not measured:
+        raise UserError(f"{run.primary.path}: no verified drafts to measure acceptance from; give --acceptance RATE")
+    tokens, sources = [], []
+    for k in routing["k"].to_list():
+        if options.acceptance is not None:
+            tokens.append(tokens_per_step(geometric_acceptance(options.acceptance, k)))
+            sources.append(f"given {options.acceptance:g} per draft")
+        else:
+            rates, extrapolated = acceptance_curve(measured, k)
+            tokens.append(tokens_per_step(rates))
+            sources.append("extrapolated" if extrapolated else "measured")
+    return routing.with_columns(tokens_per_step=pl.Series(tokens, dtype=pl.Float64),
+                                acceptance_source=pl.Series(sources, dtype=pl.String))
+
+
+def run_prediction(run: Run, growth_table: pl.DataFrame, by_position: pl.DataFrame, shape: ModelShape,
+                   placement: Any, tp: int, ep: int, options: Options) -> tuple[pl.DataFrame, dict[str, Any]]:
+    inputs = prediction_inputs(run, growth_table, by_position, shape, placement, options)
+    try:
+        table, basis = predict(inputs, deployment_for(shape, tp, ep), options.profile, options.calibration)
+    except ValueError as exc:
+        raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
+    table = table.join(inputs.select("k", "routing_source", "acceptance_source"), on="k", how="left")
+    basis["routing"] = options.routing
+    basis["acceptance"] = options.acceptance
+    basis["calibration"] = str(options.calibration_path) if options.calibration_path else None
+    if options.calibration is not None:
+        device = options.calibration.get("device", {})
+        basis["calibration_device"] = f"{device.get('name')} x{device.get('count')}"
+    return table, basis
+
+
 def analyse_run(run: Run, options: Options) -> RunAnalysis:
     trace = run.primary
     shape = model_shape(trace, options.shape_preset)
@@ -89,6 +163,10 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     ).select("k", pl.exclude("k"))
     curves = budget_curves_per_k(run, range(1, options.max_k + 1), shape.expert_bytes)
     at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
+    prediction, basis = (
+        run_prediction(run, growth_table, by_position, shape, placement, tp, ep, options)
+        if options.predicts else (None, None)
+    )
     return RunAnalysis(
         run=run,
         shape=shape,
@@ -104,6 +182,8 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         budgets=smallest_budgets(at_k.lazy(), options.coverage),
         load=expert_load(routing),
         k=options.k,
+        prediction=prediction,
+        prediction_basis=basis,
     )
 
 
@@ -158,7 +238,17 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
         )
     if analysis.budget_source == COUNTERFACTUAL:
         found.append(f"budgets at k={max(k, 1)} use counterfactual windows of accepted tokens")
+    if analysis.prediction_basis is not None and analysis.prediction_basis["allreduce_extrapolated"]:
+        found.append(f"prediction: all-reduce time is {analysis.prediction_basis['allreduce']}")
     return found + analysis.run.warnings
+
+
+def prediction_summary(analysis: RunAnalysis, k: int) -> dict[str, Any] | None:
+    if analysis.prediction is None:
+        return None
+    at_k = analysis.prediction.filter(pl.col("k") == k).to_dicts()
+    return {"basis": analysis.prediction_basis, "at_k": at_k[0] if at_k else None,
+            "per_k": analysis.prediction.to_dicts()}
 
 
 def budget_summary(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:
@@ -208,6 +298,7 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
                 "acceptance_by_position": analysis.acceptance_by_position.to_dicts(),
                 "rejected_only": analysis.rejected_only.to_dicts(),
                 "budget": budget_summary(analysis, options.coverage),
+                "prediction": prediction_summary(analysis, k),
                 "growth": analysis.growth.to_dicts(),
                 "step_bytes": analysis.step_bytes.to_dicts(),
             }

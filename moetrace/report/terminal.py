@@ -91,6 +91,46 @@ def _acceptance(run: dict[str, Any]) -> Table:
     return table
 
 
+def _prediction(prediction: dict[str, Any], k: int) -> Table:
+    basis = prediction["basis"]
+    title = (f"Predicted verify step ({basis['mode']}; tp={basis['tp']}, ep={basis['ep']}, "
+             f"{basis['weight_format']} experts, routing {basis['routing']})")
+    table = _table(title, ["k", "tokens/step", "unique experts", "rank experts", "MoE ms", "all-reduce ms",
+                           "attention ms", "other ms", "step ms", "step ×", "speedup"])
+    for row in prediction["per_k"]:
+        table.add_row(
+            str(row["k"]),
+            _number(row["tokens_per_step"]) + ("*" if row["acceptance_source"] == "extrapolated" else ""),
+            _number(row["unique_experts"], 1),
+            _number(row["rank_experts"], 1),
+            _number(row["moe_ms"]),
+            _number(row["allreduce_ms"]),
+            _number(row["attention_ms"]),
+            _number(row["other_ms"]),
+            _number(row["step_ms"]),
+            _number(row["step_ratio"]),
+            _number(row["speedup"]),
+            style="bold" if row["k"] == k else None,
+        )
+    return table
+
+
+def _prediction_notes(prediction: dict[str, Any]) -> list[str]:
+    basis = prediction["basis"]
+    lines = [f"all-reduce: {basis['allreduce']}"] if basis["allreduce"] else []
+    if basis.get("calibration"):
+        lines.append(f"calibration: {basis['calibration']} ({basis.get('calibration_device')})")
+    check = basis.get("calibrated_at_k0")
+    if check:
+        ar = check["allreduce_ms"]
+        lines.append(f"at k=0 the calibration alone gives MoE {check['moe_ms']:.2f} ms (profile "
+                     f"{check['profile_moe_ms']:.2f}) and all-reduce "
+                     + (f"{ar:.2f} ms" if ar is not None else "–") + f" (profile {check['profile_allreduce_ms']:.2f})")
+    if any(row["acceptance_source"] == "extrapolated" for row in prediction["per_k"]):
+        lines.append("* tokens/step past the recorded draft positions: extrapolated geometrically")
+    return lines + list(basis["notes"])
+
+
 def _budget(budget: dict[str, Any]) -> Table:
     table = _table(
         f"Expert budget at k={budget['k']} for {budget['coverage_target']:.0%} routing-weight coverage "
@@ -124,6 +164,7 @@ def _comparison(summary: dict[str, Any]) -> Table:
         ("expert weights/step", lambda r: _bytes((r["bytes_at_k"] or {}).get("expert_weight_bytes"))),
         ("tokens/step (recorded)", lambda r: _number(r["acceptance_per_k"][-1]["tokens_per_step"])),
         ("median budget", lambda r: _number(r["budget"]["median_budget"], 1)),
+        ("predicted speedup", lambda r: _number(((r.get("prediction") or {}).get("at_k") or {}).get("speedup"))),
     ]
     for name, value in rows:
         table.add_row(name, *[Text(str(value(run))) for run in runs])
@@ -141,6 +182,10 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         console.print(_growth(run, k))
         console.print(_step_bytes(run, k))
         console.print(_acceptance(run))
+        if run.get("prediction"):
+            console.print(_prediction(run["prediction"], k))
+            for line in _prediction_notes(run["prediction"]):
+                console.print(Text(f"  {line}", style="dim"))
         console.print(_budget(run["budget"]))
     if len(summary["runs"]) > 1:
         console.print(_comparison(summary))

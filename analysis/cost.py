@@ -1,0 +1,442 @@
+"""Cost model: predicted verify-step time, tokens per step and speedup per k, from routing growth, acceptance and a
+calibration (``moetrace calibrate``) and/or a measured step profile. Pure functions on plain data (numpy for the
+uniform-routing simulation); Polars out. No torch here.
+
+step(k) = attention(k) + other GEMMs(k) + rest + MoE(k) + all-reduce(k), where for a step of T = k+1 tokens:
+
+- MoE(k): per MoE layer, the expert layer's time at the unique experts one rank computes (TP: every unique expert
+  of the window plus the shared experts, at width/tp; EP: the busiest rank's experts at full width plus 1/ep of the
+  shared experts) and the rows routed to it; calibrated: ``c0 + per_expert·E + per_row·rows`` as measured; without
+  a calibration, proportional to E (weight-read bound).
+- all-reduce(k): ``num_layers × allreduces_per_layer`` all-reduces of T × hidden × 2 bytes; calibrated: the
+  measured curve for that many GPUs (interpolated, made non-decreasing in bytes), else the ring model ``latency + 2(N−1)/N·bytes/bus bandwidth``
+  on the most GPUs measured: their measured curve read at the same bytes sent per GPU (scaled by the ratio of
+  2(N−1)/N), the fitted line past the measured sizes (an extrapolation, labelled so); without a calibration: the
+  profile's per-call time plus the extra bytes at a conservative bus bandwidth.
+- attention, other GEMMs: the profile's share × (1 + growth per extra token × k); the rest of the profile: flat.
+
+With a profile, every component is anchored to it at k=0 (the calibration then only says how MoE and all-reduce
+grow with k); with a calibration alone, MoE and all-reduce are absolute and the rest is left out (a lower bound on
+the speedup, since the left-out parts grow less than MoE). Tokens per step = 1 + Σ_{i≤k} P(draft i accepted);
+speedup(k) = tokens per step / (step(k) / step(0)).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import polars as pl
+
+from moetrace.analysis.growth import uniform_unique_experts
+from moetrace.analysis.shape import ModelShape
+
+CALIBRATION_SCHEMA = "moetrace-calibration/1"
+ALLREDUCES_PER_LAYER = 2  # attention output and MoE/MLP output
+DEFAULT_BUS_BANDWIDTH_GBS = 100.0  # profile-only all-reduce growth: conservative for small NCCL messages
+FORMAT_BY_BITS = {16: "bf16", 8: "fp8", 4: "int4"}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A measured decode-step breakdown (shares of ``step_ms``) at ``tokens`` tokens per step."""
+
+    step_ms: float
+    allreduce: float
+    moe: float
+    attention: float
+    other_gemm: float
+    tokens: int = 1
+    attention_growth_per_token: float = 0.03  # decode attention: KV read once, compute × T; small
+    other_growth_per_token: float = 0.01  # dense GEMMs at T ≤ 64 are weight-read bound: nearly flat
+    source: str = "given"
+
+    @property
+    def rest(self) -> float:
+        return 1.0 - self.allreduce - self.moe - self.attention - self.other_gemm
+
+    def check(self) -> None:
+        shares = (self.allreduce, self.moe, self.attention, self.other_gemm)
+        if self.step_ms <= 0 or any(share < 0 for share in shares) or self.rest < -1e-9:
+            raise ValueError("profile needs a positive step time and shares ≥ 0 that sum to at most 100%")
+        if self.tokens < 1:
+            raise ValueError("profile tokens must be at least 1")
+
+
+PROFILE_PRESETS: dict[str, Profile] = {
+    "kimi-k2-tp8": Profile(step_ms=12.1, allreduce=0.515, moe=0.111, attention=0.153, other_gemm=0.134,
+                           source="DESIGN.md: Kimi-K2.5 INT4 experts, vLLM TP=8, one decode step"),
+}
+
+_KEYS = {"step": "step_ms", "step_ms": "step_ms", "allreduce": "allreduce", "all-reduce": "allreduce",
+         "all_reduce": "allreduce", "moe": "moe", "attention": "attention", "other": "other_gemm",
+         "other_gemm": "other_gemm", "other-gemm": "other_gemm", "tokens": "tokens",
+         "attention_growth": "attention_growth_per_token", "other_growth": "other_growth_per_token"}
+
+
+def _number(text: str, key: str) -> float:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(%|ms)?\s*", text)
+    if not match:
+        raise ValueError(f"profile {key}={text!r}: not a number")
+    value = float(match.group(1))
+    if match.group(2) == "%":
+        return value / 100.0
+    if key != "step_ms" and value > 1.0 and key not in ("tokens",):
+        return value / 100.0  # shares given as percentages without the sign
+    return value
+
+
+def profile_from_mapping(values: Mapping[str, Any], source: str) -> Profile:
+    fields: dict[str, Any] = {}
+    for key, value in values.items():
+        name = _KEYS.get(str(key).lower())
+        if name is None:
+            raise ValueError(f"profile: unknown key {key!r} (known: step, allreduce, moe, attention, other, tokens)")
+        fields[name] = _number(str(value), name) if isinstance(value, str) else float(value)
+    missing = {"step_ms", "allreduce", "moe", "attention", "other_gemm"} - set(fields)
+    if missing:
+        raise ValueError(f"profile: missing {', '.join(sorted(missing))}")
+    if "tokens" in fields:
+        fields["tokens"] = int(fields["tokens"])
+    profile = Profile(**fields, source=source)
+    profile.check()
+    return profile
+
+
+def parse_profile(text: str) -> Profile:
+    """A preset name, a JSON object, or ``step=12.1ms,allreduce=51.5%,moe=11.1%,attention=15.3%,other=13.4%``."""
+    if text in PROFILE_PRESETS:
+        return PROFILE_PRESETS[text]
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            values = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"profile: bad JSON ({exc.msg})") from None
+        if not isinstance(values, dict):
+            raise ValueError("profile: JSON must be an object")
+        return profile_from_mapping(values, "given")
+    pairs = {}
+    for part in filter(None, (p.strip() for p in stripped.split(","))):
+        if "=" not in part:
+            raise ValueError(f"profile: {part!r} is not KEY=VALUE (presets: {', '.join(PROFILE_PRESETS)})")
+        key, value = part.split("=", 1)
+        pairs[key.strip()] = value
+    return profile_from_mapping(pairs, text)
+
+
+# ---------------------------------------------------------------- acceptance
+
+
+def geometric_acceptance(rate: float, k: int) -> list[float]:
+    """P(draft i accepted) for i = 1..k when each draft is accepted with ``rate`` given the ones before were."""
+    return [rate**i for i in range(1, k + 1)]
+
+
+def acceptance_curve(measured: Mapping[int, float], k: int) -> tuple[list[float], bool]:
+    """P(draft i accepted), i = 1..k, from measured per-position rates (unconditional: a draft counts as accepted
+    only if every draft before it was); positions past the measured ones continue geometrically with the last
+    measured conditional rate. Returns the rates and whether any was extrapolated."""
+    positions = sorted(p for p in measured if p >= 1)
+    if not positions:
+        raise ValueError("no measured acceptance")
+    rates = [float(measured[p]) for p in positions]
+    last = rates[-1]
+    conditional = last / rates[-2] if len(rates) > 1 and rates[-2] > 0 else last
+    out = []
+    for i in range(1, k + 1):
+        if i in measured:
+            out.append(float(measured[i]))
+        else:
+            previous = out[-1] if out else 1.0
+            out.append(previous * min(conditional, 1.0))
+    return out, k > positions[-1]
+
+
+def tokens_per_step(accept: Sequence[float]) -> float:
+    """1 (the token the target model always yields) + the expected number of accepted drafts."""
+    return 1.0 + float(sum(accept))
+
+
+# ---------------------------------------------------------------- routing
+
+
+def uniform_busiest_rank(num_experts: int, top_k: int, expert_rank: npt.NDArray[np.int64], k: int,
+                         samples: int = 400, seed: int = 0) -> float:
+    """Expected experts on the busiest rank when k+1 tokens each pick top_k distinct experts uniformly at random
+    (Monte Carlo with a fixed seed)."""
+    rng = np.random.default_rng(seed)
+    picks = np.argsort(rng.random((samples, k + 1, num_experts)), axis=-1)[..., :top_k].reshape(samples, -1)
+    used = np.zeros((samples, num_experts), dtype=bool)
+    np.put_along_axis(used, picks, True, axis=1)
+    ranks = int(expert_rank.max()) + 1
+    per_rank = np.stack([used[:, expert_rank == r].sum(axis=1) for r in range(ranks)], axis=1)
+    return float(per_rank.max(axis=1).mean())
+
+
+def uniform_routing(num_experts: int, top_k: int, expert_rank: npt.NDArray[np.int64],
+                    ks: Sequence[int]) -> pl.DataFrame:
+    """Per k: unique experts per window and on the busiest rank under uniform random routing."""
+    ranks = int(expert_rank.max()) + 1
+    return pl.DataFrame({
+        "k": list(ks),
+        "unique_experts": [uniform_unique_experts(num_experts, top_k, k) for k in ks],
+        "busiest_rank_experts": [
+            uniform_unique_experts(num_experts, top_k, k) if ranks == 1
+            else uniform_busiest_rank(num_experts, top_k, expert_rank, k) for k in ks
+        ],
+    }, schema={"k": pl.Int32(), "unique_experts": pl.Float64(), "busiest_rank_experts": pl.Float64()})
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def check_calibration(doc: Mapping[str, Any]) -> None:
+    if doc.get("schema") != CALIBRATION_SCHEMA:
+        raise ValueError(f"schema {doc.get('schema')!r}, expected {CALIBRATION_SCHEMA!r}")
+    for key in ("experts", "int4_estimate", "allreduce", "device"):
+        if key not in doc:
+            raise ValueError(f"missing {key!r}")
+
+
+def expert_fit(doc: Mapping[str, Any], config: str, fmt: str) -> tuple[dict[str, Any], str, list[str]]:
+    """The fitted expert curve of ``config`` (e.g. "tp8", "ep8") in ``fmt`` (bf16, fp8, int4), else the narrowest
+    format measured for that config; returns the fit, the format used, and notes."""
+    curves = [c for c in list(doc["experts"]) + list(doc["int4_estimate"]) if c.get("fit")]
+    mine = [c for c in curves if c["config"] == config]
+    if not mine:
+        have = sorted({c["config"] for c in curves})
+        raise ValueError(f"no expert curve for {config} (has: {', '.join(have) or 'none'})")
+    notes = []
+    chosen = next((c for c in mine if c["format"] == fmt), None)
+    if chosen is None:
+        chosen = min(mine, key=lambda c: c["weight_bits"])
+        notes.append(f"calibration has no {fmt} expert curve for {config}: using {chosen['format']}")
+    if chosen.get("estimated"):
+        notes.append(f"{config} {chosen['format']} expert time is estimated, not measured: {chosen.get('note', '')}")
+    return dict(chosen["fit"]), str(chosen["format"]), notes
+
+
+def expert_time_us(fit: Mapping[str, Any], experts: float, rows: float) -> float:
+    return float(fit["c0_us"]) + float(fit["per_expert_us"]) * experts + float(fit["per_row_us"]) * rows
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    xs = [p[0] for p in points]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return points[i][1]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class AllReduceModel:
+    """Time of one all-reduce across ``world_size`` GPUs against message bytes."""
+
+    world_size: int
+    points: tuple[tuple[float, float], ...]  # measured (bytes, µs), sorted; empty for a pure ring model
+    latency_us: float
+    bus_bandwidth_gbs: float
+    extrapolated: bool
+    basis: str
+    byte_scale: float = 1.0  # points measured on fewer GPUs are read at the same bytes sent per GPU
+
+    def time_us(self, nbytes: float) -> float:
+        if self.world_size < 2:
+            return 0.0
+        scaled = nbytes * self.byte_scale
+        if self.points and self.points[0][0] <= scaled <= self.points[-1][0]:
+            return _interpolate(self.points, scaled)
+        ring = 2.0 * (self.world_size - 1) / self.world_size
+        return self.latency_us + ring * nbytes / (self.bus_bandwidth_gbs * 1e3)
+
+
+def ring_model(world_size: int, latency_us: float, bus_bandwidth_gbs: float, basis: str,
+               extrapolated: bool = True) -> AllReduceModel:
+    return AllReduceModel(world_size, (), latency_us, bus_bandwidth_gbs, extrapolated, basis)
+
+
+def monotone_points(points: Sequence[Mapping[str, Any]]) -> tuple[tuple[float, float], ...]:
+    """Measured (bytes, µs) of the decode sizes, sorted, each time raised to the largest at fewer bytes: a larger
+    message is never faster, and dips of a few percent between sizes are noise or a protocol switch."""
+    decode = sorted((float(p["bytes"]), float(p["time_us"])) for p in points if p.get("tokens") is not None)
+    out: list[tuple[float, float]] = []
+    for nbytes, time_us in decode:
+        out.append((nbytes, max(time_us, out[-1][1]) if out else time_us))
+    return tuple(out)
+
+
+def allreduce_model(doc: Mapping[str, Any], world_size: int) -> AllReduceModel | None:
+    """The measured curve for ``world_size`` GPUs; else the ring model fitted on the most GPUs measured (labelled
+    an extrapolation); None when the calibration measured no all-reduce."""
+    measured = [m for m in doc["allreduce"].get("measured", []) if m.get("fit")]
+    if not measured:
+        return None
+    exact = [m for m in measured if m["world_size"] == world_size]
+    if exact:
+        m = exact[0]
+        return AllReduceModel(world_size, monotone_points(m["points"]), float(m["fit"]["latency_us"]),
+                              float(m["fit"]["bus_bandwidth_gbs"] or DEFAULT_BUS_BANDWIDTH_GBS), False,
+                              f"measured on {world_size} GPUs ({m['backend']}, {m['fit'].get('timing', 'eager')})")
+    base = max(measured, key=lambda m: m["world_size"])
+    fit = base["fit"]
+    bandwidth = float(fit["bus_bandwidth_gbs"] or DEFAULT_BUS_BANDWIDTH_GBS)
+    m = int(base["world_size"])
+    ring_n, ring_m = 2.0 * (world_size - 1) / world_size, 2.0 * (m - 1) / m
+    return AllReduceModel(
+        world_size, monotone_points(base["points"]), float(fit["latency_us"]), bandwidth, True,
+        f"EXTRAPOLATED from {m} GPUs: ring model, the {m}-GPU curve read at the same bytes per GPU "
+        f"(2(N−1)/N × message: ×{ring_n / ring_m:.2f}), so the latency is {m}-GPU latency (a lower bound: NCCL's "
+        f"ring latency grows with its 2(N−1) steps); past the measured sizes {fit['latency_us']:.1f} us + "
+        f"2(N−1)/N·bytes / {bandwidth:.0f} GB/s",
+        byte_scale=ring_n / ring_m)
+
+
+# ---------------------------------------------------------------- prediction
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What one step runs on: model shape, parallelism, weight format, requests per step."""
+
+    shape: ModelShape
+    tp: int
+    ep: int
+    weight_format: str
+    batch: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tp, self.ep)
+
+    @property
+    def allreduces(self) -> int:
+        return self.shape.num_layers * ALLREDUCES_PER_LAYER if self.world_size > 1 else 0
+
+    def message_bytes(self, tokens: float) -> float:
+        return tokens * self.shape.hidden_size * self.shape.activation_bytes
+
+    def expert_config(self) -> str:
+        return f"ep{self.ep}" if self.ep > 1 else f"tp{self.tp}"
+
+    def rank_work(self, unique: float, busiest: float, tokens: float) -> tuple[float, float]:
+        """(experts, rows) one rank computes in one MoE layer."""
+        shared, top_k = self.shape.shared_experts, self.shape.top_k
+        if self.ep > 1:
+            rows = tokens * top_k * (busiest / unique if unique > 0 else 0.0) + tokens * shared / self.ep
+            return busiest + shared / self.ep, rows
+        return unique + shared, tokens * (top_k + shared)
+
+
+def deployment_for(shape: ModelShape, tp: int, ep: int, weight_format: str | None = None) -> Deployment:
+    fmt = weight_format or FORMAT_BY_BITS.get(shape.expert_weight_bits, "bf16")
+    return Deployment(shape=shape, tp=tp, ep=ep, weight_format=fmt)
+
+
+def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None,
+            calibration: Mapping[str, Any] | None) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Predicted step per k. ``per_k`` has k, unique_experts, busiest_rank_experts (per layer, one request's
+    window) and tokens_per_step. Returns the table and a description of the basis (mode, notes, checks)."""
+    if profile is None and calibration is None:
+        raise ValueError("a prediction needs a calibration, a profile, or both")
+    rows = per_k.sort("k").to_dicts()
+    if not rows or rows[0]["k"] != 0:
+        raise ValueError("per-k input must start at k=0")
+    shape, n_ar = deployment.shape, deployment.allreduces
+    notes: list[str] = []
+    fmt_used: str | None = None
+    expert_us: list[float] = []
+    allreduce_us: list[float] = []
+    ar_model: AllReduceModel | None = None
+    tokens_list = [float((r["k"] + 1) * deployment.batch) for r in rows]
+    work = [deployment.rank_work(r["unique_experts"], r["busiest_rank_experts"], t) for r, t in zip(rows, tokens_list)]
+    if calibration is not None:
+        check_calibration(calibration)
+        fit, fmt_used, fit_notes = expert_fit(calibration, deployment.expert_config(), deployment.weight_format)
+        notes += fit_notes
+        cal_hidden = calibration.get("shape", {}).get("hidden_size")
+        if cal_hidden is not None and int(cal_hidden) != shape.hidden_size:
+            notes.append(f"calibration measured hidden {cal_hidden}, the model has {shape.hidden_size}")
+        expert_us = [expert_time_us(fit, e, m) for e, m in work]
+        if deployment.world_size > 1:
+            ar_model = allreduce_model(calibration, deployment.world_size)
+            if ar_model is None:
+                notes.append("calibration has no all-reduce curve: all-reduce left out"
+                             if profile is None else "calibration has no all-reduce curve: profile model used")
+    if not expert_us:  # no calibration: weight-read bound, proportional to experts read per rank
+        expert_us = [e for e, _ in work]
+    if ar_model is None and profile is not None and deployment.world_size > 1:
+        per_call = profile.step_ms * profile.allreduce * 1e3 / max(n_ar, 1)
+        ring = 2.0 * (deployment.world_size - 1) / deployment.world_size
+        base_bytes = deployment.message_bytes(profile.tokens * deployment.batch)
+        # the profile's time per call is latency plus its bytes; more tokens add only their bytes' time
+        ar_model = ring_model(deployment.world_size,
+                              per_call - ring * base_bytes / (DEFAULT_BUS_BANDWIDTH_GBS * 1e3),
+                              DEFAULT_BUS_BANDWIDTH_GBS,
+                              f"profile: {per_call:.1f} us per call at {profile.tokens} token(s); extra bytes at "
+                              f"{DEFAULT_BUS_BANDWIDTH_GBS:.0f} GB/s bus bandwidth (assumed)", extrapolated=False)
+    allreduce_us = [ar_model.time_us(deployment.message_bytes(t)) if ar_model else 0.0 for t in tokens_list]
+
+    if profile is not None:
+        mode = "profile anchored, calibrated growth" if calibration is not None else "profile, modelled growth"
+        p_ms = profile.step_ms
+        moe = [p_ms * profile.moe * e / expert_us[0] for e in expert_us]
+        ar = [p_ms * profile.allreduce * (a / allreduce_us[0] if allreduce_us[0] > 0 else 1.0) for a in allreduce_us]
+        attention = [p_ms * profile.attention * (1 + profile.attention_growth_per_token * r["k"]) for r in rows]
+        other = [p_ms * profile.other_gemm * (1 + profile.other_growth_per_token * r["k"]) for r in rows]
+        rest = [p_ms * profile.rest for _ in rows]
+        notes.append(f"profile: {profile.source}; attention +{profile.attention_growth_per_token:.0%} and other "
+                     f"GEMMs +{profile.other_growth_per_token:.0%} per extra token (assumed), the rest "
+                     f"({profile.rest:.1%}) flat")
+    else:
+        mode = "calibration only"
+        moe = [shape.moe_layers * e / 1e3 for e in expert_us]
+        ar = [n_ar * a / 1e3 for a in allreduce_us]
+        attention = other = rest = [0.0 for _ in rows]
+        notes.append("no profile: attention, other GEMMs and the rest are left out, so step times cover MoE and "
+                     "all-reduce only and the speedups are a lower bound")
+    steps = [sum(parts) for parts in zip(moe, ar, attention, other, rest)]
+    table = pl.DataFrame({
+        "k": [int(r["k"]) for r in rows],
+        "tokens": tokens_list,
+        "unique_experts": [float(r["unique_experts"]) for r in rows],
+        "rank_experts": [e for e, _ in work],
+        "tokens_per_step": [float(r["tokens_per_step"]) for r in rows],
+        "moe_ms": moe,
+        "allreduce_ms": ar,
+        "attention_ms": attention,
+        "other_ms": other,
+        "rest_ms": rest,
+        "step_ms": steps,
+        "step_ratio": [s / steps[0] for s in steps],
+        "speedup": [float(r["tokens_per_step"]) / (s / steps[0]) for r, s in zip(rows, steps)],
+        "expert_layer_us": expert_us if calibration is not None else [None] * len(rows),
+        "allreduce_call_us": allreduce_us,
+    })
+    basis: dict[str, Any] = {
+        "mode": mode,
+        "tp": deployment.tp,
+        "ep": deployment.ep,
+        "world_size": deployment.world_size,
+        "expert_config": deployment.expert_config(),
+        "weight_format": fmt_used or deployment.weight_format,
+        "allreduces_per_step": n_ar,
+        "allreduce": ar_model.basis if ar_model else None,
+        "allreduce_extrapolated": bool(ar_model and ar_model.extrapolated),
+        "notes": notes,
+    }
+    if profile is not None and calibration is not None:
+        basis["calibrated_at_k0"] = {
+            "moe_ms": shape.moe_layers * expert_us[0] / 1e3,
+            "allreduce_ms": n_ar * allreduce_us[0] / 1e3 if ar_model else None,
+            "profile_moe_ms": profile.step_ms * profile.moe,
+            "profile_allreduce_ms": profile.step_ms * profile.allreduce,
+        }
+    return table, basis

@@ -1,0 +1,95 @@
+"""``moetrace calibrate``: a thin click command over ``moetrace.calibrate.run.calibrate`` with a progress bar."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from moetrace.analysis.shape import SHAPE_PRESETS
+from moetrace.errors import UserError
+
+
+def default_output(device: str, quick: bool) -> Path:
+    """calibration-<gpu name>x<count>.json (from NVML, no torch), calibration-cpu.json; ``-quick`` for smoke runs."""
+    name = "cpu"
+    if device == "cuda":
+        from moetrace.host import gpu_inventory
+
+        gpus = gpu_inventory()["gpus"]
+        if gpus:
+            name = re.sub(r"[^a-z0-9]+", "-", gpus[0].lower()).strip("-") + f"x{len(gpus)}"
+        else:
+            name = "cuda"
+    return Path(f"calibration-{name}{'-quick' if quick else ''}.json")
+
+
+@click.command()
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="Where to measure; cpu is a smoke test of the whole path, not a figure to predict with.")
+@click.option("--quick", is_flag=True, help="Small shapes, a small grid and few repetitions: a run of seconds.")
+@click.option("--shape", "shape_preset", type=click.Choice(sorted(SHAPE_PRESETS)), default="kimi-k2",
+              show_default=True, help="Model whose per-rank expert shapes are measured.")
+@click.option("--tp", default=8, show_default=True, help="Tensor-parallel size whose expert slice is measured.")
+@click.option("--ep", default=8, show_default=True, help="Expert-parallel size whose experts per rank are measured.")
+@click.option("--formats", default="bf16,fp8", show_default=True, help="Weight formats to measure (bf16, fp8).")
+@click.option("--max-gpus", type=int, default=None, help="Use at most this many GPUs for the all-reduce.")
+@click.option("--no-allreduce", is_flag=True, help="Skip the all-reduce measurement.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Calibration file [default: calibration-<gpu>x<count>.json].")
+@click.option("--force", is_flag=True, help="Overwrite an existing calibration file.")
+def calibrate(device: str, quick: bool, shape_preset: str, tp: int, ep: int, formats: str, max_gpus: int | None,
+              no_allreduce: bool, output: Path | None, force: bool) -> None:
+    """Measure, on the GPUs present, MoE expert time against unique experts and rows (bf16 and fp8 grouped GEMMs
+    at the model's per-rank TP and EP shapes, with the weight bandwidth that INT4 is estimated from) and NCCL
+    all-reduce time against message size for 2, 4, 8... GPUs; write the fitted curves as a calibration JSON
+    for `moetrace report --calibration`."""
+    from moetrace.calibrate.run import Settings, calibrate as run_calibrate, summary_lines, write_json
+
+    path = output or default_output(device, quick)
+    if path.exists() and not force:
+        raise UserError(f"{path}: already exists (use --force to overwrite)")
+    shape = SHAPE_PRESETS[shape_preset]
+    common: dict[str, Any] = {
+        "formats": tuple(f.strip() for f in formats.split(",") if f.strip()),
+        "allreduce": not no_allreduce,
+        "max_gpus": max_gpus,
+        "command": " ".join(["moetrace", *sys.argv[1:]]),
+    }
+    if quick:
+        settings = Settings.quick_settings(device, **common)
+    else:
+        settings = Settings(device=device, hidden=shape.hidden_size, expert_width=shape.expert_width,
+                            num_experts=shape.num_experts, top_k=shape.top_k, tp=tp, ep=ep, **common)
+    err_console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=err_console, transient=False) as bar:
+            tasks: dict[str, Any] = {}
+
+            def show(label: str, done: int, total: int) -> None:
+                if label not in tasks:
+                    tasks[label] = bar.add_task(label, total=total)
+                bar.update(tasks[label], completed=done, total=total)
+
+            doc = run_calibrate(settings, show)
+    except ValueError as exc:
+        raise UserError(f"calibrate: {exc}") from None
+    except RuntimeError as exc:
+        raise UserError(f"calibrate: {str(exc).splitlines()[0]}") from None
+    try:
+        write_json(doc, path)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write calibration ({exc.strerror})") from None
+    console = Console()
+    for line in summary_lines(doc):
+        console.print(Text(line), highlight=False)
+    for note in doc["notes"]:
+        console.print(Text(f"note: {note}", style="yellow"), highlight=False)
+    console.print(Text(f"calibration: {path}"), highlight=False)

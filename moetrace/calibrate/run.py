@@ -1,0 +1,379 @@
+"""The whole calibration: plan, measure, fit, write JSON. Needs torch alone (no click, rich or polars), so it runs
+as ``python -m moetrace.calibrate.run --out calib.json`` on a GPU machine where moetrace is not installed
+(``PYTHONPATH`` at the repository root is enough); ``moetrace calibrate`` calls the same ``calibrate`` function
+with a rich progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from moetrace.calibrate import SCHEMA
+from moetrace.calibrate.fit import fit_allreduce, fit_expert_time
+
+Progress = Callable[[str, int, int], None]  # (stage label, done, total)
+
+DECODE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+BANDWIDTH_BYTES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to measure. The defaults are Kimi-K2's shape and the per-rank slices of TP=8 and EP=8."""
+
+    device: str = "cuda"
+    hidden: int = 7168
+    expert_width: int = 2048
+    num_experts: int = 384
+    top_k: int = 8
+    tp: int = 8
+    ep: int = 8
+    formats: tuple[str, ...] = ("bf16", "fp8")
+    int4_group_size: int = 32
+    allreduce: bool = True
+    max_gpus: int | None = None
+    quick: bool = False
+    reps: int = 8
+    replays: int = 7
+    tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    ep_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    allreduce_tokens: tuple[int, ...] = DECODE_TOKENS
+    allreduce_bandwidth_bytes: tuple[int, ...] = BANDWIDTH_BYTES
+    allreduce_iters: int = 50
+    allreduce_replays: int = 5
+    command: str = field(default="", compare=False)
+
+    @classmethod
+    def quick_settings(cls, device: str, **overrides: Any) -> Settings:
+        """A smoke run in seconds: a small model shape, a small grid, few repetitions."""
+        base = cls(device=device, hidden=256, expert_width=256, num_experts=32, top_k=4, tp=2, ep=2, quick=True,
+                   reps=2, replays=2, tokens=(1, 2, 4), ep_rows=(1, 2, 4, 8), allreduce_tokens=(1, 2, 4),
+                   allreduce_bandwidth_bytes=(), allreduce_iters=5, allreduce_replays=2)
+        return replace(base, **overrides)
+
+    def check(self) -> None:
+        if self.expert_width % self.tp:
+            raise ValueError(f"expert width {self.expert_width} does not split over tp={self.tp}")
+        if self.num_experts % self.ep:
+            raise ValueError(f"{self.num_experts} experts do not split over ep={self.ep}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top-k {self.top_k} exceeds {self.num_experts} experts")
+        unknown = set(self.formats) - {"bf16", "fp8"}
+        if unknown:
+            raise ValueError(f"unknown weight format(s) {', '.join(sorted(unknown))} (known: bf16, fp8)")
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    name: str  # "tp8": experts split by tensor parallelism; "ep8": whole experts, split by expert parallelism
+    tp: int
+    ep: int
+    width: int  # per-rank expert width
+    pool: int  # experts one rank holds
+    grid: tuple[tuple[int, int], ...]  # (unique experts, routed rows) points
+
+
+def expert_configs(s: Settings) -> list[ExpertConfig]:
+    """TP: every rank holds a 1/tp slice of every expert and computes all unique experts of the step (at least
+    top_k, at most top_k·tokens). EP: a rank holds num_experts/ep whole experts and computes those routed to it."""
+    choices = sorted({s.top_k * m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)} | {s.num_experts})
+    tp_grid = [
+        (experts, s.top_k * tokens)
+        for tokens in s.tokens
+        for experts in choices
+        if experts <= min(s.num_experts, s.top_k * tokens)
+    ]
+    per_rank = s.num_experts // s.ep
+    ep_choices = sorted({1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128} & set(range(1, per_rank + 1)) | {per_rank})
+    ep_grid = [(experts, rows) for rows in s.ep_rows for experts in ep_choices if experts <= rows]
+    configs = [ExpertConfig(f"tp{s.tp}", s.tp, 1, s.expert_width // s.tp, s.num_experts, tuple(tp_grid))]
+    if s.ep > 1:
+        configs.append(ExpertConfig(f"ep{s.ep}", 1, s.ep, s.expert_width, per_rank, tuple(ep_grid)))
+    return configs
+
+
+def allreduce_sizes(s: Settings) -> list[tuple[int | None, int]]:
+    """(tokens or None, bytes): bf16 hidden states of 1..64 tokens, then larger messages for the bandwidth."""
+    return [(t, t * s.hidden * 2) for t in s.allreduce_tokens] + [(None, b) for b in s.allreduce_bandwidth_bytes]
+
+
+def allreduce_world_sizes(gpus: int) -> list[int]:
+    """2, 4, 8, … up to the devices present, and the device count itself."""
+    sizes = {n for n in (2, 4, 8, 16, 32) if n <= gpus}
+    if gpus >= 2:
+        sizes.add(gpus)
+    return sorted(sizes)
+
+
+def _versions(torch: Any) -> dict[str, Any]:
+    try:
+        from importlib.metadata import version
+
+        moetrace_version = version("moetrace")
+    except Exception:  # run from a source tree that is not installed (the GPU machine)
+        moetrace_version = "source tree"
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            nccl = None
+    return {"moetrace": moetrace_version, "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
+            "python": platform.python_version()}
+
+
+def _device_facts(torch: Any, device: Any) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": 1,
+                "threads": torch.get_num_threads()}
+    props = torch.cuda.get_device_properties(device)
+    count = torch.cuda.device_count()
+    return {"type": "cuda", "name": props.name, "count": count,
+            "names": [torch.cuda.get_device_name(i) for i in range(count)],
+            "capability": f"{props.major}.{props.minor}", "memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count}
+
+
+def _int4_estimate(curves: list[dict[str, Any]], s: Settings) -> list[dict[str, Any]]:
+    """INT4 (group-quantised, bf16 scales) expert time per config, estimated from the narrowest measured format's
+    marginal weight bandwidth: per-expert time = INT4 bytes per expert / that bandwidth; c0 and per-row as measured."""
+    from moetrace.calibrate.experts import weight_bytes_per_expert
+
+    out = []
+    for name in dict.fromkeys(c["config"] for c in curves):
+        usable = [c for c in curves if c["config"] == name and c.get("fit") and c["fit"]["per_expert_us"] > 0]
+        if not usable:
+            continue
+        basis = min(usable, key=lambda c: c["weight_bits"])
+        bandwidth = basis["marginal_weight_gbs"]
+        int4_bytes = weight_bytes_per_expert(s.hidden, basis["width"], 4, s.int4_group_size)
+        fit = basis["fit"]
+        out.append({
+            "config": name, "tp": basis["tp"], "ep": basis["ep"], "width": basis["width"], "format": "int4",
+            "weight_bits": 4, "estimated": True, "basis_format": basis["format"],
+            "weight_bytes_per_expert": int4_bytes, "marginal_weight_gbs": bandwidth,
+            "fit": {"model": fit["model"], "c0_us": fit["c0_us"], "per_expert_us": int4_bytes / (bandwidth * 1e3),
+                    "per_row_us": fit["per_row_us"]},
+            "note": f"estimated: INT4 weights (group {s.int4_group_size}, bf16 scales) streamed at the marginal "
+                    f"weight bandwidth measured for {basis['format']}; c0 and per-row cost as {basis['format']}",
+        })
+    return out
+
+
+def calibrate(s: Settings, progress: Progress) -> dict[str, Any]:
+    """Measure everything ``s`` asks for and return the calibration document (schema ``moetrace-calibration/1``)."""
+    s.check()
+    import torch
+
+    from moetrace.calibrate.allreduce import measure_allreduce
+    from moetrace.calibrate.experts import ExpertPool, copy_bandwidth_gbs, measure_curve, weight_bytes_per_expert
+
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device visible (use --device cpu for a smoke run)")
+    device = torch.device("cuda", 0) if s.device == "cuda" else torch.device("cpu")
+    notes: list[str] = []
+    doc: dict[str, Any] = {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": s.command,
+        "quick": s.quick,
+        "device": _device_facts(torch, device),
+        "versions": _versions(torch),
+        "host": {"hostname": platform.node(), "cpus": os.cpu_count()},
+        "settings": {k: v for k, v in asdict(s).items() if k != "command"},
+        "shape": {"hidden_size": s.hidden, "expert_width": s.expert_width, "num_experts": s.num_experts,
+                  "top_k": s.top_k},
+    }
+    progress("copy bandwidth", 0, 1)
+    doc["copy_bandwidth_gbs"] = copy_bandwidth_gbs(device, (1 << 20) if s.quick else (2 << 30))
+    progress("copy bandwidth", 1, 1)
+
+    curves: list[dict[str, Any]] = []
+    for config in expert_configs(s):
+        for fmt in s.formats:
+            label = f"experts {config.name} {fmt}"
+            total = len(config.grid)
+            progress(label, 0, total)
+            bits = 8 if fmt == "fp8" else 16
+            curve: dict[str, Any] = {
+                "config": config.name, "tp": config.tp, "ep": config.ep, "width": config.width,
+                "experts_per_rank": config.pool, "format": fmt, "weight_bits": bits,
+                "weight_bytes_per_expert": weight_bytes_per_expert(s.hidden, config.width, bits),
+                "estimated": False,
+            }
+            pool = None
+            try:
+                pool = ExpertPool(s.hidden, config.width, config.pool, fmt, device)
+                reason = pool.check()
+                if reason is not None:
+                    curve["skipped"] = f"{pool.kernel} cannot run on {device.type}: {reason}"
+                    notes.append(f"{label}: {curve['skipped']}")
+                    progress(label, total, total)
+                else:
+                    curve["kernel"] = pool.kernel
+                    curve["rows_padded_to"] = pool.row_multiple
+                    done = [0]
+
+                    def tick(label: str = label, done: list[int] = done, total: int = total) -> None:
+                        done[0] += 1
+                        progress(label, done[0], total)
+
+                    points = measure_curve(pool, config.grid, s.reps, s.replays, tick)
+                    curve["points"] = points
+                    curve["timing"] = sorted({p["timing"] for p in points})
+                    fit = fit_expert_time(points)
+                    curve["fit"] = fit
+                    curve["marginal_weight_gbs"] = (curve["weight_bytes_per_expert"] / (fit["per_expert_us"] * 1e3)
+                                                    if fit["per_expert_us"] > 0 else None)
+                    curve["peak_weight_gbs"] = max(p["weight_gbs"] for p in points)
+            except Exception as exc:  # one curve failing (kernel, memory) must not lose the others
+                curve["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                notes.append(f"{label}: {curve['skipped']}")
+                progress(label, total, total)
+            finally:
+                del pool
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            curves.append(curve)
+    doc["experts"] = curves
+    doc["int4_estimate"] = _int4_estimate([c for c in curves if "fit" in c], s)
+
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if s.max_gpus is not None:
+        gpus = min(gpus, s.max_gpus)
+    sizes = allreduce_sizes(s)
+    allreduce: dict[str, Any] = {"gpus_present": torch.cuda.device_count() if device.type == "cuda" else 0,
+                                 "measured": [], "skipped": None}
+    if not s.allreduce:
+        allreduce["skipped"] = "not asked for (--no-allreduce)"
+    elif device.type == "cuda" and gpus < 2:
+        allreduce["skipped"] = f"{gpus} GPU present: an all-reduce needs at least 2"
+    else:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        worlds = allreduce_world_sizes(gpus) if device.type == "cuda" else [2]
+        if backend == "gloo":
+            notes.append("all-reduce measured with gloo across 2 CPU processes: a smoke test, not a GPU figure")
+        for world in worlds:
+            label = f"all-reduce {world} {'GPUs' if backend == 'nccl' else 'processes'} ({backend})"
+            done = [0]
+
+            def tick_ar(label: str = label, done: list[int] = done) -> None:
+                done[0] += 1
+                progress(label, done[0], len(sizes))
+
+            progress(label, 0, len(sizes))
+            try:
+                result = measure_allreduce(world, backend, [b for _, b in sizes], s.allreduce_iters,
+                                           s.allreduce_replays, tick_ar, graph_sizes=len(s.allreduce_tokens))
+            except Exception as exc:  # a failed group must not lose the expert curves
+                allreduce["measured"].append({"world_size": world, "backend": backend, "skipped": str(exc)[:300]})
+                notes.append(f"{label}: {exc}")
+                continue
+            for point, (tokens, _) in zip(result["points"], sizes):
+                point["tokens"] = tokens
+            decode = [p for p in result["points"] if p["tokens"] is not None]
+            # one fit per timing method that covers every decode size; "fit" is the GPU-side one (CUDA graph,
+            # else calls queued ahead of the GPU, else the host-issued loop)
+            result["fits"] = {
+                method: fit_allreduce([{"bytes": p["bytes"], "time_us": p[f"{method}_us"]} for p in decode], world)
+                for method in ("eager", "queued", "graph")
+                if decode and all(f"{method}_us" in p for p in decode)
+            }
+            preferred = next(m for m in ("graph", "queued", "eager") if m in result["fits"])
+            result["fit"] = {**result["fits"][preferred], "timing": preferred}
+            if result.get("graph_note"):
+                notes.append(f"{label}: {result['graph_note']}")
+            large = [p for p in result["points"] if p["tokens"] is None]
+            if large:
+                biggest = max(large, key=lambda p: p["bytes"])
+                result["large_message_bus_bandwidth_gbs"] = (2 * (world - 1) / world * biggest["bytes"]
+                                                             / (biggest["time_us"] * 1e3))
+            allreduce["measured"].append(result)
+    allreduce["world_sizes_measured"] = [m["world_size"] for m in allreduce["measured"] if "fit" in m]
+    doc["allreduce"] = allreduce
+    doc["notes"] = notes
+    return doc
+
+
+def write_json(doc: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def summary_lines(doc: dict[str, Any]) -> list[str]:
+    """A short plain-text digest of a calibration (what the device run prints last)."""
+    lines = [f"device {doc['device'].get('name')} x{doc['device'].get('count')}, torch {doc['versions']['torch']}, "
+             f"copy bandwidth {doc['copy_bandwidth_gbs']:.0f} GB/s"]
+    for curve in doc["experts"] + doc["int4_estimate"]:
+        head = f"experts {curve['config']} {curve['format']:>4} width {curve['width']}"
+        if "fit" not in curve:
+            lines.append(f"{head}: skipped ({curve.get('skipped')})")
+            continue
+        fit = curve["fit"]
+        lines.append(
+            f"{head}: {fit['c0_us']:.1f} us + {fit['per_expert_us']:.2f} us/expert + {fit['per_row_us']:.3f} us/row"
+            f"; marginal {curve['marginal_weight_gbs'] or 0:.0f} GB/s"
+            + (f", peak {curve['peak_weight_gbs']:.0f} GB/s, R2 {fit['r2']:.3f}" if not curve["estimated"] else " (est.)"))
+    ar = doc["allreduce"]
+    if ar.get("skipped"):
+        lines.append(f"all-reduce skipped: {ar['skipped']}")
+    for m in ar["measured"]:
+        if "fit" not in m:
+            lines.append(f"all-reduce {m['world_size']}: skipped ({m.get('skipped')})")
+            continue
+        f = m["fit"]
+        for method, f in m["fits"].items():
+            lines.append(f"all-reduce {m['world_size']} ({m['backend']}, {method}): {f['latency_us']:.1f} us + "
+                         f"bytes/{f['bus_bandwidth_gbs'] or 0:.1f} GB/s (bus), R2 {f['r2']:.2f}")
+        lines.append("  points (KiB: eager/queued/graph us) " + ", ".join(
+            f"{p['bytes'] // 1024}:" + "/".join(f"{p[k]:.1f}" if k in p else "-"
+                                               for k in ("eager_us", "queued_us", "graph_us"))
+            for p in m["points"]))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moetrace.calibrate.run", description=__doc__)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--formats", default="bf16,fp8")
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--max-gpus", type=int, default=None)
+    parser.add_argument("--no-allreduce", action="store_true")
+    args = parser.parse_args(argv)
+    command = "python -m moetrace.calibrate.run " + " ".join(sys.argv[1:] if argv is None else argv)
+    common: dict[str, Any] = {"formats": tuple(args.formats.split(",")), "allreduce": not args.no_allreduce,
+                              "max_gpus": args.max_gpus, "command": command}
+    if args.quick:
+        settings = Settings.quick_settings(args.device, **common)
+    else:
+        settings = Settings(device=args.device, tp=args.tp, ep=args.ep, **common)
+
+    def show(label: str, done: int, total: int) -> None:
+        if done == total or done % 5 == 0:
+            print(f"[{done}/{total}] {label}", flush=True)
+
+    doc = calibrate(settings, show)
+    write_json(doc, args.out)
+    print(f"wrote {args.out}", flush=True)
+    for line in summary_lines(doc):
+        print(line, flush=True)
+    for note in doc["notes"]:
+        print(f"note: {note}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""`moetrace calibrate` on the CPU: the fits against hand-computed cases, the expert layer against a reference,
+the measuring grid, a gloo all-reduce across 2 processes, and the command end to end. GPU paths are skipped where
+no GPU exists."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from moetrace.calibrate import SCHEMA
+from moetrace.calibrate.allreduce import measure_allreduce
+from moetrace.calibrate.experts import ExpertPool, group_offsets, measure_curve, weight_bytes_per_expert
+from moetrace.calibrate.fit import fit_allreduce, fit_expert_time, least_squares
+from moetrace.calibrate.run import Settings, allreduce_world_sizes, expert_configs
+
+CPU = torch.device("cpu")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fewer than 2 CUDA GPUs here")
+
+
+def test_least_squares_recovers_exact_coefficients() -> None:
+    xs = [1.0, 2.0, 3.0, 5.0, 8.0]
+    zs = [2.0, 1.0, 7.0, 3.0, 4.0]
+    y = [4.0 + 2.5 * x - 0.5 * z for x, z in zip(xs, zs)]
+    c = least_squares([[1.0] * 5, xs, zs], y)
+    assert c == pytest.approx([4.0, 2.5, -0.5])
+    with pytest.raises(ValueError):
+        least_squares([[1.0], [2.0]], [1.0])
+
+
+def test_fit_expert_time_and_quality() -> None:
+    points = [{"experts": e, "rows": r, "time_us": 30.0 + 4.0 * e + 0.1 * r} for e, r in
+              [(8, 8), (16, 16), (8, 64), (32, 64), (64, 512), (128, 512)]]
+    fit = fit_expert_time(points)
+    assert (fit["c0_us"], fit["per_expert_us"], fit["per_row_us"]) == pytest.approx((30.0, 4.0, 0.1))
+    assert fit["r2"] == pytest.approx(1.0) and fit["max_rel_err"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_allreduce_bus_bandwidth_by_hand() -> None:
+    # 10 µs + 1 µs per 100 kB: algorithm bandwidth 100 GB/s; bus bandwidth ×2(N−1)/N
+    points = [{"bytes": b, "time_us": 10.0 + b / 1e5} for b in (14336, 57344, 917504)]
+    two = fit_allreduce(points, 2)
+    assert two["latency_us"] == pytest.approx(10.0)
+    assert two["bus_bandwidth_gbs"] == pytest.approx(100.0)
+    assert fit_allreduce(points, 8)["bus_bandwidth_gbs"] == pytest.approx(175.0)
+
+
+def test_group_offsets_and_weight_bytes() -> None:
+    offsets, total = group_offsets(10, 3, CPU)
+    assert offsets.tolist() == [4, 7, 10] and total == 10
+    offsets, total = group_offsets(10, 3, CPU, multiple=16)
+    assert offsets.tolist() == [16, 32, 48] and total == 48
+    with pytest.raises(ValueError):
+        group_offsets(2, 3, CPU)
+    # Kimi-K2 expert: 3·7168·2048 weights; INT4 with a bf16 scale per 32 weights
+    assert weight_bytes_per_expert(7168, 2048, 16) == 3 * 7168 * 2048 * 2
+    assert weight_bytes_per_expert(7168, 2048, 4, 32) == 3 * 7168 * 2048 // 2 + 3 * 7168 * 2048 // 32 * 2
+
+
+def test_expert_layer_matches_a_reference_on_cpu() -> None:
+    pool = ExpertPool(hidden=32, width=16, pool=6, fmt="bf16", device=CPU)
+    assert pool.check() is None
+    call, rows = pool.layer_call(experts=3, rows=7)
+    out = call(1)  # second window: experts 3, 4, 5
+    assert isinstance(out, torch.Tensor) and out.shape == (rows, 32)
+    fp8 = ExpertPool(hidden=32, width=16, pool=2, fmt="fp8", device=CPU)
+    reason = fp8.check()
+    assert reason is None or "cpu" in reason.lower() or "Error" in reason  # CPU torch has no fp8 grouped GEMM
+    points = measure_curve(pool, [(1, 1), (2, 4), (4, 8)], reps=2, replays=1, tick=lambda: None)
+    assert [p["experts"] for p in points] == [1, 2, 4]
+    assert all(p["time_us"] > 0 and p["timing"] == "host-clock" for p in points)
+
+
+def test_measuring_grid_respects_routing_limits() -> None:
+    s = Settings()
+    tp, ep = expert_configs(s)
+    assert (tp.name, tp.width, tp.pool) == ("tp8", 256, 384)
+    assert (ep.name, ep.width, ep.pool) == ("ep8", 2048, 48)
+    for experts, rows in tp.grid:  # T tokens pick top_k distinct experts each: top_k ≤ unique ≤ top_k·T
+        assert s.top_k <= experts <= min(rows, s.num_experts) and rows % s.top_k == 0
+    assert max(e for e, _ in tp.grid) == 384 and max(r for _, r in tp.grid) == 8 * 64
+    assert all(1 <= e <= min(r, 48) for e, r in ep.grid)
+    assert allreduce_world_sizes(1) == [] and allreduce_world_sizes(2) == [2]
+    assert allreduce_world_sizes(8) == [2, 4, 8] and allreduce_world_sizes(6) == [2, 4, 6]
+    with pytest.raises(ValueError):
+        Settings(tp=3).check()
+
+
+def test_gloo_allreduce_two_processes() -> None:
+    ticks: list[int] = []
+    result = measure_allreduce(2, "gloo", [64, 4096], iters=2, replays=1, tick=lambda: ticks.append(1))
+    assert result["world_size"] == 2 and result["backend"] == "gloo"
+    assert [p["bytes"] for p in result["points"]] == [64, 4096] and len(ticks) == 2
+    assert all(p["time_us"] > 0 and p["timing"] == "host-clock" for p in result["points"])
+
+
+def test_calibrate_command_writes_json_and_refuses_overwrite(tmp_path: Path) -> None:
+    from moetrace.cli import main  # imported here: the GPU machine runs the GPU tests without polars/plotly
+
+    out = tmp_path / "calib.json"
+    args = ["calibrate", "--device", "cpu", "--quick", "--formats", "bf16", "--no-allreduce", "-o", str(out)]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == SCHEMA and doc["quick"] is True and doc["device"]["type"] == "cpu"
+    assert {"torch", "python", "moetrace"} <= set(doc["versions"])
+    assert {c["config"] for c in doc["experts"]} == {"tp2", "ep2"}
+    assert all("fit" in c for c in doc["experts"])
+    assert {c["format"] for c in doc["int4_estimate"]} == {"int4"}
+    assert doc["allreduce"]["skipped"] and doc["allreduce"]["world_sizes_measured"] == []
+    again = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert again.exit_code == 1 and "already exists" in again.output and "Traceback" not in again.output
+    bad = CliRunner().invoke(main, ["calibrate", "--device", "cpu", "--quick", "--formats", "int3", "-o",
+                                    str(tmp_path / "x.json")], catch_exceptions=False)
+    assert bad.exit_code == 1 and "unknown weight format" in bad.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_calibrate_without_gpu_says_so(tmp_path: Path) -> None:
+    from moetrace.cli import main
+
+    result = CliRunner().invoke(main, ["calibrate", "--quick", "-o", str(tmp_path / "c.json")],
+                                catch_exceptions=False)
+    assert result.exit_code == 1 and "no CUDA device" in result.output
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_gpu_expert_layer(fmt: str) -> None:
+    pool = ExpertPool(hidden=512, width=256, pool=16, fmt=fmt, device=torch.device("cuda", 0))
+    reason = pool.check()
+    if fmt == "fp8" and reason is not None and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip(f"fp8 grouped GEMM needs Hopper or newer: {reason}")
+    assert reason is None
+    points = measure_curve(pool, [(1, 1), (8, 8)], reps=4, replays=2, tick=lambda: None)
+    assert all(p["time_us"] > 0 for p in points)
+
+
+@needs_two_gpus
+def test_nccl_allreduce_two_gpus() -> None:
+    result = measure_allreduce(2, "nccl", [14336, 917504], iters=5, replays=2, tick=lambda: None, graph_sizes=1)
+    assert [p["bytes"] for p in result["points"]] == [14336, 917504]
+    assert all(p["queued_us"] > 0 and p["eager_us"] > 0 for p in result["points"])

@@ -1,0 +1,177 @@
+"""The cost model (analysis/cost.py) against hand-computed cases, and `moetrace report --profile/--calibration`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from moetrace.analysis.cost import (
+    PROFILE_PRESETS,
+    Profile,
+    acceptance_curve,
+    allreduce_model,
+    deployment_for,
+    geometric_acceptance,
+    parse_profile,
+    predict,
+    ring_model,
+    tokens_per_step,
+    uniform_busiest_rank,
+    uniform_routing,
+)
+from moetrace.analysis.placement import linear_placement
+from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
+from moetrace.cli import main
+from trace_builder import Model, verify_tokens, write_trace
+
+SMALL = ModelShape(num_experts=64, top_k=8, num_layers=2, moe_layers=2, hidden_size=1000, expert_width=32,
+                   shared_experts=1, expert_weight_bits=16, quant_group_size=None)
+
+
+def _calibration(world_sizes: tuple[int, ...] = (2,)) -> dict[str, Any]:
+    fit = {"model": "", "c0_us": 10.0, "per_expert_us": 2.0, "per_row_us": 0.5}
+    measured = [{"world_size": n, "backend": "nccl",
+                 "points": [{"bytes": 2000, "tokens": 1, "time_us": 10.0}, {"bytes": 8000, "tokens": 4, "time_us": 13.0},
+                            {"bytes": 16000, "tokens": 8, "time_us": 12.0}],
+                 "fit": {"latency_us": 9.0, "bus_bandwidth_gbs": 2.0, "timing": "graph"}} for n in world_sizes]
+    return {"schema": "moetrace-calibration/1", "device": {"name": "test", "count": 2},
+            "shape": {"hidden_size": 1000},
+            "experts": [{"config": "tp2", "format": "bf16", "weight_bits": 16, "estimated": False, "fit": fit}],
+            "int4_estimate": [], "allreduce": {"measured": measured}}
+
+
+def _per_k(unique: list[float], tokens: list[float]) -> pl.DataFrame:
+    return pl.DataFrame({"k": list(range(len(unique))), "unique_experts": unique, "busiest_rank_experts": unique,
+                         "tokens_per_step": tokens})
+
+
+def test_tokens_per_step_from_acceptance() -> None:
+    assert tokens_per_step(geometric_acceptance(0.7, 3)) == pytest.approx(1 + 0.7 + 0.49 + 0.343)
+    assert tokens_per_step(geometric_acceptance(0.7, 0)) == 1.0
+    rates, extrapolated = acceptance_curve({1: 0.8, 2: 0.6}, 4)  # conditional 0.75 continues
+    assert rates == pytest.approx([0.8, 0.6, 0.45, 0.3375]) and extrapolated
+    assert acceptance_curve({1: 0.8, 2: 0.6}, 2) == ([0.8, 0.6], False)
+    with pytest.raises(ValueError):
+        acceptance_curve({}, 2)
+
+
+def test_parse_profile_forms() -> None:
+    design = PROFILE_PRESETS["kimi-k2-tp8"]
+    inline = parse_profile("step=12.1ms,allreduce=51.5%,moe=11.1%,attention=15.3%,other=13.4%")
+    as_json = parse_profile('{"step_ms": 12.1, "allreduce": 0.515, "moe": 0.111, "attention": 0.153, "other": 0.134}')
+    for profile in (inline, as_json, parse_profile("kimi-k2-tp8")):
+        assert (profile.step_ms, profile.allreduce, profile.moe) == pytest.approx((12.1, 0.515, 0.111))
+        assert profile.rest == pytest.approx(design.rest) and profile.rest == pytest.approx(0.087)
+    for bad in ("step=12ms,moe=10%", "step=1ms,allreduce=90%,moe=20%,attention=0,other=0", "nonsense", "{1"):
+        with pytest.raises(ValueError):
+            parse_profile(bad)
+
+
+def test_ring_model_and_extrapolation() -> None:
+    assert ring_model(8, 10.0, 100.0, "").time_us(1e6) == pytest.approx(10.0 + 1.75 * 1e6 / 1e5)
+    doc = _calibration()
+    two = allreduce_model(doc, 2)
+    assert two is not None and not two.extrapolated
+    assert two.time_us(5000) == pytest.approx(11.5)  # interpolated between 10 µs and 13 µs
+    assert two.time_us(12000) == pytest.approx(13.0)  # the 12 µs dip at 16 kB is raised to 13 (non-decreasing)
+    eight = allreduce_model(doc, 8)
+    assert eight is not None and eight.extrapolated and "EXTRAPOLATED from 2 GPUs" in eight.basis
+    assert eight.time_us(2000) == pytest.approx(two.time_us(3500))  # same bytes per GPU: ×1.75
+    assert eight.time_us(1e6) == pytest.approx(9.0 + 1.75 * 1e6 / 2e3)  # past the curve: the fitted ring model
+    assert allreduce_model(_calibration(()), 8) is None
+
+
+def test_predict_profile_only_by_hand() -> None:
+    profile = Profile(step_ms=10.0, allreduce=0.5, moe=0.1, attention=0.2, other_gemm=0.1,
+                      attention_growth_per_token=0.0, other_growth_per_token=0.0)
+    tokens = tokens_per_step(geometric_acceptance(0.7, 3))
+    table, basis = predict(_per_k([8.0, 0.0, 0.0, 32.0], [1.0, 1.0, 1.0, tokens]).filter(pl.col("k").is_in([0, 3])),
+                           deployment_for(SMALL, 2, 1), profile, None)
+    row = table.filter(pl.col("k") == 3).to_dicts()[0]
+    assert row["moe_ms"] == pytest.approx(1.0 * 33 / 9)  # (unique + shared) / (8 + 1)
+    # 4 all-reduces (2 layers × 2) of 1.25 ms each; 3 more tokens × 1000 × 2 B at 100 GB/s (ring 1 for 2 GPUs)
+    assert row["allreduce_ms"] == pytest.approx(5.0 + 4 * 6000 / 1e5 / 1e3)
+    step = 33 / 9 + 5.0 + 4 * 0.06e-3 + 2.0 + 1.0 + 1.0
+    assert row["step_ms"] == pytest.approx(step)
+    assert row["speedup"] == pytest.approx(tokens / (step / 10.0))
+    assert basis["mode"] == "profile, modelled growth" and not basis["allreduce_extrapolated"]
+
+
+def test_predict_calibration_only_by_hand() -> None:
+    table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None, _calibration())
+    k1 = table.filter(pl.col("k") == 1).to_dicts()[0]
+    # tp2: experts 12 + 1 shared, rows 2 tokens × (8 + 1): 10 + 2·13 + 0.5·18 = 45 µs per layer, 2 layers
+    assert k1["expert_layer_us"] == pytest.approx(45.0) and k1["moe_ms"] == pytest.approx(0.090)
+    # 4 all-reduces of 2 tokens × 1000 × 2 B = 4000 B: 10 + 3·(2000/6000) = 11 µs
+    assert k1["allreduce_ms"] == pytest.approx(4 * 11.0 / 1e3)
+    k0 = table.filter(pl.col("k") == 0).to_dicts()[0]
+    assert k0["step_ms"] == pytest.approx(2 * (10 + 18 + 4.5) / 1e3 + 4 * 10.0 / 1e3)
+    assert k1["speedup"] == pytest.approx(1.5 / (k1["step_ms"] / k0["step_ms"]))
+    assert basis["mode"] == "calibration only" and any("lower bound" in n for n in basis["notes"])
+    with pytest.raises(ValueError, match="no expert curve for ep2"):
+        predict(_per_k([8.0], [1.0]), deployment_for(SMALL, 1, 2), None, _calibration())
+
+
+def test_design_profile_uniform_k3_is_in_the_hand_band() -> None:
+    shape = SHAPE_PRESETS["kimi-k2"]
+    per_k = uniform_routing(384, 8, linear_placement(384, 1), range(4)).with_columns(
+        tokens_per_step=pl.Series([tokens_per_step(geometric_acceptance(0.7, k)) for k in range(4)]))
+    table, _ = predict(per_k, deployment_for(shape, 8, 1), PROFILE_PRESETS["kimi-k2-tp8"], None)
+    k3 = table.filter(pl.col("k") == 3).to_dicts()[0]
+    assert k3["unique_experts"] == pytest.approx(384 * (1 - (1 - 8 / 384) ** 4))
+    assert 1.9 <= k3["speedup"] <= 2.3
+
+
+def test_uniform_busiest_rank() -> None:
+    placement = linear_placement(16, 4)
+    assert uniform_busiest_rank(16, 16, placement, 0) == 4.0  # every expert used: 4 per rank
+    one = uniform_busiest_rank(64, 1, linear_placement(64, 8), 0)
+    assert one == 1.0  # one token, one expert: one rank holds it
+    assert uniform_routing(16, 2, np.zeros(16, dtype=np.int64), [1])["busiest_rank_experts"][0] == pytest.approx(
+        16 * (1 - (1 - 2 / 16) ** 2))
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    model = Model()
+    tokens = verify_tokens(np.random.default_rng(3), model, requests=2, steps=8, k=2, accept_prob=0.7)
+    return write_trace(tmp_path / "t-k2", tokens, model, k=2)
+
+
+def test_report_predicts_with_profile_and_calibration(trace: Path, tmp_path: Path) -> None:
+    calibration = tmp_path / "calib.json"
+    calibration.write_text(json.dumps(_calibration()))
+    result = CliRunner().invoke(main, ["report", str(trace), "--k", "2", "--tp", "2", "--json", "--force",
+                                       "--profile", "step=10ms,allreduce=50%,moe=10%,attention=20%,other=10%",
+                                       "--calibration", str(calibration)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    prediction = json.loads(result.output)["runs"][0]["prediction"]
+    assert prediction["basis"]["mode"] == "profile anchored, calibrated growth"
+    assert prediction["at_k"]["k"] == 2 and prediction["per_k"][0]["step_ms"] == pytest.approx(10.0)
+    assert {row["acceptance_source"] for row in prediction["per_k"][:3]} == {"measured"}
+    page = (trace / "report.html").read_text()
+    assert "fig-prediction" in page
+    terminal = CliRunner().invoke(main, ["report", str(trace), "--force", "--tp", "8", "--routing", "uniform",
+                                         "--acceptance", "0.7", "--calibration", str(calibration)],
+                                  catch_exceptions=False)
+    assert terminal.exit_code == 1 and "no expert curve for tp8" in terminal.output
+
+
+def test_report_prediction_bad_input(trace: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "other"}')
+    for args, fragment in ((["--calibration", str(bad)], "not a moetrace calibration"),
+                           (["--calibration", str(tmp_path / "missing.json")], "cannot read calibration"),
+                           (["--profile", "step=1ms"], "--profile"),
+                           (["--profile", "kimi-k2-tp8", "--acceptance", "1.5"], "--acceptance")):
+        result = CliRunner().invoke(main, ["report", str(trace), "--force", *args], catch_exceptions=False)
+        assert result.exit_code == 1 and fragment in result.output and "Traceback" not in result.output
+    ok = CliRunner().invoke(main, ["report", str(trace), "--force", "--profile", "kimi-k2-tp8", "--routing",
+                                   "uniform", "--acceptance", "0.7"], catch_exceptions=False)
+    assert ok.exit_code == 0 and "Predicted verify step" in ok.output
