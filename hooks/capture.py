@@ -1,22 +1,35 @@
-"""Graph-safe routing capture: each target-model router writes its top-k into static device buffers.
+"""Graph-safe routing capture: every target-model router's top-k, with no host sync and no kernel in the forward.
 
-# T tokens in a forward, L recorded MoE layers, K top-k, C router candidates, E experts
+# T tokens in a forward (T_pad: padded to a CUDA-graph size), L recorded MoE layers, K top-k, C router candidates,
+# E experts
 
-The wrapper only issues tensor copies into buffers allocated once at model load, so it is replayed correctly by
-CUDA graphs and traced correctly by Dynamo; it never reads a value back to the host. The step hook copies rows
-[:T] out after the forward.
+The wrapper around ``router._compute_routing`` has one mechanism for each way the router's Python is run:
+
+- **It runs** (eager; and on GPU, where vLLM's MoE is the opaque op ``moe_forward``, also while a CUDA graph is
+  captured): the wrapper keeps references to the router's own output tensors, no kernel. During CUDA-graph
+  capture they go into the table of the graph being captured (``graph_key()``); they live in the graph's private
+  pool, and holding them keeps their addresses from being reused, so after every replay of that graph they hold
+  that replay's values. Routers return tensors allocated per call (no shared workspace), which this relies on.
+- **Dynamo traces it** (vLLM compiling on CPU): Python side effects are lost, tensor writes are kept, so the
+  wrapper copies into static buffers [T_max, L, K] instead (two copies per layer).
+
+After the forward, ``collect`` gathers rows [:T] from whichever mechanism ran: one stack per field, then one
+non-blocking copy into pinned host memory; ``PendingRows.wait`` syncs on that copy only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+GraphKey = Callable[[], Hashable]
 _WRAPPED_MARK = "_moetrace_original_compute_routing"
+FIELDS = ("ids", "weights", "cand_ids", "cand_scores")
+_DTYPES = {"ids": torch.int32, "weights": torch.float32, "cand_ids": torch.int32, "cand_scores": torch.float32}
 
 
 @dataclass
@@ -30,29 +43,110 @@ class RouterInfo:
     routed_scaling_factor: float
 
 
-class RoutingBuffers:
-    """Static buffers that routers write into during the forward.
+class Kept(NamedTuple):
+    """One layer's routing as the router returned it: ids/weights [T, K], candidates [T, C] or None."""
 
-    ids [T_max, L, K] int32 · weights [T_max, L, K] fp32 · cand_ids/cand_scores [T_max, L, C] (only when C > 0)
-    """
+    ids: torch.Tensor
+    weights: torch.Tensor
+    cand_ids: torch.Tensor | None
+    cand_scores: torch.Tensor | None
+
+
+class RoutingBuffers:
+    """Static buffers for the traced path: ids/weights [T_max, L, K], cand_ids/cand_scores [T_max, L, C]."""
 
     def __init__(self, max_tokens: int, num_layers: int, top_k: int, candidates: int, device: torch.device):
-        shape = (max_tokens, num_layers)
-        self.ids = torch.zeros(*shape, top_k, dtype=torch.int32, device=device)
-        self.weights = torch.zeros(*shape, top_k, dtype=torch.float32, device=device)
-        self.cand_ids = torch.zeros(*shape, candidates, dtype=torch.int32, device=device) if candidates else None
-        self.cand_scores = torch.zeros(*shape, candidates, dtype=torch.float32, device=device) if candidates else None
-        self.top_k = top_k
-        self.candidates = candidates
+        widths = {"ids": top_k, "weights": top_k, "cand_ids": candidates, "cand_scores": candidates}
+        self.fields = {
+            name: torch.zeros(max_tokens, num_layers, widths[name], dtype=_DTYPES[name], device=device)
+            for name in FIELDS
+            if widths[name]
+        }
 
-    def rows(self, num_tokens: int) -> dict[str, torch.Tensor]:
-        """Host copies of the first ``num_tokens`` rows, safe to keep after the next forward overwrites the
-        buffers."""
-        out = {"ids": self.ids[:num_tokens], "weights": self.weights[:num_tokens]}
-        if self.cand_ids is not None and self.cand_scores is not None:
-            out["cand_ids"] = self.cand_ids[:num_tokens]
-            out["cand_scores"] = self.cand_scores[:num_tokens]
-        return {name: t.to("cpu", copy=True) for name, t in out.items()}
+    def write(self, slot: int, kept: Kept) -> None:
+        for name, buffer in self.fields.items():
+            value = getattr(kept, name)
+            buffer[: value.shape[0], slot].copy_(value)
+
+
+class PendingRows:
+    """Host rows of one forward, copied without blocking; ``wait`` syncs on that copy and returns owned tensors."""
+
+    def __init__(self, host: dict[str, torch.Tensor], done: torch.cuda.Event | None):
+        self.host, self.done = host, done
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        if self.done is None:
+            return self.host
+        self.done.synchronize()
+        return {name: t.clone() for name, t in self.host.items()}  # the pinned staging is reused next step
+
+
+class RoutingCapture:
+    """Where the routers' outputs are kept during forwards, and how rows of real tokens are collected after."""
+
+    def __init__(
+        self,
+        max_tokens: int,
+        num_layers: int,
+        top_k: int,
+        candidates: int,
+        device: torch.device,
+        graph_key: GraphKey = lambda: None,
+    ):
+        self.top_k, self.candidates, self.num_layers = top_k, candidates, num_layers
+        self.graph_key = graph_key
+        self.cuda = torch.device(device).type == "cuda"
+        self.buffers = RoutingBuffers(max_tokens, num_layers, top_k, candidates, device)
+        self.graphs: dict[Hashable, list[Kept | None]] = {}  # per captured graph: [L]
+        self.step: list[Kept | None] = [None] * num_layers  # this forward's, when the router's Python ran
+        self.staging = (
+            {name: torch.empty_like(b, device="cpu").pin_memory() for name, b in self.buffers.fields.items()}
+            if self.cuda
+            else None
+        )
+
+    def keep(self, slot: int, kept: Kept) -> None:
+        """Keep references to one layer's outputs: in the table of the graph being captured, or this step's."""
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            self.graphs.setdefault(self.graph_key(), [None] * self.num_layers)[slot] = kept
+        else:
+            self.step[slot] = kept
+
+    def begin_step(self) -> None:
+        """Call before each recorded forward: forget the previous forward's references."""
+        self.step = [None] * self.num_layers
+
+    def collect(self, num_tokens: int, replayed: Hashable | None = None) -> PendingRows:
+        """Start copying rows [:T] of this forward to the host. ``replayed`` names the CUDA graph the forward
+        replayed (None: no graph). No kernel ran in the forward, so the gather is here: one stack per field."""
+        kept, self.step = self._kept(replayed), [None] * self.num_layers
+        if kept is None:  # traced forward: the static buffers hold it
+            rows = {name: b[:num_tokens] for name, b in self.buffers.fields.items()}
+        else:
+            stacked = {name: torch.stack([getattr(k, name) for k in kept], dim=1) for name in self.buffers.fields}
+            rows = {name: t[:num_tokens] for name, t in stacked.items()}
+        if self.staging is None:
+            return PendingRows({name: r.to(_DTYPES[name], copy=True) for name, r in rows.items()}, None)
+        host = {name: self.staging[name][:num_tokens] for name in rows}
+        for name, r in rows.items():
+            host[name].copy_(r, non_blocking=True)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record()
+        return PendingRows(host, done)
+
+    def _kept(self, replayed: Hashable | None) -> list[Kept] | None:
+        """The references this forward left, or None where only the static buffers were written (traced)."""
+        if any(k is not None for k in self.step):
+            kept = self.step
+        elif replayed is not None:
+            kept = self.graphs.get(replayed, [None])
+        else:
+            return None
+        if any(k is None for k in kept):
+            missing = "captured without the wrapper" if replayed is not None else "partly recorded"
+            raise LookupError(f"routing of this forward is incomplete (graph {replayed!r} {missing})")
+        return kept  # type: ignore[return-value]
 
 
 def selection_scores(router: Any, router_logits: torch.Tensor) -> torch.Tensor:
@@ -63,24 +157,25 @@ def selection_scores(router: Any, router_logits: torch.Tensor) -> torch.Tensor:
     return scores + bias.float() if bias is not None else scores
 
 
-def wrap_router(router: Any, slot: int, buffers: RoutingBuffers) -> None:
-    """Make ``router._compute_routing`` also write its result into ``buffers`` at layer ``slot``. Idempotent."""
+def wrap_router(router: Any, slot: int, capture: RoutingCapture) -> None:
+    """Make ``router._compute_routing`` also record its result for layer ``slot``. Idempotent."""
     if _WRAPPED_MARK in vars(router):
         return
     original: RoutingFn = router._compute_routing
-    top_k = buffers.top_k
+    top_k, candidates = capture.top_k, capture.candidates
 
     def compute_routing_and_capture(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = original(*args, **kwargs)
-        num_tokens = ids.shape[0]
-        # Slice to top_k: fused shared experts append extra columns with ids >= E.
-        buffers.ids[:num_tokens, slot].copy_(ids[:, :top_k])
-        buffers.weights[:num_tokens, slot].copy_(weights[:, :top_k])
-        if buffers.cand_ids is not None and buffers.cand_scores is not None:
+        cand_ids = cand_scores = None
+        if candidates:
             router_logits = args[1] if len(args) > 1 else kwargs["router_logits"]
-            cand_scores, cand_ids = selection_scores(router, router_logits).topk(buffers.candidates, dim=-1)
-            buffers.cand_ids[:num_tokens, slot].copy_(cand_ids)
-            buffers.cand_scores[:num_tokens, slot].copy_(cand_scores)
+            cand_scores, cand_ids = selection_scores(router, router_logits).topk(candidates, dim=-1)
+        # Slice to top_k: fused shared experts append extra columns with ids >= E.
+        kept = Kept(ids[:, :top_k], weights[:, :top_k], cand_ids, cand_scores)
+        if torch.compiler.is_compiling():
+            capture.buffers.write(slot, kept)  # traced: only tensor writes survive
+        else:
+            capture.keep(slot, kept)  # the Python runs: references, no kernel
         return weights, ids
 
     setattr(router, _WRAPPED_MARK, original)
@@ -96,6 +191,19 @@ def unwrap_router(router: Any) -> None:
         del router._compute_routing  # the class method shows through again
     else:
         router._compute_routing = original
+
+
+def vllm_graph_key() -> Hashable | None:
+    """The CUDA graph the current vLLM forward captures or replays, as (mode, batch descriptor); None if none."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    context = get_forward_context()
+    if context.cudagraph_runtime_mode == CUDAGraphMode.NONE:
+        return None
+    return (context.cudagraph_runtime_mode.name, context.batch_descriptor)
 
 
 def target_moe_runners(model: torch.nn.Module) -> list[Any]:

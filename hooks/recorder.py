@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from moetrace.hooks.capture import RoutingBuffers, router_info, target_moe_runners, unwrap_router, wrap_router
+from moetrace.hooks.capture import (
+    RoutingCapture,
+    router_info,
+    target_moe_runners,
+    unwrap_router,
+    vllm_graph_key,
+    wrap_router,
+)
 from moetrace.hooks.manifest import worker_manifest
 from moetrace.schema import PHASES
 from moetrace.writer import StepCapture, TraceWriter
@@ -53,7 +61,10 @@ class Recorder:
         self.candidates = int(settings.get("candidates", 0))
         self.token_ids = bool(settings.get("token_ids", True))
         device = next(runner.model.parameters()).device
-        self.buffers = RoutingBuffers(int(runner.max_num_tokens), len(infos), self.top_k, self.candidates, device)
+        self.capture = RoutingCapture(
+            int(runner.max_num_tokens), len(infos), self.top_k, self.candidates, device, graph_key=vllm_graph_key
+        )
+        self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
         manifest = worker_manifest(vllm_config, infos, settings)
         self.writer = TraceWriter(
             Path(settings["out"]),
@@ -68,20 +79,22 @@ class Recorder:
         self._pending: dict[str, Any] | None = None
         self._original_execute = runner.execute_model
         self._original_sample = runner._sample
+        self._original_model_forward = runner._model_forward
         self.install()
 
     def install(self) -> None:
         """Wrap the routers and the runner's step methods; installing twice changes nothing."""
         for slot, moe in enumerate(self.runners):
-            wrap_router(moe.router, slot, self.buffers)
+            wrap_router(moe.router, slot, self.capture)
         self.runner.execute_model = self.execute_model
         self.runner._sample = self.sample
+        self.runner._model_forward = self.model_forward
 
     def uninstall(self) -> None:
         """Restore the runner and routers as they were; the writer stays open until ``close``."""
         for moe in self.runners:
             unwrap_router(moe.router)
-        for name in ("execute_model", "_sample"):
+        for name in ("execute_model", "_sample", "_model_forward"):
             vars(self.runner).pop(name, None)
         self._pending = None
 
@@ -93,6 +106,8 @@ class Recorder:
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         t_start = time.time_ns()
+        self.capture.begin_step()
+        self._replayed = None
         result = self._original_execute(scheduler_output, *args, **kwargs)
         self._pending = None
         if self.writer.failed is None and scheduler_output.total_num_scheduled_tokens:
@@ -101,6 +116,11 @@ class Recorder:
             except Exception as exc:
                 self._stop(exc)
         return result
+
+    def model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Note which CUDA graph (if any) the forward replays; vLLM's forward context says so only inside."""
+        self._replayed = vllm_graph_key()
+        return self._original_model_forward(*args, **kwargs)
 
     def sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
         sampler_output = self._original_sample(logits, spec_decode_metadata)
@@ -137,7 +157,7 @@ class Recorder:
             "drafts": drafts,
             "positions": runner.positions[:num_tokens].to("cpu", copy=True).numpy(),
             "tokens": runner.input_ids.gpu[:num_tokens].to("cpu", copy=True).numpy() if self.token_ids else None,
-            "routing": self.buffers.rows(num_tokens),
+            "routing": self.capture.collect(num_tokens, self._replayed),
         }
 
     def _capture(self, p: dict[str, Any], valid_sampled: npt.NDArray[np.int64], t_end: int) -> StepCapture:
@@ -161,7 +181,7 @@ class Recorder:
         ).astype(np.int8)
         is_draft = draft_pos > 0
         token_accepted = np.where(is_draft, (draft_pos <= accepted[token_req]).astype(np.int8), NOT_A_DRAFT)
-        routing = p["routing"]
+        routing = {name: t.numpy() for name, t in p["routing"].wait().items()}
         return StepCapture(
             step=self._next_step(),
             request=requests[token_req],
@@ -170,10 +190,10 @@ class Recorder:
             draft_pos=draft_pos.astype(np.uint8),
             token=p["tokens"].astype(np.uint32) if p["tokens"] is not None else None,
             accepted=token_accepted.astype(np.int8),
-            experts=routing["ids"].numpy().astype(np.uint16),
-            weights=routing["weights"].numpy(),
-            cand_experts=routing["cand_ids"].numpy().astype(np.uint16) if "cand_ids" in routing else None,
-            cand_scores=routing["cand_scores"].numpy() if "cand_scores" in routing else None,
+            experts=routing["ids"].astype(np.uint16),
+            weights=routing["weights"],
+            cand_experts=routing["cand_ids"].astype(np.uint16) if "cand_ids" in routing else None,
+            cand_scores=routing.get("cand_scores"),
             steps_rows={
                 "step": np.full(num_reqs, self.step - 1, dtype=np.uint32),
                 "request": requests,

@@ -1,0 +1,238 @@
+"""Routing capture (hooks/capture.py) without vLLM: references kept when the router's Python runs, static buffers
+when Dynamo traces it, per-graph tables under CUDA-graph capture; real CUDA graphs only where there is a GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from moetrace.hooks.capture import RoutingCapture, selection_scores, unwrap_router, wrap_router
+
+E, K, L, C = 32, 4, 3, 6  # experts, top-k, layers, candidates
+SIZES = (1, 2, 4, 8)
+
+
+class BiasRouter:
+    """The shape of vLLM's sigmoid + selection-bias router: ``_compute_routing`` returns (weights, ids)."""
+
+    scoring_func = "sigmoid"
+
+    def __init__(self, seed: int, device: str = "cpu"):
+        gen = torch.Generator().manual_seed(seed)
+        self.e_score_correction_bias = (torch.randn(E, generator=gen) * 0.05).to(device)
+        self.calls = 0
+
+    def _compute_routing(
+        self, hidden_states: Any, router_logits: torch.Tensor, indices_type: Any = None, *, input_ids: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        scores = router_logits.float().sigmoid()
+        ids = (scores + self.e_score_correction_bias).topk(K, dim=-1).indices
+        weights = scores.gather(1, ids)
+        return weights / weights.sum(dim=-1, keepdim=True), ids.to(torch.int32)
+
+
+def reference(routers: list[BiasRouter], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing computed independently of the wrapper: ids sorted per row, weights in id order. [T, L, K] each"""
+    ids, weights = [], []
+    for router, layer_logits in zip(routers, logits.unbind(1)):
+        scores = layer_logits.float().sigmoid()
+        top = (scores + router.e_score_correction_bias).topk(K, dim=-1).indices
+        w = scores.gather(1, top)
+        ids.append(top)
+        weights.append(w / w.sum(-1, keepdim=True))
+    return by_id(torch.stack(ids, dim=1), torch.stack(weights, dim=1))
+
+
+def by_id(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids_sorted, order = ids.long().sort(dim=-1)
+    return ids_sorted.cpu(), weights.gather(-1, order).float().cpu()
+
+
+def forward(routers: list[Any], logits: torch.Tensor) -> None:
+    """What the model does per layer: call each router on its logits [P, E] (logits: [P, L, E])."""
+    for router, layer_logits in zip(routers, logits.unbind(1)):
+        router._compute_routing(None, layer_logits, None, input_ids=None)
+
+
+def padded(num_tokens: int) -> int:
+    return next(s for s in SIZES if s >= num_tokens)
+
+
+def setup(candidates: int = 0, device: str = "cpu") -> tuple[list[BiasRouter], RoutingCapture, list[Any]]:
+    routers = [BiasRouter(seed, device) for seed in range(L)]
+    key: list[Any] = [None]
+    capture = RoutingCapture(max(SIZES), L, K, candidates, torch.device(device), graph_key=lambda: key[0])
+    for slot, router in enumerate(routers):
+        wrap_router(router, slot, capture)
+    return routers, capture, key
+
+
+def assert_rows_equal(rows: dict[str, torch.Tensor], routers: list[BiasRouter], logits: torch.Tensor) -> None:
+    num_tokens = rows["ids"].shape[0]
+    got = by_id(rows["ids"], rows["weights"])
+    want = reference(routers, logits[:num_tokens])
+    assert torch.equal(got[0], want[0])
+    assert torch.allclose(got[1], want[1], atol=1e-6)
+
+
+def test_eager_forwards_keep_references_that_equal_the_computed_routing_without_padding_rows() -> None:
+    routers, capture, _ = setup()
+    gen = torch.Generator().manual_seed(1)
+    for num_tokens in (1, 3, 5, 8, 2):
+        logits = torch.randn(padded(num_tokens), L, E, generator=gen).bfloat16()  # rows [T:P] are padding
+        capture.begin_step()
+        forward(routers, logits)
+        assert all(k is not None for k in capture.step) and not capture.graphs
+        rows = capture.collect(num_tokens).wait()
+        assert rows["ids"].shape == (num_tokens, L, K) and rows["ids"].dtype == torch.int32
+        assert rows["weights"].dtype == torch.float32
+        assert_rows_equal(rows, routers, logits)
+
+
+def test_candidates_are_the_top_selection_scores() -> None:
+    routers, capture, _ = setup(candidates=C)
+    logits = torch.randn(4, L, E, generator=torch.Generator().manual_seed(2)).bfloat16()
+    capture.begin_step()
+    forward(routers, logits)
+    rows = capture.collect(3).wait()
+    assert rows["cand_ids"].shape == rows["cand_scores"].shape == (3, L, C)
+    for slot, router in enumerate(routers):
+        scores, ids = selection_scores(router, logits[:3, slot]).topk(C, dim=-1)
+        assert torch.equal(rows["cand_ids"][:, slot], ids.int())
+        assert torch.allclose(rows["cand_scores"][:, slot], scores)
+        chosen = zip(rows["cand_ids"][:, slot], rows["ids"][:, slot])
+        assert all(set(c[:K].tolist()) == set(e.tolist()) for c, e in chosen)
+
+
+def test_collected_rows_are_owned_and_the_next_forward_does_not_change_them() -> None:
+    routers, capture, _ = setup()
+    gen = torch.Generator().manual_seed(3)
+    first = torch.randn(4, L, E, generator=gen).bfloat16()
+    capture.begin_step()
+    forward(routers, first)
+    rows = capture.collect(4).wait()
+    capture.begin_step()
+    forward(routers, torch.randn(4, L, E, generator=gen).bfloat16())
+    assert_rows_equal(rows, routers, first)
+
+
+def test_a_forward_traced_by_dynamo_writes_the_static_buffers() -> None:
+    """vLLM on the CPU: Dynamo traces through the router, Python side effects are lost, tensor writes kept."""
+    routers, capture, _ = setup(candidates=C)
+    compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(4)
+    for num_tokens in (8, 5):
+        logits = torch.randn(num_tokens, L, E, generator=gen).bfloat16()
+        capture.begin_step()
+        compiled(routers, logits)
+        assert all(k is None for k in capture.step), "the traced path keeps no references"
+        rows = capture.collect(num_tokens).wait()
+        assert_rows_equal(rows, routers, logits)
+        assert rows["cand_ids"].shape == (num_tokens, L, C)
+
+
+class FixedOutputRouter(BiasRouter):
+    """Writes into one output tensor per padded size, as a replayed CUDA graph writes to the addresses it
+    captured: a CPU stand-in for replay."""
+
+    def __init__(self, seed: int):
+        super().__init__(seed)
+        self.out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _compute_routing(self, hidden_states: Any, router_logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        weights, ids = super()._compute_routing(hidden_states, router_logits)
+        out_w, out_ids = self.out.setdefault(ids.shape[0], (torch.empty_like(weights), torch.empty_like(ids)))
+        out_w.copy_(weights)
+        out_ids.copy_(ids)
+        return out_w, out_ids
+
+
+def test_references_taken_during_graph_capture_are_kept_per_graph_and_read_after_replay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    routers = [FixedOutputRouter(seed) for seed in range(L)]
+    key: list[Any] = [None]
+    capture = RoutingCapture(max(SIZES), L, K, 0, torch.device("cpu"), graph_key=lambda: key[0])
+    for slot, router in enumerate(routers):
+        wrap_router(router, slot, capture)
+    capture.cuda = True  # the table path, on the CPU: "capturing" is what the stream says
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    gen = torch.Generator().manual_seed(5)
+    for size in SIZES:  # "capture" each size
+        key[0], capturing[0] = ("FULL", size), True
+        forward(routers, torch.randn(size, L, E, generator=gen).bfloat16())
+        capturing[0] = False
+    assert set(capture.graphs) == {("FULL", s) for s in SIZES} and all(k is None for k in capture.step)
+    for num_tokens in (3, 1, 8, 6, 2):
+        size = padded(num_tokens)
+        logits = torch.randn(size, L, E, generator=gen).bfloat16()
+        capture.begin_step()
+        for router, layer_logits in zip(routers, logits.unbind(1)):  # "replay": no wrapper, same addresses
+            type(router)._compute_routing(router, None, layer_logits)
+        rows = capture.collect(num_tokens, replayed=("FULL", size)).wait()
+        assert rows["ids"].shape[0] == num_tokens
+        assert_rows_equal(rows, routers, logits)
+    with pytest.raises(LookupError, match="captured without the wrapper"):
+        capture.collect(1, replayed=("PIECEWISE", 1))
+
+
+def test_a_partly_recorded_forward_is_refused() -> None:
+    routers, capture, _ = setup()
+    capture.begin_step()
+    forward(routers[:2], torch.randn(2, 2, E).bfloat16())
+    with pytest.raises(LookupError, match="partly recorded"):
+        capture.collect(2)
+
+
+def test_wrap_is_idempotent_and_unwrap_restores_the_router() -> None:
+    routers, capture, _ = setup()
+    router = routers[0]
+    wrapped = router._compute_routing
+    wrap_router(router, 0, capture)
+    assert router._compute_routing is wrapped, "wrapping twice wraps once"
+    capture.begin_step()
+    forward(routers, torch.randn(2, L, E).bfloat16())
+    assert router.calls == 1
+    unwrap_router(router)
+    assert "_compute_routing" not in vars(router), "the class method shows through again"
+    unwrap_router(router)  # never wrapped now: left alone
+    assert "_compute_routing" not in vars(router)
+
+    custom = BiasRouter(9)
+    def own(*args: Any, **kwargs: Any) -> Any:  # an instance-level routing function stays as it was
+        return BiasRouter._compute_routing(custom, *args, **kwargs)
+
+    custom._compute_routing = own  # type: ignore[method-assign]
+    wrap_router(custom, 0, capture)
+    unwrap_router(custom)
+    assert vars(custom)["_compute_routing"] is own
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graph_replays_record_what_eager_routing_computes() -> None:
+    routers, capture, key = setup(candidates=C, device="cuda")
+    static = {s: torch.zeros(s, L, E, dtype=torch.bfloat16, device="cuda") for s in SIZES}
+    graphs = {}
+    pool = torch.cuda.graph_pool_handle()
+    for size in sorted(SIZES, reverse=True):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward(routers, static[size])
+        torch.cuda.current_stream().wait_stream(side)
+        key[0], graphs[size] = size, torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[size], pool=pool):
+            forward(routers, static[size])
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for num_tokens in (3, 1, 8, 6, 2, 7, 4, 5):
+        size = padded(num_tokens)
+        logits = torch.randn(size, L, E, generator=gen, device="cuda").bfloat16()
+        static[size].copy_(logits)
+        capture.begin_step()
+        graphs[size].replay()
+        rows = capture.collect(num_tokens, replayed=size).wait()
+        assert_rows_equal(rows, routers, logits)
