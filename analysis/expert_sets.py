@@ -4,6 +4,8 @@ vectorised word operations instead of a hash per (window, expert) pair."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -16,17 +18,102 @@ def words_for(num_experts: int) -> int:
     return (num_experts + WORD_BITS - 1) // WORD_BITS
 
 
+def expert_lut(num_experts: int) -> Masks:
+    """[num_experts, words]: the one-expert bitset of every expert (expert ``e`` is bit ``e % 64`` of word ``e // 64``)."""
+    experts = np.arange(num_experts)
+    lut = np.zeros((num_experts, words_for(num_experts)), dtype=np.uint64)
+    lut[experts, experts >> 6] = np.left_shift(np.uint64(1), (experts & 63).astype(np.uint64))
+    return lut
+
+
+class Scratch:
+    """Reusable work buffers for code that runs the same large temporaries batch after batch: fresh allocations
+    of many megabytes come as fresh pages, and faulting those in costs as much as the arithmetic. An array handed
+    out is valid until the same name is asked for again."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, npt.NDArray[np.uint8]] = {}
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: type[np.generic]) -> npt.NDArray[Any]:
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        buffer = self._buffers.get(name)
+        if buffer is None or len(buffer) < size:
+            buffer = self._buffers[name] = np.empty(size + size // 4, dtype=np.uint8)
+        return buffer[:size].view(dtype).reshape(shape)
+
+
+def _work(scratch: Scratch | None, name: str, shape: tuple[int, ...], dtype: type[np.generic]) -> npt.NDArray[Any]:
+    return np.empty(shape, dtype=dtype) if scratch is None else scratch.array(name, shape, dtype)
+
+
+PAIR_TABLE_BYTES = 32 << 20
+"""Largest table of expert pairs to build (384 experts: 147,456 pairs x 48 bytes = 7 MiB)."""
+
+
+class MaskTable:
+    """Turns expert ids into bitsets by table look-up: one look-up and one OR per pair of slots (or per slot, where
+    the table of pairs would be too large), each vectorised over all rows."""
+
+    def __init__(self, num_experts: int, pairs: bool = True) -> None:
+        self.num_experts = num_experts
+        self.single = expert_lut(num_experts)
+        self.pairs: Masks | None = None
+        if pairs and num_experts * num_experts * self.single.shape[1] * self.single.itemsize <= PAIR_TABLE_BYTES:
+            self.pairs = (self.single[:, None, :] | self.single[None, :, :]).reshape(num_experts * num_experts, -1)
+
+    def masks(self, experts: npt.NDArray[np.integer], scratch: Scratch | None = None) -> Masks:
+        """``experts`` [..., slots] of expert ids -> bitsets [..., words] (in ``scratch``'s "masks" when given)."""
+        slots = experts.shape[-1]
+        flat = experts.reshape(-1, slots)
+        rows, words = len(flat), self.single.shape[1]
+        out: Masks = _work(scratch, "masks", (rows, words), np.uint64)
+        if self.pairs is None or slots < 2:
+            out.fill(0)  # else the first pair's look-up fills it
+        if rows == 0 or slots == 0:
+            return out.reshape(*experts.shape[:-1], words)
+        if int(flat.min()) < 0 or int(flat.max()) >= self.num_experts:
+            raise ValueError(f"expert ids must lie in 0..{self.num_experts - 1}")
+        buffer = _work(scratch, "masks.buffer", (rows, words), np.uint64)
+        # ``out=`` with mode="clip" writes in place (mode="raise" would buffer); the ids are checked above
+        singles = range(slots)
+        if self.pairs is not None:
+            pair = _work(scratch, "masks.pair", (rows,), np.intp)
+            for slot in range(0, slots - 1, 2):
+                np.multiply(flat[:, slot], self.num_experts, out=pair, dtype=np.intp)
+                np.add(pair, flat[:, slot + 1], out=pair)
+                np.take(self.pairs, pair, axis=0, out=buffer if slot else out, mode="clip")
+                if slot:
+                    out |= buffer
+            singles = range(slots - slots % 2, slots)
+        for slot in singles:
+            np.take(self.single, flat[:, slot], axis=0, out=buffer, mode="clip")
+            out |= buffer
+        return out.reshape(*experts.shape[:-1], words)
+
+
 def expert_masks(experts: npt.NDArray[np.integer], num_experts: int) -> Masks:
-    """``experts`` [rows, slots] of distinct expert ids per row -> bitsets [rows, words]."""
-    rows, slots = experts.shape
-    words = words_for(num_experts)
-    flat = np.zeros(rows * words, dtype=np.uint64)
-    row_base = np.arange(rows, dtype=np.int64) * words
-    ids = experts.astype(np.int64, copy=False)
-    for slot in range(slots):  # a handful of slots; each assignment is vectorised over all rows
-        column = ids[:, slot]
-        flat[row_base + (column >> 6)] |= np.left_shift(np.uint64(1), (column & 63).astype(np.uint64))
-    return flat.reshape(rows, words)
+    """``experts`` [rows, slots] of expert ids per row -> bitsets [rows, words]."""
+    return MaskTable(num_experts, pairs=False).masks(experts)
+
+
+def window_union(
+    masks: Masks, starts: npt.NDArray[np.int64], width: int, scratch: Scratch | None = None, name: str = "union"
+) -> Masks:
+    """Union of the ``width`` consecutive rows (along axis 0) that start at each of ``starts`` (in ``scratch``'s
+    ``name`` when given)."""
+    shape = (len(starts), *masks.shape[1:])
+    out: Masks = _work(scratch, name, shape, np.uint64)
+    if len(starts) == 0:
+        return out
+    if int(starts.min()) < 0 or int(starts.max()) + width > len(masks):
+        raise IndexError("window beyond the rows")
+    np.take(masks, starts, axis=0, out=out, mode="clip")  # in place: mode="raise" would buffer
+    if width > 1:
+        buffer = _work(scratch, "union.buffer", shape, np.uint64)  # shared: used only within this call
+        for offset in range(1, width):
+            np.take(masks, starts + offset, axis=0, out=buffer, mode="clip")
+            out |= buffer
+    return out
 
 
 def count_experts(masks: Masks) -> npt.NDArray[np.int64]:
