@@ -41,8 +41,9 @@ def trace_dir(cache: Path, tokens: int, layers: int) -> Path:
 
 def generate(root: Path, tokens: int, layers: int) -> None:
     """Token-major rows like the recorder writes them (step, then request, then layer), with the recorder's Parquet
-    settings (zstd level 3, dictionaries only for the small columns)."""
+    options (moetrace.writer.PARQUET_OPTIONS)."""
     from moetrace.schema import FOOTER_SCHEMA_KEY, PHASES, SCHEMA_VERSION, routing_schema
+    from moetrace.writer import PARQUET_OPTIONS
 
     rng = np.random.default_rng(0)
     schema = routing_schema(TOP_K).with_metadata({FOOTER_SCHEMA_KEY: SCHEMA_VERSION.encode()})
@@ -82,10 +83,7 @@ def generate(root: Path, tokens: int, layers: int) -> None:
             table,
             root / "routing" / f"part-{part:05d}.parquet",
             row_group_size=262_144,
-            compression="zstd",
-            compression_level=3,
-            use_dictionary=["phase", "step", "request", "draft_pos", "layer"],
-            write_statistics=["step", "request", "layer", "draft_pos"],
+            **PARQUET_OPTIONS,
         )
     manifest = {
         "schema": SCHEMA_VERSION, "complete": True,

@@ -39,6 +39,20 @@ log = logging.getLogger("moetrace")
 
 INPROGRESS_SUFFIX = ".inprogress"
 
+# How every moetrace Parquet file is encoded (benchmarks write theirs the same way).
+PARQUET_OPTIONS: dict[str, Any] = {
+    "compression": "zstd",
+    # Level 1, not 3: files grow 14% on the default model's repetitive routing (0.6% on uniform routing), but the
+    # writer thread takes less CPU from an engine that runs on the same cores.
+    "compression_level": 1,
+    "use_dictionary": ["phase", "step", "request", "draft_pos", "layer"],
+    # Expert ids are uint16 stored as INT32: split into byte streams, the two zero bytes and the near-constant
+    # third compress away (-2.7 bytes/row on uniform routing). Not for float16 weights: DuckDB cannot read
+    # byte-stream-split FIXED_LEN_BYTE_ARRAY.
+    "use_byte_stream_split": ["experts.list.element", "cand_experts.list.element"],
+    "write_statistics": ["step", "request", "layer", "draft_pos"],
+}
+
 
 @dataclass
 class StepCapture:
@@ -130,20 +144,7 @@ class _RotatingParquet:
 
     def _open(self) -> None:
         self._path = self.directory / f"part-{self.files_closed:05d}.parquet{INPROGRESS_SUFFIX}"
-        self._writer = pq.ParquetWriter(
-            self._path,
-            self.schema,
-            compression="zstd",
-            # Level 1, not 3: files grow 14% on the default model's repetitive routing (0.6% on uniform routing), but
-            # the writer thread takes less CPU from an engine that runs on the same cores.
-            compression_level=1,
-            use_dictionary=["phase", "step", "request", "draft_pos", "layer"],
-            # Expert ids are uint16 stored as INT32: split into byte streams, the two zero bytes and the near-
-            # constant third compress away (-2.7 bytes/row on uniform routing). Not for float16 weights: DuckDB
-            # cannot read byte-stream-split FIXED_LEN_BYTE_ARRAY.
-            use_byte_stream_split=["experts.list.element", "cand_experts.list.element"],
-            write_statistics=["step", "request", "layer", "draft_pos"],
-        )
+        self._writer = pq.ParquetWriter(self._path, self.schema, **PARQUET_OPTIONS)
         self._opened_at = time.monotonic()
 
 
