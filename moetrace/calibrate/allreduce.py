@@ -24,6 +24,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _gpu_us_per_call(call: Callable[[], None], iters: int) -> float:
+    """µs per call of ``iters`` calls, timed by CUDA events on the current stream."""
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(iters):
+        call()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) * 1e3 / iters
+
+
 def _time_eager(buffer: torch.Tensor, iters: int, replays: int) -> list[float]:
     """µs per all-reduce of a loop issued from the host: on GPUs this is bound by whichever is slower, the host
     issuing the calls or the GPUs running them."""
@@ -32,14 +44,7 @@ def _time_eager(buffer: torch.Tensor, iters: int, replays: int) -> list[float]:
         dist.barrier()
         if buffer.is_cuda:
             torch.cuda.synchronize(buffer.device)
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            start.record()
-            for _ in range(iters):
-                dist.all_reduce(buffer)
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / iters)
+            samples.append(_gpu_us_per_call(lambda: dist.all_reduce(buffer), iters))
         else:
             begin = time.perf_counter()
             for _ in range(iters):
@@ -54,15 +59,8 @@ def _time_queued(buffer: torch.Tensor, iters: int, replays: int) -> list[float]:
     for _ in range(replays):
         dist.barrier()
         torch.cuda.synchronize(buffer.device)
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call] # ~10 ms at 2 GHz: longer than the host needs to queue every call
-        start.record()
-        for _ in range(iters):
-            dist.all_reduce(buffer)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / iters)
+        samples.append(_gpu_us_per_call(lambda: dist.all_reduce(buffer), iters))
     return samples
 
 
