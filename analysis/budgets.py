@@ -18,20 +18,33 @@ from moetrace.analysis.growth import accepted_sequence
 
 WINDOW = ["layer", "window_major", "window_minor"]
 NEVER_KEPT = 1 << 30  # rank of a picked expert the candidates did not list
+_HASH_RANGE = 1 << 32
 
 
-def budget_windows(routing: pl.LazyFrame, k: int, measured: bool) -> pl.LazyFrame:
+def budget_windows(routing: pl.LazyFrame, k: int, measured: bool, share: float = 1.0) -> pl.LazyFrame:
     """Routing rows keyed by window. Measured: the recorded verification windows ``(step, request)``.
-    Counterfactual: complete windows of k+1 consecutive accepted tokens (``(request, position // (k+1))``)."""
+    Counterfactual: complete windows of k+1 consecutive accepted tokens (``(request, position // (k+1))``).
+    ``share`` < 1 keeps a deterministic sample of whole windows (by a hash of the window key): budget curves are
+    means over windows, so a uniform sample estimates them at a fraction of the cost."""
     if measured:
-        return routing.filter(pl.col("phase").cast(pl.String) == "verify").with_columns(
+        keyed = routing.filter(pl.col("phase").cast(pl.String) == "verify").with_columns(
             window_major=pl.col("step"), window_minor=pl.col("request")
         )
-    return (
-        accepted_sequence(routing)
-        .with_columns(window_major=pl.col("request"), window_minor=pl.col("position") // (k + 1))
-        .filter(pl.len().over(WINDOW) == k + 1)
-    )
+    else:
+        keyed = accepted_sequence(routing).with_columns(
+            window_major=pl.col("request"), window_minor=pl.col("position") // (k + 1)
+        )
+    if share < 1.0:
+        key_hash = pl.struct("window_major", "window_minor").hash(seed=0) % _HASH_RANGE
+        keyed = keyed.filter(key_hash < int(share * _HASH_RANGE))
+    return keyed if measured else keyed.filter(pl.len().over(WINDOW) == k + 1)
+
+
+def window_share(rows: int, layers: int, k: int, max_windows: int) -> float:
+    """The share of windows to keep so that about ``max_windows`` per layer remain: ``rows`` routing rows over
+    ``layers`` layers hold at most rows / layers / (k+1) complete windows of k+1 tokens."""
+    windows = rows / max(layers, 1) / (k + 1)
+    return 1.0 if windows <= max_windows else max_windows / windows
 
 
 def budget_curves(windows: pl.LazyFrame, expert_bytes: int, use_candidates: bool) -> pl.DataFrame:

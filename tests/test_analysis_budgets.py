@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.analysis.budgets import budget_curves, budget_windows, smallest_budgets
+from moetrace.analysis.budgets import budget_curves, budget_windows, smallest_budgets, window_share
 from trace_builder import Model, routing_frame, verify_tokens
 
 MODEL = Model(num_experts=16, top_k=2, layers=(1, 2))
@@ -84,3 +84,26 @@ def test_counterfactual_windows_are_complete_runs_of_accepted_tokens() -> None:
     sizes = windows.group_by("layer", "window_major", "window_minor").len()["len"].unique().to_list()
     assert sizes == [5]
     assert windows["phase"].cast(pl.String).is_in(["decode", "verify"]).all()
+
+
+def test_window_sample_keeps_whole_windows_and_estimates_the_full_curve() -> None:
+    tokens = verify_tokens(np.random.default_rng(11), MODEL, requests=40, steps=60, k=3, accept_prob=0.7)
+    routing = routing_frame(tokens, MODEL)
+    full = budget_windows(routing, 3, measured=True).collect()
+    sample = budget_windows(routing, 3, measured=True, share=0.5).collect()
+    keys = ["layer", "window_major", "window_minor"]
+    full_sizes = {(r[0], r[1], r[2]): r[3] for r in full.group_by(keys).len().iter_rows()}
+    sampled_sizes = sample.group_by(keys).len()
+    assert all(full_sizes[(r[0], r[1], r[2])] == r[3] for r in sampled_sizes.iter_rows())  # windows stay whole
+    share = sampled_sizes.height / len(full_sizes)
+    assert 0.4 < share < 0.6
+    assert sample.equals(budget_windows(routing, 3, measured=True, share=0.5).collect())  # deterministic
+    full_curve = budget_curves(full.lazy(), EXPERT_BYTES, False)
+    sample_curve = budget_curves(sample.lazy(), EXPERT_BYTES, False)
+    joined = full_curve.join(sample_curve, on=["layer", "budget"], suffix="_sample")
+    assert (joined["coverage"] - joined["coverage_sample"]).abs().max() < 0.05  # type: ignore[operator]
+
+
+def test_window_share_targets_max_windows_per_layer() -> None:
+    assert window_share(rows=1000, layers=2, k=3, max_windows=500) == 1.0
+    assert window_share(rows=8_000_000, layers=2, k=3, max_windows=10_000) == pytest.approx(10_000 / 1_000_000)

@@ -16,7 +16,7 @@ from moetrace.analysis.shape import SHAPE_PRESETS
 from moetrace.errors import UserError
 from moetrace.report.dashboard import render_dashboard
 from moetrace.report.inputs import check_k, model_shape, open_run
-from moetrace.report.summary import Options, analyse_run, budget_curves_per_k, summary_json
+from moetrace.report.summary import Options, analyse_run, budget_curves_per_k, sample_note, summary_json
 from moetrace.report.terminal import print_budget_table, print_summary
 
 SHAPE_CHOICE = click.Choice(sorted(SHAPE_PRESETS))
@@ -173,7 +173,9 @@ def budget(trace: Path, k: int, coverage: float, shape_preset: str | None, outpu
     _refuse_overwrite(output, force)
     run = open_run(trace, k)
     shape = model_shape(run.primary, shape_preset)
-    curves = budget_curves_per_k(run, range(k, k + 1), shape.expert_bytes).drop("k")
+    curves, share = budget_curves_per_k(run, range(k, k + 1), shape.expert_bytes)
+    curves = curves.drop("k")
+    notes = [note for note in (sample_note(share),) if note is not None]
     chosen = smallest_budgets(curves.lazy(), coverage)
     payload: dict[str, Any] = {
         "schema": "moetrace-budget/1",
@@ -184,14 +186,15 @@ def budget(trace: Path, k: int, coverage: float, shape_preset: str | None, outpu
         "expert_bytes": shape.expert_bytes,
         "budgets": {str(row["layer"]): row["budget"] for row in chosen.to_dicts()},
         "per_layer": chosen.to_dicts(),
-        "warnings": run.warnings,
+        "window_share": share,
+        "warnings": run.warnings + notes,
     }
     try:
         output.write_text(json.dumps(payload, indent=2) + "\n")
     except OSError as exc:
         raise UserError(f"{output}: cannot write budgets ({exc.strerror})") from None
     console = Console()
-    for warning in run.warnings:
+    for warning in payload["warnings"]:
         console.print(f"warning: {warning}", style="yellow", markup=False, highlight=False)
     print_budget_table(payload, console)
     console.print(f"budgets: {output}", markup=False, highlight=False)
