@@ -228,10 +228,25 @@ def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Pat
     (compiled_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     compiled = open_trace(compiled_dir)
     assert compiled.manifest["capture"]["mode"] == "graph-safe"
-    keys = ["request", "position", "layer", "draft_pos", "token"]
-    eager = open_trace(recorded_trace).routing().collect()
-    joined = compiled.routing().collect().join(eager, on=keys, suffix="_eager")
-    assert joined.height >= 0.9 * eager.height
+    # Compiled kernels round differently, so greedy decoding may leave eager's text at some token; compare the
+    # tokens of each request's sequence up to the first position where the two runs' sequences differ.
+    def in_sequence_rows(trace_dir: Path) -> pl.DataFrame:
+        rows = open_trace(trace_dir).routing().filter(pl.col("accepted").is_null() | pl.col("accepted"))
+        return rows.collect()
+
+    eager_outputs, compiled_outputs = load_outputs(recorded_trace), load_outputs(compiled_dir)
+    common = []
+    for request, eager_output in eager_outputs.items():
+        a = eager_output["prompt_token_ids"] + eager_output["output_token_ids"]
+        b = compiled_outputs[request]["prompt_token_ids"] + compiled_outputs[request]["output_token_ids"]
+        agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        common.append({"request": request, "agree": agree, "prompt": len(eager_output["prompt_token_ids"])})
+    limits = pl.DataFrame(common, schema={"request": pl.UInt32, "agree": pl.Int64, "prompt": pl.Int64})
+    keys = ["request", "position", "layer"]
+    eager = in_sequence_rows(recorded_trace).join(limits, on="request").filter(pl.col("position") < pl.col("agree"))
+    joined = in_sequence_rows(compiled_dir).join(eager, on=keys, suffix="_eager")
+    assert joined.height == eager.height and (joined["token"] == joined["token_eager"]).all()
+    assert eager.filter(pl.col("position") >= pl.col("prompt")).height > 0, "decoded tokens are compared too"
     same = [a.to_list() == b.to_list() for a, b in zip(joined["experts"], joined["experts_eager"])]
     assert sum(same) / len(same) >= 0.999
 
