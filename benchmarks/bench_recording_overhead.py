@@ -1,20 +1,43 @@
 """Recording overhead: generation throughput with recording on vs off, in one engine, alternating rounds.
 
-    python benchmarks/bench_recording_overhead.py [--rounds 3] [--max-tokens 64]
+    python benchmarks/bench_recording_overhead.py [--rounds 5] [--max-tokens 64]             # CPU, default model
+    python benchmarks/bench_recording_overhead.py --model kimi-k2-tp8 --compiled --batches 1,64 --rounds 10 \\
+        --max-tokens 128 --json benchmarks/results/gpu-vllm-overhead.json                   # GPU, Kimi-K2 shape
 
 Baseline: the same vLLM engine with moetrace's hooks uninstalled (``moetrace_pause``: routers and runner exactly
-as vLLM built them). Measured at batch 1 (one request at a time) and at 32 concurrent requests, default model,
-n-gram k=3, rounds alternating off/on so that drift on this noisy machine hits both sides alike.
+as vLLM built them; under CUDA graphs the captured graphs hold no moetrace kernel, so they are the same too).
+n-gram k=3, rounds alternating off/on so that drift hits both sides alike; each round gives one paired on/off
+ratio, and the result is their median with a bootstrap 95% interval.
+
+``--model kimi-k2-tp8`` is a dummy-weight model of Kimi-K2's per-GPU shape under TP=8 (hidden 7168, MLA with 8
+of 64 heads, 384 routed experts of width 2048/8 plus one shared expert, top-8, sigmoid + selection bias, 16 MoE
+layers after one dense layer, bf16, ``load_format=dummy``): the step a Kimi deployment's rank runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# Kimi-K2's config with every per-GPU dimension divided by TP=8, and 17 of its 61 layers.
+KIMI_K2_TP8: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
+    "vocab_size": 163840 // 8, "hidden_size": 7168, "intermediate_size": 18432 // 8,
+    "moe_intermediate_size": 2048 // 8, "num_hidden_layers": 17, "num_attention_heads": 64 // 8,
+    "num_key_value_heads": 64 // 8, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827, "first_k_dense_replace": 1, "moe_layer_freq": 1, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 50000.0, "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1,
+}
 
 
 def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) -> float:
@@ -30,40 +53,118 @@ def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) ->
     return generated / (time.perf_counter() - started)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    args = parser.parse_args()
+def writer_discards(worker: Any, discard: bool) -> None:
+    """In the worker (through ``collective_rpc``): the hooks keep running, but the writer drops every step
+    unassembled, so the difference to "on" is what the writer thread costs the engine (GIL, CPU)."""
+    writer = worker._moetrace_recorder.writer
+    if discard:
+        writer.submit = lambda item: None
+    else:
+        vars(writer).pop("submit", None)
 
-    from moetrace.engine import build_llm, engine_prompts
+
+def median_ci95(ratios: list[float], resamples: int = 10_000) -> tuple[float, list[float]]:
+    """Median of paired ratios and its bootstrap percentile 95% interval."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return statistics.median(ratios), [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
+
+
+def engine_settings_for(model: str, scratch: Path, batch: int, max_tokens: int, compiled: bool) -> dict[str, Any]:
+    from moetrace.default_model import encode_text
+    from moetrace.prompts import BUILTIN_PROMPTS
     from moetrace.record import RecordRequest, engine_settings, resolve_model
 
+    prompts = list(BUILTIN_PROMPTS)
+    if model == "default":
+        request = RecordRequest(model=None, ks=[3], batch_size=batch, max_tokens=max_tokens, out=scratch,
+                                eager=not compiled)
+        return engine_settings(request, resolve_model(None), 3, scratch / "trace", prompts, scratch / "progress")
+    model_dir = scratch / "kimi-k2-tp8"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(KIMI_K2_TP8))
+    request = RecordRequest(model=str(model_dir), ks=[3], batch_size=batch, max_tokens=max_tokens, out=scratch,
+                            eager=not compiled, engine_args={"load_format": "dummy", "skip_tokenizer_init": True,
+                                                             "max_model_len": 1024})
+    settings = engine_settings(request, resolve_model(str(model_dir)), 3, scratch / "trace", prompts,
+                               scratch / "progress")
+    # No tokenizer: the built-in prompts as byte ids, which lie inside the model's vocabulary.
+    settings["token_prompts"] = [encode_text(p) for p in prompts]
+    settings["dtype"] = "bfloat16"
+    return settings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("default", "kimi-k2-tp8"), default="default")
+    parser.add_argument("--compiled", action="store_true", help="torch.compile and CUDA graphs (vLLM's default)")
+    parser.add_argument("--batches", default="1,32", help="concurrencies to measure, e.g. 1,64")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--writer-off", action="store_true",
+                        help="also measure a third mode: hooks on, writer discarding every step")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.writer_off:  # collective_rpc with a function from this script
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+    from moetrace.engine import build_llm, engine_prompts
+    from moetrace.hooks.vllm_api import vllm_version
+    from moetrace.host import gpu_inventory
+
     with tempfile.TemporaryDirectory(prefix="moetrace-bench-") as scratch:
-        request = RecordRequest(model=None, ks=[3], batch_size=32, max_tokens=args.max_tokens, out=Path(scratch))
-        settings = engine_settings(request, resolve_model(None), 3, Path(scratch) / "trace",
-                                   [p for p in __import__("moetrace.prompts").prompts.BUILTIN_PROMPTS] * 4,
-                                   Path(scratch) / "progress")
+        settings = engine_settings_for(args.model, Path(scratch), max(batches), args.max_tokens, args.compiled)
         llm = build_llm(settings)
-        prompts = engine_prompts(settings)
+        base = engine_prompts(settings)
         try:
-            timed_generate(llm, prompts[:8], 8, 16)  # warm-up
+            timed_generate(llm, base, len(base), 16)  # warm-up
             results: dict[tuple[int, str], list[float]] = {}
+            modes = ("off", "on", "writer-off") if args.writer_off else ("off", "on")
             for round_index in range(args.rounds):
-                order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
-                for batch, count in ((1, 4), (32, 32)):
+                order = modes if round_index % 2 == 0 else modes[::-1]
+                for batch in batches:
+                    # batch 1: 8 requests one after another; batch B > 1: 2B requests, B at a time
+                    count = 8 if batch == 1 else 2 * batch
+                    prompts = [base[i % len(base)] for i in range(count)]
                     for mode in order:
                         llm.collective_rpc("moetrace_pause" if mode == "off" else "moetrace_resume")
+                        if args.writer_off:
+                            llm.collective_rpc(writer_discards, args=(mode == "writer-off",))
                         results.setdefault((batch, mode), []).append(
-                            timed_generate(llm, prompts[:count], batch, args.max_tokens))
-            llm.collective_rpc("moetrace_close")
+                            timed_generate(llm, prompts, batch, args.max_tokens))
+            closed = llm.collective_rpc("moetrace_close")
         finally:
             llm.llm_engine.engine_core.shutdown()
-    print(f"{'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} {'overhead':>9}")
-    for batch in (1, 32):
-        off = statistics.median(results[(batch, "off")])
-        on = statistics.median(results[(batch, "on")])
-        print(f"{batch:>5} {off:>10.1f} {on:>10.1f} {on / off:>7.3f} {100 * (1 - on / off):>8.1f}%")
+    report: dict[str, Any] = {
+        "vllm_version": vllm_version(),
+        "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
+        "model": args.model,
+        "cuda_graphs": args.compiled,
+        "spec": "ngram k=3",
+        "max_tokens": args.max_tokens,
+        "recording_complete": [c["complete"] for c in closed if c is not None],
+        "command": "python benchmarks/bench_recording_overhead.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
+            for k, v in vars(args).items() if v not in (None, False)),
+    }
+    print(f"{'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} {'95% interval':>15} {'overhead':>9}")
+    for batch in batches:
+        off, on = results[(batch, "off")], results[(batch, "on")]
+        ratios = [a / b for a, b in zip(on, off)]
+        median, ci = median_ci95(ratios)
+        report[str(batch)] = {"on_off_median": median, "on_off_ci95": ci, "rounds": args.rounds,
+                              "off_tok_s": statistics.median(off), "on_tok_s": statistics.median(on),
+                              "ratios": ratios}
+        if args.writer_off:
+            quiet = [a / b for a, b in zip(results[(batch, "writer-off")], off)]
+            report[str(batch)]["writer_off_over_off_median"], report[str(batch)]["writer_off_ci95"] = (
+                median_ci95(quiet))
+            print(f"{batch:>5} hooks on, writer discarding: on/off {report[str(batch)]['writer_off_over_off_median']:.3f}")
+        print(f"{batch:>5} {statistics.median(off):>10.1f} {statistics.median(on):>10.1f} {median:>7.3f} "
+              f"{ci[0]:>7.3f}-{ci[1]:<7.3f} {100 * (1 - median):>8.1f}%")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ The wrapper around ``router._compute_routing`` has one mechanism for each way th
 - **Dynamo traces it** (vLLM compiling on CPU): Python side effects are lost, tensor writes are kept, so the
   wrapper copies into static buffers [T_max, L, K] instead (two copies per layer).
 
-After the forward, ``collect`` gathers rows [:T] from whichever mechanism ran: one stack per field, then one
-non-blocking copy into pinned host memory; ``PendingRows.wait`` syncs on that copy only.
+After the forward, ``collect`` gathers rows [:T] from whichever mechanism ran (and says which: a forward that
+none of them wrote is refused, never recorded as zeros): one stack per field, left on the device for the recorder
+to copy out without blocking. The wrapper never raises into the forward: an error inside it is kept in ``RoutingCapture.failed`` and
+the router's own result is returned untouched.
 """
 
 from __future__ import annotations
@@ -69,17 +71,8 @@ class RoutingBuffers:
             buffer[: value.shape[0], slot].copy_(value)
 
 
-class PendingRows:
-    """Host rows of one forward, copied without blocking; ``wait`` syncs on that copy and returns owned tensors."""
-
-    def __init__(self, host: dict[str, torch.Tensor], done: torch.cuda.Event | None):
-        self.host, self.done = host, done
-
-    def wait(self) -> dict[str, torch.Tensor]:
-        if self.done is None:
-            return self.host
-        self.done.synchronize()
-        return {name: t.clone() for name, t in self.host.items()}  # the pinned staging is reused next step
+class NothingCaptured(LookupError):
+    """No capture mechanism wrote this forward's routing: recording it would record zeros."""
 
 
 class RoutingCapture:
@@ -100,11 +93,8 @@ class RoutingCapture:
         self.buffers = RoutingBuffers(max_tokens, num_layers, top_k, candidates, device)
         self.graphs: dict[Hashable, list[Kept | None]] = {}  # per captured graph: [L]
         self.step: list[Kept | None] = [None] * num_layers  # this forward's, when the router's Python ran
-        self.staging = (
-            {name: torch.empty_like(b, device="cpu").pin_memory() for name, b in self.buffers.fields.items()}
-            if self.cuda
-            else None
-        )
+        self.traced = False  # Dynamo traced the wrapper: compiled forwards write the static buffers
+        self.failed: str | None = None  # an error inside the forward, kept for the engine thread to report
 
     def keep(self, slot: int, kept: Kept) -> None:
         """Keep references to one layer's outputs: in the table of the graph being captured, or this step's."""
@@ -117,36 +107,37 @@ class RoutingCapture:
         """Call before each recorded forward: forget the previous forward's references."""
         self.step = [None] * self.num_layers
 
-    def collect(self, num_tokens: int, replayed: Hashable | None = None) -> PendingRows:
-        """Start copying rows [:T] of this forward to the host. ``replayed`` names the CUDA graph the forward
-        replayed (None: no graph). No kernel ran in the forward, so the gather is here: one stack per field."""
-        kept, self.step = self._kept(replayed), [None] * self.num_layers
+    def collect(self, num_tokens: int, replayed: Hashable | None = None) -> tuple[str, dict[str, torch.Tensor]]:
+        """Rows [:T] of this forward, still on the device, and the mechanism that wrote them (``eager``, ``graph``
+        or ``traced``). ``replayed`` names the CUDA graph the forward replayed (None: no graph). No kernel ran in
+        the forward, so the gather is here: one stack per field. Raises ``NothingCaptured`` when no mechanism
+        wrote this forward."""
+        mechanism, kept = self._kept(replayed)
+        self.step = [None] * self.num_layers
         if kept is None:  # traced forward: the static buffers hold it
             rows = {name: b[:num_tokens] for name, b in self.buffers.fields.items()}
         else:
-            stacked = {name: torch.stack([getattr(k, name) for k in kept], dim=1) for name in self.buffers.fields}
-            rows = {name: t[:num_tokens] for name, t in stacked.items()}
-        if self.staging is None:
-            return PendingRows({name: r.to(_DTYPES[name], copy=True) for name, r in rows.items()}, None)
-        host = {name: self.staging[name][:num_tokens] for name in rows}
-        for name, r in rows.items():
-            host[name].copy_(r, non_blocking=True)
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record()
-        return PendingRows(host, done)
+            rows = {name: torch.stack([getattr(k, name)[:num_tokens] for k in kept], dim=1)
+                    for name in self.buffers.fields}
+        return mechanism, {name: r.to(_DTYPES[name]) for name, r in rows.items()}
 
-    def _kept(self, replayed: Hashable | None) -> list[Kept] | None:
-        """The references this forward left, or None where only the static buffers were written (traced)."""
+    def _kept(self, replayed: Hashable | None) -> tuple[str, list[Kept] | None]:
+        """Which mechanism wrote this forward, with the references it left (None: the static buffers)."""
         if any(k is not None for k in self.step):
-            kept = self.step
+            mechanism, kept = "eager", self.step
         elif replayed is not None:
-            kept = self.graphs.get(replayed, [None])
+            mechanism, kept = "graph", self.graphs.get(replayed, [None])
+        elif self.traced:
+            return "traced", None
         else:
-            return None
+            raise NothingCaptured(
+                "no router ran in this forward and no captured graph or compiled trace holds its routing "
+                "(the MoE kernel may fuse routing, or this vLLM no longer calls _compute_routing)"
+            )
         if any(k is None for k in kept):
             missing = "captured without the wrapper" if replayed is not None else "partly recorded"
-            raise LookupError(f"routing of this forward is incomplete (graph {replayed!r} {missing})")
-        return kept  # type: ignore[return-value]
+            raise NothingCaptured(f"routing of this forward is incomplete (graph {replayed!r} {missing})")
+        return mechanism, kept  # type: ignore[return-value]
 
 
 def selection_scores(router: Any, router_logits: torch.Tensor) -> torch.Tensor:
@@ -166,16 +157,22 @@ def wrap_router(router: Any, slot: int, capture: RoutingCapture) -> None:
 
     def compute_routing_and_capture(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = original(*args, **kwargs)
-        cand_ids = cand_scores = None
-        if candidates:
-            router_logits = args[1] if len(args) > 1 else kwargs["router_logits"]
-            cand_scores, cand_ids = selection_scores(router, router_logits).topk(candidates, dim=-1)
-        # Slice to top_k: fused shared experts append extra columns with ids >= E.
-        kept = Kept(ids[:, :top_k], weights[:, :top_k], cand_ids, cand_scores)
-        if torch.compiler.is_compiling():
-            capture.buffers.write(slot, kept)  # traced: only tensor writes survive
-        else:
-            capture.keep(slot, kept)  # the Python runs: references, no kernel
+        if capture.failed is not None:
+            return weights, ids
+        try:
+            cand_ids = cand_scores = None
+            if candidates:
+                router_logits = args[1] if len(args) > 1 else kwargs["router_logits"]
+                cand_scores, cand_ids = selection_scores(router, router_logits).topk(candidates, dim=-1)
+            # Slice to top_k: fused shared experts append extra columns with ids >= E.
+            kept = Kept(ids[:, :top_k], weights[:, :top_k], cand_ids, cand_scores)
+            if torch.compiler.is_compiling():
+                capture.traced = True  # runs at trace time: the compiled forward will write the buffers
+                capture.buffers.write(slot, kept)  # traced: only tensor writes survive
+            else:
+                capture.keep(slot, kept)  # the Python runs: references, no kernel
+        except Exception as exc:  # never into the engine: the recorder stops recording and says why
+            capture.failed = f"inside the forward, layer slot {slot}: {type(exc).__name__}: {exc}"
         return weights, ids
 
     setattr(router, _WRAPPED_MARK, original)
@@ -191,27 +188,6 @@ def unwrap_router(router: Any) -> None:
         del router._compute_routing  # the class method shows through again
     else:
         router._compute_routing = original
-
-
-def vllm_graph_key() -> Hashable | None:
-    """The CUDA graph the current vLLM forward captures or replays, as (mode, batch descriptor); None if none."""
-    from vllm.config import CUDAGraphMode
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if not is_forward_context_available():
-        return None
-    context = get_forward_context()
-    if context.cudagraph_runtime_mode == CUDAGraphMode.NONE:
-        return None
-    return (context.cudagraph_runtime_mode.name, context.batch_descriptor)
-
-
-def target_moe_runners(model: torch.nn.Module) -> list[Any]:
-    """The MoE runners of the target model, in layer order. Draft models are separate modules, never walked."""
-    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-
-    runners = [m for m in model.modules() if isinstance(m, MoERunner)]
-    return sorted(runners, key=lambda r: int(r.layer_id))
 
 
 def router_info(runner: Any) -> RouterInfo:

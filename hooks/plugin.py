@@ -33,11 +33,20 @@ def settings_from_env() -> dict[str, Any] | None:
 
 def register() -> None:
     """Entry point of ``vllm.general_plugins``; does nothing unless recording is switched on. Idempotent."""
-    settings = settings_from_env()
+    try:
+        settings = settings_from_env()
+    except ValueError as exc:  # vLLM is loading plugins: a malformed setting must not stop it
+        log.warning("moetrace: not recording: %s is not valid JSON (%s)", ENV_VAR, exc)
+        return
     if settings is None:
         return
-    from vllm.v1.worker.gpu_worker import Worker
+    from moetrace.hooks.vllm_api import VllmApiError, worker_class
 
+    try:
+        Worker = worker_class()
+    except VllmApiError as exc:
+        log.warning("moetrace: not recording: %s", exc)
+        return
     if getattr(Worker.load_model, _MARK, False):
         return
     original = Worker.load_model
@@ -47,23 +56,23 @@ def register() -> None:
         install(self, settings)
 
     setattr(load_model_and_record, _MARK, True)
-    Worker.load_model = load_model_and_record  # type: ignore[method-assign]
+    Worker.load_model = load_model_and_record
 
 
 def install(worker: Any, settings: dict[str, Any]) -> None:
     """Start recording in this worker; any failure is reported through ``moetrace_status``, never raised."""
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
-
     from moetrace.hooks.recorder import Recorder
+    from moetrace.hooks.vllm_api import worker_api
 
     worker._moetrace_recorder = None
     worker._moetrace_error = None
-    if get_tensor_model_parallel_rank() != 0:
-        return  # routing is replicated across TP ranks: rank 0 records
     try:
-        if get_pp_group().world_size > 1:
+        api = worker_api()
+        if api.tp_rank() != 0:
+            return  # routing is replicated across TP ranks: rank 0 records
+        if api.pp_size() > 1:
             raise RuntimeError("pipeline parallelism is not supported yet")
-        recorder = Recorder(worker.model_runner, worker.vllm_config, settings)
+        recorder = Recorder(api, worker.model_runner, worker.vllm_config, settings)
     except Exception as exc:
         worker._moetrace_error = f"{exc}"
         log.warning("moetrace: not recording: %s", exc)
@@ -81,7 +90,8 @@ def close_quietly(worker: Any) -> dict[str, Any] | None:
     try:
         manifest = recorder.close()
         # Only plain JSON travels back over vLLM's RPC.
-        return {"complete": bool(manifest["complete"]), "counts": dict(manifest["counts"])}
+        return {"complete": bool(manifest["complete"]), "counts": dict(manifest["counts"]),
+                "error": manifest.get("error")}
     except Exception as exc:
         log.warning("moetrace: closing the trace failed: %s", exc)
         return None

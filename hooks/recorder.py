@@ -5,6 +5,13 @@
 Model Runner V1 (the CPU runner, and the GPU runner when ``VLLM_USE_V2_MODEL_RUNNER=0``) is supported: its
 ``execute_model`` runs the target forward, ``_sample`` runs the rejection sampler, and the drafter runs after
 both. Model Runner V2 is refused with a clear message.
+
+The engine thread only enqueues: what lives on the host (request order, query starts, drafts per request) is
+copied at once because the runner reuses those arrays; what lives on the device (routing rows, positions, token
+ids, how many tokens each request kept) is packed into one block and copied without blocking. A later step
+forwards it to the writer process once its event has completed (``PendingStep.ready``), and the writer process
+assembles and encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, and no thread in
+the engine process competes with the engine loop for the GIL.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +27,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from moetrace.hooks.capture import (
-    RoutingCapture,
-    router_info,
-    target_moe_runners,
-    unwrap_router,
-    vllm_graph_key,
-    wrap_router,
-)
+from moetrace.hooks.capture import FIELDS, RoutingCapture, router_info, unwrap_router, wrap_router
 from moetrace.hooks.manifest import worker_manifest
-from moetrace.schema import PHASES
-from moetrace.writer import StepCapture, TraceWriter
+from moetrace.hooks.vllm_api import WorkerApi
+from moetrace.hooks.rows import PackedLayout, StepRecord
+from moetrace.writer import TraceWriter
 
 log = logging.getLogger("moetrace")
-
-PREFILL, DECODE, VERIFY = (np.int8(PHASES.index(p)) for p in ("prefill", "decode", "verify"))
-NOT_A_DRAFT = -1
 
 
 class UnsupportedRunner(RuntimeError):
@@ -44,16 +43,18 @@ class UnsupportedRunner(RuntimeError):
 class Recorder:
     """Records one worker's target-model routing into one trace directory."""
 
-    def __init__(self, runner: Any, vllm_config: Any, settings: dict[str, Any]) -> None:
-        if type(runner).__module__.startswith("vllm.v1.worker.gpu.") or not hasattr(runner, "input_batch"):
+    def __init__(self, api: WorkerApi, runner: Any, vllm_config: Any, settings: dict[str, Any]) -> None:
+        if type(runner).__module__.startswith("vllm.v1.worker.gpu."):
             raise UnsupportedRunner(
                 "moetrace records from vLLM's Model Runner V1 only; set VLLM_USE_V2_MODEL_RUNNER=0"
             )
+        api.check_runner(runner)
+        self.api = api
         self.runner = runner
-        self.runners = target_moe_runners(runner.model)
+        self.runners = api.target_moe_runners(runner.model)
         if not self.runners:
             raise UnsupportedRunner("the target model has no MoE layers to record")
-        monolithic = [r.layer_name for r in self.runners if getattr(r, "is_monolithic", False)]
+        monolithic = [r.layer_name for r in self.runners if r.is_monolithic]
         if monolithic:
             raise UnsupportedRunner(f"monolithic MoE kernels never call the router: {monolithic[0]}")
         infos = [router_info(r) for r in self.runners]
@@ -62,8 +63,10 @@ class Recorder:
         self.token_ids = bool(settings.get("token_ids", True))
         device = next(runner.model.parameters()).device
         self.capture = RoutingCapture(
-            int(runner.max_num_tokens), len(infos), self.top_k, self.candidates, device, graph_key=vllm_graph_key
+            int(runner.max_num_tokens), len(infos), self.top_k, self.candidates, device, graph_key=api.graph_key
         )
+        self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
+        self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
         self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
         manifest = worker_manifest(vllm_config, infos, settings)
         self.writer = TraceWriter(
@@ -76,7 +79,7 @@ class Recorder:
         )
         self.request_index: dict[str, int] = {}
         self.step = 0
-        self._pending: dict[str, Any] | None = None
+        self._pending: PendingStep | None = None
         self._original_execute = runner.execute_model
         self._original_sample = runner._sample
         self._original_model_forward = runner._model_forward
@@ -100,47 +103,63 @@ class Recorder:
 
     def close(self) -> dict[str, Any]:
         self.uninstall()
-        return self.writer.close({"requests": list(self.request_index)})
+        return self.writer.close({"requests": list(self.request_index), "capture_mechanisms": self.mechanisms})
 
     # -- engine-thread hooks: never raise into the engine ------------------------------------------------------
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.writer.failed is not None:
+            return self._original_execute(scheduler_output, *args, **kwargs)
         t_start = time.time_ns()
+        started = timing_event() if self.capture.cuda else None
         self.capture.begin_step()
         self._replayed = None
         result = self._original_execute(scheduler_output, *args, **kwargs)
         self._pending = None
-        if self.writer.failed is None and scheduler_output.total_num_scheduled_tokens:
+        if scheduler_output.total_num_scheduled_tokens:
             try:
-                self._pending = self._layout(t_start)
+                self._pending = self._layout(t_start, started)
             except Exception as exc:
                 self._stop(exc)
         return result
 
     def model_forward(self, *args: Any, **kwargs: Any) -> Any:
         """Note which CUDA graph (if any) the forward replays; vLLM's forward context says so only inside."""
-        self._replayed = vllm_graph_key()
+        if self.writer.failed is None:
+            try:
+                self._replayed = self.api.graph_key()
+            except Exception as exc:
+                self._stop(exc)
         return self._original_model_forward(*args, **kwargs)
 
     def sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
         sampler_output = self._original_sample(logits, spec_decode_metadata)
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is not None and self.writer.failed is None:
             try:
-                valid = (sampler_output.sampled_token_ids != -1).sum(dim=1).cpu().numpy()
-                self.writer.submit(self._capture(pending, valid, time.time_ns()))
+                # Tokens each request keeps (accepted drafts + 1): counted on the device, copied without blocking.
+                kept = (sampler_output.sampled_token_ids != -1).sum(dim=1, dtype=torch.int32)
+                pending.kept = to_host(kept)
+                pending.ended = timing_event() if pending.started is not None else None
+                pending.t_end = time.time_ns()
+                self.writer.submit(pending)
             except Exception as exc:
                 self._stop(exc)
         return sampler_output
 
-    def _stop(self, exc: BaseException) -> None:
-        log.warning("moetrace: recording stopped, the engine keeps serving (%s: %s)", type(exc).__name__, exc)
-        self.writer.failed = f"{type(exc).__name__}: {exc}"
+    def _stop(self, exc: BaseException | str) -> None:
+        reason = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        log.warning("moetrace: recording stopped, the engine keeps serving (%s)", reason)
+        if self.writer.failed is None:
+            self.writer.failed = reason
+        self.uninstall()  # the engine runs on exactly as without moetrace
 
     # -- batch layout ---------------------------------------------------------------------------------------
 
-    def _layout(self, t_start: int) -> dict[str, Any]:
-        """Copy what this step's rows need before the runner's views are reused by the next step."""
+    def _layout(self, t_start: int, started: torch.cuda.Event | None) -> PendingStep:
+        """Copy what this step's rows need before the runner's arrays are reused by the next step."""
+        if self.capture.failed is not None:
+            raise RuntimeError(self.capture.failed)
         runner = self.runner
         state = runner.execute_model_state
         batch = runner.input_batch
@@ -149,63 +168,73 @@ class Recorder:
         num_tokens = int(query_start[-1])
         spec = state.spec_decode_metadata if state is not None else None
         drafts = np.asarray(spec.num_draft_tokens, dtype=np.int64) if spec is not None else np.zeros(num_reqs, np.int64)
-        return {
-            "t_start": t_start,
-            "req_ids": list(batch.req_ids[:num_reqs]),
-            "query_start": query_start,
-            "num_prompt_tokens": np.asarray(batch.num_prompt_tokens[:num_reqs], dtype=np.int64),
-            "drafts": drafts,
-            "positions": runner.positions[:num_tokens].to("cpu", copy=True).numpy(),
-            "tokens": runner.input_ids.gpu[:num_tokens].to("cpu", copy=True).numpy() if self.token_ids else None,
-            "routing": self.capture.collect(num_tokens, self._replayed),
-        }
-
-    def _capture(self, p: dict[str, Any], valid_sampled: npt.NDArray[np.int64], t_end: int) -> StepCapture:
-        query_start, drafts = p["query_start"], p["drafts"]
-        num_reqs = len(p["req_ids"])
-        num_tokens = int(query_start[-1])
-        per_req_tokens = np.diff(query_start)
-        accepted = np.where(drafts > 0, np.clip(valid_sampled[:num_reqs] - 1, 0, drafts), 0)
-        requests = np.array(
-            [self.request_index.setdefault(rid, len(self.request_index)) for rid in p["req_ids"]], dtype=np.uint32
-        )
-        token_req = np.repeat(np.arange(num_reqs), per_req_tokens)
-        # Offset of each token from the end of its request's span: the last d_i + 1 tokens are the window.
-        from_end = query_start[1:][token_req] - 1 - np.arange(num_tokens)
-        window_drafts = drafts[token_req]
-        in_window = from_end <= window_drafts
-        draft_pos = np.where(in_window & (window_drafts > 0), window_drafts - from_end, 0)
-        positions = p["positions"].astype(np.int64)
-        phase = np.where(
-            positions < p["num_prompt_tokens"][token_req], PREFILL, np.where(window_drafts > 0, VERIFY, DECODE)
-        ).astype(np.int8)
-        is_draft = draft_pos > 0
-        token_accepted = np.where(is_draft, (draft_pos <= accepted[token_req]).astype(np.int8), NOT_A_DRAFT)
-        routing = {name: t.numpy() for name, t in p["routing"].wait().items()}
-        return StepCapture(
+        mechanism, routing = self.capture.collect(num_tokens, self._replayed)
+        self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
+        # One int32 [T, W] block (floats by their bits), so one copy brings the whole step to the host.
+        columns = [routing[name].view(torch.int32).reshape(num_tokens, -1) for name in FIELDS if name in routing]
+        columns.append(runner.positions[:num_tokens].to(torch.int32).unsqueeze(1))
+        if self.token_ids:
+            columns.append(runner.input_ids.gpu[:num_tokens].to(torch.int32).unsqueeze(1))
+        return PendingStep(
             step=self._next_step(),
-            request=requests[token_req],
-            position=positions.astype(np.uint32),
-            phase=phase,
-            draft_pos=draft_pos.astype(np.uint8),
-            token=p["tokens"].astype(np.uint32) if p["tokens"] is not None else None,
-            accepted=token_accepted.astype(np.int8),
-            experts=routing["ids"].astype(np.uint16),
-            weights=routing["weights"],
-            cand_experts=routing["cand_ids"].astype(np.uint16) if "cand_ids" in routing else None,
-            cand_scores=routing.get("cand_scores"),
-            steps_rows={
-                "step": np.full(num_reqs, self.step - 1, dtype=np.uint32),
-                "request": requests,
-                "num_tokens": per_req_tokens.astype(np.uint32),
-                "num_drafts": drafts.astype(np.uint32),
-                "num_accepted": accepted.astype(np.uint32),
-                "batch_size": np.full(num_reqs, num_reqs, dtype=np.uint32),
-                "t_start_ns": np.full(num_reqs, p["t_start"], dtype=np.int64),
-                "t_end_ns": np.full(num_reqs, t_end, dtype=np.int64),
-            },
+            t_start=t_start,
+            started=started,
+            requests=np.array([self.request_index.setdefault(r, len(self.request_index))
+                               for r in batch.req_ids[:num_reqs]], dtype=np.uint32),
+            query_start=query_start,
+            num_prompt_tokens=np.asarray(batch.num_prompt_tokens[:num_reqs], dtype=np.int64),
+            drafts=drafts,
+            packed=to_host(torch.cat(columns, dim=1)),
+            layout=self.layout,
         )
 
     def _next_step(self) -> int:
         self.step += 1
         return self.step - 1
+
+
+def timing_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy in fresh pinned host memory, without blocking (PyTorch's caching host allocator
+    reuses a block only once the copy into it has completed); host tensors are returned as they are."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+@dataclass
+class PendingStep:
+    """One step as the engine thread left it: host arrays copied, device copies in flight, ready once the event
+    recorded after the last of them has completed. The writer forwards it from the engine thread, never waiting."""
+
+    step: int
+    t_start: int
+    started: torch.cuda.Event | None
+    requests: npt.NDArray[np.uint32]  # [R]
+    query_start: npt.NDArray[np.int64]  # [R + 1]
+    num_prompt_tokens: npt.NDArray[np.int64]  # [R]
+    drafts: npt.NDArray[np.int64]  # [R]
+    packed: torch.Tensor  # [T, W] int32, see PackedLayout
+    layout: PackedLayout
+    kept: torch.Tensor | None = None  # [R] accepted drafts + 1
+    ended: torch.cuda.Event | None = None
+    t_end: int = 0
+
+    def is_ready(self) -> bool:
+        return self.ended is None or bool(self.ended.query())  # type: ignore[no-untyped-call]
+
+    def ready(self) -> StepRecord:
+        assert self.kept is not None
+        t_end = self.t_end
+        if self.started is not None and self.ended is not None:
+            self.ended.synchronize()
+            t_end = self.t_start + int(self.started.elapsed_time(self.ended) * 1e6)  # GPU time of the step
+        return StepRecord(self.step, self.t_start, t_end, self.requests, self.query_start, self.num_prompt_tokens,
+                          self.drafts, self.kept.numpy().astype(np.int64), self.packed.numpy(), self.layout)

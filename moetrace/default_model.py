@@ -1,7 +1,9 @@
 """The embedded default: a tiny checkpoint of Kimi-K2's architecture with random weights.
 
 DeepseekV3 layout, 384 routed experts, top-8, sigmoid scores with a selection bias (``noaux_tc``), one shared
-expert, the first layer dense, byte-level vocabulary. Built once, deterministically, by transformers' own
+expert, the first layer dense, byte-level vocabulary, MLA head dims that vLLM's GPU backends accept. It runs in
+float32 on the CPU (where the transformers comparison needs it) and in bfloat16 on a GPU (no CUDA MLA backend
+takes float32). Built once, deterministically, by transformers' own
 initialisation, and cached. Its routing is a random network's routing: it exists so that the whole path runs
 anywhere and so that vLLM's routing can be checked against transformers on the same weights.
 """
@@ -44,9 +46,11 @@ CONFIG: dict[str, Any] = {
     "moe_layer_freq": 1,
     "q_lora_rank": None,
     "kv_lora_rank": 512,  # CPU MLA takes head size 576 = kv_lora_rank + qk_rope_head_dim only
+    # (qk_nope, qk_rope, v) = (64, 64, 128): one of the three head-dim triples that vLLM's only MLA prefill backend
+    # on Hopper (FlashAttention) accepts, besides Kimi/DeepSeek's (128, 64, 128) and (192, 64, 256).
     "qk_nope_head_dim": 64,
     "qk_rope_head_dim": 64,
-    "v_head_dim": 64,
+    "v_head_dim": 128,
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 4096,
@@ -69,6 +73,12 @@ CONFIG: dict[str, Any] = {
 SEED = 20261129
 # Spread of the selection bias: transformers initialises it to zero, which would hide the noaux_tc path.
 BIAS_STD = 0.02
+
+
+def runtime_dtype(on_gpu: bool) -> str:
+    """float32 on the CPU (the transformers comparison needs it); bfloat16 on a GPU (no CUDA MLA backend takes
+    float32)."""
+    return "bfloat16" if on_gpu else "float32"
 
 
 def cache_root() -> Path:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from moetrace.hooks.plugin import ENV_VAR, WORKER_EXTENSION
+from moetrace.schema import MANIFEST_NAME
+from moetrace.writer import write_json_atomic
 
 SPEC_METHODS = ("ngram", "eagle3", "mtp", "draft_model")
 
@@ -54,11 +56,14 @@ def build_llm(settings: dict[str, Any]) -> Any:
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # moetrace records from Model Runner V1
     from vllm import LLM
 
+    from moetrace.default_model import runtime_dtype
+    from moetrace.hooks.vllm_api import engine_arg_exists, on_cuda
+
     engine_args: dict[str, Any] = {
         "model": settings["model"],
         "skip_tokenizer_init": settings["token_prompts"] is not None,
         "enforce_eager": settings["eager"],
-        "dtype": settings["dtype"],
+        "dtype": settings["dtype"] or runtime_dtype(on_cuda()),
         "max_model_len": settings["max_model_len"],
         "max_num_seqs": settings["batch_size"],
         "tensor_parallel_size": settings["tp"],
@@ -67,9 +72,10 @@ def build_llm(settings: dict[str, Any]) -> Any:
         ),
         "worker_extension_cls": WORKER_EXTENSION,
         "seed": 0,
+        "disable_log_stats": False,  # vLLM's spec-decode counters, the cross-check for the recorded acceptance
     }
-    if settings["k"] > 0:  # vLLM's own per-request acceptance, the cross-check for the recorded accepted flags
-        engine_args["per_request_spec_decode_metrics"] = "detailed"
+    if settings["k"] > 0 and engine_arg_exists("per_request_spec_decode_metrics"):
+        engine_args["per_request_spec_decode_metrics"] = "detailed"  # and per request, where vLLM has it
     return LLM(**{**engine_args, **settings["engine_args"]})  # the user's --engine-arg wins
 
 
@@ -101,7 +107,10 @@ def generate_and_record(llm: Any, settings: dict[str, Any]) -> int:
         return 2
     params = SamplingParams(max_tokens=settings["max_tokens"], temperature=0.0, ignore_eos=True)
     outputs = llm.generate(engine_prompts(settings), params, use_tqdm=progress_bar)
-    llm.collective_rpc("moetrace_close")
+    closed = [c for c in llm.collective_rpc("moetrace_close") if c is not None]
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest["vllm_counters"] = spec_decode_counters(llm)
+    write_json_atomic(out / MANIFEST_NAME, manifest)
     with open(out / "outputs.jsonl", "w") as sink:
         for output in outputs:
             completion = output.outputs[0]
@@ -122,7 +131,22 @@ def generate_and_record(llm: Any, settings: dict[str, Any]) -> int:
                 )
                 + "\n"
             )
+    failed = next((c["error"] for c in closed if not c["complete"]), None)
+    if failed is not None:
+        print(f"moetrace: recording stopped, the trace is incomplete: {failed}", file=sys.stderr)
+        return 2
     return 0
+
+
+def spec_decode_counters(llm: Any) -> dict[str, float]:
+    """vLLM's own speculative-decoding counters for this run (what ``/metrics`` shows under ``vllm serve``):
+    ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``."""
+    prefix = "vllm:spec_decode_"
+    return {
+        metric.name.removeprefix(prefix): float(metric.value)
+        for metric in llm.get_metrics()
+        if metric.name.startswith(prefix) and hasattr(metric, "value")
+    }
 
 
 if __name__ == "__main__":

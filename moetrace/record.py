@@ -60,7 +60,7 @@ class ResolvedModel:
     name: str
     random_weights: bool
     byte_tokens: bool  # the embedded default: prompts are encoded as bytes, no tokenizer
-    dtype: str
+    dtype: str | None  # None: the default model's (float32 on the CPU, bfloat16 on a GPU)
     max_positions: int | None
 
 
@@ -111,7 +111,7 @@ def _config_expert_count(config: dict[str, Any]) -> int:
 def resolve_model(model: str | None) -> ResolvedModel:
     if model is None:
         path = ensure_default_model()
-        return ResolvedModel(path, DEFAULT_MODEL_NAME, True, True, "float32", 4096)
+        return ResolvedModel(path, DEFAULT_MODEL_NAME, True, True, None, 4096)
     path = Path(model).expanduser()
     if not path.is_dir():
         try:

@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from moetrace.hooks.capture import RoutingCapture, selection_scores, unwrap_router, wrap_router
+from moetrace.hooks.capture import (
+    NothingCaptured,
+    RoutingCapture,
+    selection_scores,
+    unwrap_router,
+    wrap_router,
+)
 
 E, K, L, C = 32, 4, 3, 6  # experts, top-k, layers, candidates
 SIZES = (1, 2, 4, 8)
@@ -70,6 +76,14 @@ def setup(candidates: int = 0, device: str = "cpu") -> tuple[list[BiasRouter], R
     return routers, capture, key
 
 
+def collected(capture: RoutingCapture, num_tokens: int, replayed: Any = None, mechanism: str | None = None
+              ) -> dict[str, torch.Tensor]:
+    """Rows of the forward just run, on the host."""
+    used, rows = capture.collect(num_tokens, replayed)
+    assert mechanism is None or used == mechanism
+    return {name: t.cpu() for name, t in rows.items()}
+
+
 def assert_rows_equal(rows: dict[str, torch.Tensor], routers: list[BiasRouter], logits: torch.Tensor) -> None:
     num_tokens = rows["ids"].shape[0]
     got = by_id(rows["ids"], rows["weights"])
@@ -86,7 +100,7 @@ def test_eager_forwards_keep_references_that_equal_the_computed_routing_without_
         capture.begin_step()
         forward(routers, logits)
         assert all(k is not None for k in capture.step) and not capture.graphs
-        rows = capture.collect(num_tokens).wait()
+        rows = collected(capture, num_tokens, mechanism="eager")
         assert rows["ids"].shape == (num_tokens, L, K) and rows["ids"].dtype == torch.int32
         assert rows["weights"].dtype == torch.float32
         assert_rows_equal(rows, routers, logits)
@@ -97,7 +111,7 @@ def test_candidates_are_the_top_selection_scores() -> None:
     logits = torch.randn(4, L, E, generator=torch.Generator().manual_seed(2)).bfloat16()
     capture.begin_step()
     forward(routers, logits)
-    rows = capture.collect(3).wait()
+    rows = collected(capture, 3)
     assert rows["cand_ids"].shape == rows["cand_scores"].shape == (3, L, C)
     for slot, router in enumerate(routers):
         scores, ids = selection_scores(router, logits[:3, slot]).topk(C, dim=-1)
@@ -113,7 +127,7 @@ def test_collected_rows_are_owned_and_the_next_forward_does_not_change_them() ->
     first = torch.randn(4, L, E, generator=gen).bfloat16()
     capture.begin_step()
     forward(routers, first)
-    rows = capture.collect(4).wait()
+    rows = collected(capture, 4)
     capture.begin_step()
     forward(routers, torch.randn(4, L, E, generator=gen).bfloat16())
     assert_rows_equal(rows, routers, first)
@@ -129,7 +143,7 @@ def test_a_forward_traced_by_dynamo_writes_the_static_buffers() -> None:
         capture.begin_step()
         compiled(routers, logits)
         assert all(k is None for k in capture.step), "the traced path keeps no references"
-        rows = capture.collect(num_tokens).wait()
+        rows = collected(capture, num_tokens, mechanism="traced")
         assert_rows_equal(rows, routers, logits)
         assert rows["cand_ids"].shape == (num_tokens, L, C)
 
@@ -173,10 +187,10 @@ def test_references_taken_during_graph_capture_are_kept_per_graph_and_read_after
         capture.begin_step()
         for router, layer_logits in zip(routers, logits.unbind(1)):  # "replay": no wrapper, same addresses
             type(router)._compute_routing(router, None, layer_logits)
-        rows = capture.collect(num_tokens, replayed=("FULL", size)).wait()
+        rows = collected(capture, num_tokens, replayed=("FULL", size), mechanism="graph")
         assert rows["ids"].shape[0] == num_tokens
         assert_rows_equal(rows, routers, logits)
-    with pytest.raises(LookupError, match="captured without the wrapper"):
+    with pytest.raises(NothingCaptured, match="captured without the wrapper"):
         capture.collect(1, replayed=("PIECEWISE", 1))
 
 
@@ -184,8 +198,34 @@ def test_a_partly_recorded_forward_is_refused() -> None:
     routers, capture, _ = setup()
     capture.begin_step()
     forward(routers[:2], torch.randn(2, 2, E).bfloat16())
-    with pytest.raises(LookupError, match="partly recorded"):
+    with pytest.raises(NothingCaptured, match="partly recorded"):
         capture.collect(2)
+
+
+def test_a_forward_that_no_router_ran_is_refused_not_recorded_as_zeros() -> None:
+    """A vLLM that stops calling the wrapped method (or a kernel that fuses routing) leaves no references, no
+    replayed graph and no trace: the static buffers still hold zeros, and they must not become rows."""
+    _, capture, _ = setup()
+    capture.begin_step()  # the model ran, but not through any wrapped router
+    with pytest.raises(NothingCaptured, match="no router ran in this forward"):
+        capture.collect(4)
+
+
+def test_an_error_inside_the_wrapper_returns_the_routers_result_and_is_kept_for_the_recorder() -> None:
+    routers, capture, _ = setup(candidates=C)
+    logits = torch.randn(3, L, E, generator=torch.Generator().manual_seed(7)).bfloat16()
+    capture.begin_step()
+    routers[0]._compute_routing(None, logits[:, 0], None, input_ids=None)
+    assert capture.failed is None
+
+    def renamed(*args: Any) -> None:  # what a vLLM that renamed something the capture reads looks like
+        raise AttributeError("'ForwardContext' object has no attribute 'batch_descriptor'")
+
+    capture.keep = renamed  # type: ignore[method-assign]
+    got = routers[1]._compute_routing(None, logits[:, 1], None, input_ids=None)  # must not raise
+    want = BiasRouter._compute_routing(BiasRouter(1), None, logits[:, 1])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "the router's own result, untouched"
+    assert capture.failed is not None and "layer slot 1" in capture.failed and "batch_descriptor" in capture.failed
 
 
 def test_wrap_is_idempotent_and_unwrap_restores_the_router() -> None:
@@ -234,5 +274,5 @@ def test_cuda_graph_replays_record_what_eager_routing_computes() -> None:
         static[size].copy_(logits)
         capture.begin_step()
         graphs[size].replay()
-        rows = capture.collect(num_tokens, replayed=size).wait()
+        rows = collected(capture, num_tokens, replayed=size)
         assert_rows_equal(rows, routers, logits)

@@ -19,18 +19,11 @@ from click.testing import CliRunner
 
 from vllm_fixtures import CANDIDATES, K, recorded_trace, run_cli  # noqa: F401 (fixture)
 from moetrace.cli import main
+from moetrace.compare import compare_runs, load_outputs
 from moetrace.default_model import default_model_dir
 from moetrace.reader import open_trace
 
 pytestmark = pytest.mark.vllm
-
-
-def load_outputs(trace_dir: Path) -> dict[int, dict[str, Any]]:
-    """vLLM's outputs keyed by the trace's request index (worker ids are "<external id>-<suffix>")."""
-    requests = json.loads((trace_dir / "manifest.json").read_text())["requests"]
-    index = {rid.rsplit("-", 1)[0]: i for i, rid in enumerate(requests)}
-    outputs = [json.loads(line) for line in (trace_dir / "outputs.jsonl").read_text().splitlines()]
-    return {index[o["request_id"]]: o for o in outputs}
 
 
 class TransformersRouting:
@@ -133,6 +126,22 @@ def test_recorded_acceptance_agrees_with_vllm_per_request_metrics(recorded_trace
     assert total_drafted > 0
 
 
+def test_recorded_drafts_and_acceptance_equal_vllms_own_spec_decode_counters(recorded_trace: Path) -> None:
+    """vLLM's counters (``vllm:spec_decode_num_*``, what ``/metrics`` serves) are the cross-check that every vLLM
+    release has, also those without per-request metrics (0.26)."""
+    trace = open_trace(recorded_trace)
+    counters = trace.manifest["vllm_counters"]
+    steps = trace.steps().collect()
+    verified = steps.filter(pl.col("num_drafts") > 0)
+    assert counters["num_drafts"] == verified.height > 0
+    assert counters["num_draft_tokens"] == verified["num_drafts"].sum()
+    assert counters["num_accepted_tokens"] == verified["num_accepted"].sum()
+    routing = trace.routing().filter(pl.col("draft_pos") > 0).collect()
+    layers = len(trace.manifest["model"]["moe_layers"])
+    assert routing.height == counters["num_draft_tokens"] * layers
+    assert routing["accepted"].sum() == counters["num_accepted_tokens"] * layers
+
+
 def test_accepted_drafts_form_a_prefix_of_each_window(recorded_trace: Path) -> None:
     trace = open_trace(recorded_trace)
     drafts = trace.routing().filter(pl.col("draft_pos") > 0).collect()
@@ -228,27 +237,14 @@ def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Pat
     (compiled_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     compiled = open_trace(compiled_dir)
     assert compiled.manifest["capture"]["mode"] == "graph-safe"
+    assert compiled.manifest["capture_mechanisms"].get("traced", 0) > 0, "Dynamo traced the router wrapper"
     # Compiled kernels round differently, so greedy decoding may leave eager's text at some token; compare the
-    # tokens of each request's sequence up to the first position where the two runs' sequences differ.
-    def in_sequence_rows(trace_dir: Path) -> pl.DataFrame:
-        rows = open_trace(trace_dir).routing().filter(pl.col("accepted").is_null() | pl.col("accepted"))
-        return rows.collect()
-
-    eager_outputs, compiled_outputs = load_outputs(recorded_trace), load_outputs(compiled_dir)
-    common = []
-    for request, eager_output in eager_outputs.items():
-        a = eager_output["prompt_token_ids"] + eager_output["output_token_ids"]
-        b = compiled_outputs[request]["prompt_token_ids"] + compiled_outputs[request]["output_token_ids"]
-        agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        common.append({"request": request, "agree": agree, "prompt": len(eager_output["prompt_token_ids"])})
-    limits = pl.DataFrame(common, schema={"request": pl.UInt32, "agree": pl.Int64, "prompt": pl.Int64})
-    keys = ["request", "position", "layer"]
-    eager = in_sequence_rows(recorded_trace).join(limits, on="request").filter(pl.col("position") < pl.col("agree"))
-    joined = in_sequence_rows(compiled_dir).join(eager, on=keys, suffix="_eager")
-    assert joined.height == eager.height and (joined["token"] == joined["token_eager"]).all()
-    assert eager.filter(pl.col("position") >= pl.col("prompt")).height > 0, "decoded tokens are compared too"
-    same = [a.to_list() == b.to_list() for a, b in zip(joined["experts"], joined["experts_eager"])]
-    assert sum(same) / len(same) >= 0.999
+    # rows of each request's sequence up to the first position where the two runs' sequences differ.
+    result = compare_runs(recorded_trace, compiled_dir)
+    assert result["rows_compared"] == result["rows_in_a"] > 0 and result["tokens_equal"]
+    assert result["decoded_rows_compared"] > 0, "decoded tokens are compared too"
+    assert result["rows_identical"] / result["rows_compared"] >= 0.999
+    assert result["rows_unexplained"] == 0
 
 
 def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> None:

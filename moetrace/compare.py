@@ -1,0 +1,121 @@
+"""Two recordings of the same prompts compared row by row, and a recording checked against its own router logits.
+
+Used to prove that a capture mechanism records the truth: eager against compiled (CUDA graphs) on the same
+prompts, greedy, up to where the generated tokens diverge; and every recorded row against the top-k of the
+selection scores that the wrapper computed from the same router logits in float32 (``--candidates``).
+
+A row whose expert set differs is a *near-tie* when every swapped expert's selection score lies within
+``tolerance`` of the K-th score (in each run's own scores): float rounding of two kernels can swap such experts,
+and nothing else can. Any other difference is *unexplained*.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from moetrace.reader import open_trace
+from moetrace.schema import MANIFEST_NAME
+
+# Float32 reference against the router's own kernel on the same logits: both compute sigmoid + bias in float32,
+# so only summation order can differ.
+REFERENCE_TOLERANCE = 1e-4
+
+
+def bf16_tie_tolerance(kth_score: float, ulps: int = 2) -> float:
+    """``ulps`` bfloat16 units in the last place at the K-th score's magnitude (8 significant bits)."""
+    return ulps * 2.0 ** (math.floor(math.log2(max(abs(kth_score), 1e-30))) - 7)
+
+
+def load_outputs(trace_dir: Path) -> dict[int, dict[str, Any]]:
+    """vLLM's outputs keyed by the trace's request index (worker ids are "<external id>-<suffix>")."""
+    requests = json.loads((trace_dir / MANIFEST_NAME).read_text())["requests"]
+    index = {rid.rsplit("-", 1)[0]: i for i, rid in enumerate(requests)}
+    outputs = [json.loads(line) for line in (trace_dir / "outputs.jsonl").read_text().splitlines()]
+    return {index[o["request_id"]]: o for o in outputs}
+
+
+def agreeing_prefix(a_dir: Path, b_dir: Path) -> pl.DataFrame:
+    """Per request: how many leading tokens (prompt + output) the two runs share, and the prompt length."""
+    a_outputs, b_outputs = load_outputs(a_dir), load_outputs(b_dir)
+    rows = []
+    for request, a in a_outputs.items():
+        x = a["prompt_token_ids"] + a["output_token_ids"]
+        b = b_outputs[request]
+        y = b["prompt_token_ids"] + b["output_token_ids"]
+        agree = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        rows.append({"request": request, "agree": agree, "prompt": len(a["prompt_token_ids"])})
+    return pl.DataFrame(rows, schema={"request": pl.UInt32, "agree": pl.Int64, "prompt": pl.Int64})
+
+
+def in_sequence_rows(trace_dir: Path) -> pl.DataFrame:
+    """Rows of tokens in the final sequence: prompt, decoded, anchors and accepted drafts."""
+    return open_trace(trace_dir).routing().filter(pl.col("accepted").is_null() | pl.col("accepted")).collect()
+
+
+def _swapped_within(experts: list[int], other: list[int], cand_experts: list[int], cand_scores: list[float],
+                    top_k: int, ulps: int) -> bool:
+    swapped = set(experts) ^ set(other)
+    scores = dict(zip(cand_experts, cand_scores))
+    kth = cand_scores[top_k - 1]
+    tolerance = bf16_tie_tolerance(kth, ulps)
+    return all(e in scores and abs(scores[e] - kth) <= tolerance for e in swapped)
+
+
+def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
+    """Rows of run B against run A on (request, position, layer), up to each request's divergence."""
+    limits = agreeing_prefix(a_dir, b_dir)
+    a = in_sequence_rows(a_dir).join(limits, on="request").filter(pl.col("position") < pl.col("agree"))
+    joined = in_sequence_rows(b_dir).join(a, on=["request", "position", "layer"], suffix="_a")
+    top_k = int(json.loads((a_dir / MANIFEST_NAME).read_text())["model"]["top_k"])
+    has_candidates = "cand_experts" in joined.columns
+    identical = near_tie = 0
+    for row in joined.iter_rows(named=True):
+        if set(row["experts"]) == set(row["experts_a"]):
+            identical += 1
+        elif has_candidates and all(
+            _swapped_within(row[f"experts{s}"], row[f"experts{o}"], row[f"cand_experts{s}"],
+                            row[f"cand_scores{s}"], top_k, ulps)
+            for s, o in (("", "_a"), ("_a", ""))
+        ):
+            near_tie += 1
+    return {
+        "rows_in_a": a.height,
+        "rows_compared": joined.height,
+        "tokens_equal": bool((joined["token"] == joined["token_a"]).all()) if joined.height else True,
+        "decoded_rows_compared": joined.filter(pl.col("position") >= pl.col("prompt")).height,
+        "rows_identical": identical,
+        "rows_near_tie": near_tie,
+        "rows_unexplained": joined.height - identical - near_tie,
+        "tie_tolerance": f"{ulps} bfloat16 ulps of the K-th selection score",
+    }
+
+
+def reference_check(trace_dir: Path) -> dict[str, Any]:
+    """Every row against the top-k of its own float32 selection scores (needs ``--candidates``)."""
+    trace = open_trace(trace_dir)
+    top_k = int(trace.manifest["model"]["top_k"])
+    routing = trace.routing().select("experts", "cand_experts", "cand_scores").collect()
+    experts = np.sort(routing["experts"].to_numpy(), axis=1)  # fixed-size lists: [rows, K]
+    cand = routing["cand_experts"].to_numpy()
+    scores = routing["cand_scores"].to_numpy().astype(np.float64)
+    same = (np.sort(cand[:, :top_k], axis=1) == experts).all(axis=1)
+    explained = 0
+    for i in np.flatnonzero(~same):
+        chosen = set(experts[i].tolist())
+        reference = set(cand[i, :top_k].tolist())
+        by_id = dict(zip(cand[i].tolist(), scores[i].tolist()))
+        kth = scores[i, top_k - 1]
+        explained += all(e in by_id and abs(by_id[e] - kth) <= REFERENCE_TOLERANCE for e in chosen ^ reference)
+    return {
+        "rows": routing.height,
+        "rows_equal_reference": int(same.sum()),
+        "rows_reference_near_tie": explained,
+        "rows_reference_unexplained": int((~same).sum()) - explained,
+        "reference_tolerance": REFERENCE_TOLERANCE,
+    }

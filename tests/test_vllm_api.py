@@ -1,0 +1,58 @@
+"""The one door to vLLM's internals: resolved on the installed vLLM, and one line naming what is missing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from moetrace.hooks.vllm_api import (
+    SUPPORTED,
+    VllmApiError,
+    engine_arg_exists,
+    require_fields,
+    symbol,
+    vllm_version,
+    worker_api,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+def test_every_internal_resolves_on_the_installed_vllm() -> None:
+    api = worker_api()
+    assert api.version == vllm_version() and api.version.rsplit(".", 1)[0] in SUPPORTED
+    assert api.moe_runner_cls.__name__ == "MoERunner"
+    assert api.graph_key() is None, "outside a forward there is no CUDA graph"
+    assert engine_arg_exists("speculative_config") and not engine_arg_exists("no_such_engine_argument")
+
+
+def test_a_missing_symbol_is_one_line_naming_it_the_version_found_and_the_versions_supported() -> None:
+    with pytest.raises(VllmApiError) as raised:
+        symbol("vllm.forward_context.get_forward_context_v9")
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "vllm.forward_context.get_forward_context_v9" in message
+    assert f"vLLM {vllm_version()}" in message and "0.26, 0.32" in message
+
+
+def test_a_runner_missing_a_field_is_named_with_its_class() -> None:
+    runner = SimpleNamespace(model=None, max_num_tokens=8, input_batch=None, query_start_loc=None, positions=None,
+                             input_ids=None, execute_model=None, _sample=None)  # no _model_forward
+    with pytest.raises(VllmApiError, match=r"model runner\._model_forward \(types\.SimpleNamespace\)"):
+        require_fields(runner, ("execute_model", "_sample", "_model_forward"), "model runner")
+
+
+def test_hooks_and_writer_never_import_polars_or_plotly() -> None:
+    """What runs inside vLLM's workers stays light: analysis libraries are for the reader side only."""
+    code = (
+        "import sys\n"
+        "import moetrace.hooks.plugin, moetrace.hooks.recorder, moetrace.hooks.capture, moetrace.hooks.rows\n"
+        "import moetrace.hooks.vllm_api, moetrace.hooks.manifest, moetrace.writer\n"
+        "print(sorted(m for m in ('polars', 'plotly') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
