@@ -116,13 +116,19 @@ def info(trace: Path, as_json: bool) -> None:
         return
     for s, t in zip(summaries, traces):
         m = t.manifest
-        status = "complete" if t.complete else "[yellow]INCOMPLETE[/yellow] (recording was killed or is still running)"
-        console.print(f"[bold]{t.path}[/bold]  {m['schema']}  {status}", highlight=False)
+        # Text, not markup, wherever a path, a name or an error message is printed: they may hold "[...]".
+        if m.get("error"):
+            status = Text.assemble(("INCOMPLETE", "red"), f" (recording stopped: {m['error']})")
+        elif not t.complete:
+            status = Text.assemble(("INCOMPLETE", "yellow"), " (recording was killed or is still running)")
+        else:
+            status = Text("complete")
+        console.print(Text.assemble((str(t.path), "bold"), f"  {m['schema']}  ", status), highlight=False)
         model = m["model"]
         console.print(
-            f"  model {model.get('name')} ({model.get('architecture')}): {len(model['moe_layers'])} MoE layers, "
-            f"{model['num_experts']} experts, top-{model['top_k']}, hidden {model['hidden_size']}"
-            + ("  [yellow]random weights[/yellow]" if model.get("random_weights") else ""),
+            Text(f"  model {model.get('name')} ({model.get('architecture')}): {len(model['moe_layers'])} MoE layers, "
+                 f"{model['num_experts']} experts, top-{model['top_k']}, hidden {model['hidden_size']}")
+            + (Text("  random weights", style="yellow") if model.get("random_weights") else Text("")),
             highlight=False,
         )
         console.print(f"  spec {m['spec']['method']} k={m['spec']['k']}  tp={m['parallel']['tp']} ep={m['parallel']['ep']}",
@@ -133,7 +139,7 @@ def info(trace: Path, as_json: bool) -> None:
         console.print(f"  readable now: {s['routing_rows_readable']:,} routing rows, {s['steps_rows_readable']:,} step rows",
                       highlight=False)
         for warning in t.warnings:
-            err_console.print(f"  [yellow]warning:[/yellow] {warning}", highlight=False)
+            err_console.print(Text("  warning: ", style="yellow") + Text(warning), highlight=False)
 
 
 main.add_command(report)

@@ -58,13 +58,13 @@ class Trace:
         return _scan(self.steps_files, STEPS_SCHEMA)
 
     def telemetry(self) -> pl.LazyFrame | None:
-        return pl.scan_parquet(self.telemetry_files) if self.telemetry_files else None
+        return pl.scan_parquet(self.telemetry_files, glob=False) if self.telemetry_files else None
 
 
 def _scan(files: list[Path], schema: pa.Schema) -> pl.LazyFrame:
     if not files:
         return pl.from_arrow(schema.empty_table()).lazy()  # type: ignore[union-attr]
-    return pl.scan_parquet(files)
+    return pl.scan_parquet(files, glob=False)  # paths are files, not patterns: "[...]" in a path is literal
 
 
 def _get(manifest: dict[str, Any], dotted: str) -> Any:
@@ -148,7 +148,9 @@ def open_trace(directory: Path) -> Trace:
         raise UserError(f"{directory}: no such trace")
     manifest = read_manifest(directory)
     warnings: list[str] = []
-    if not manifest.get("complete"):
+    if manifest.get("error"):
+        warnings.append(f"{directory}: recording incomplete, it stopped: {manifest['error']}; reading the closed files")
+    elif not manifest.get("complete"):
         warnings.append(f"{directory}: recording incomplete (killed or still running); reading the closed files")
     top_k = int(manifest["model"]["top_k"])
     candidates = int(manifest.get("capture", {}).get("candidates", 0))

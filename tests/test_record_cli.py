@@ -79,3 +79,19 @@ def test_info_on_a_missing_trace_fails_in_one_line_as_a_subprocess(tmp_path: Pat
 def test_info_on_an_unknown_schema_version_fails_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps({"schema": "moetrace/99", "complete": True}))
     assert "unknown schema version 'moetrace/99'" in refuse(["info", str(tmp_path)])
+
+
+def test_info_says_why_a_recording_stopped_and_prints_bracketed_paths_as_they_are(tmp_path: Path) -> None:
+    import numpy as np
+    from trace_builder import Model, decode_tokens, write_trace
+
+    model = Model()
+    root = write_trace(tmp_path / "run [gpu:0]", decode_tokens(np.random.default_rng(0), model, 2, 3), model, k=0)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest.update(complete=False, error="NothingCaptured: no router ran in this forward")
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["info", str(root)])
+    assert result.exit_code == 0, result.output
+    assert "run [gpu:0]" in result.output, "Rich markup must not eat bracketed parts of a path"
+    shown = " ".join(result.output.split())  # Rich wraps at the terminal width
+    assert "INCOMPLETE (recording stopped: NothingCaptured: no router ran in this forward)" in shown
