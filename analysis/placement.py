@@ -15,6 +15,13 @@ def linear_placement(num_experts: int, ep: int) -> npt.NDArray[np.int64]:
     return (np.arange(num_experts, dtype=np.int64) * ep) // num_experts
 
 
+def round_robin_placement(num_experts: int, ep: int) -> npt.NDArray[np.int64]:
+    """Rank ``r`` holds experts ``r, r+ep, r+2·ep, ...`` (vLLM's ``expert_placement_strategy="round_robin"``)."""
+    if ep < 1:
+        raise ValueError(f"expert-parallel size must be at least 1, got {ep}")
+    return np.arange(num_experts, dtype=np.int64) % ep
+
+
 def explicit_placement(expert_rank: Sequence[int], num_experts: int) -> npt.NDArray[np.int64]:
     """A placement given as the rank of every expert, checked for length and range."""
     ranks = np.asarray(expert_rank, dtype=np.int64)

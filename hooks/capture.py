@@ -116,8 +116,8 @@ class RoutingCapture:
         self.step = [None] * self.num_layers
         if kept is None:  # traced forward: the static buffers hold it
             rows = {name: b[:num_tokens] for name, b in self.buffers.fields.items()}
-        else:
-            rows = {name: torch.stack([getattr(k, name)[:num_tokens] for k in kept], dim=1)
+        else:  # every layer's tensor has the forward's (padded) length: stack, then cut once
+            rows = {name: torch.stack([getattr(k, name) for k in kept], dim=1)[:num_tokens]
                     for name in self.buffers.fields}
         return mechanism, {name: r.to(_DTYPES[name]) for name, r in rows.items()}
 

@@ -12,6 +12,8 @@ import atexit
 import json
 import logging
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("moetrace")
@@ -23,7 +25,9 @@ _MARK = "_moetrace_wrapped"
 
 def settings_from_env() -> dict[str, Any] | None:
     """Recording settings passed by ``moetrace record`` (or by hand under ``vllm serve``): JSON, or a bare
-    output directory."""
+    output directory. By hand, JSON may also bound the recording to a window: ``{"out": DIR, "steps": N}`` or
+    ``{"out": DIR, "seconds": S}`` records the first N engine steps (or S seconds) and then closes the trace
+    while the server keeps serving."""
     raw = os.environ.get(ENV_VAR)
     if not raw:
         return None
@@ -49,14 +53,21 @@ def register() -> None:
         return
     if getattr(Worker.load_model, _MARK, False):
         return
-    original = Worker.load_model
+    original_load, original_shutdown = Worker.load_model, Worker.shutdown
 
     def load_model_and_record(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+        original_load(self, *args, **kwargs)
         install(self, settings)
+
+    def close_and_shut_down(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # A clean shutdown (`vllm serve` stopped with Ctrl-C, an LLM shut down) reaches every worker here; its
+        # process then ends through os._exit, which runs no atexit handler.
+        close_quietly(self)
+        return original_shutdown(self, *args, **kwargs)
 
     setattr(load_model_and_record, _MARK, True)
     Worker.load_model = load_model_and_record
+    Worker.shutdown = close_and_shut_down
 
 
 def install(worker: Any, settings: dict[str, Any]) -> None:
@@ -72,13 +83,15 @@ def install(worker: Any, settings: dict[str, Any]) -> None:
             return  # routing is replicated across TP ranks: rank 0 records
         if api.pp_size() > 1:
             raise RuntimeError("pipeline parallelism is not supported yet")
-        recorder = Recorder(api, worker.model_runner, worker.vllm_config, settings)
+        # A recording started by hand under `vllm serve` gets its run id from its directory and start time.
+        run_id = settings.get("run_id") or f"{Path(settings['out']).name}-{time.strftime('%Y%m%dT%H%M%S')}"
+        recorder = Recorder(api, worker.model_runner, worker.vllm_config, {**settings, "run_id": run_id})
     except Exception as exc:
         worker._moetrace_error = f"{exc}"
         log.warning("moetrace: not recording: %s", exc)
         return
     worker._moetrace_recorder = recorder
-    # Under `vllm serve` nobody calls moetrace_close; close on a clean interpreter exit instead.
+    # A worker living in the driver's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0) ends with the interpreter.
     atexit.register(close_quietly, worker)
 
 

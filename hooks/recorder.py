@@ -17,6 +17,7 @@ the engine process competes with the engine loop for the GIL.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -79,31 +80,52 @@ class Recorder:
         )
         self.request_index: dict[str, int] = {}
         self.step = 0
+        # A recording window under `vllm serve`: close after this many steps or seconds (None: until shutdown).
+        self.window_steps: int | None = settings.get("steps")
+        self.window_seconds: float | None = settings.get("seconds")
+        self._first_step_at: float | None = None
+        self._close_lock = threading.Lock()
+        self._closed: dict[str, Any] | None = None
         self._pending: PendingStep | None = None
         self._original_execute = runner.execute_model
         self._original_sample = runner._sample
         self._original_model_forward = runner._model_forward
+        self._original_sample_tokens = runner.sample_tokens
         self.install()
 
     def install(self) -> None:
-        """Wrap the routers and the runner's step methods; installing twice changes nothing."""
+        """Wrap the routers and the runner's step methods; installing twice, or after close, changes nothing."""
+        if self._closed is not None:
+            return
         for slot, moe in enumerate(self.runners):
             wrap_router(moe.router, slot, self.capture)
         self.runner.execute_model = self.execute_model
         self.runner._sample = self.sample
         self.runner._model_forward = self.model_forward
+        self.runner.sample_tokens = self.sample_tokens
 
     def uninstall(self) -> None:
         """Restore the runner and routers as they were; the writer stays open until ``close``."""
         for moe in self.runners:
             unwrap_router(moe.router)
-        for name in ("execute_model", "_sample", "_model_forward"):
+        for name in ("execute_model", "_sample", "_model_forward", "sample_tokens"):
             vars(self.runner).pop(name, None)
         self._pending = None
 
     def close(self) -> dict[str, Any]:
-        self.uninstall()
-        return self.writer.close({"requests": list(self.request_index), "capture_mechanisms": self.mechanisms})
+        """Unhook and close the trace; idempotent, and safe from any thread."""
+        with self._close_lock:
+            if self._closed is None:
+                self.uninstall()
+                self._closed = self.writer.close(
+                    {"requests": list(self.request_index), "capture_mechanisms": self.mechanisms})
+            return self._closed
+
+    def _window_over(self) -> bool:
+        if self._first_step_at is None:
+            self._first_step_at = time.monotonic()
+        return (self.window_steps is not None and self.step >= self.window_steps) or (
+            self.window_seconds is not None and time.monotonic() - self._first_step_at >= self.window_seconds)
 
     # -- engine-thread hooks: never raise into the engine ------------------------------------------------------
 
@@ -143,9 +165,19 @@ class Recorder:
                 pending.ended = timing_event() if pending.started is not None else None
                 pending.t_end = time.time_ns()
                 self.writer.submit(pending)
+                if self._window_over():  # the engine runs on unhooked; the trace is closed beside it
+                    self.uninstall()
+                    threading.Thread(target=self.close, name="moetrace-close").start()
             except Exception as exc:
                 self._stop(exc)
         return sampler_output
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM has synced by the time this returns (sync scheduling): hand the step over now, so that an engine
+        stopped while idle (``vllm serve`` kills its workers) holds no step back."""
+        output = self._original_sample_tokens(*args, **kwargs)
+        self.writer.forward_ready()
+        return output
 
     def _stop(self, exc: BaseException | str) -> None:
         reason = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"

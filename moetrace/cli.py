@@ -122,7 +122,7 @@ def info(trace: Path, as_json: bool) -> None:
         elif not t.complete:
             status = Text.assemble(("INCOMPLETE", "yellow"), " (recording was killed or is still running)")
         else:
-            status = Text("complete")
+            status = Text("complete") + (Text(f" ({m['end']})") if m.get("end") else Text(""))
         console.print(Text.assemble((str(t.path), "bold"), f"  {m['schema']}  ", status), highlight=False)
         model = m["model"]
         console.print(

@@ -173,4 +173,33 @@ def open_traces(path: Path) -> list[Trace]:
     children = sorted(p for p in path.iterdir() if (p / MANIFEST_NAME).exists()) if path.is_dir() else []
     if not children:
         raise UserError(f"{path}: not a moetrace trace (no {MANIFEST_NAME} here or in its subdirectories)")
-    return sorted((open_trace(child) for child in children), key=lambda t: t.k)
+    traces = sorted((open_trace(child) for child in children), key=lambda t: t.k)
+    check_one_sweep(path, traces)
+    return traces
+
+
+# What every trace of one sweep shares: the same model, and the same drafter wherever k > 0 (k = 0 has none).
+SWEEP_MODEL_KEYS = ("model.name", "model.num_experts", "model.top_k", "model.moe_layers")
+
+
+def check_one_sweep(path: Path, traces: list[Trace]) -> None:
+    """A sweep folder holds one run per k; mixed runs are compared by naming each as its own TRACE."""
+    for earlier, later in zip(traces, traces[1:]):
+        if earlier.k == later.k:
+            raise UserError(f"{path}: two traces at k={later.k} ({earlier.path.name}, {later.path.name}); a sweep "
+                            "holds one trace per k (give them as separate TRACEs to compare them)")
+    speculating = [trace for trace in traces if trace.k > 0]
+    for group, keys in ((traces, SWEEP_MODEL_KEYS), (speculating, ("spec.method",))):
+        for trace in group[1:]:
+            for key in keys:
+                mine, theirs = _get_or_none(group[0].manifest, key), _get_or_none(trace.manifest, key)
+                if mine != theirs:
+                    raise UserError(f"{path}: not one sweep: {group[0].path.name} has {key} {mine!r}, "
+                                    f"{trace.path.name} has {theirs!r} (give them as separate TRACEs to compare them)")
+
+
+def _get_or_none(manifest: dict[str, Any], dotted: str) -> Any:
+    try:
+        return _get(manifest, dotted)
+    except KeyError:
+        return None

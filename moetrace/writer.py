@@ -18,6 +18,7 @@ import logging
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -158,7 +159,8 @@ class _RotatingParquet:
 
 # Keeps the writer process off the engine's cores when they are scarce (a CPU backend's OpenMP team stalls
 # whenever one core is taken).
-WRITER_NICENESS = 19
+WRITER_NICENESS = 10
+CPU_PINNING_VARIABLES = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")
 # Bytes of steps the engine may hold while the writer process catches up; past it recording stops, said out loud.
 MAX_BACKLOG_BYTES = 256 << 20
 PIPE_BYTES = 1 << 20
@@ -204,6 +206,7 @@ class TraceWriter:
         self.steps = 0  # steps written so far, as the writer process last reported
         self._final: dict[str, Any] | None = None
         self._waiting: collections.deque[StepCapture | Pending] = collections.deque()
+        self._submitted = 0
         self._backlog = bytearray()
         for table in (ROUTING_DIR, STEPS_DIR):
             (root / table).mkdir(parents=True, exist_ok=True)
@@ -214,9 +217,13 @@ class TraceWriter:
             fcntl.fcntl(self._to_child, F_SETPIPE_SZ, PIPE_BYTES)
         except OSError:
             pass
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "moetrace.writer", str(to_child_r), str(from_child_w)],
-            pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
+        # Started detached (through a launcher that exits at once, in a session of its own): `vllm serve` stops by
+        # killing every process below its workers, and the writer must outlive them to close its files.
+        # Nor may it inherit the engine's CPU pinning (vLLM's CPU worker sets GOMP_CPU_AFFINITY for its OpenMP team).
+        unpinned = {key: value for key, value in os.environ.items() if key not in CPU_PINNING_VARIABLES}
+        subprocess.run(
+            [sys.executable, "-c", LAUNCH_DETACHED, str(to_child_r), str(from_child_w)],
+            pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=unpinned, check=True,
         )
         os.close(to_child_r)
         os.close(from_child_w)
@@ -235,6 +242,17 @@ class TraceWriter:
             return
         try:
             self._waiting.append(step)
+            self._submitted += 1
+            self._forward(wait=False)
+        except Exception as exc:
+            self._fail(f"{type(exc).__name__}: {exc}")
+
+    def forward_ready(self) -> None:
+        """Forward the steps that became ready since they were submitted (call where vLLM has just synced), so
+        that an engine killed while idle holds no step back; never blocks and never raises."""
+        if self.failed is not None or not self._waiting:
+            return
+        try:
             self._forward(wait=False)
         except Exception as exc:
             self._fail(f"{type(exc).__name__}: {exc}")
@@ -250,8 +268,7 @@ class TraceWriter:
             os.close(self._to_child)
         except Exception as exc:
             self._fail(f"the writer process is gone ({type(exc).__name__}: {exc})")
-        self._reader.join(timeout=120)
-        self._process.wait(timeout=30)
+        self._reader.join(timeout=120)  # the writer process reports "closed", then exits
         if self._final is None:  # the writer process died: say so in the manifest it could not finish
             manifest = json.loads((self.root / MANIFEST_NAME).read_text())
             manifest.update(extra, complete=False, error=self.failed or "the writer process ended unexpectedly")
@@ -272,7 +289,10 @@ class TraceWriter:
             else:
                 break
             self._waiting.popleft()
-            self._backlog += pickle.dumps(("step", message), protocol=pickle.HIGHEST_PROTOCOL)
+            # With each step, how many have been submitted: the writer process knows what a killed engine held.
+            self._backlog += pickle.dumps(("step", message, self._submitted), protocol=pickle.HIGHEST_PROTOCOL)
+        if self._waiting:  # steps held here: say how many were submitted, in case this process dies holding them
+            self._backlog += pickle.dumps(("held", self._submitted), protocol=pickle.HIGHEST_PROTOCOL)
         self._drain(wait)
         if len(self._backlog) > MAX_BACKLOG_BYTES:
             raise RuntimeError(f"the writer process fell {len(self._backlog) >> 20} MiB behind the engine")
@@ -350,8 +370,8 @@ class TraceFiles:
         self._routing.maybe_rotate()
         self._steps.maybe_rotate()
 
-    def close(self, extra: dict[str, Any], error: str | None, complete: bool = True) -> dict[str, Any]:
-        """Rename the open files and rewrite the manifest: complete unless recording failed or was cut off."""
+    def close(self, extra: dict[str, Any], error: str | None) -> dict[str, Any]:
+        """Rename the open files and rewrite the manifest: complete unless recording failed."""
         for table in (self._routing, self._steps):
             try:
                 table.close_file()
@@ -359,7 +379,7 @@ class TraceFiles:
                 self.failed = self.failed or f"{type(exc).__name__}: {exc}"
         error = error or self.failed
         self.manifest.update(extra)
-        self.manifest["complete"] = complete and error is None
+        self.manifest["complete"] = error is None
         self.manifest["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self.manifest["counts"] = self.counts()
         if error is not None:
@@ -430,18 +450,16 @@ class TraceFiles:
 def serve(inbox: Any, outbox: Any) -> None:
     """The writer process: read steps from ``inbox``, write them in batches every ``batch_seconds``, rotate files
     on time even when idle, and report progress, failure and the final manifest to ``outbox``."""
-    try:
-        os.nice(WRITER_NICENESS)
-    except OSError:
-        pass
+    for stop in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C reaches the whole process group: end at EOF instead
+        signal.signal(stop, signal.SIG_IGN)
     received: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
 
     def receive() -> None:  # a thread, so that files still rotate while no step arrives
         while True:
             try:
                 received.put(pickle.load(inbox))
-            except (EOFError, OSError, pickle.UnpicklingError):
-                received.put(None)  # the engine process is gone
+            except (EOFError, OSError, pickle.UnpicklingError):  # the engine process is gone (maybe mid-message)
+                received.put(None)
                 return
 
     def report(*message: Any) -> None:
@@ -458,6 +476,7 @@ def serve(inbox: Any, outbox: Any) -> None:
         report("failed", f"{type(exc).__name__}: {exc}")
         return
     threading.Thread(target=receive, daemon=True).start()
+    steps_received = steps_submitted = 0
     while True:
         pending: list[Any] = []
         closing: tuple[Any, ...] | None = None
@@ -468,9 +487,13 @@ def serve(inbox: Any, outbox: Any) -> None:
             except queue.Empty:
                 break
             if message is None:
-                closing = ("close", {}, "the engine process ended without closing the trace")
+                closing = engine_ended(steps_submitted - steps_received)
             elif message[0] == "step":
                 pending.append(message[1])
+                steps_received += 1
+                steps_submitted = message[2]
+            elif message[0] == "held":
+                steps_submitted = message[1]
             else:
                 closing = message
         if files.failed is None:
@@ -483,10 +506,30 @@ def serve(inbox: Any, outbox: Any) -> None:
             report("progress", files.steps)
         if closing is not None:
             _, extra, error = closing
-            cut_off = error is not None and error.startswith("the engine process ended")
-            report("closed", files.close(extra, error, complete=not cut_off))
+            report("closed", files.close(extra, error))
             return
 
+
+def engine_ended(steps_lost: int) -> tuple[Any, ...]:
+    """The close message for an engine process that ended without closing its trace. `vllm serve` stops that way
+    (it kills its workers); if the engine had handed over every step it recorded, nothing is missing."""
+    if steps_lost == 0:
+        return ("close", {"end": "the engine process ended (killed or shut down) with every recorded step handed "
+                                 "over"}, None)
+    return ("close", {}, f"the engine process ended without closing the trace; its last {steps_lost} step(s) "
+                         "are missing")
+
+LAUNCH_DETACHED = (
+    "import os, subprocess, sys\n"
+    "try:\n"
+    "    os.sched_setaffinity(0, range(os.cpu_count() or 1))  # vLLM's CPU workers pin the thread that spawns us\n"
+    "except OSError:\n"
+    "    pass\n"
+    f"os.nice({WRITER_NICENESS})\n"
+    "fds = tuple(int(fd) for fd in sys.argv[1:])\n"
+    "subprocess.Popen([sys.executable, '-m', 'moetrace.writer', *sys.argv[1:]], pass_fds=fds,\n"
+    "                 stdin=subprocess.DEVNULL, start_new_session=True)\n"
+)
 
 if __name__ == "__main__":
     # Run the importable module's serve, not this __main__ copy's: pickled steps name moetrace.writer's classes.

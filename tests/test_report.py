@@ -187,3 +187,26 @@ def test_cli_as_a_subprocess(verify_trace: Path) -> None:
 def test_commands_have_help() -> None:
     for command in (report, budget):
         assert isinstance(command, click.Command) and command.help
+
+
+def test_a_round_robin_placement_in_the_manifest_is_reported_per_rank(tmp_path: Path) -> None:
+    """vLLM records ``expert_placement_strategy="round_robin"``; the per-rank view must read it (rank = e mod ep),
+    not fail: it must equal the report under an explicit placement file of e mod 2, and differ from linear."""
+    model = Model()
+    tokens = verify_tokens(np.random.default_rng(3), model, requests=2, steps=8, k=2, accept_prob=0.6)
+    root = write_trace(tmp_path / "rr", tokens, model, k=2, ep=2)
+
+    def per_rank(*extra: str | Path) -> list[tuple[float, float]]:
+        result = _invoke("report", root, "--k", "2", "--json", "--ep", "2", "--force", *extra)
+        assert result.exit_code == 0, result.output
+        rows = json.loads(result.output)["runs"][0]["growth"]
+        return [(row["busiest_rank_experts"], row["ranks_touched"]) for row in rows]
+
+    linear = per_rank()
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({"expert_to_rank": [e % 2 for e in range(model.num_experts)]}))
+    explicit = per_rank("--placement", placement)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["parallel"]["expert_placement"] = "round_robin"
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    assert per_rank() == explicit != linear

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -184,12 +185,14 @@ import os, signal, sys, time
 from pathlib import Path
 import numpy as np
 sys.path.insert(0, {tests!r})
-from test_writer_reader import LAYERS, TOP_K, manifest, verify_step
+from test_writer_reader import LAYERS, TOP_K, NotReadyYet, manifest, verify_step
 from moetrace.writer import TraceWriter
 writer = TraceWriter(Path({root!r}), manifest(), LAYERS, TOP_K, row_group_rows=10)
 rng = np.random.default_rng(5)
 for step in range(4):
     writer.submit(verify_step(step, rng))
+if {mid_step}:
+    writer.submit(NotReadyYet(verify_step(4, rng), polls=100))  # its copies never land before the kill
 deadline = time.monotonic() + 30
 while writer.steps < 4 and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -197,19 +200,40 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_a_killed_engine_process_leaves_the_writer_process_closing_every_file(tmp_path: Path) -> None:
-    """The engine process dies without closing the trace (SIGKILL, as when vLLM's workers are terminated): the
-    writer process sees its pipe close, renames its open files and says in the manifest why the trace ends."""
-    root = tmp_path / "trace"
-    script = ENGINE_THAT_DIES.format(tests=str(Path(__file__).parent), root=str(root))
+def kill_engine_and_read_manifest(root: Path, mid_step: bool) -> dict[str, Any]:
+    script = ENGINE_THAT_DIES.format(tests=str(Path(__file__).parent), root=str(root), mid_step=mid_step)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == -9, done.stderr[-2000:]
     deadline = time.monotonic() + 30
     while json.loads((root / "manifest.json").read_text()).get("end_time") is None:
         assert time.monotonic() < deadline, "the writer process never finished the manifest"
         time.sleep(0.1)
-    final = json.loads((root / "manifest.json").read_text())
-    assert final["complete"] is False and "engine process ended" in final["error"]
-    assert not list(root.rglob("*.inprogress"))
-    assert final["counts"]["steps"] == 4
+    assert not list(root.rglob("*.inprogress")), "the writer process closed every file"
     assert open_trace(root).routing().collect().height == 4 * 6 * len(LAYERS)
+    final: dict[str, Any] = json.loads((root / "manifest.json").read_text())
+    assert final["counts"]["steps"] == 4
+    return final
+
+
+def test_an_engine_killed_while_idle_leaves_a_complete_trace(tmp_path: Path) -> None:
+    """`vllm serve` stops by killing its workers: the writer process outlives them, closes every file and, since
+    every recorded step had been handed over, the trace is complete."""
+    final = kill_engine_and_read_manifest(tmp_path / "trace", mid_step=False)
+    assert final["complete"] is True and "every recorded step handed over" in final["end"]
+
+
+def test_an_engine_killed_mid_step_leaves_closed_files_and_says_what_is_missing(tmp_path: Path) -> None:
+    final = kill_engine_and_read_manifest(tmp_path / "trace", mid_step=True)
+    assert final["complete"] is False and "last 1 step(s) are missing" in final["error"]
+
+
+def test_a_sweep_folder_with_two_traces_at_one_k_or_two_models_is_refused_in_one_line(tmp_path: Path) -> None:
+    for name, k in (("a", 3), ("b", 3)):
+        TraceWriter(tmp_path / "dup" / name, manifest(k), LAYERS, TOP_K).close()
+    with pytest.raises(UserError, match=r"two traces at k=3 \(a, b\)"):
+        open_traces(tmp_path / "dup")
+    other = {**manifest(2), "model": {**manifest(2)["model"], "num_experts": 256}}  # type: ignore[dict-item]
+    TraceWriter(tmp_path / "mixed" / "k0", manifest(0), LAYERS, TOP_K).close()
+    TraceWriter(tmp_path / "mixed" / "k2", other, LAYERS, TOP_K).close()
+    with pytest.raises(UserError, match="not one sweep: k0 has model.num_experts 384, k2 has 256"):
+        open_traces(tmp_path / "mixed")

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import polars as pl
 
-from moetrace.analysis.placement import explicit_placement, linear_placement
+from moetrace.analysis.placement import explicit_placement, linear_placement, round_robin_placement
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.errors import UserError
 from moetrace.reader import Trace, open_traces
@@ -89,8 +89,10 @@ def expert_placement(trace: Trace, ep: int, placement_file: Path | None) -> npt.
         source = source.get("expert_to_rank")
     if source in (None, "linear"):
         return linear_placement(num_experts, ep)
+    if source == "round_robin":
+        return round_robin_placement(num_experts, ep)
     if not isinstance(source, list) or not all(isinstance(rank, int) for rank in source):
-        raise UserError(f"{where}: placement must be \"linear\" or a list of one rank per expert")
+        raise UserError(f"{where}: placement must be \"linear\", \"round_robin\" or a list of one rank per expert")
     try:
         return explicit_placement(source, num_experts)
     except ValueError as exc:

@@ -1,0 +1,73 @@
+"""Faults inside a real vLLM engine (CPU) stop the recording with the reason and never the generation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+ENGINE_WITH_A_FAULT = """
+import json, sys
+from pathlib import Path
+from moetrace.default_model import encode_text
+from moetrace.engine import build_llm, engine_prompts
+from moetrace.prompts import BUILTIN_PROMPTS
+from moetrace.record import RecordRequest, engine_settings, resolve_model
+
+def renamed_inside_the_forward(worker):
+    # What a vLLM release that renamed something the router wrapper reads looks like, from the forward's side.
+    def keep(slot, kept):
+        raise AttributeError("'ForwardContext' object has no attribute 'batch_descriptor'")
+    worker._moetrace_recorder.capture.keep = keep
+
+def router_no_longer_called(worker):
+    # What a release that stops calling _compute_routing looks like: the wrapped method is never reached.
+    from moetrace.hooks.capture import unwrap_router
+    for moe in worker._moetrace_recorder.runners:
+        unwrap_router(moe.router)
+
+if __name__ == "__main__":
+    out, fault = Path(sys.argv[1]), sys.argv[2]
+    request = RecordRequest(model=None, ks=[2], batch_size=4, max_tokens=16, out=out)
+    settings = engine_settings(request, resolve_model(None), 2, out / "trace", list(BUILTIN_PROMPTS)[:4],
+                               out / "progress")
+    llm = build_llm(settings)
+    try:
+        from vllm import SamplingParams
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        llm.generate(engine_prompts(settings)[:2], params, use_tqdm=False)  # recorded normally first
+        llm.collective_rpc(globals()[fault])
+        outputs = llm.generate(engine_prompts(settings), params, use_tqdm=False)
+        closed = llm.collective_rpc("moetrace_close")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    print(json.dumps({"generated": [len(o.outputs[0].token_ids) for o in outputs], "closed": closed}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [("renamed_inside_the_forward", "batch_descriptor"), ("router_no_longer_called", "no router ran in this forward")],
+)
+def test_a_fault_inside_the_forward_stops_recording_with_the_reason_and_generation_completes(
+    fault: str, reason: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "engine_with_a_fault.py"
+    script.write_text(ENGINE_WITH_A_FAULT)
+    env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), fault], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["generated"] == [16, 16, 16, 16], "every request was generated in full"
+    (closed,) = result["closed"]
+    assert closed["complete"] is False and reason in closed["error"]
+    manifest = json.loads((tmp_path / "trace" / "manifest.json").read_text())
+    assert reason in manifest["error"] and manifest["counts"]["steps"] > 0, "steps before the fault are kept"
+    assert "moetrace: recording stopped" in done.stderr

@@ -1,0 +1,140 @@
+"""Recording under `vllm serve`: real OpenAI server on the CPU, real `openai` client traffic, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+
+from moetrace.default_model import encode_text, ensure_default_model
+from moetrace.prompts import BUILTIN_PROMPTS
+from moetrace.reader import open_trace
+
+pytestmark = pytest.mark.vllm
+
+K = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def vllm_server(recording: dict[str, Any], log: Path) -> Iterator[str]:
+    """vLLM's OpenAI server on the default model with MOETRACE_RECORD set, in its own process group (so that the
+    test can press Ctrl-C on the group, as a terminal does)."""
+    port = free_port()
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ensure_default_model()),
+        "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+        "--max-model-len", "512", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(512 << 20),
+        "--speculative-config", json.dumps(spec), "--port", str(port),
+    ]
+    env = {**os.environ, "MOETRACE_RECORD": json.dumps(recording)}
+    with open(log, "w") as sink:
+        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, f"the server exited: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        yield base
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGINT)  # Ctrl-C
+            try:
+                server.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+
+def send_traffic(base: str, requests: int, concurrency: int) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+
+    def one(i: int) -> int:
+        prompt = encode_text(BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)])
+        done = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0.0,
+                                         extra_body={"ignore_eos": True})
+        return int(done.usage.completion_tokens)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        assert sum(pool.map(one, range(requests))) == 24 * requests
+
+
+def spec_decode_counters(base: str) -> dict[str, float]:
+    """``vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`` from the server's /metrics."""
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    counters = {}
+    for line in text.splitlines():
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            if line.startswith(f"vllm:spec_decode_{name}_total{{"):
+                counters[name] = float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+def finished_manifest(trace_dir: Path, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        manifest: dict[str, Any] = json.loads((trace_dir / "manifest.json").read_text())
+        if manifest.get("end_time"):
+            return manifest
+        assert time.monotonic() < deadline, "the trace was never closed"
+        time.sleep(0.2)
+
+
+def assert_trace_matches(trace_dir: Path, counters: dict[str, float]) -> None:
+    trace = open_trace(trace_dir)
+    verified = trace.steps().filter(pl.col("num_drafts") > 0).collect()
+    assert verified.height == counters["num_drafts"] > 0
+    assert verified["num_drafts"].sum() == counters["num_draft_tokens"]
+    assert verified["num_accepted"].sum() == counters["num_accepted_tokens"]
+    layers = len(trace.manifest["model"]["moe_layers"])
+    assert trace.routing().collect().height == trace.manifest["counts"]["tokens"] * layers
+
+
+def test_ctrl_c_on_vllm_serve_leaves_a_complete_trace_equal_to_the_servers_counters(tmp_path: Path) -> None:
+    trace_dir = tmp_path / "serve-trace"
+    with vllm_server({"out": str(trace_dir)}, tmp_path / "server.log") as base:
+        send_traffic(base, requests=24, concurrency=6)
+        counters = spec_decode_counters(base)
+    manifest = finished_manifest(trace_dir)
+    assert manifest["complete"] is True, manifest.get("error")
+    assert manifest["run_id"].startswith("serve-trace-")
+    assert not list(trace_dir.rglob("*.inprogress"))
+    assert_trace_matches(trace_dir, counters)
+    assert open_trace(trace_dir).warnings == []
+
+
+def test_a_recording_window_closes_the_trace_while_the_server_keeps_serving(tmp_path: Path) -> None:
+    trace_dir = tmp_path / "window"
+    with vllm_server({"out": str(trace_dir), "steps": 20}, tmp_path / "server.log") as base:
+        send_traffic(base, requests=8, concurrency=4)
+        manifest = finished_manifest(trace_dir)  # closed before the server stops
+        assert manifest["complete"] is True and manifest["counts"]["steps"] == 20
+        send_traffic(base, requests=4, concurrency=4)  # the server serves on, unhooked
+    assert json.loads((trace_dir / "manifest.json").read_text())["counts"]["steps"] == 20
