@@ -32,6 +32,20 @@ def record(out: Path, args: argparse.Namespace, compiled: bool) -> Path:
     return trace
 
 
+def counters_equal(trace_dir: Path) -> bool:
+    """The trace's drafts and accepted tokens equal vLLM's own spec-decode counters for the run."""
+    import polars as pl
+
+    from moetrace.reader import open_trace
+
+    trace = open_trace(trace_dir)
+    counters = trace.manifest["vllm_counters"]
+    verified = trace.steps().filter(pl.col("num_drafts") > 0).collect()
+    return bool(verified.height == counters["num_drafts"]
+                and verified["num_drafts"].sum() == counters["num_draft_tokens"]
+                and verified["num_accepted"].sum() == counters["num_accepted_tokens"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", type=int, default=3)
@@ -59,6 +73,7 @@ def main() -> None:
             "capture_mechanisms": {name: m.get("capture_mechanisms") for name, m in manifests.items()},
             "dtype": manifests["compiled"]["model"]["dtype"],
             "complete": {name: m["complete"] for name, m in manifests.items()},
+            "acceptance_equals_vllm_counters": {"eager": counters_equal(eager), "compiled": counters_equal(compiled)},
             "command": "python benchmarks/gpu_vllm_capture.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         }
@@ -67,7 +82,8 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     unexplained = result["rows_unexplained"] + sum(r["rows_reference_unexplained"]
                                                    for r in result["reference"].values())
-    sys.exit(1 if unexplained or not result["rows_compared"] else 0)
+    agreed = all(result["acceptance_equals_vllm_counters"].values())
+    sys.exit(1 if unexplained or not result["rows_compared"] or not agreed else 0)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ def test_compiled_graph_capture_equals_eager_up_to_near_ties_and_the_float32_ref
     assert out.exists(), done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["complete"] == {"eager": True, "compiled": True}
+    assert result["acceptance_equals_vllm_counters"] == {"eager": True, "compiled": True}
     assert result["capture_mechanisms"]["compiled"].get("graph", 0) > 0, "the compiled run replayed CUDA graphs"
     assert result["rows_compared"] == result["rows_in_a"] > 0 and result["tokens_equal"]
     assert result["decoded_rows_compared"] > 0
