@@ -107,6 +107,9 @@ def test_killed_writer_leaves_closed_files_readable_and_the_open_one_reported(tm
     trace = open_trace(crashed)
     assert not trace.complete
     assert any("recording incomplete" in w for w in trace.warnings)
+    # 18 rows a step, files closed at 30: steps 0+1 and 2+3 fill two files, step 4 sits in the open one
+    (open_file,) = (crashed / "routing").glob("*.inprogress")
+    assert any(str(open_file) in w and "still open" in w for w in trace.warnings)
     closed = trace.routing().collect().height
     assert closed > 0 and closed % len(LAYERS) == 0
 
