@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
+import polars as pl
+import pyarrow as pa
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -15,6 +17,7 @@ from rich.text import Text
 
 from moetrace.calibrate.command import calibrate
 from moetrace.errors import UserError
+from moetrace.reader import unreadable_file
 from moetrace.report.commands import budget, report
 
 err_console = Console(stderr=True)
@@ -24,13 +27,24 @@ console = Console()
 class Group(click.Group):
     """Turns ``UserError`` into one line on stderr and exit code 1, never a traceback."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["moetrace.args"] = list(args)  # to name a broken file if reading fails later
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except UserError as exc:
-            # Text, not markup: paths and model names may hold "[...]".
-            err_console.print(Text("error: ", style="red") + Text(str(exc)), highlight=False, soft_wrap=True)
-            sys.exit(1)
+            fail(str(exc))
+        except (pl.exceptions.PolarsError, pa.ArrowException) as exc:  # data that the footers did not vouch for
+            paths = [Path(arg) for arg in ctx.meta.get("moetrace.args", []) if Path(arg).exists()]
+            fail(unreadable_file(paths) or f"reading the trace failed: {str(exc).splitlines()[0]}")
+
+
+def fail(message: str) -> NoReturn:
+    # Text, not markup: paths and model names may hold "[...]".
+    err_console.print(Text("error: ", style="red") + Text(message), highlight=False, soft_wrap=True)
+    sys.exit(1)
 
 
 @click.group(cls=Group)

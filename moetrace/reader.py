@@ -64,7 +64,30 @@ class Trace:
 def _scan(files: list[Path], schema: pa.Schema) -> pl.LazyFrame:
     if not files:
         return pl.from_arrow(schema.empty_table()).lazy()  # type: ignore[union-attr]
+    if "weights" in schema.names:
+        kinds = {pq.read_schema(path).field("weights").type for path in files}
+        if len(kinds) > 1:  # float16 and float32 weights (both allowed): read every file's as float32
+            width = schema.field("weights").type.list_size
+            as_float32 = pl.col("weights").cast(pl.Array(pl.Float32, width))
+            return pl.concat([pl.scan_parquet(path, glob=False).with_columns(as_float32) for path in files])
     return pl.scan_parquet(files, glob=False)  # paths are files, not patterns: "[...]" in a path is literal
+
+
+def unreadable_file(paths: list[Path]) -> str | None:
+    """Where a failed read came from: the first Parquet file under these traces whose pages cannot be read (a
+    footer can be intact over corrupt pages), as one line; None if every file reads."""
+    for path in paths:
+        try:
+            traces = open_traces(path)
+        except UserError:
+            continue
+        for trace in traces:
+            for file in [*trace.routing_files, *trace.steps_files]:
+                try:
+                    pq.read_table(file)
+                except Exception as exc:
+                    return f"{file}: unreadable Parquet data ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+    return None
 
 
 def _get(manifest: dict[str, Any], dotted: str) -> Any:

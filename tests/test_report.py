@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 import numpy as np
+import polars as pl
 import pytest
 from click.testing import CliRunner, Result
 
@@ -210,3 +211,32 @@ def test_a_round_robin_placement_in_the_manifest_is_reported_per_rank(tmp_path: 
     manifest["parallel"]["expert_placement"] = "round_robin"
     (root / "manifest.json").write_text(json.dumps(manifest))
     assert per_rank() == explicit != linear
+
+
+def test_corrupt_pages_under_an_intact_footer_fail_in_one_line_naming_the_file(verify_trace: Path) -> None:
+    broken = verify_trace / "routing" / "part-00001.parquet"
+    data = bytearray(broken.read_bytes())
+    data[8:208] = b"\xff" * 200  # the first data pages; the footer at the end still reads
+    broken.write_bytes(bytes(data))
+    import pyarrow.parquet as pq
+
+    pq.read_schema(broken)  # the footer vouches for the file
+    result = CliRunner().invoke(CLI, ["report", str(verify_trace), "--json"])
+    _one_line_error(result, str(broken), "unreadable Parquet data")
+
+
+def test_files_with_float16_and_float32_weights_read_as_one_trace(verify_trace: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    widened = verify_trace / "routing" / "part-00001.parquet"
+    table = pq.read_table(widened)
+    k = table.schema.field("weights").type.list_size
+    weights = table["weights"].cast(pa.list_(pa.float32(), k))
+    pq.write_table(table.set_column(table.schema.get_field_index("weights"), "weights", weights), widened)
+    result = _invoke("report", verify_trace, "--json", "--force")
+    assert result.exit_code == 0, result.output
+    from moetrace.reader import open_trace
+
+    weights_type = open_trace(verify_trace).routing().collect_schema()["weights"]
+    assert weights_type == pl.Array(pl.Float32, k)
