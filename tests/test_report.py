@@ -240,3 +240,18 @@ def test_files_with_float16_and_float32_weights_read_as_one_trace(verify_trace: 
 
     weights_type = open_trace(verify_trace).routing().collect_schema()["weights"]
     assert weights_type == pl.Array(pl.Float32, k)
+
+
+def test_the_terminal_report_cuts_nothing_at_80_columns_when_piped(verify_trace: Path, sweep: Path) -> None:
+    """Piped output (no terminal) at 80 columns: every header and cell whole, no "…", prediction included."""
+    import os
+
+    done = subprocess.run(
+        [sys.executable, "-m", "moetrace", "report", str(verify_trace), str(sweep), "--k", "2",
+         "--profile", "kimi-k2-tp8", "-o", str(verify_trace.parent / "both.html")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "80"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Predicted verify step" in done.stdout and "Side by side" in done.stdout
+    assert "…" not in done.stdout
+    assert max(len(line) for line in done.stdout.splitlines()) <= 80

@@ -29,18 +29,22 @@ def _bytes(value: Any) -> str:
     return f"{size:.1f} TB"
 
 
-def _table(title: str, headers: list[str]) -> Table:
-    table = Table(title=title, title_justify="left")
-    for header in headers:
-        table.add_column(header, justify="right")
+def _table(title: str, columns: list[tuple[str, str]]) -> Table:
+    """Short headers that fit 80 columns, each explained in a legend under the table where it needs it; a cell
+    that still does not fit wraps (never "…")."""
+    legend = "; ".join(f"{header}: {meaning}" for header, meaning in columns if meaning)
+    table = Table(title=title, title_justify="left", caption=legend or None, caption_justify="left")
+    for header, _ in columns:
+        table.add_column(header, justify="right", overflow="fold")
     return table
 
 
 def _growth(run: dict[str, Any], k: int) -> Table:
     table = _table(
         "Unique experts per layer vs k (mean over layers)",
-        ["k", "measured/request", "measured/batch", "counterfactual", "uniform bound", "locality",
-         "busiest rank", "ranks/window"],
+        [("k", ""), ("req", "measured per request window"), ("batch", "measured per step's batch"),
+         ("cf", "counterfactual (windows of k+1 accepted tokens)"), ("uniform", "uniform-routing bound"),
+         ("local", "best / uniform"), ("rank", "busiest rank's experts"), ("ranks", "ranks touched per window")],
     )
     for row in run["growth_overview"]:
         table.add_row(
@@ -60,7 +64,8 @@ def _growth(run: dict[str, Any], k: int) -> Table:
 def _step_bytes(run: dict[str, Any], k: int) -> Table:
     table = _table(
         f"Bytes per verification step, one request (shape: {run['shape']}, tp={run['tp']}, ep={run['ep']})",
-        ["k", "source", "expert weights", "busiest rank", "all-reduce/rank", "EP dispatch+combine"],
+        [("k", ""), ("source", ""), ("experts", "expert weights read"), ("rank", "busiest rank's expert weights"),
+         ("AR/rank", "all-reduce bytes per rank"), ("EP", "EP dispatch + combine")],
     )
     for row in run["step_bytes"]:
         table.add_row(
@@ -76,8 +81,9 @@ def _step_bytes(run: dict[str, Any], k: int) -> Table:
 
 
 def _acceptance(run: dict[str, Any]) -> Table:
-    table = _table("Acceptance per recorded k", ["k", "windows", "mean drafts", "mean accepted", "tokens/step",
-                                                 "rate by draft position"])
+    table = _table("Acceptance per recorded k", [
+        ("k", ""), ("windows", ""), ("drafts", "mean drafts per window"), ("accepted", "mean accepted"),
+        ("tok/step", "tokens per step"), ("rate by position", "acceptance rate of draft i (i:rate)")])
     for row in run["acceptance_per_k"]:
         rates = [p for p in run["acceptance_by_position"] if p["k"] == row["k"]]
         table.add_row(
@@ -95,8 +101,10 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
     basis = prediction["basis"]
     title = (f"Predicted verify step ({basis['mode']}; tp={basis['tp']}, ep={basis['ep']}, "
              f"{basis['weight_format']} experts, routing {basis['routing']})")
-    table = _table(title, ["k", "tokens/step", "unique experts", "rank experts", "MoE ms", "all-reduce ms",
-                           "attention ms", "other ms", "step ms", "step ×", "speedup"])
+    table = _table(title, [
+        ("k", ""), ("tok", "tokens per step"), ("uniq", "unique experts per layer"), ("rank", "busiest rank's experts"),
+        ("MoE", "ms"), ("AR", "all-reduce ms"), ("attn", "attention ms"), ("other", "ms"), ("step", "ms"),
+        ("×", "step time vs k=0"), ("speedup", "")])
     for row in prediction["per_k"]:
         table.add_row(
             str(row["k"]),
@@ -135,7 +143,8 @@ def _budget(budget: dict[str, Any]) -> Table:
     table = _table(
         f"Expert budget at k={budget['k']} for {budget['coverage_target']:.0%} routing-weight coverage "
         f"({budget['source']} windows)",
-        ["layer", "budget", "coverage", "tokens re-routed", "bytes saved/window"],
+        [("layer", ""), ("budget", "experts"), ("coverage", ""), ("re-routed", "tokens re-routed"),
+         ("saved", "bytes saved per window")],
     )
     for row in budget["per_layer"]:
         table.add_row(
@@ -152,9 +161,9 @@ def _comparison(summary: dict[str, Any]) -> Table:
     k = summary["k"]
     runs = summary["runs"]
     table = Table(title=f"Side by side at k={k}", title_justify="left")
-    table.add_column("")
+    table.add_column("", overflow="fold")
     for run in runs:
-        table.add_column(Text(run["label"]), justify="right")
+        table.add_column(Text(run["label"]), justify="right", overflow="fold")
     rows: list[tuple[str, Any]] = [
         ("model", lambda r: r["model"]),
         ("source", lambda r: r["source_at_k"]),
