@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
-from moetrace.default_model import DEFAULT_MODEL_NAME, encode_text, ensure_default_model
+from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.engine import SPEC_METHODS
 from moetrace.errors import UserError
 from moetrace.host import gpu_inventory
@@ -62,6 +62,8 @@ class ResolvedModel:
     byte_tokens: bool  # the embedded default: prompts are encoded as bytes, no tokenizer
     dtype: str | None  # None: the default model's (float32 on the CPU, bfloat16 on a GPU)
     max_positions: int | None
+    num_experts: int
+    top_k: int | None
 
 
 @dataclass
@@ -111,7 +113,8 @@ def _config_expert_count(config: dict[str, Any]) -> int:
 def resolve_model(model: str | None) -> ResolvedModel:
     if model is None:
         path = ensure_default_model()
-        return ResolvedModel(path, DEFAULT_MODEL_NAME, True, True, None, 4096)
+        return ResolvedModel(path, DEFAULT_MODEL_NAME, True, True, None, 4096, int(CONFIG["n_routed_experts"]),
+                             int(CONFIG["num_experts_per_tok"]))
     path = Path(model).expanduser()
     if not path.is_dir():
         try:
@@ -125,9 +128,12 @@ def resolve_model(model: str | None) -> ResolvedModel:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"{config_path}: unreadable model config ({exc})") from None
-    if not _config_expert_count(config):
+    experts = _config_expert_count(config)
+    if not experts:
         raise UserError(f"{model} is not a MoE model (its config names no routed experts)")
-    return ResolvedModel(path, path.name, False, False, "auto", None)
+    top_k = next((node.get("num_experts_per_tok") for node in (config, config.get("text_config") or {})
+                  if isinstance(node.get("num_experts_per_tok"), int)), None)
+    return ResolvedModel(path, path.name, False, False, "auto", None, experts, top_k)
 
 
 def _check_drafter(method: str, drafter: str | None) -> None:
@@ -286,6 +292,9 @@ def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[Rec
             raise UserError("--num-prompts must be >= 1")
         prompts = [prompts[i % len(prompts)] for i in range(request.num_prompts)]
     model = resolve_model(request.model)
+    if request.candidates and not (model.top_k or 0) < request.candidates <= model.num_experts:
+        raise UserError(f"--candidates {request.candidates}: must be more than top-{model.top_k} and at most the "
+                        f"model's {model.num_experts} experts")
     run_dir = run_directory(request, model)
     prepare_output(run_dir, request.force)
     runs = []

@@ -95,3 +95,9 @@ def test_info_says_why_a_recording_stopped_and_prints_bracketed_paths_as_they_ar
     assert "run [gpu:0]" in result.output, "Rich markup must not eat bracketed parts of a path"
     shown = " ".join(result.output.split())  # Rich wraps at the terminal width
     assert "INCOMPLETE (recording stopped: NothingCaptured: no router ran in this forward)" in shown
+
+
+@pytest.mark.parametrize("candidates", ["8", "385"])
+def test_candidates_outside_top_k_to_experts_are_refused(candidates: str, tmp_path: Path) -> None:
+    line = refuse(["record", "--candidates", candidates, "--out", str(tmp_path)])
+    assert f"--candidates {candidates}: must be more than top-8 and at most the model's 384 experts" in line
