@@ -30,6 +30,7 @@ import torch
 RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 GraphKey = Callable[[], Hashable]
 _WRAPPED_MARK = "_moetrace_original_compute_routing"
+_ENTRY_MARK = "_moetrace_recomputing_entry"
 FIELDS = ("ids", "weights", "cand_ids", "cand_scores")
 _DTYPES = {"ids": torch.int32, "weights": torch.float32, "cand_ids": torch.int32, "cand_scores": torch.float32}
 
@@ -148,31 +149,37 @@ def selection_scores(router: Any, router_logits: torch.Tensor) -> torch.Tensor:
     return scores + bias.float() if bias is not None else scores
 
 
+def record(capture: RoutingCapture, slot: int, router: Any, weights: torch.Tensor, ids: torch.Tensor,
+           router_logits: torch.Tensor) -> None:
+    """Inside the forward: keep layer ``slot``'s routing (and its top-C candidates) by the mechanism that runs.
+    Never raises into the engine: an error is kept in ``capture.failed`` for the recorder to report."""
+    if capture.failed is not None:
+        return
+    try:
+        cand_ids = cand_scores = None
+        if capture.candidates:
+            cand_scores, cand_ids = selection_scores(router, router_logits).topk(capture.candidates, dim=-1)
+        # Slice to top_k: fused shared experts append extra columns with ids >= E.
+        kept = Kept(ids[:, : capture.top_k], weights[:, : capture.top_k], cand_ids, cand_scores)
+        if torch.compiler.is_compiling():
+            capture.traced = True  # runs at trace time: the compiled forward will write the buffers
+            capture.buffers.write(slot, kept)  # traced: only tensor writes survive
+        else:
+            capture.keep(slot, kept)  # the Python runs: references, no kernel
+    except Exception as exc:
+        capture.failed = f"inside the forward, layer slot {slot}: {type(exc).__name__}: {exc}"
+
+
 def wrap_router(router: Any, slot: int, capture: RoutingCapture) -> None:
     """Make ``router._compute_routing`` also record its result for layer ``slot``. Idempotent."""
     if _WRAPPED_MARK in vars(router):
         return
     original: RoutingFn = router._compute_routing
-    top_k, candidates = capture.top_k, capture.candidates
 
     def compute_routing_and_capture(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = original(*args, **kwargs)
-        if capture.failed is not None:
-            return weights, ids
-        try:
-            cand_ids = cand_scores = None
-            if candidates:
-                router_logits = args[1] if len(args) > 1 else kwargs["router_logits"]
-                cand_scores, cand_ids = selection_scores(router, router_logits).topk(candidates, dim=-1)
-            # Slice to top_k: fused shared experts append extra columns with ids >= E.
-            kept = Kept(ids[:, :top_k], weights[:, :top_k], cand_ids, cand_scores)
-            if torch.compiler.is_compiling():
-                capture.traced = True  # runs at trace time: the compiled forward will write the buffers
-                capture.buffers.write(slot, kept)  # traced: only tensor writes survive
-            else:
-                capture.keep(slot, kept)  # the Python runs: references, no kernel
-        except Exception as exc:  # never into the engine: the recorder stops recording and says why
-            capture.failed = f"inside the forward, layer slot {slot}: {type(exc).__name__}: {exc}"
+        router_logits = args[1] if len(args) > 1 else kwargs.get("router_logits")
+        record(capture, slot, router, weights, ids, router_logits)  # type: ignore[arg-type]
         return weights, ids
 
     setattr(router, _WRAPPED_MARK, original)
@@ -188,6 +195,39 @@ def unwrap_router(router: Any) -> None:
         del router._compute_routing  # the class method shows through again
     else:
         router._compute_routing = original
+
+
+def wrap_logits_entry(owner: Any, name: str, router: Any, slot: int, capture: RoutingCapture) -> None:
+    """For MoE kernels that fuse routing (they take the router logits and never call the router, e.g.
+    FlashInfer's TRT-LLM MoE through ``routed_experts.forward_monolithic``): make ``owner.<name>``, the call that
+    receives the logits, recompute the routing with the router's own ``_compute_routing`` (grouped top-k,
+    selection bias, renormalisation, scaling) and record it. This adds the routing kernels to the forward again,
+    but no host sync. Idempotent."""
+    if _ENTRY_MARK in vars(owner):
+        return
+    original = getattr(owner, name)
+    compute: RoutingFn = router._compute_routing
+
+    def entry_and_recompute(*args: Any, **kwargs: Any) -> Any:
+        if capture.failed is None:
+            try:
+                hidden = kwargs.get("x", kwargs.get("hidden_states", args[0] if args else None))
+                logits = kwargs["router_logits"] if "router_logits" in kwargs else args[1]
+                weights, ids = compute(hidden, logits, None, input_ids=kwargs.get("input_ids"))
+                record(capture, slot, router, weights, ids, logits)
+            except Exception as exc:
+                capture.failed = f"inside the forward, layer slot {slot}: {type(exc).__name__}: {exc}"
+        return original(*args, **kwargs)
+
+    setattr(owner, _ENTRY_MARK, name)
+    setattr(owner, name, entry_and_recompute)
+
+
+def unwrap_logits_entry(owner: Any) -> None:
+    """Undo ``wrap_logits_entry``; an owner that was never wrapped is left alone."""
+    name = vars(owner).pop(_ENTRY_MARK, None)
+    if name is not None:
+        delattr(owner, name)  # the class method shows through again
 
 
 def router_info(runner: Any) -> RouterInfo:

@@ -28,9 +28,17 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from moetrace.hooks.capture import FIELDS, RoutingCapture, router_info, unwrap_router, wrap_router
+from moetrace.hooks.capture import (
+    FIELDS,
+    RoutingCapture,
+    router_info,
+    unwrap_logits_entry,
+    unwrap_router,
+    wrap_logits_entry,
+    wrap_router,
+)
 from moetrace.hooks.manifest import worker_manifest
-from moetrace.hooks.vllm_api import WorkerApi
+from moetrace.hooks.vllm_api import WorkerApi, require_fields
 from moetrace.hooks.rows import PackedLayout, StepRecord
 from moetrace.writer import TraceWriter
 
@@ -55,9 +63,13 @@ class Recorder:
         self.runners = api.target_moe_runners(runner.model)
         if not self.runners:
             raise UnsupportedRunner("the target model has no MoE layers to record")
-        monolithic = [r.layer_name for r in self.runners if r.is_monolithic]
-        if monolithic:
-            raise UnsupportedRunner(f"monolithic MoE kernels never call the router: {monolithic[0]}")
+        # Kernels that fuse routing never call the router: their routing is recomputed from the router logits
+        # (settings may ask for that path everywhere, to check it against the wrapped one).
+        force = bool(settings.get("recompute_from_logits", False))
+        self.entries = [logits_entry(r) if r.is_monolithic or force else None for r in self.runners]
+        for entry in self.entries:
+            if entry is not None:
+                require_fields(entry[0], (entry[1],), "MoE layer")
         infos = [router_info(r) for r in self.runners]
         self.top_k = infos[0].top_k
         self.candidates = int(settings.get("candidates", 0))
@@ -70,6 +82,7 @@ class Recorder:
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
         self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
         manifest = worker_manifest(vllm_config, infos, settings)
+        manifest["capture"]["recomputed_from_logits"] = any(entry is not None for entry in self.entries)
         self.writer = TraceWriter(
             Path(settings["out"]),
             manifest,
@@ -97,8 +110,11 @@ class Recorder:
         """Wrap the routers and the runner's step methods; installing twice, or after close, changes nothing."""
         if self._closed is not None:
             return
-        for slot, moe in enumerate(self.runners):
-            wrap_router(moe.router, slot, self.capture)
+        for slot, (moe, entry) in enumerate(zip(self.runners, self.entries)):
+            if entry is None:
+                wrap_router(moe.router, slot, self.capture)
+            else:
+                wrap_logits_entry(entry[0], entry[1], moe.router, slot, self.capture)
         self.runner.execute_model = self.execute_model
         self.runner._sample = self.sample
         self.runner._model_forward = self.model_forward
@@ -106,8 +122,10 @@ class Recorder:
 
     def uninstall(self) -> None:
         """Restore the runner and routers as they were; the writer stays open until ``close``."""
-        for moe in self.runners:
+        for moe, entry in zip(self.runners, self.entries):
             unwrap_router(moe.router)
+            if entry is not None:
+                unwrap_logits_entry(entry[0])
         for name in ("execute_model", "_sample", "_model_forward", "sample_tokens"):
             vars(self.runner).pop(name, None)
         self._pending = None
@@ -223,6 +241,11 @@ class Recorder:
     def _next_step(self) -> int:
         self.step += 1
         return self.step - 1
+
+
+def logits_entry(moe: Any) -> tuple[Any, str]:
+    """Where a MoE layer hands its router logits on: to the fused kernel (monolithic), else to the router."""
+    return (moe.routed_experts, "forward_monolithic") if moe.is_monolithic else (moe.router, "select_experts")
 
 
 def timing_event() -> torch.cuda.Event:

@@ -49,6 +49,7 @@ class RecordRequest:
     engine_args: dict[str, Any] = field(default_factory=dict)
     spec_args: dict[str, Any] = field(default_factory=dict)
     eager: bool = True
+    recompute_from_logits: bool = False
     rotate_seconds: float = 10.0
     force: bool = False
     verbose: bool = False
@@ -206,6 +207,7 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
             "run_id": f"{trace_dir.parent.name}/{trace_dir.name}" if len(request.ks) > 1 else trace_dir.name,
             "candidates": request.candidates,
             "token_ids": request.token_ids,
+            "recompute_from_logits": request.recompute_from_logits,
             "rotate_seconds": request.rotate_seconds,
             "random_weights": model.random_weights,
             "model_name": model.name,

@@ -264,6 +264,30 @@ def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Pat
     assert result["rows_unexplained"] == 0
 
 
+def test_routing_recomputed_from_router_logits_equals_the_wrapped_routers_row_for_row(
+    recorded_trace: Path, tmp_path: Path
+) -> None:
+    """The path for kernels that fuse routing (they never call the router): the recorder takes the logits where
+    vLLM hands them on and runs the router's own routing function itself. Forced on the CPU's modular kernels, its
+    rows must equal the wrapped router's, same prompts, every row (rejected drafts included)."""
+    done = run_cli(
+        "record", "--recompute-from-logits", "--k", str(K), "--max-tokens", "40", "--batch-size", "4",
+        "--candidates", str(CANDIDATES), "--out", str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (recomputed_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    recomputed = open_trace(recomputed_dir)
+    assert recomputed.manifest["capture"]["recomputed_from_logits"] is True
+    assert open_trace(recorded_trace).manifest["capture"]["recomputed_from_logits"] is False
+    # The two runs may batch requests differently (the scheduler's timing), so compare each token's rows by
+    # (request, position, layer), up to where greedy decoding could diverge.
+    result = compare_runs(recorded_trace, recomputed_dir)
+    assert result["rows_compared"] == result["rows_in_a"] > 0 and result["tokens_equal"]
+    assert result["decoded_rows_compared"] > 0
+    assert result["rows_identical"] / result["rows_compared"] >= 0.999 and result["rows_unexplained"] == 0
+    assert recomputed.manifest["counts"]["routing_rows"] == recomputed.manifest["counts"]["tokens"] * 3
+
+
 def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> None:
     """The MTP drafter is a MoE decoder layer (layer 4 of the default model) that runs after every target
     forward; only the target's MoE layers may appear in the trace, and acceptance still matches vLLM's."""
