@@ -12,6 +12,8 @@ The wrapper around ``router._compute_routing`` has one mechanism for each way th
   that replay's values. Routers return tensors allocated per call (no shared workspace), which this relies on.
 - **Dynamo traces it** (vLLM compiling on CPU): Python side effects are lost, tensor writes are kept, so the
   wrapper copies into static buffers [T_max, L, K] instead (two copies per layer).
+- **It never runs** (a MoE kernel that fuses routing takes the router logits): ``wrap_logits_entry`` wraps the
+  call that receives the logits and runs the router's own ``_compute_routing`` on them, recorded as above.
 
 After the forward, ``collect`` gathers rows [:T] from whichever mechanism ran (and says which: a forward that
 none of them wrote is refused, never recorded as zeros): one stack per field, left on the device for the recorder
