@@ -17,9 +17,16 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from vllm_fixtures import CANDIDATES, K, recorded_trace, run_cli  # noqa: F401 (fixture)
+from vllm_fixtures import (  # noqa: F401 (fixture)
+    CANDIDATES,
+    K,
+    assert_same_routing_up_to_divergence,
+    record_like_the_fixture,
+    recorded_trace,
+    run_cli,
+)
 from moetrace.cli import main
-from moetrace.compare import compare_runs, load_outputs
+from moetrace.compare import load_outputs
 from moetrace.default_model import default_model_dir
 from moetrace.reader import open_trace
 
@@ -245,46 +252,23 @@ def test_sigkill_mid_recording_leaves_readable_files_and_the_writer_process_fini
 
 def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Path, tmp_path: Path) -> None:
     """With vLLM compiling the model (Dynamo traces through the router wrapper), the static-buffer writes are
-    part of the compiled graph and record the same routing as eager mode."""
-    done = run_cli(
-        "record", "--compiled", "--k", str(K), "--max-tokens", "40", "--batch-size", "4",
-        "--candidates", str(CANDIDATES), "--out", str(tmp_path),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (compiled_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    compiled = open_trace(compiled_dir)
+    part of the compiled graph and record the same routing as eager mode. Compiled kernels round differently, so
+    greedy decoding may leave eager's text at some token: rows are compared up to there."""
+    compiled = open_trace(record_like_the_fixture(tmp_path, "--compiled"))
     assert compiled.manifest["capture"]["mode"] == "graph-safe"
     assert compiled.manifest["capture_mechanisms"].get("traced", 0) > 0, "Dynamo traced the router wrapper"
-    # Compiled kernels round differently, so greedy decoding may leave eager's text at some token; compare the
-    # rows of each request's sequence up to the first position where the two runs' sequences differ.
-    result = compare_runs(recorded_trace, compiled_dir)
-    assert result["rows_compared"] == result["rows_in_a"] > 0 and result["tokens_equal"]
-    assert result["decoded_rows_compared"] > 0, "decoded tokens are compared too"
-    assert result["rows_identical"] / result["rows_compared"] >= 0.999
-    assert result["rows_unexplained"] == 0
+    assert_same_routing_up_to_divergence(recorded_trace, compiled.path)
 
 
-def test_routing_recomputed_from_router_logits_equals_the_wrapped_routers_row_for_row(
-    recorded_trace: Path, tmp_path: Path
-) -> None:
+def test_routing_recomputed_from_router_logits_equals_the_wrapped_routers(recorded_trace: Path, tmp_path: Path) -> None:
     """The path for kernels that fuse routing (they never call the router): the recorder takes the logits where
     vLLM hands them on and runs the router's own routing function itself. Forced on the CPU's modular kernels, its
-    rows must equal the wrapped router's, same prompts, every row (rejected drafts included)."""
-    done = run_cli(
-        "record", "--recompute-from-logits", "--k", str(K), "--max-tokens", "40", "--batch-size", "4",
-        "--candidates", str(CANDIDATES), "--out", str(tmp_path),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (recomputed_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    recomputed = open_trace(recomputed_dir)
+    rows must equal the wrapped router's on the same prompts (compared by request, position and layer: the two
+    runs may batch requests differently)."""
+    recomputed = open_trace(record_like_the_fixture(tmp_path, "--recompute-from-logits"))
     assert recomputed.manifest["capture"]["recomputed_from_logits"] is True
     assert open_trace(recorded_trace).manifest["capture"]["recomputed_from_logits"] is False
-    # The two runs may batch requests differently (the scheduler's timing), so compare each token's rows by
-    # (request, position, layer), up to where greedy decoding could diverge.
-    result = compare_runs(recorded_trace, recomputed_dir)
-    assert result["rows_compared"] == result["rows_in_a"] > 0 and result["tokens_equal"]
-    assert result["decoded_rows_compared"] > 0
-    assert result["rows_identical"] / result["rows_compared"] >= 0.999 and result["rows_unexplained"] == 0
+    assert_same_routing_up_to_divergence(recorded_trace, recomputed.path)
     assert recomputed.manifest["counts"]["routing_rows"] == recomputed.manifest["counts"]["tokens"] * 3
 
 
