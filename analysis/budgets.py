@@ -125,7 +125,7 @@ def smallest_budgets(curves: pl.LazyFrame, coverage: float) -> pl.DataFrame:
         .sort("budget")
         .group_by("layer")
         .first()
-        .select("layer", "budget", "coverage", "rerouted_share", "bytes_saved")
+        .select("layer", "budget", "coverage", "rerouted_share", "experts_saved", "bytes_saved")
         .sort("layer")
         .collect()
     )

@@ -341,9 +341,13 @@ def deployment_for(shape: ModelShape, tp: int, ep: int, weight_format: str | Non
 
 
 def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None,
-            calibration: Mapping[str, Any] | None) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """Predicted step per k. ``per_k`` has k, unique_experts, busiest_rank_experts (per layer, one request's
-    window) and tokens_per_step. Returns the table and a description of the basis (mode, notes, checks)."""
+            calibration: Mapping[str, Any] | None,
+            one_token_busiest: float | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Predicted step per k at ``deployment.batch`` requests per step. ``per_k`` has k, unique_experts,
+    busiest_rank_experts (per layer, what one step of ``batch`` requests' windows reads) and tokens_per_step (per
+    request). A profile is a one-request step: components are scaled from a one-token step (top-k experts,
+    ``one_token_busiest`` on the busiest rank; default: the k=0 row, right when batch is 1) to the step's
+    batch·(k+1) tokens. Returns the table and a description of the basis (mode, notes, checks)."""
     if profile is None and calibration is None:
         raise ValueError("a prediction needs a calibration, a profile, or both")
     rows = per_k.sort("k").to_dicts()
@@ -357,6 +361,9 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     ar_model: AllReduceModel | None = None
     tokens_list = [float((r["k"] + 1) * deployment.batch) for r in rows]
     work = [deployment.rank_work(r["unique_experts"], r["busiest_rank_experts"], t) for r, t in zip(rows, tokens_list)]
+    anchor_tokens = float(profile.tokens) if profile is not None else 1.0
+    busiest_one = float(rows[0]["busiest_rank_experts"]) if one_token_busiest is None else one_token_busiest
+    anchor_work = deployment.rank_work(float(shape.top_k), min(busiest_one, float(shape.top_k)), anchor_tokens)
     if calibration is not None:
         check_calibration(calibration)
         fit, fmt_used, fit_notes = expert_fit(calibration, deployment.expert_config(), deployment.weight_format)
@@ -365,6 +372,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         if cal_hidden is not None and int(cal_hidden) != shape.hidden_size:
             notes.append(f"calibration measured hidden {cal_hidden}, the model has {shape.hidden_size}")
         expert_us = [expert_time_us(fit, e, m) for e, m in work]
+        anchor_expert_us = expert_time_us(fit, *anchor_work)
         if deployment.world_size > 1:
             ar_model = allreduce_model(calibration, deployment.world_size)
             if ar_model is None:
@@ -372,10 +380,11 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
                              if profile is None else "calibration has no all-reduce curve: profile model used")
     if not expert_us:  # no calibration: weight-read bound, proportional to experts read per rank
         expert_us = [e for e, _ in work]
+        anchor_expert_us = anchor_work[0]
     if ar_model is None and profile is not None and deployment.world_size > 1:
         per_call = profile.step_ms * profile.allreduce * 1e3 / max(n_ar, 1)
         ring = 2.0 * (deployment.world_size - 1) / deployment.world_size
-        base_bytes = deployment.message_bytes(profile.tokens * deployment.batch)
+        base_bytes = deployment.message_bytes(profile.tokens)
         # the profile's time per call is latency plus its bytes; more tokens add only their bytes' time
         ar_model = ring_model(deployment.world_size,
                               per_call - ring * base_bytes / (DEFAULT_BUS_BANDWIDTH_GBS * 1e3),
@@ -383,14 +392,18 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
                               f"profile: {per_call:.1f} us per call at {profile.tokens} token(s); extra bytes at "
                               f"{DEFAULT_BUS_BANDWIDTH_GBS:.0f} GB/s bus bandwidth (assumed)", extrapolated=False)
     allreduce_us = [ar_model.time_us(deployment.message_bytes(t)) if ar_model else 0.0 for t in tokens_list]
+    anchor_allreduce_us = ar_model.time_us(deployment.message_bytes(anchor_tokens)) if ar_model else 0.0
 
     if profile is not None:
         mode = "profile anchored, calibrated growth" if calibration is not None else "profile, modelled growth"
         p_ms = profile.step_ms
-        moe = [p_ms * profile.moe * e / expert_us[0] for e in expert_us]
-        ar = [p_ms * profile.allreduce * (a / allreduce_us[0] if allreduce_us[0] > 0 else 1.0) for a in allreduce_us]
-        attention = [p_ms * profile.attention * (1 + profile.attention_growth_per_token * r["k"]) for r in rows]
-        other = [p_ms * profile.other_gemm * (1 + profile.other_growth_per_token * r["k"]) for r in rows]
+        moe = [p_ms * profile.moe * e / anchor_expert_us for e in expert_us]
+        ar = [p_ms * profile.allreduce * (a / anchor_allreduce_us if anchor_allreduce_us > 0 else 1.0)
+              for a in allreduce_us]
+        attention = [p_ms * profile.attention * (1 + profile.attention_growth_per_token * (t - anchor_tokens))
+                     for t in tokens_list]
+        other = [p_ms * profile.other_gemm * (1 + profile.other_growth_per_token * (t - anchor_tokens))
+                 for t in tokens_list]
         rest = [p_ms * profile.rest for _ in rows]
         notes.append(f"profile: {profile.source}; attention +{profile.attention_growth_per_token:.0%} and other "
                      f"GEMMs +{profile.other_growth_per_token:.0%} per extra token (assumed), the rest "
@@ -422,6 +435,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     })
     basis: dict[str, Any] = {
         "mode": mode,
+        "batch": deployment.batch,
         "tp": deployment.tp,
         "ep": deployment.ep,
         "world_size": deployment.world_size,

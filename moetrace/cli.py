@@ -80,7 +80,7 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
     """Record expert routing from vLLM while it generates with speculative decoding.
 
     MODEL is a checkpoint directory (or a name in the local Hugging Face cache); without it, the embedded tiny
-    Kimi-K2-shaped model with random weights is built once and used.
+    Kimi-K2-shaped model (trained on Python's standard library) is unpacked once and used.
     """
     from moetrace.record import RecordRequest, parse_key_values, parse_ks, record as run_record
 

@@ -1,11 +1,12 @@
-"""The embedded default: a tiny checkpoint of Kimi-K2's architecture with random weights.
+"""The embedded default: a tiny model of Kimi-K2's architecture, trained, shipped inside the package.
 
 DeepseekV3 layout, 384 routed experts, top-8, sigmoid scores with a selection bias (``noaux_tc``), one shared
-expert, the first layer dense, byte-level vocabulary, MLA head dims that vLLM's GPU backends accept. It runs in
-float32 on the CPU (where the transformers comparison needs it) and in bfloat16 on a GPU (no CUDA MLA backend
-takes float32). Built once, deterministically, by transformers' own
-initialisation, and cached. Its routing is a random network's routing: it exists so that the whole path runs
-anywhere and so that vLLM's routing can be checked against transformers on the same weights.
+expert, the first layer dense, one MTP layer (so ``--method mtp`` has a drafter), byte-level vocabulary, MLA head
+dims that vLLM's GPU backends accept. Trained by ``scripts/train_default_model.py`` on the Python standard
+library's source (the metadata of the weights file names the corpus, seed and command), so its routing is learned
+routing. The weights ship as int8 with one scale per output row (``data/kimi-k2-tiny.safetensors``, checksummed);
+the first use unpacks them into a checkpoint vLLM and transformers load, cached. It runs in float32 on the CPU
+(where the transformers comparison needs it) and in bfloat16 on a GPU (no CUDA MLA backend takes float32).
 """
 
 from __future__ import annotations
@@ -18,21 +19,27 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL_NAME = "kimi-k2-tiny-random"
+from moetrace.errors import UserError
+
+DEFAULT_MODEL_NAME = "kimi-k2-tiny"
+WEIGHTS_FILE = Path(__file__).parent / "data" / "kimi-k2-tiny.safetensors"
+WEIGHTS_SHA256 = "538d89cebe20e93fdffd5152cda77d534d99df8be03f22eadcda532ab398d68e"
 BYTE_VOCAB = 256
 BOS_ID, EOS_ID = 256, 257
+# Standard-library modules left out of training: the built-in code prompts come from them.
+HELD_OUT_MODULES = ("fractions.py", "textwrap.py", "heapq.py", "json/")
 
 CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
     "torch_dtype": "float32",
     "vocab_size": 320,  # 256 bytes + BOS/EOS, padded
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 64,
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 16,
     "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
     "n_routed_experts": 384,
     "num_experts_per_tok": 8,
     "n_shared_experts": 1,
@@ -70,9 +77,6 @@ CONFIG: dict[str, Any] = {
     "eos_token_id": EOS_ID,
     "initializer_range": 0.02,
 }
-SEED = 20261129
-# Spread of the selection bias: transformers initialises it to zero, which would hide the noaux_tc path.
-BIAS_STD = 0.02
 
 
 def runtime_dtype(on_gpu: bool) -> str:
@@ -86,69 +90,72 @@ def cache_root() -> Path:
 
 
 def default_model_dir() -> Path:
-    fingerprint = hashlib.sha256(json.dumps([CONFIG, SEED, BIAS_STD], sort_keys=True).encode()).hexdigest()[:12]
+    fingerprint = hashlib.sha256(json.dumps([CONFIG, WEIGHTS_SHA256], sort_keys=True).encode()).hexdigest()[:12]
     return cache_root() / f"{DEFAULT_MODEL_NAME}-{fingerprint}"
 
 
+def read_packed_weights(path: Path, sha256: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Packed tensors and their training metadata, after checking the file's checksum (if one is given)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise UserError(f"the default model's weights are missing ({path}: {exc.strerror}); reinstall moetrace") from None
+    if sha256 is not None and digest != sha256:
+        raise UserError(f"the default model's weights are corrupt ({path}: sha256 {digest[:12]}..., expected "
+                        f"{sha256[:12]}...); reinstall moetrace")
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = json.loads((handle.metadata() or {}).get("moetrace_training", "{}"))
+    return load_file(path), metadata
+
+
+def unpack_checkpoint(packed: dict[str, Any]) -> dict[str, Any]:
+    """int8 rows times their scales, stacked experts split into DeepseekV3's per-expert names; float32."""
+    tensors: dict[str, Any] = {}
+    for name, tensor in packed.items():
+        if name.endswith(".scale"):
+            continue
+        scale = packed.get(name + ".scale")
+        value = tensor.float() * scale.unsqueeze(-1) if scale is not None else tensor.float()
+        stem, _, kind = name.rpartition(".experts.")
+        if stem and kind in ("gate_proj", "up_proj", "down_proj"):
+            for expert, matrix in enumerate(value):
+                tensors[f"{stem}.experts.{expert}.{kind}.weight"] = matrix.contiguous()
+        else:
+            tensors[name] = value.contiguous()
+    return tensors
+
+
+def write_checkpoint(tensors: dict[str, Any], target: Path, description: dict[str, Any]) -> None:
+    """A checkpoint directory vLLM and transformers load: config.json, model.safetensors, moetrace.json."""
+    from safetensors.torch import save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    (target / "moetrace.json").write_text(json.dumps(description, indent=2))
+
+
 def ensure_default_model() -> Path:
-    """Return the cached checkpoint, building it first if needed (atomic: a crash leaves no half checkpoint)."""
+    """Return the cached checkpoint, unpacking the shipped weights first if needed (atomic: a crash leaves no
+    half checkpoint)."""
     target = default_model_dir()
     if (target / "config.json").exists():
         return target
-    import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
+    packed, training = read_packed_weights(WEIGHTS_FILE, WEIGHTS_SHA256)
     target.parent.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(SEED)
-    # transformers has no MTP module: build the MTP layer's decoder as one more ordinary layer (same names as the
-    # checkpoint's layer L), then add the MTP-only tensors. vLLM's target model skips them; its MTP drafter loads
-    # them. transformers, loading the L-layer config, ignores them.
-    num_layers, mtp_layers = CONFIG["num_hidden_layers"], CONFIG["num_nextn_predict_layers"]
-    config = DeepseekV3Config(**{
-        **{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")},
-        "num_hidden_layers": num_layers + mtp_layers,
-    })
-    model = DeepseekV3ForCausalLM(config).float().eval()  # type: ignore[no-untyped-call]
-    generator = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "e_score_correction_bias"):
-                bias = torch.randn(gate.e_score_correction_bias.shape, generator=generator) * BIAS_STD
-                gate.e_score_correction_bias.copy_(bias)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        model.save_pretrained(staging, safe_serialization=True)
-        add_mtp_tensors(staging / "model.safetensors", num_layers, mtp_layers, generator)
-        config_json = json.loads((staging / "config.json").read_text())
-        config_json.update({"topk_method": CONFIG["topk_method"], "scoring_func": CONFIG["scoring_func"],
-                            "num_hidden_layers": num_layers, "num_nextn_predict_layers": mtp_layers})
-        (staging / "config.json").write_text(json.dumps(config_json, indent=2))
-        (staging / "moetrace.json").write_text(json.dumps({"name": DEFAULT_MODEL_NAME, "random_weights": True}))
+        write_checkpoint(unpack_checkpoint(packed), staging,
+                         {"name": DEFAULT_MODEL_NAME, "random_weights": False, "training": training})
         os.replace(staging, target)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
         if not (target / "config.json").exists():  # another process may have won the race
             raise
     return target
-
-
-def add_mtp_tensors(path: Path, first_mtp_layer: int, mtp_layers: int, generator: Any) -> None:
-    """The tensors DeepSeek's MTP layer has beyond a decoder layer: input norms, the projection of
-    [embedding; hidden] and the shared head."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    hidden, vocab, std = CONFIG["hidden_size"], CONFIG["vocab_size"], CONFIG["initializer_range"]
-    tensors = load_file(path)
-    for layer in range(first_mtp_layer, first_mtp_layer + mtp_layers):
-        prefix = f"model.layers.{layer}."
-        tensors[prefix + "enorm.weight"] = torch.ones(hidden)
-        tensors[prefix + "hnorm.weight"] = torch.ones(hidden)
-        tensors[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * std
-        tensors[prefix + "shared_head.norm.weight"] = torch.ones(hidden)
-        tensors[prefix + "shared_head.head.weight"] = torch.randn(vocab, hidden, generator=generator) * std
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def encode_text(text: str) -> list[int]:

@@ -8,7 +8,13 @@ from pathlib import Path
 from moetrace.errors import UserError
 
 BUILTIN_PROMPTS: tuple[str, ...] = (
-    # code
+    # code: the first two from standard-library modules the default model was not trained on (heapq, textwrap)
+    'def heappush(heap, item):\n    """Push item onto heap, maintaining the heap invariant."""\n'
+    "    heap.append(item)\n    _siftdown(heap, 0, len(heap)-1)\n\ndef heappop(heap):\n"
+    '    """Pop the smallest item off the heap, maintaining the heap invariant."""\n'
+    "    lastelt = heap.pop()    # raises appropriate IndexError if heap is empty\n    if heap:\n",
+    'def fill(text, width=70, **kwargs):\n    """Fill a single paragraph of text, returning a new string.\n\n'
+    "    Reformat the single paragraph in 'text' to fit in lines of no more\n    than 'width' columns, and return",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
     "def factorial(n):\n    if n < 2:\n        return 1\n    return n * factorial(n - 1)\n\ndef ",
     "for (int i = 0; i < n; i++) {\n    sum += a[i] * b[i];\n}\nfor (int i = 0; i < n; i++) {\n    ",

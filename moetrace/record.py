@@ -59,7 +59,6 @@ class RecordRequest:
 class ResolvedModel:
     path: Path
     name: str
-    random_weights: bool
     byte_tokens: bool  # the embedded default: prompts are encoded as bytes, no tokenizer
     dtype: str | None  # None: the default model's (float32 on the CPU, bfloat16 on a GPU)
     max_positions: int | None
@@ -114,7 +113,7 @@ def _config_expert_count(config: dict[str, Any]) -> int:
 def resolve_model(model: str | None) -> ResolvedModel:
     if model is None:
         path = ensure_default_model()
-        return ResolvedModel(path, DEFAULT_MODEL_NAME, True, True, None, 4096, int(CONFIG["n_routed_experts"]),
+        return ResolvedModel(path, DEFAULT_MODEL_NAME, True, None, 4096, int(CONFIG["n_routed_experts"]),
                              int(CONFIG["num_experts_per_tok"]))
     path = Path(model).expanduser()
     if not path.is_dir():
@@ -134,7 +133,7 @@ def resolve_model(model: str | None) -> ResolvedModel:
         raise UserError(f"{model} is not a MoE model (its config names no routed experts)")
     top_k = next((node.get("num_experts_per_tok") for node in (config, config.get("text_config") or {})
                   if isinstance(node.get("num_experts_per_tok"), int)), None)
-    return ResolvedModel(path, path.name, False, False, "auto", None, experts, top_k)
+    return ResolvedModel(path, path.name, False, "auto", None, experts, top_k)
 
 
 def _check_drafter(method: str, drafter: str | None) -> None:
@@ -209,7 +208,7 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
             "token_ids": request.token_ids,
             "recompute_from_logits": request.recompute_from_logits,
             "rotate_seconds": request.rotate_seconds,
-            "random_weights": model.random_weights,
+            "random_weights": engine_args.get("load_format") == "dummy",
             "model_name": model.name,
             "workload": {
                 "prompt_source": str(request.prompts_file) if request.prompts_file else "builtin",

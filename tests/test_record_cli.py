@@ -65,7 +65,7 @@ def test_unwritable_output_directory_is_refused(tmp_path: Path) -> None:
 
 def test_existing_run_directory_needs_force(tmp_path: Path) -> None:
     ensure_default_model()
-    (tmp_path / "kimi-k2-tiny-random-ngram-k3").mkdir()
+    (tmp_path / "kimi-k2-tiny-ngram-k3").mkdir()
     assert "--force" in refuse(["record", "--out", str(tmp_path)])
 
 
@@ -101,3 +101,13 @@ def test_info_says_why_a_recording_stopped_and_prints_bracketed_paths_as_they_ar
 def test_candidates_outside_top_k_to_experts_are_refused(candidates: str, tmp_path: Path) -> None:
     line = refuse(["record", "--candidates", candidates, "--out", str(tmp_path)])
     assert f"--candidates {candidates}: must be more than top-8 and at most the model's 384 experts" in line
+
+
+@pytest.mark.parametrize("engine_args, random", [({}, False), ({"load_format": "dummy"}, True)])
+def test_manifest_says_random_weights_exactly_when_vllm_loads_dummy_weights(
+        engine_args: dict[str, str], random: bool, tmp_path: Path) -> None:
+    from moetrace.record import RecordRequest, engine_settings, resolve_model
+
+    request = RecordRequest(model=None, ks=[1], out=tmp_path, engine_args=engine_args)
+    settings = engine_settings(request, resolve_model(None), 1, tmp_path / "k1", ["x"], tmp_path / "progress")
+    assert settings["recording"]["random_weights"] is random

@@ -63,7 +63,9 @@ def test_dashboard_renders_offline_and_reacts_to_k(dashboard: Path) -> None:
         page.on("dialog", lambda dialog: errors.append(f"dialog opened: {dialog.message}"))
         page.goto(dashboard.as_uri())
         figures = page.eval_on_selector_all(".figure", "nodes => nodes.map(n => n.id)")
-        assert len(figures) == 5 + 2 * 2
+        assert len(figures) == 6 + 2 * 2  # the prediction figure: the shipped preset predicts without flags
+        decision_rows = page.eval_on_selector_all("#decision tr", "rows => rows.map(r => r.innerText)")
+        assert len(decision_rows) == 1 + 2 * 4, decision_rows  # header, 2 runs × concurrencies 1, 8, 32, 128
         for figure in figures:
             page.wait_for_selector(f"#{figure} svg.main-svg", timeout=15_000)
             drawn = page.evaluate(

@@ -15,7 +15,8 @@ from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED
 from moetrace.analysis.shape import SHAPE_PRESETS
 from moetrace.errors import UserError
 from moetrace.report.dashboard import render_dashboard
-from moetrace.report.inputs import check_k, model_shape, open_run
+from moetrace.analysis.decision import DEFAULT_BATCHES, batches_from
+from moetrace.report.inputs import DEFAULT_PREDICTION, check_k, model_shape, open_run
 from moetrace.report.summary import Options, analyse_run, budget_curves_per_k, sample_note, summary_json
 from moetrace.report.terminal import print_budget_table, print_summary
 
@@ -71,6 +72,13 @@ def _acceptance(value: float | None) -> float | None:
     return value
 
 
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        return batches_from([int(part) for part in text.split(",") if part.strip()])
+    except ValueError:
+        raise UserError(f"--batch {text}: give concurrencies ≥ 1, comma-separated (e.g. 1,8,32,128)") from None
+
+
 def _coverage(value: float) -> float:
     if not 0.0 < value <= 1.0:
         raise UserError(f"--coverage {value}: must be in (0, 1]")
@@ -96,6 +104,8 @@ def _coverage(value: float) -> float:
               help="Per-draft acceptance rate for the prediction [default: measured per draft position].")
 @click.option("--routing", type=click.Choice(["measured", "uniform"]), default="measured", show_default=True,
               help="Unique experts for the prediction: the trace's, or uniformly random routing's.")
+@click.option("--batch", "batch_text", default=",".join(map(str, DEFAULT_BATCHES)), show_default=True,
+              help="Concurrencies (requests per step) to recommend a k for, comma-separated.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Dashboard file [default: TRACE/report.html, or NAME-vs-NAME.report.html for several].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
@@ -113,14 +123,17 @@ def report(
     profile_text: str | None,
     acceptance: float | None,
     routing: str,
+    batch_text: str,
     output: Path | None,
     as_json: bool,
     force: bool,
 ) -> None:
-    """Summarise TRACE(s) at --k (unique experts vs k, bytes per step, acceptance, expert budgets) in the terminal
-    and write one offline HTML dashboard. Several TRACEs (traces or sweep folders) are compared side by side.
-    With --calibration and/or --profile it also predicts verify-step time, tokens per step and speedup per k."""
+    """Recommend a k per concurrency (--batch) for each TRACE's drafter from its predicted speedup, then summarise
+    at --k (unique experts vs k, bytes per step, acceptance, expert budgets) in the terminal and write one offline
+    HTML dashboard. Several TRACEs (traces or sweep folders, e.g. one per drafter) are compared side by side.
+    Predictions use --calibration and/or --profile; without either, the shipped H200 preset (Kimi-K2, TP=8)."""
     check_k(k)
+    preset = DEFAULT_PREDICTION if calibration_file is None and profile_text is None else None
     options = Options(
         k=k,
         max_k=max(8, k) if max_k is None else max_k,
@@ -129,11 +142,13 @@ def report(
         tp=tp,
         ep=ep,
         placement_file=placement_file,
-        calibration=_calibration(calibration_file),
-        calibration_path=calibration_file,
-        profile=_profile(profile_text),
+        calibration=preset.calibration() if preset else _calibration(calibration_file),
+        calibration_path=Path(f"preset {preset.name}") if preset else calibration_file,
+        profile=PROFILE_PRESETS[preset.profile] if preset else _profile(profile_text),
         acceptance=_acceptance(acceptance),
         routing=routing,
+        batches=_batches(batch_text),
+        preset=preset,
     )
     if options.max_k < k:
         raise UserError(f"--max-k {options.max_k}: must be at least --k {k}")

@@ -18,6 +18,38 @@ from moetrace.reader import Trace, open_traces
 from moetrace.schema import MAX_K
 
 
+@dataclass(frozen=True)
+class PredictionPreset:
+    """A deployment to predict for when the user gives no calibration or profile: a calibration shipped with
+    moetrace, a profile preset, a shape preset and a tensor-parallel size."""
+
+    name: str
+    calibration_file: str
+    profile: str
+    shape: str
+    tp: int
+    description: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.description})"
+
+    def calibration(self) -> dict[str, Any]:
+        doc: dict[str, Any] = json.loads((Path(__file__).parents[1] / "data" / self.calibration_file).read_text())
+        return doc
+
+
+DEFAULT_PREDICTION = PredictionPreset(
+    name="h200-kimi-k2-tp8",
+    calibration_file="calibration-h200.json",
+    profile="kimi-k2-tp8",
+    shape="kimi-k2",
+    tp=8,
+    description="as Kimi-K2 with int4 experts on 8 H200s, TP=8: expert and all-reduce curves measured on 2 H200s "
+                "(all-reduce extrapolated to 8), step shares of a measured Kimi-K2.5 decode step",
+)
+
+
 @dataclass
 class Run:
     """One TRACE argument: a trace, or a sweep of traces over k; ``primary`` is the one analysed at --k."""

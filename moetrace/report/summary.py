@@ -11,21 +11,22 @@ import polars as pl
 
 from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary
 from moetrace.analysis.budgets import budget_curves, budget_windows, smallest_budgets, window_share
+from moetrace.analysis.concurrency import batch_unions, uniform_batch_union, union_means, uniform_unions
 from moetrace.analysis.cost import (
     Profile,
     acceptance_curve,
     deployment_for,
     geometric_acceptance,
-    predict,
     tokens_per_step,
     uniform_routing,
 )
+from moetrace.analysis.decision import DEFAULT_BATCHES, recommended_k, speedup_per_batch
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, PER_BATCH, PER_REQUEST, growth, rejected_only_experts
 from moetrace.analysis.load import expert_load
-from moetrace.analysis.shape import ModelShape
+from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import best_window_estimate, step_bytes
 from moetrace.errors import UserError
-from moetrace.report.inputs import Run, expert_placement, model_shape, parallel_size
+from moetrace.report.inputs import PredictionPreset, Run, expert_placement, model_shape, parallel_size
 
 RANDOM_WEIGHTS_NOTE = "routing of a random-weight model: says nothing about a trained model's routing"
 
@@ -44,6 +45,8 @@ class Options:
     profile: Profile | None = None
     acceptance: float | None = None  # per-draft acceptance rate given instead of the measured one
     routing: str = "measured"  # or "uniform": unique experts of uniformly random routing
+    batches: tuple[int, ...] = DEFAULT_BATCHES  # concurrencies the decision is made for
+    preset: PredictionPreset | None = None  # the shipped deployment assumption, used without calibration/profile
 
     @property
     def predicts(self) -> bool:
@@ -68,8 +71,11 @@ class RunAnalysis:
     load: pl.DataFrame
 
     k: int  # the --k the summary is for
-    prediction: pl.DataFrame | None = None  # predicted step per k (analysis.cost.predict)
+    prediction: pl.DataFrame | None = None  # predicted step per k at one request (analysis.cost.predict)
     prediction_basis: dict[str, Any] | None = None
+    speedups: pl.DataFrame | None = None  # predicted step per (batch, k) (analysis.decision)
+    decision: pl.DataFrame | None = None  # recommended k per batch
+    prediction_note: str | None = None  # why the preset could not predict
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -144,21 +150,67 @@ def prediction_inputs(run: Run, growth_table: pl.DataFrame, by_position: pl.Data
                                 acceptance_source=pl.Series(sources, dtype=pl.String))
 
 
+def prediction_deployment(trace_shape: ModelShape, tp: int, ep: int,
+                          options: Options) -> tuple[ModelShape, int, int, list[str]]:
+    """The shape and parallelism the prediction is for: the trace's, or, under the shipped preset, the preset's
+    where the user gave none and the trace routes like it (same experts and top-k)."""
+    preset = options.preset
+    if preset is None or options.shape_preset is not None:
+        return trace_shape, tp, ep, []
+    shape = SHAPE_PRESETS[preset.shape]
+    preset_tp, preset_ep = options.tp or preset.tp, options.ep or 1
+    if (shape.num_experts, shape.top_k) != (trace_shape.num_experts, trace_shape.top_k):
+        return trace_shape, preset_tp, preset_ep, [
+            f"prediction preset {preset.name}: the trace routes over {trace_shape.num_experts} experts "
+            f"top-{trace_shape.top_k}, not {preset.shape}'s: priced at the trace's own shape with "
+            f"{preset.shape}'s calibration"]
+    return shape, preset_tp, preset_ep, []
+
+
 def run_prediction(run: Run, growth_table: pl.DataFrame, by_position: pl.DataFrame, shape: ModelShape,
-                   placement: Any, tp: int, ep: int, options: Options) -> tuple[pl.DataFrame, dict[str, Any]]:
+                   placement: Any, tp: int, ep: int,
+                   options: Options) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
+    """Per (batch, k) predicted steps, the one-request prediction per k, and the recommended k per batch. One
+    request's window is the growth analysis's (measured where recorded, else counterfactual); B > 1 requests' is
+    their union (analysis.concurrency)."""
     inputs = prediction_inputs(run, growth_table, by_position, shape, placement, options)
+    pred_shape, pred_tp, pred_ep, preset_notes = prediction_deployment(shape, tp, ep, options)
+    pred_placement = placement if pred_ep == ep else expert_placement(run.primary, pred_ep, options.placement_file)
+    ks, batches = range(options.max_k + 1), [b for b in options.batches if b > 1]
+    if options.routing == "uniform":
+        unions = uniform_unions(shape.num_experts, shape.top_k, pred_placement, ks, batches)
+    else:
+        unions = batch_unions(run.primary.routing(), shape.num_experts, shape.top_k, pred_placement, ks, batches,
+                              run.primary.k)
+    one_request = inputs.select(
+        "k", "unique_experts", "busiest_rank_experts", union_source=pl.col("routing_source"),
+        uniform_bound=pl.col("k").map_elements(
+            lambda k: uniform_batch_union(shape.num_experts, shape.top_k, k + 1), return_dtype=pl.Float64),
+        batch=pl.lit(1, pl.Int32))
+    per_batch = pl.concat([one_request, union_means(unions)], how="diagonal_relaxed")
+    one_token = growth_table.filter((pl.col("k") == 0) & (pl.col("scope") == PER_REQUEST))
+    one_token_busiest = float(one_token["busiest_rank_experts"].mean() or shape.top_k)  # type: ignore[arg-type]
     try:
-        table, basis = predict(inputs, deployment_for(shape, tp, ep), options.profile, options.calibration)
+        speedups, basis = speedup_per_batch(per_batch, inputs, deployment_for(pred_shape, pred_tp, pred_ep),
+                                            options.profile, options.calibration, one_token_busiest)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
-    table = table.join(inputs.select("k", "routing_source", "acceptance_source"), on="k", how="left")
+    table = (speedups.filter(pl.col("batch") == 1).drop("batch", "uniform_bound", "union_source")
+             .join(inputs.select("k", "routing_source", "acceptance_source"), on="k", how="left"))
+    basis["notes"] = preset_notes + basis["notes"]
     basis["routing"] = options.routing
     basis["acceptance"] = options.acceptance
+    basis["shape"] = options.shape_preset or (options.preset.shape if pred_shape is not shape and options.preset
+                                              else "manifest")
     basis["calibration"] = str(options.calibration_path) if options.calibration_path else None
+    basis["profile"] = f"profile {options.profile.source}" if options.profile else None
+    basis["preset"] = options.preset.label if options.preset else None
+    basis["expert_bytes"], basis["moe_layers"] = pred_shape.expert_bytes, pred_shape.moe_layers
     if options.calibration is not None:
         device = options.calibration.get("device", {})
         basis["calibration_device"] = f"{device.get('name')} x{device.get('count')}"
-    return table, basis
+    decision = recommended_k(speedups.filter(pl.col("batch").is_in(list(options.batches))))
+    return speedups, table, decision, basis
 
 
 def analyse_run(run: Run, options: Options) -> RunAnalysis:
@@ -179,10 +231,16 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     ).select("k", pl.exclude("k"))
     curves, budget_share = budget_curves_per_k(run, range(1, options.max_k + 1), shape.expert_bytes)
     at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
-    prediction, basis = (
-        run_prediction(run, growth_table, by_position, shape, placement, tp, ep, options)
-        if options.predicts else (None, None)
-    )
+    speedups = prediction = decision = basis = None
+    prediction_note = None
+    if options.predicts:
+        try:
+            speedups, prediction, decision, basis = run_prediction(run, growth_table, by_position, shape,
+                                                                   placement, tp, ep, options)
+        except UserError as exc:
+            if options.preset is None:  # the user asked for this prediction
+                raise
+            prediction_note = f"no prediction: {exc} (give --calibration or --profile for this deployment)"
     return RunAnalysis(
         run=run,
         shape=shape,
@@ -201,6 +259,9 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         k=options.k,
         prediction=prediction,
         prediction_basis=basis,
+        speedups=speedups,
+        decision=decision,
+        prediction_note=prediction_note,
     )
 
 
@@ -258,6 +319,8 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
     sampled = sample_note(analysis.budget_share)
     if sampled is not None:
         found.append(sampled)
+    if analysis.prediction_note is not None:
+        found.append(analysis.prediction_note)
     if analysis.prediction_basis is not None and analysis.prediction_basis["allreduce_extrapolated"]:
         found.append(f"prediction: all-reduce time is {analysis.prediction_basis['allreduce']}")
     return found + analysis.run.warnings
@@ -286,6 +349,37 @@ def budget_summary(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:
         if len(chosen)
         else None,
         "per_layer": chosen.to_dicts(),
+    }
+
+
+def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] | None:
+    """Per concurrency: the recommended k, its predicted speedup, what it rests on, and the expert budget per
+    request window at that k (experts and bytes it saves, priced at the prediction's shape)."""
+    if analysis.decision is None or analysis.prediction_basis is None:
+        return None
+    basis = analysis.prediction_basis
+    rows = []
+    for row in analysis.decision.to_dicts():
+        budget = None
+        if row["k"] >= 1:
+            chosen = smallest_budgets(analysis.budget_curves.filter(pl.col("k") == row["k"]).drop("k").lazy(),
+                                      options.coverage)
+            saved = float(chosen["experts_saved"].mean()) if len(chosen) else 0.0  # type: ignore[arg-type]
+            budget = {
+                "median": float(chosen["budget"].median()) if len(chosen) else None,  # type: ignore[arg-type]
+                "experts_saved_per_layer": saved,
+                "bytes_saved_per_window": saved * basis["expert_bytes"] * basis["moe_layers"],
+                "source": MEASURED if analysis.run.primary.k == row["k"] else COUNTERFACTUAL,
+            }
+        rows.append({**row, "budget": budget})
+    return {
+        "drafter": analysis.manifest["spec"].get("method") or "none",
+        "label": analysis.run.label,
+        "acceptance": "measured" if options.acceptance is None else f"given {options.acceptance:g} per draft",
+        "based_on": basis["preset"] or " + ".join(
+            part for part in (basis["calibration"], basis.get("profile")) if part),
+        "coverage_target": options.coverage,
+        "per_batch": rows,
     }
 
 
@@ -323,4 +417,5 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
                 "step_bytes": analysis.step_bytes.to_dicts(),
             }
         )
-    return {"k": k, "coverage_target": options.coverage, "runs": runs}
+    decisions = [decision for decision in (decision_summary(a, options) for a in analyses) if decision]
+    return {"decision": decisions, "k": k, "coverage_target": options.coverage, "runs": runs}

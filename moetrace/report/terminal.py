@@ -180,8 +180,37 @@ def _comparison(summary: dict[str, Any]) -> Table:
     return table
 
 
+def _decision(decisions: list[dict[str, Any]]) -> Table:
+    table = _table(
+        "Recommendation: k per drafter and concurrency (k=0: do not speculate)",
+        [("drafter", ""), ("B", "requests per step"), ("k", "recommended"), ("speedup", "predicted"),
+         ("tok", "tokens per step per request"), ("uniq", "unique experts per layer per step"),
+         ("uniform", "uniform-routing bound"), ("from", "measured (steps of B requests), estimated (B sampled request windows), lower bound (fewer windows "
+                  "than B: all of them), or B=1's counterfactual/measured window"),
+         ("budget", f"median experts per layer for {decisions[0]['coverage_target']:.0%} coverage"),
+         ("saved", "expert bytes saved per request window")])
+    for decision in decisions:
+        for row in decision["per_batch"]:
+            budget = row["budget"] or {}
+            table.add_row(
+                Text(decision["drafter"]), str(row["batch"]), str(row["k"]), _number(row["speedup"]),
+                _number(row["tokens_per_step"]), _number(row["unique_experts"], 1), _number(row["uniform_bound"], 1),
+                Text(row["union_source"]), _number(budget.get("median"), 1), _bytes(budget.get("bytes_saved_per_window")),
+            )
+    return table
+
+
+def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
+    if not decisions:
+        return
+    console.print(_decision(decisions))
+    for based_on in dict.fromkeys(decision["based_on"] for decision in decisions):
+        console.print(Text(f"  predicted {based_on}", style="dim"))
+
+
 def print_summary(summary: dict[str, Any], console: Console) -> None:
     k = summary["k"]
+    print_decision(summary["decision"], console)
     for run in summary["runs"]:
         heading = Text(f"{run['label']}: {run['model']}, {run['spec_method'] or 'plain decoding'}, "
                        f"recorded k={','.join(map(str, run['recorded_k']))}", style="bold")

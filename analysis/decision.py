@@ -1,0 +1,60 @@
+"""Which k to run at each concurrency: predicted speedup per (batch, k) from the batch-union cost model, and the k
+that maximises it (0, "do not speculate", when no k beats plain decoding).
+
+At concurrency B a verification step reads the union of B requests' windows (``analysis.concurrency``) and moves
+B·(k+1) tokens through every all-reduce; each request still gains its own accepted drafts, so the speedup is
+tokens per step per request over the step-time ratio to k = 0 at the same B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import polars as pl
+
+from moetrace.analysis.cost import Deployment, Profile, predict
+
+DEFAULT_BATCHES = (1, 8, 32, 128)
+
+
+def speedup_per_batch(per_batch: pl.DataFrame, tokens: pl.DataFrame, deployment: Deployment,
+                      profile: Profile | None, calibration: Mapping[str, Any] | None,
+                      one_token_busiest: float) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Per (batch, k): the prediction table of ``analysis.cost.predict`` with batch, uniform_bound and
+    union_source columns. ``per_batch``: batch, k, unique_experts, busiest_rank_experts (per layer, one step),
+    uniform_bound, union_source; ``tokens``: k, tokens_per_step (per request)."""
+    frames = []
+    basis: dict[str, Any] = {}
+    joined = per_batch.join(tokens.select("k", "tokens_per_step"), on="k").sort("batch", "k")
+    for (batch,), per_k in joined.group_by("batch", maintain_order=True):
+        table, basis = predict(per_k, replace(deployment, batch=int(str(batch))), profile, calibration,
+                               one_token_busiest)
+        frames.append(table.with_columns(batch=pl.lit(int(str(batch)), pl.Int32))
+                      .join(per_k.select("k", "uniform_bound", "union_source"), on="k"))
+    basis.pop("batch", None)
+    return pl.concat(frames).select("batch", pl.exclude("batch")), basis
+
+
+def recommended_k(speedups: pl.DataFrame) -> pl.DataFrame:
+    """Per batch: the k with the largest predicted speedup, k = 0 when none exceeds 1 (ties: the smaller k)."""
+    chosen = (
+        speedups.sort("batch", pl.col("speedup").neg(), "k")
+        .group_by("batch", maintain_order=True)
+        .first()
+        .select("batch", pl.when(pl.col("speedup") > 1.0).then(pl.col("k")).otherwise(0).alias("k"))
+    )
+    return (
+        chosen.join(speedups, on=["batch", "k"])
+        .select("batch", "k", "speedup", "tokens_per_step", "step_ratio", "unique_experts", "uniform_bound",
+                "union_source")
+        .sort("batch")
+    )
+
+
+def batches_from(values: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(sorted(set(values)))
+    if not out or out[0] < 1:
+        raise ValueError("concurrency values must be at least 1")
+    return out

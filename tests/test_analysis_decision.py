@@ -1,0 +1,70 @@
+"""The recommended k per concurrency, against step times and speedups computed by hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+import pytest
+
+from moetrace.analysis.cost import CALIBRATION_SCHEMA, Deployment, Profile
+from moetrace.analysis.decision import recommended_k, speedup_per_batch
+from moetrace.analysis.shape import ModelShape
+
+SHAPE = ModelShape(num_experts=64, top_k=2, num_layers=2, moe_layers=1, hidden_size=8, expert_width=4,
+                   shared_experts=0, expert_weight_bits=16, quant_group_size=None)
+# one expert layer costs 10 µs plus 1 µs per expert (rows are free)
+CALIBRATION: dict[str, Any] = {
+    "schema": CALIBRATION_SCHEMA, "device": {"name": "test", "count": 1}, "int4_estimate": [],
+    "allreduce": {"measured": []},
+    "experts": [{"config": "tp1", "format": "bf16", "weight_bits": 16,
+                 "fit": {"c0_us": 10.0, "per_expert_us": 1.0, "per_row_us": 0.0}}],
+}
+
+
+def per_batch(rows: list[tuple[int, int, float]]) -> pl.DataFrame:
+    return pl.DataFrame(
+        {"batch": [b for b, _, _ in rows], "k": [k for _, k, _ in rows],
+         "unique_experts": [u for _, _, u in rows], "busiest_rank_experts": [u for _, _, u in rows],
+         "uniform_bound": [0.0] * len(rows), "union_source": ["estimated"] * len(rows)},
+        schema_overrides={"batch": pl.Int32, "k": pl.Int32})
+
+
+TOKENS = pl.DataFrame({"k": [0, 1], "tokens_per_step": [1.0, 1.5]}, schema_overrides={"k": pl.Int32})
+
+
+def test_speedup_per_batch_is_tokens_over_the_step_ratio_at_the_same_concurrency() -> None:
+    table = per_batch([(1, 0, 2.0), (1, 1, 3.0), (4, 0, 6.0), (4, 1, 10.0), (8, 0, 12.0), (8, 1, 30.0)])
+    speedups, basis = speedup_per_batch(table, TOKENS, Deployment(SHAPE, tp=1, ep=1, weight_format="bf16"), None,
+                                        CALIBRATION, one_token_busiest=2.0)
+    by_key = {(r["batch"], r["k"]): r for r in speedups.to_dicts()}
+    assert by_key[(1, 0)]["step_ms"] == pytest.approx(0.012)  # 10 + 2 experts, µs → ms
+    assert by_key[(1, 1)]["speedup"] == pytest.approx(1.5 / (13 / 12))
+    assert by_key[(4, 1)]["speedup"] == pytest.approx(1.5 / (20 / 16))
+    assert by_key[(8, 1)]["speedup"] == pytest.approx(1.5 / (40 / 22))
+    assert by_key[(4, 1)]["tokens"] == 8.0 and basis["mode"] == "calibration only"
+
+    chosen = {r["batch"]: r for r in recommended_k(speedups).to_dicts()}
+    assert (chosen[1]["k"], chosen[4]["k"]) == (1, 1)
+    assert chosen[8]["k"] == 0 and chosen[8]["speedup"] == 1.0  # 0.825 at k=1: do not speculate
+
+
+def test_ties_recommend_the_smaller_k() -> None:
+    speedups = pl.DataFrame({"batch": [1, 1, 1], "k": [0, 1, 2], "speedup": [1.0, 1.3, 1.3],
+                             "tokens_per_step": [1.0, 1.5, 1.7], "step_ratio": [1.0, 1.15, 1.3],
+                             "unique_experts": [2.0, 3.0, 4.0], "uniform_bound": [2.0, 3.9, 5.8],
+                             "union_source": ["measured"] * 3})
+    assert recommended_k(speedups)["k"].to_list() == [1]
+
+
+def test_a_profile_is_scaled_from_one_token_to_batch_times_k_plus_one_tokens() -> None:
+    profile = Profile(step_ms=10.0, allreduce=0.0, moe=0.5, attention=0.2, other_gemm=0.1)
+    table = per_batch([(4, 0, 6.0), (4, 1, 10.0)])
+    speedups, _ = speedup_per_batch(table, TOKENS, Deployment(SHAPE, tp=1, ep=1, weight_format="bf16"), profile,
+                                    CALIBRATION, one_token_busiest=2.0)
+    k0, k1 = speedups.sort("k").to_dicts()
+    assert k0["moe_ms"] == pytest.approx(10.0 * 0.5 * 16 / 12)  # 6 experts vs one token's 2, at 10 µs + 1 µs each
+    assert k1["moe_ms"] == pytest.approx(10.0 * 0.5 * 20 / 12)
+    assert k0["attention_ms"] == pytest.approx(10.0 * 0.2 * (1 + 0.03 * 3))  # 4 tokens: 3 more than the profile's
+    assert k1["other_ms"] == pytest.approx(10.0 * 0.1 * (1 + 0.01 * 7))
+    assert k0["rest_ms"] == pytest.approx(10.0 * 0.2)
