@@ -18,12 +18,13 @@ from moetrace.analysis.growth import accepted_sequence
 
 WINDOW = ["layer", "window_major", "window_minor"]
 NEVER_KEPT = 1 << 30  # rank of a picked expert the candidates did not list
-_HASH_RANGE = 1 << 32
+HASH_RANGE = 1 << 32
 
 
 def budget_windows(routing: pl.LazyFrame, k: int, measured: bool, share: float = 1.0) -> pl.LazyFrame:
-    """Routing rows keyed by window. Measured: the recorded verification windows ``(step, request)``.
-    Counterfactual: complete windows of k+1 consecutive accepted tokens (``(request, position // (k+1))``).
+    """Routing rows keyed by window, complete windows of k+1 tokens only (as the growth analysis counts them).
+    Measured: the recorded verification windows ``(step, request)`` that verified k drafts. Counterfactual: windows
+    of k+1 consecutive accepted tokens (``(request, position // (k+1))``).
     ``share`` < 1 keeps a deterministic sample of whole windows (by a hash of the window key): budget curves are
     means over windows, so a uniform sample estimates them at a fraction of the cost."""
     if measured:
@@ -35,9 +36,9 @@ def budget_windows(routing: pl.LazyFrame, k: int, measured: bool, share: float =
             window_major=pl.col("request"), window_minor=pl.col("position") // (k + 1)
         )
     if share < 1.0:
-        key_hash = pl.struct("window_major", "window_minor").hash(seed=0) % _HASH_RANGE
-        keyed = keyed.filter(key_hash < int(share * _HASH_RANGE))
-    return keyed if measured else keyed.filter(pl.len().over(WINDOW) == k + 1)
+        key_hash = pl.struct("window_major", "window_minor").hash(seed=0) % HASH_RANGE
+        keyed = keyed.filter(key_hash < int(share * HASH_RANGE))
+    return keyed.filter(pl.len().over(WINDOW) == k + 1)
 
 
 def window_share(rows: int, layers: int, k: int, max_windows: int) -> float:

@@ -7,6 +7,8 @@
   other k); with fewer windows than B, every window once (so a lower bound, and labelled so);
 - uniform: N·(1−(1−K/N)^(B(k+1))), B(k+1) independent uniformly random top-K sets.
 
+Long traces are sampled to about ``MAX_WINDOWS`` windows per layer and k first (whole steps where steps are unioned).
+
 Per layer, with the experts on the busiest rank under an expert placement beside the unique count.
 """
 
@@ -18,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import polars as pl
 
-from moetrace.analysis.budgets import WINDOW, budget_windows
+from moetrace.analysis.budgets import HASH_RANGE, WINDOW, budget_windows, window_share
 from moetrace.analysis.cost import uniform_busiest_rank
 from moetrace.analysis.expert_sets import (
     Masks,
@@ -36,6 +38,9 @@ ESTIMATED_ALL = "lower bound"  # fewer windows than B: the union of all of them
 DIRECTNESS = {MEASURED_BATCH: 0, ESTIMATED: 1, ESTIMATED_ALL: 2}
 MIN_MEASURED_STEPS = 5
 SAMPLES = 256
+# Windows per layer and k the unions are drawn from: above it, a deterministic sample (of whole steps for the
+# measured unions), so a long trace costs what a short one does; the estimates are means over random draws anyway.
+MAX_WINDOWS = 20_000
 
 SCHEMA: dict[str, pl.DataType] = {
     "batch": pl.Int32(), "k": pl.Int32(), "layer": pl.Int32(), "unique_experts": pl.Float64(),
@@ -91,9 +96,16 @@ def batch_unions(routing: pl.LazyFrame, num_experts: int, top_k: int, expert_ran
     """Per (batch, k, layer): unique experts and busiest-rank experts one step reads, and the uniform bound."""
     ranks = rank_masks(expert_rank, num_experts)
     rows: list[dict[str, object]] = []
+    total = int(routing.select(pl.len()).collect().item())
+    layers = int(routing.select(pl.col("layer").n_unique()).collect().item())
     for k in ks:
         measured_k = k == trace_k and k > 0
-        per_layer = window_masks(budget_windows(routing, k, measured_k), num_experts)
+        share = window_share(total, layers, k, MAX_WINDOWS)
+        if measured_k and share < 1.0:  # whole steps: a step's union needs all of its windows
+            sampled = routing.filter(pl.col("step").hash(seed=0) % HASH_RANGE < int(share * HASH_RANGE))
+            per_layer = window_masks(budget_windows(sampled, k, True), num_experts)
+        else:
+            per_layer = window_masks(budget_windows(routing, k, measured_k, share), num_experts)
         for batch in batches:
             bound = uniform_batch_union(num_experts, top_k, batch * (k + 1))
             for layer, (masks, steps) in sorted(per_layer.items()):

@@ -38,17 +38,25 @@ def speedup_per_batch(per_batch: pl.DataFrame, tokens: pl.DataFrame, deployment:
 
 
 def recommended_k(speedups: pl.DataFrame) -> pl.DataFrame:
-    """Per batch: the k with the largest predicted speedup, k = 0 when none exceeds 1 (ties: the smaller k)."""
+    """Per batch: the k with the largest predicted speedup among the k whose acceptance was measured (``extrapolated``
+    false), k = 0 when none exceeds 1 (ties: the smaller k); ``larger_k_may_pay`` when a k past the measured ones
+    is predicted to do better (on extrapolated acceptance: record larger k to know)."""
+    measured = speedups.filter(~pl.col("extrapolated"))
     chosen = (
-        speedups.sort("batch", pl.col("speedup").neg(), "k")
+        measured.sort("batch", pl.col("speedup").neg(), "k")
         .group_by("batch", maintain_order=True)
         .first()
         .select("batch", pl.when(pl.col("speedup") > 1.0).then(pl.col("k")).otherwise(0).alias("k"))
     )
+    beyond = (
+        speedups.filter(pl.col("extrapolated")).group_by("batch").agg(pl.col("speedup").max().alias("beyond"))
+    )
     return (
         chosen.join(speedups, on=["batch", "k"])
+        .join(beyond, on="batch", how="left")
+        .with_columns(larger_k_may_pay=pl.col("beyond").fill_null(0.0) > pl.col("speedup"))
         .select("batch", "k", "speedup", "tokens_per_step", "step_ratio", "unique_experts", "uniform_bound",
-                "union_source")
+                "union_source", "larger_k_may_pay")
         .sort("batch")
     )
 

@@ -26,8 +26,8 @@ def step_bytes(
 
     - ``expert_weight_bytes``: routed experts (mean unique per layer) and shared experts, over all MoE layers,
       all ranks together;
-    - ``busiest_rank_weight_bytes``: what the busiest rank reads (EP: its own experts plus the replicated shared
-      experts; TP only: 1/tp of every expert);
+    - ``busiest_rank_weight_bytes``: what the busiest rank reads (EP: its own experts plus 1/ep of the shared
+      experts, which vLLM shards like a dense MLP; TP only: 1/tp of every expert);
     - ``allreduce_bytes``: sent by each rank for the ring all-reduces, 2(tp−1)/tp × tokens × hidden × activation
       bytes, ``allreduces_per_layer`` per decoder layer (attention output and MLP output);
     - ``ep_bytes``: dispatch plus combine, every token's activations to and from each rank holding its experts.
@@ -50,8 +50,8 @@ def step_bytes(
     per_layer_expert = float(shape.expert_bytes * shape.moe_layers)
     activation_row = float(shape.hidden_size * shape.activation_bytes)
     weights = (pl.col("unique_experts") + shape.shared_experts) * per_layer_expert
-    busiest = (
-        (pl.col("busiest_rank_experts") + shape.shared_experts) * per_layer_expert if ep > 1 else weights / tp
+    busiest = (  # EP: the shared experts are tensor-parallel over the ranks, as in the cost model (1/ep each)
+        (pl.col("busiest_rank_experts") + shape.shared_experts / ep) * per_layer_expert if ep > 1 else weights / tp
     )
     ring = 2.0 * (tp - 1) / tp
     dispatch = 2.0 * shape.moe_layers * (ranks_per_token or 0.0) * activation_row if ep > 1 else 0.0

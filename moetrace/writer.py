@@ -305,6 +305,8 @@ class TraceWriter:
                 del self._backlog[:written]
         except BlockingIOError:
             pass  # the pipe is full: the rest goes with a later step
+        except BrokenPipeError:
+            raise RuntimeError("the writer process ended unexpectedly") from None
         finally:
             os.set_blocking(self._to_child, False)
 

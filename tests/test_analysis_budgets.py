@@ -86,6 +86,21 @@ def test_counterfactual_windows_are_complete_runs_of_accepted_tokens() -> None:
     assert windows["phase"].cast(pl.String).is_in(["decode", "verify"]).all()
 
 
+def test_measured_windows_are_the_verification_windows_that_verified_k_drafts() -> None:
+    tokens = verify_tokens(np.random.default_rng(12), MODEL, requests=3, steps=30, k=3, accept_prob=0.5,
+                           variable_drafts=True)
+    windows = budget_windows(routing_frame(tokens, MODEL), 3, measured=True).collect()
+    drafts_per_window: dict[tuple[int, int], int] = {}
+    for step, request, phase, draft in zip(tokens.step, tokens.request, tokens.phase, tokens.draft_pos):
+        if phase == "verify":
+            key = (int(step), int(request))
+            drafts_per_window[key] = max(drafts_per_window.get(key, 0), int(draft))
+    full = {key for key, drafts in drafts_per_window.items() if drafts == 3}
+    assert 0 < len(full) < len(drafts_per_window)
+    kept = set(zip(windows["window_major"].to_list(), windows["window_minor"].to_list()))
+    assert kept == full and len(windows) == 4 * len(full) * len(MODEL.layers)
+
+
 def test_window_sample_keeps_whole_windows_and_estimates_the_full_curve() -> None:
     tokens = verify_tokens(np.random.default_rng(11), MODEL, requests=40, steps=60, k=3, accept_prob=0.7)
     routing = routing_frame(tokens, MODEL)

@@ -79,3 +79,15 @@ def test_estimated_unions_of_independent_uniform_windows_approach_the_uniform_bo
         assert rows["unique_experts"].mean() == pytest.approx(uniform_batch_union(32, 2, 2 * batch), rel=0.04)
         assert (rows["busiest_rank_experts"] <= rows["unique_experts"]).all()
         assert (rows["busiest_rank_experts"] >= rows["unique_experts"] / 4).all()
+
+
+def test_long_traces_are_sampled_by_whole_steps_and_keep_the_measured_union(monkeypatch: pytest.MonkeyPatch) -> None:
+    import moetrace.analysis.concurrency as concurrency
+
+    tokens = verify_tokens(np.random.default_rng(6), MODEL, requests=4, steps=200, k=2, accept_prob=0.6)
+    routing = routing_frame(tokens, MODEL)
+    full = batch_unions(routing, 32, 2, linear_placement(32, 1), ks=[2], batches=[4], trace_k=2)
+    monkeypatch.setattr(concurrency, "MAX_WINDOWS", 50)  # about a quarter of the 200 steps' windows per layer
+    sampled = batch_unions(routing, 32, 2, linear_placement(32, 1), ks=[2], batches=[4], trace_k=2)
+    assert set(sampled["source"]) == {MEASURED_BATCH}  # whole steps kept: still steps of exactly 4 requests
+    assert sampled["unique_experts"].to_list() == pytest.approx(full["unique_experts"].to_list(), rel=0.1)

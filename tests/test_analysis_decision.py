@@ -44,7 +44,7 @@ def test_speedup_per_batch_is_tokens_over_the_step_ratio_at_the_same_concurrency
     assert by_key[(8, 1)]["speedup"] == pytest.approx(1.5 / (40 / 22))
     assert by_key[(4, 1)]["tokens"] == 8.0 and basis["mode"] == "calibration only"
 
-    chosen = {r["batch"]: r for r in recommended_k(speedups).to_dicts()}
+    chosen = {r["batch"]: r for r in recommended_k(speedups.with_columns(extrapolated=False)).to_dicts()}
     assert (chosen[1]["k"], chosen[4]["k"]) == (1, 1)
     assert chosen[8]["k"] == 0 and chosen[8]["speedup"] == 1.0  # 0.825 at k=1: do not speculate
 
@@ -53,8 +53,17 @@ def test_ties_recommend_the_smaller_k() -> None:
     speedups = pl.DataFrame({"batch": [1, 1, 1], "k": [0, 1, 2], "speedup": [1.0, 1.3, 1.3],
                              "tokens_per_step": [1.0, 1.5, 1.7], "step_ratio": [1.0, 1.15, 1.3],
                              "unique_experts": [2.0, 3.0, 4.0], "uniform_bound": [2.0, 3.9, 5.8],
-                             "union_source": ["measured"] * 3})
+                             "union_source": ["measured"] * 3, "extrapolated": [False] * 3})
     assert recommended_k(speedups)["k"].to_list() == [1]
+
+
+def test_k_past_the_measured_acceptance_is_not_recommended_but_flagged_when_it_looks_better() -> None:
+    speedups = pl.DataFrame({"batch": [1, 1, 1], "k": [0, 1, 2], "speedup": [1.0, 1.3, 1.5],
+                             "tokens_per_step": [1.0, 1.5, 1.9], "step_ratio": [1.0, 1.15, 1.27],
+                             "unique_experts": [2.0, 3.0, 4.0], "uniform_bound": [2.0, 3.9, 5.8],
+                             "union_source": ["measured"] * 3, "extrapolated": [False, False, True]})
+    (row,) = recommended_k(speedups).to_dicts()
+    assert row["k"] == 1 and row["larger_k_may_pay"] is True
 
 
 def test_a_profile_is_scaled_from_one_token_to_batch_times_k_plus_one_tokens() -> None:

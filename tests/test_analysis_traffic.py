@@ -7,6 +7,7 @@ import polars as pl
 import pytest
 
 from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary
+from moetrace.analysis.cost import Deployment
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
 from trace_builder import Model, routing_frame, steps_frame, verify_tokens
@@ -60,9 +61,12 @@ def test_step_bytes_under_tensor_parallelism() -> None:
     assert k1["ep_bytes"] == 0.0
 
 
-def test_step_bytes_under_expert_parallelism() -> None:
+def test_step_bytes_under_expert_parallelism_charge_each_rank_what_the_cost_model_does() -> None:
     k2 = step_bytes(_growth(), SHAPE, tp=1, ep=4).to_dicts()[2]
-    assert k2["busiest_rank_weight_bytes"] == pytest.approx((3.0 + 1) * 2100 * 2)
+    # the busiest rank's 3 experts plus a quarter of the shared expert (sharded over the 4 ranks), 2 MoE layers
+    assert k2["busiest_rank_weight_bytes"] == pytest.approx((3.0 + 1 / 4) * 2100 * 2)
+    experts, _ = Deployment(SHAPE, tp=1, ep=4, weight_format="int4").rank_work(5.5, 3.0, 3.0)
+    assert k2["busiest_rank_weight_bytes"] == pytest.approx(experts * SHAPE.expert_bytes * SHAPE.moe_layers)
     assert k2["allreduce_bytes"] == 0.0
     # dispatch + combine, 2 MoE layers, 3 tokens, 2 ranks per token (mean of k=0 rows), 100 x 2 bytes
     assert k2["ep_bytes"] == pytest.approx(2 * 2 * 3 * 2.0 * 100 * 2)

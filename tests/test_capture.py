@@ -279,3 +279,17 @@ def test_cuda_graph_replays_record_what_eager_routing_computes() -> None:
         graphs[size].replay()
         rows = collected(capture, num_tokens, replayed=size)
         assert_rows_equal(rows, routers, logits)
+
+
+def test_the_engine_side_never_imports_the_analysis_stack() -> None:
+    """Hooks and the writer run inside vLLM's workers: polars, plotly, rich and click stay out of them."""
+    import subprocess
+    import sys
+
+    engine_side = ["moetrace.hooks.plugin", "moetrace.hooks.recorder", "moetrace.hooks.capture",
+                   "moetrace.hooks.rows", "moetrace.hooks.manifest", "moetrace.hooks.vllm_api", "moetrace.writer"]
+    probe = (f"import importlib, sys\nfor name in {engine_side!r}: importlib.import_module(name)\n"
+             "print(sorted(m for m in ('polars', 'plotly', 'rich', 'click') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd="/")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -71,3 +71,38 @@ def test_a_fault_inside_the_forward_stops_recording_with_the_reason_and_generati
     manifest = json.loads((tmp_path / "trace" / "manifest.json").read_text())
     assert reason in manifest["error"] and manifest["counts"]["steps"] > 0, "steps before the fault are kept"
     assert "moetrace: recording stopped" in done.stderr
+
+
+def test_record_exits_non_zero_with_the_reason_when_its_writer_process_is_killed(tmp_path: Path) -> None:
+    """A user's `moetrace record` whose writer process dies mid-run: generation finishes, the command fails in one
+    line with the reason, and `info` shows the manifest's error."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    record = subprocess.Popen([sys.executable, "-m", "moetrace", "record", "--k", "2", "--max-tokens", "400",
+                               "--batch-size", "2", "--num-prompts", "2", "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    writer_pid = None
+    deadline = time.monotonic() + 300
+    while writer_pid is None and time.monotonic() < deadline and record.poll() is None:
+        for entry in Path("/proc").iterdir():
+            try:
+                if b"moetrace.writer" not in (entry / "cmdline").read_bytes():
+                    continue
+                files = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+            except OSError:
+                continue
+            if any(name.startswith(str(out)) for name in files):  # this recording's writer: it holds its files
+                writer_pid = int(entry.name)
+        time.sleep(0.2)
+    assert writer_pid is not None, "no writer process appeared"
+    time.sleep(2.0)  # a few steps written first
+    os.kill(writer_pid, signal.SIGKILL)
+    output, _ = record.communicate(timeout=600)
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert record.returncode == 1 and len(lines) == 1, output
+    assert "recording stopped" in lines[0] and "Traceback" not in output
+    info = subprocess.run([sys.executable, "-m", "moetrace", "info", str(out / "kimi-k2-tiny-ngram-k2")],
+                          capture_output=True, text=True)
+    assert "error" in info.stdout.lower() and "complete" not in info.stdout.split("error")[0].lower(), info.stdout

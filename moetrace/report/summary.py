@@ -117,7 +117,8 @@ def sample_note(share: float) -> str | None:
 def prediction_inputs(run: Run, growth_table: pl.DataFrame, by_position: pl.DataFrame, shape: ModelShape,
                       placement: Any, options: Options) -> pl.DataFrame:
     """Per k = 0..max_k: unique experts and busiest-rank experts per layer (measured/counterfactual mean over layers,
-    or uniform routing) and tokens per step (measured acceptance per draft position, or the given rate)."""
+    or uniform routing) and tokens per step (acceptance per draft position measured at that k where the run
+    recorded it, else at its largest k and continued geometrically; or the given rate)."""
     ks = range(options.max_k + 1)
     if options.routing == "uniform":
         routing = uniform_routing(shape.num_experts, shape.top_k, placement, ks).with_columns(
@@ -131,18 +132,18 @@ def prediction_inputs(run: Run, growth_table: pl.DataFrame, by_position: pl.Data
             .sort("k")
             .collect()
         )
-    measured = {
-        int(row["draft_pos"]): float(row["acceptance_rate"])
-        for row in by_position.filter(pl.col("k") == run.primary.k).to_dicts()
-    }
-    if options.acceptance is None and not measured:
+    by_k: dict[int, dict[int, float]] = {}
+    for row in by_position.to_dicts():
+        by_k.setdefault(int(row["k"]), {})[int(row["draft_pos"])] = float(row["acceptance_rate"])
+    if options.acceptance is None and not by_k:
         raise UserError(f"{run.primary.path}: no verified drafts to measure acceptance from; give --acceptance RATE")
     tokens, sources = [], []
     for k in routing["k"].to_list():
         if options.acceptance is not None:
             tokens.append(tokens_per_step(geometric_acceptance(options.acceptance, k)))
             sources.append(f"given {options.acceptance:g} per draft")
-        else:
+        else:  # the trace recorded at k where the run has one, else the largest k recorded (extrapolated past it)
+            measured = by_k.get(k) or by_k[max(by_k)]
             rates, extrapolated = acceptance_curve(measured, k)
             tokens.append(tokens_per_step(rates))
             sources.append("extrapolated" if extrapolated else "measured")
@@ -195,7 +196,8 @@ def run_prediction(run: Run, growth_table: pl.DataFrame, by_position: pl.DataFra
                                             options.profile, options.calibration, one_token_busiest)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
-    table = (speedups.filter(pl.col("batch") == 1).drop("batch", "uniform_bound", "union_source")
+    speedups = speedups.join(inputs.select("k", extrapolated=pl.col("acceptance_source") == "extrapolated"), on="k")
+    table = (speedups.filter(pl.col("batch") == 1).drop("batch", "uniform_bound", "union_source", "extrapolated")
              .join(inputs.select("k", "routing_source", "acceptance_source"), on="k", how="left"))
     basis["notes"] = preset_notes + basis["notes"]
     basis["routing"] = options.routing

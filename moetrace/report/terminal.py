@@ -180,30 +180,36 @@ def _comparison(summary: dict[str, Any]) -> Table:
     return table
 
 
-def _decision(decisions: list[dict[str, Any]]) -> Table:
+SOURCE_CODES = {"measured": "meas", "estimated": "est", "lower bound": "low", "counterfactual": "cf",
+                "uniform": "unif"}
+
+
+def _decision(decision: dict[str, Any]) -> Table:
     table = _table(
-        "Recommendation: k per drafter and concurrency (k=0: do not speculate)",
-        [("drafter", ""), ("B", "requests per step"), ("k", "recommended"), ("speedup", "predicted"),
-         ("tok", "tokens per step per request"), ("uniq", "unique experts per layer per step"),
-         ("uniform", "uniform-routing bound"), ("from", "measured (steps of B requests), estimated (B sampled request windows), lower bound (fewer windows "
-                  "than B: all of them), or B=1's counterfactual/measured window"),
-         ("budget", f"median experts per layer for {decisions[0]['coverage_target']:.0%} coverage"),
+        f"Recommended k for {decision['drafter']} ({decision['label']}); k=0: do not speculate",
+        [("B", "requests per step"), ("k", "best measured k (+: a larger k may pay more)"),
+         ("speedup", "predicted"), ("tok", "tokens per step per request"),
+         ("uniq", "unique experts per layer per step"), ("unif", "uniform bound"),
+         ("from", "uniq measured over steps of B requests (meas), estimated from B sampled request windows (est), "
+                  "all windows: a lower bound (low); B=1: the window's own (meas or counterfactual: cf)"),
+         ("budget", f"median experts per layer for {decision['coverage_target']:.0%} coverage"),
          ("saved", "expert bytes saved per request window")])
-    for decision in decisions:
-        for row in decision["per_batch"]:
-            budget = row["budget"] or {}
-            table.add_row(
-                Text(decision["drafter"]), str(row["batch"]), str(row["k"]), _number(row["speedup"]),
-                _number(row["tokens_per_step"]), _number(row["unique_experts"], 1), _number(row["uniform_bound"], 1),
-                Text(row["union_source"]), _number(budget.get("median"), 1), _bytes(budget.get("bytes_saved_per_window")),
-            )
+    for row in decision["per_batch"]:
+        budget = row["budget"] or {}
+        table.add_row(
+            str(row["batch"]), f"{row['k']}{'+' if row['larger_k_may_pay'] else ''}", _number(row["speedup"]),
+            _number(row["tokens_per_step"]), _number(row["unique_experts"], 0), _number(row["uniform_bound"], 0),
+            SOURCE_CODES.get(row["union_source"], row["union_source"]), _number(budget.get("median"), 0),
+            _bytes(budget.get("bytes_saved_per_window")),
+        )
     return table
 
 
 def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
     if not decisions:
         return
-    console.print(_decision(decisions))
+    for decision in decisions:
+        console.print(_decision(decision))
     for based_on in dict.fromkeys(decision["based_on"] for decision in decisions):
         console.print(Text(f"  predicted {based_on}", style="dim"))
 
