@@ -144,6 +144,7 @@ def main() -> None:
         "spec": "ngram k=3",
         "max_tokens": args.max_tokens,
         "recording_complete": [c["complete"] for c in closed if c is not None],
+        "engine_thread_us_per_step": [c.get("engine_thread_us_per_step") for c in closed if c is not None],
         "command": "python benchmarks/bench_recording_overhead.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
             for k, v in vars(args).items() if v not in (None, False)),
@@ -163,6 +164,7 @@ def main() -> None:
             print(f"{batch:>5} hooks on, writer discarding: on/off {report[str(batch)]['writer_off_over_off_median']:.3f}")
         print(f"{batch:>5} {statistics.median(off):>10.1f} {statistics.median(on):>10.1f} {median:>7.3f} "
               f"{ci[0]:>7.3f}-{ci[1]:<7.3f} {100 * (1 - median):>8.1f}%")
+    print("recorder's own time on the engine thread, µs per recorded step:", report["engine_thread_us_per_step"])
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -8,10 +8,13 @@ both. Model Runner V2 is refused with a clear message.
 
 The engine thread only enqueues: what lives on the host (request order, query starts, drafts per request) is
 copied at once because the runner reuses those arrays; what lives on the device (routing rows, positions, token
-ids, how many tokens each request kept) is packed into one block and copied without blocking. A later step
-forwards it to the writer process once its event has completed (``PendingStep.ready``), and the writer process
-assembles and encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, and no thread in
-the engine process competes with the engine loop for the GIL.
+ids) is packed into one block and copied without blocking. How many tokens each request kept comes from the
+sampled-token lists vLLM itself brings to the host (sync scheduling; with async scheduling it is counted on the
+device and copied without blocking). The step goes to the writer process as soon as its event has completed
+(``PendingStep.ready``, normally right after vLLM's own sync, in one pipe write), and the writer process assembles
+and encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, and no thread in the engine
+process competes with the engine loop for the GIL. The manifest's ``engine_thread_us_per_step`` says what each
+hook cost.
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ class Recorder:
         self._close_lock = threading.Lock()
         self._closed: dict[str, Any] | None = None
         self._pending: PendingStep | None = None
+        self.own_ns = {"execute_model": 0, "model_forward": 0, "sample": 0, "sample_tokens": 0}
+        self.sampled_on_host = api.sampled_on_host(runner)
         self._original_execute = runner.execute_model
         self._original_sample = runner._sample
         self._original_model_forward = runner._model_forward
@@ -136,7 +141,8 @@ class Recorder:
             if self._closed is None:
                 self.uninstall()
                 self._closed = self.writer.close(
-                    {"requests": list(self.request_index), "capture_mechanisms": self.mechanisms})
+                    {"requests": list(self.request_index), "capture_mechanisms": self.mechanisms,
+                     "engine_thread_us_per_step": self.engine_thread_us_per_step()})
             return self._closed
 
     def _window_over(self) -> bool:
@@ -150,52 +156,81 @@ class Recorder:
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if self.writer.failed is not None:
             return self._original_execute(scheduler_output, *args, **kwargs)
+        began = time.perf_counter_ns()
         t_start = time.time_ns()
         started = timing_event() if self.capture.cuda else None
         self.capture.begin_step()
         self._replayed = None
+        before = time.perf_counter_ns() - began
         result = self._original_execute(scheduler_output, *args, **kwargs)
+        resumed = time.perf_counter_ns()
         self._pending = None
         if scheduler_output.total_num_scheduled_tokens:
             try:
                 self._pending = self._layout(t_start, started)
             except Exception as exc:
                 self._stop(exc)
+        self.own_ns["execute_model"] += before + time.perf_counter_ns() - resumed
         return result
 
     def model_forward(self, *args: Any, **kwargs: Any) -> Any:
         """Note which CUDA graph (if any) the forward replays; vLLM's forward context says so only inside."""
         if self.writer.failed is None:
+            began = time.perf_counter_ns()
             try:
                 self._replayed = self.api.graph_key()
             except Exception as exc:
                 self._stop(exc)
+            self.own_ns["model_forward"] += time.perf_counter_ns() - began
         return self._original_model_forward(*args, **kwargs)
 
     def sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
+        """Runs inside ``sample_tokens``: closes the step's timing; with async scheduling also counts the tokens
+        each request kept (accepted drafts + 1) on the device, copied without blocking."""
         sampler_output = self._original_sample(logits, spec_decode_metadata)
-        pending, self._pending = self._pending, None
+        began = time.perf_counter_ns()
+        pending = self._pending
         if pending is not None and self.writer.failed is None:
             try:
-                # Tokens each request keeps (accepted drafts + 1): counted on the device, copied without blocking.
-                kept = (sampler_output.sampled_token_ids != -1).sum(dim=1, dtype=torch.int32)
-                pending.kept = to_host(kept)
+                if not self.sampled_on_host:
+                    kept = (sampler_output.sampled_token_ids != -1).sum(dim=1, dtype=torch.int32)
+                    pending.kept = to_host(kept)
                 pending.ended = timing_event() if pending.started is not None else None
                 pending.t_end = time.time_ns()
+            except Exception as exc:
+                self._stop(exc)
+        self.own_ns["sample"] += time.perf_counter_ns() - began
+        return sampler_output
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM has synced by the time this returns (sync scheduling), and its output holds each request's sampled
+        tokens on the host: take the kept counts from there and hand the step over now (one pickle, one pipe
+        write), so that an engine stopped while idle (``vllm serve`` kills its workers) holds no step back."""
+        output = self._original_sample_tokens(*args, **kwargs)
+        began = time.perf_counter_ns()
+        pending, self._pending = self._pending, None
+        if pending is None or not pending.t_end or self.writer.failed is not None:
+            self.writer.forward_ready()  # nothing sampled for a recorded step: forward what became ready
+        else:
+            try:
+                if pending.kept is None:
+                    counts = self.api.sampled_counts(output)
+                    if counts is None:
+                        raise RuntimeError("vLLM's sample_tokens returned no host lists of sampled tokens")
+                    pending.kept = np.asarray(counts, dtype=np.int64)
                 self.writer.submit(pending)
                 if self._window_over():  # the engine runs on unhooked; the trace is closed beside it
                     self.uninstall()
                     threading.Thread(target=self.close, name="moetrace-close").start()
             except Exception as exc:
                 self._stop(exc)
-        return sampler_output
-
-    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM has synced by the time this returns (sync scheduling): hand the step over now, so that an engine
-        stopped while idle (``vllm serve`` kills its workers) holds no step back."""
-        output = self._original_sample_tokens(*args, **kwargs)
-        self.writer.forward_ready()
+        self.own_ns["sample_tokens"] += time.perf_counter_ns() - began
         return output
+
+    def engine_thread_us_per_step(self) -> dict[str, float]:
+        """What each hook added to the engine thread, in µs per recorded step (its own work, vLLM's excluded)."""
+        steps = max(self.step, 1)
+        return {name: round(ns / steps / 1e3, 2) for name, ns in self.own_ns.items()}
 
     def _stop(self, exc: BaseException | str) -> None:
         reason = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
@@ -278,7 +313,7 @@ class PendingStep:
     drafts: npt.NDArray[np.int64]  # [R]
     packed: torch.Tensor  # [T, W] int32, see PackedLayout
     layout: PackedLayout
-    kept: torch.Tensor | None = None  # [R] accepted drafts + 1
+    kept: torch.Tensor | npt.NDArray[np.int64] | None = None  # [R] accepted drafts + 1 (host, or copy in flight)
     ended: torch.cuda.Event | None = None
     t_end: int = 0
 
@@ -292,4 +327,4 @@ class PendingStep:
             self.ended.synchronize()
             t_end = self.t_start + int(self.started.elapsed_time(self.ended) * 1e6)  # GPU time of the step
         return StepRecord(self.step, self.t_start, t_end, self.requests, self.query_start, self.num_prompt_tokens,
-                          self.drafts, self.kept.numpy().astype(np.int64), self.packed.numpy(), self.layout)
+                          self.drafts, np.asarray(self.kept, dtype=np.int64), self.packed.numpy(), self.layout)

@@ -8,6 +8,7 @@ can unpickle and assemble it without torch or vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +63,16 @@ class StepRecord:
     packed: npt.NDArray[np.int32]  # [T, W]
     layout: PackedLayout
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as raw bytes (a few µs, against about 30 for numpy's own pickling of eight small arrays): this
+        runs on vLLM's engine thread once per step."""
+        layout = self.layout
+        return (_step_record, (self.step, self.t_start_ns, self.t_end_ns, self.requests.astype(np.uint32).tobytes(),
+                               b"".join(a.astype(np.int64).tobytes() for a in (
+                                   self.query_start, self.num_prompt_tokens, self.drafts, self.kept)),
+                               self.packed.astype(np.int32).tobytes(), self.packed.shape[1],
+                               (layout.layers, layout.top_k, layout.candidates, layout.token_ids)))
+
     def assemble(self) -> StepCapture:
         """The step's rows: each request's last d_i + 1 tokens are its verification window (anchor, drafts)."""
         query_start, drafts, host = self.query_start, self.drafts, self.layout.unpack(self.packed)
@@ -104,3 +115,16 @@ class StepRecord:
                 "t_end_ns": np.full(num_reqs, self.t_end_ns, dtype=np.int64),
             },
         )
+
+
+def _step_record(step: int, t_start_ns: int, t_end_ns: int, requests: bytes, per_request: bytes, packed: bytes,
+                 width: int, layout: tuple[int, int, int, bool]) -> StepRecord:
+    """``StepRecord.__reduce__``'s inverse: [R] uint32 requests; [R+1] query starts, then [R] prompt lengths, drafts
+    and kept counts, int64; the [T, width] int32 block."""
+    num_reqs = len(requests) // 4
+    values = np.frombuffer(per_request, dtype=np.int64)
+    ends = np.cumsum([num_reqs + 1, num_reqs, num_reqs, num_reqs])
+    query_start, num_prompt_tokens, drafts, kept = np.split(values, ends[:-1])
+    return StepRecord(step, t_start_ns, t_end_ns, np.frombuffer(requests, dtype=np.uint32), query_start,
+                      num_prompt_tokens, drafts, kept, np.frombuffer(packed, dtype=np.int32).reshape(-1, width),
+                      PackedLayout(*layout))

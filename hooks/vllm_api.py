@@ -87,6 +87,19 @@ class WorkerApi:
         require_fields(runner.query_start_loc, ("np",), "model runner.query_start_loc")
         require_fields(runner.input_ids, ("gpu",), "model runner.input_ids")
 
+    @staticmethod
+    def sampled_on_host(runner: Any) -> bool:
+        """Whether the runner hands back each request's sampled tokens as host lists (sync scheduling: its
+        ``ModelRunnerOutput.sampled_token_ids``); with async scheduling they stay on the device."""
+        return not bool(getattr(runner, "use_async_scheduling", False))
+
+    @staticmethod
+    def sampled_counts(output: Any) -> list[int] | None:
+        """Tokens each request kept this step (accepted drafts + 1, 0 when nothing was sampled), in batch order,
+        from the host lists of ``sample_tokens``' output; None when the output holds none (async scheduling)."""
+        sampled = getattr(output, "sampled_token_ids", None)
+        return [len(tokens) for tokens in sampled] if isinstance(sampled, list) else None
+
     def target_moe_runners(self, model: Any) -> list[Any]:
         """The MoE runners of the target model, in layer order. Draft models are separate modules, never walked."""
         runners: list[Any] = [m for m in model.modules() if isinstance(m, self.moe_runner_cls)]

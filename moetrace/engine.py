@@ -131,7 +131,7 @@ def generate_and_record(llm: Any, settings: dict[str, Any]) -> int:
                 )
                 + "\n"
             )
-    failed = next((c["error"] for c in closed if not c["complete"]), None)
+    failed = next((c["error"] for c in closed if not c["complete"]), None if closed else "closing the trace failed")
     if failed is not None:
         print(f"moetrace: recording stopped, the trace is incomplete: {failed}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -298,17 +299,19 @@ class TraceWriter:
             raise RuntimeError(f"the writer process fell {len(self._backlog) >> 20} MiB behind the engine")
 
     def _drain(self, wait: bool) -> None:
-        os.set_blocking(self._to_child, wait)
-        try:
-            while self._backlog:
+        """Write the backlog into the (non-blocking) pipe: one system call when it fits, as it does step after step;
+        when the pipe is full, the rest goes with a later step, or, when ``wait``, once the pipe has room."""
+        while self._backlog:
+            try:
                 written = os.write(self._to_child, self._backlog)
-                del self._backlog[:written]
-        except BlockingIOError:
-            pass  # the pipe is full: the rest goes with a later step
-        except BrokenPipeError:
-            raise RuntimeError("the writer process ended unexpectedly") from None
-        finally:
-            os.set_blocking(self._to_child, False)
+            except BlockingIOError:
+                if not wait:
+                    return
+                select.select([], [self._to_child], [], 1.0)
+                continue
+            except BrokenPipeError:
+                raise RuntimeError("the writer process ended unexpectedly") from None
+            del self._backlog[:written]
 
     def _read(self) -> None:
         """Status thread (asleep in a read but for one progress message per batch): what the writer process

@@ -1,0 +1,71 @@
+"""Two recordings compared row by row: identical rows, near-ties explained by how far the scores moved, and rows
+recorded from the wrong token caught as unexplained."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moetrace.compare import compare_runs
+from trace_builder import Model, Tokens, decode_tokens, write_trace
+
+MODEL = Model(num_experts=32, top_k=2, layers=(1,))
+
+
+def write_run(root: Path, tokens: Tokens) -> Path:
+    write_trace(root, tokens, MODEL, k=0)
+    manifest = json.loads((root / "manifest.json").read_text())
+    requests = sorted({int(r) for r in tokens.request})
+    manifest["requests"] = [f"r{r}-0" for r in requests]
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    outputs = []
+    for r in requests:  # the builder's token at position p is p % 256: both runs generate the same tokens
+        positions = sorted(int(p) for p, q in zip(tokens.position, tokens.request) if q == r)
+        outputs.append({"request_id": f"r{r}", "prompt_token_ids": [p % 256 for p in range(positions[0])],
+                        "output_token_ids": [p % 256 for p in positions]})
+    (root / "outputs.jsonl").write_text("".join(json.dumps(o) + "\n" for o in outputs))
+    return root
+
+
+def runs(tmp_path: Path) -> tuple[Tokens, Tokens]:
+    base = decode_tokens(np.random.default_rng(0), MODEL, requests=2, steps=8, candidates=4)
+    assert base.cand_scores is not None and base.cand_experts is not None
+    return base, dataclasses.replace(base, experts=base.experts.copy(), cand_experts=base.cand_experts.copy(),
+                                     cand_scores=base.cand_scores.copy())
+
+
+def swap_second_and_third(tokens: Tokens, row: int, second: float, third: float) -> None:
+    """Make candidates 2 and 3 of ``row`` trade places with the given scores (the 3rd becomes a pick)."""
+    assert tokens.cand_experts is not None and tokens.cand_scores is not None
+    cand, scores = tokens.cand_experts[row, 0], tokens.cand_scores[row, 0]
+    cand[[1, 2]] = cand[[2, 1]]
+    scores[1], scores[2] = second, third
+    tokens.experts[row, 0] = cand[:2]
+
+
+def test_a_swap_no_larger_than_the_rows_score_movement_is_a_near_tie(tmp_path: Path) -> None:
+    a, b = runs(tmp_path)
+    assert a.cand_scores is not None
+    row = 9
+    kth = float(a.cand_scores[row, 0, 1])
+    a.cand_scores[row, 0, 2] = kth - 0.01  # the 2nd and 3rd candidates 0.01 apart in run A ...
+    swap_second_and_third(b, row, kth + 0.005, kth - 0.005)  # ... and swapped in run B, each moved by ~0.01
+    result = compare_runs(write_run(tmp_path / "a", a), write_run(tmp_path / "b", b))
+    assert result["rows_compared"] == len(a.step) and result["tokens_equal"]
+    assert (result["rows_identical"], result["rows_near_tie"], result["rows_unexplained"]) == (len(a.step) - 1, 1, 0)
+    assert result["rows_near_tie_within_ulps"] == 0  # 0.01 is far more than 2 bf16 ulps at these scores
+    assert result["score_movement"]["differing_rows"]["max"] < 0.02
+
+
+def test_a_row_recorded_from_another_token_is_unexplained(tmp_path: Path) -> None:
+    a, b = runs(tmp_path)
+    assert b.cand_experts is not None and b.cand_scores is not None and a.cand_experts is not None
+    stale = next(r for r in range(1, len(a.step)) if not set(a.cand_experts[r, 0]) & set(a.cand_experts[0, 0]))
+    b.experts[stale] = a.experts[0]  # run B's row holds another token's routing (a stale buffer)
+    b.cand_experts[stale] = a.cand_experts[0]
+    b.cand_scores[stale] = a.cand_scores[0] if a.cand_scores is not None else b.cand_scores[stale]
+    result = compare_runs(write_run(tmp_path / "a", a), write_run(tmp_path / "b", b))
+    assert result["rows_unexplained"] == 1 and result["rows_near_tie"] == 0

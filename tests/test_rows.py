@@ -1,0 +1,50 @@
+"""A step's record crosses to the writer process intact, and assembles into the rows it describes."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+
+from moetrace.hooks.rows import PackedLayout, StepRecord
+
+# R = 3 requests: a prefill of 4 tokens, a decode token, a verification of an anchor and 2 drafts (1 accepted)
+LAYOUT = PackedLayout(layers=2, top_k=2, candidates=3, token_ids=True)
+
+
+def record() -> StepRecord:
+    rng = np.random.default_rng(0)
+    tokens = 8
+    ids = rng.integers(0, 16, (tokens, 2 * 2), dtype=np.int32)
+    weights = rng.random((tokens, 2 * 2), dtype=np.float32).view(np.int32)
+    cand_ids = rng.integers(0, 16, (tokens, 2 * 3), dtype=np.int32)
+    cand_scores = rng.random((tokens, 2 * 3), dtype=np.float32).view(np.int32)
+    positions = np.array([0, 1, 2, 3, 9, 5, 6, 7], dtype=np.int32)[:, None]
+    token_ids = np.arange(100, 100 + tokens, dtype=np.int32)[:, None]
+    packed = np.concatenate([ids, weights, cand_ids, cand_scores, positions, token_ids], axis=1)
+    return StepRecord(step=7, t_start_ns=10, t_end_ns=20, requests=np.array([4, 0, 2], dtype=np.uint32),
+                      query_start=np.array([0, 4, 5, 8]), num_prompt_tokens=np.array([6, 3, 4]),
+                      drafts=np.array([0, 0, 2]), kept=np.array([0, 1, 2]), packed=packed, layout=LAYOUT)
+
+
+def test_a_pickled_step_record_is_the_same_record() -> None:
+    original = record()
+    copy = pickle.loads(pickle.dumps(original, protocol=pickle.HIGHEST_PROTOCOL))
+    for field in dataclasses.fields(StepRecord):
+        mine, theirs = getattr(original, field.name), getattr(copy, field.name)
+        assert np.array_equal(mine, theirs) if isinstance(mine, np.ndarray) else mine == theirs, field.name
+        if isinstance(mine, np.ndarray):
+            assert theirs.dtype == np.dtype(np.uint32 if field.name == "requests" else
+                                            np.int32 if field.name == "packed" else np.int64), field.name
+
+
+def test_the_assembled_rows_follow_the_batch_layout() -> None:
+    rows = pickle.loads(pickle.dumps(record())).assemble()
+    assert rows.request.tolist() == [4, 4, 4, 4, 0, 2, 2, 2]
+    assert rows.phase.tolist() == [0, 0, 0, 0, 1, 2, 2, 2]  # prefill, decode, verify (schema.PHASES order)
+    assert rows.draft_pos.tolist() == [0, 0, 0, 0, 0, 0, 1, 2]
+    assert rows.accepted.tolist() == [-1, -1, -1, -1, -1, -1, 1, 0]  # kept 2 = anchor + the first draft
+    assert rows.token is not None and rows.token.tolist() == list(range(100, 108))
+    assert rows.experts.shape == (8, 2, 2) and rows.cand_scores is not None and rows.cand_scores.shape == (8, 2, 3)
+    assert rows.steps_rows["num_accepted"].tolist() == [0, 0, 1]
