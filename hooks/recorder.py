@@ -83,6 +83,11 @@ class Recorder:
         )
         self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
+        self.sampled_on_host = api.sampled_on_host(runner)
+        self._staging: torch.Tensor | None = None
+        if self.capture.cuda and self.sampled_on_host:
+            self._staging = torch.empty((int(runner.max_num_tokens), self.layout.width), dtype=torch.int32,
+                                        pin_memory=True)
         self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
         manifest = worker_manifest(vllm_config, infos, settings)
         manifest["capture"]["recomputed_from_logits"] = any(entry is not None for entry in self.entries)
@@ -104,7 +109,6 @@ class Recorder:
         self._closed: dict[str, Any] | None = None
         self._pending: PendingStep | None = None
         self.own_ns = {"execute_model": 0, "model_forward": 0, "sample": 0, "sample_tokens": 0}
-        self.sampled_on_host = api.sampled_on_host(runner)
         self._original_execute = runner.execute_model
         self._original_sample = runner._sample
         self._original_model_forward = runner._model_forward
@@ -158,7 +162,6 @@ class Recorder:
             return self._original_execute(scheduler_output, *args, **kwargs)
         began = time.perf_counter_ns()
         t_start = time.time_ns()
-        started = timing_event() if self.capture.cuda else None
         self.capture.begin_step()
         self._replayed = None
         before = time.perf_counter_ns() - began
@@ -167,7 +170,7 @@ class Recorder:
         self._pending = None
         if scheduler_output.total_num_scheduled_tokens:
             try:
-                self._pending = self._layout(t_start, started)
+                self._pending = self._layout(t_start)
             except Exception as exc:
                 self._stop(exc)
         self.own_ns["execute_model"] += before + time.perf_counter_ns() - resumed
@@ -195,7 +198,7 @@ class Recorder:
                 if not self.sampled_on_host:
                     kept = (sampler_output.sampled_token_ids != -1).sum(dim=1, dtype=torch.int32)
                     pending.kept = to_host(kept)
-                pending.ended = timing_event() if pending.started is not None else None
+                    pending.copied = copied_event()  # now after both copies
                 pending.t_end = time.time_ns()
             except Exception as exc:
                 self._stop(exc)
@@ -218,6 +221,7 @@ class Recorder:
                     if counts is None:
                         raise RuntimeError("vLLM's sample_tokens returned no host lists of sampled tokens")
                     pending.kept = np.asarray(counts, dtype=np.int64)
+                    pending.t_end = time.time_ns()  # vLLM has synced: the step's GPU work is done
                 self.writer.submit(pending)
                 if self._window_over():  # the engine runs on unhooked; the trace is closed beside it
                     self.uninstall()
@@ -241,7 +245,7 @@ class Recorder:
 
     # -- batch layout ---------------------------------------------------------------------------------------
 
-    def _layout(self, t_start: int, started: torch.cuda.Event | None) -> PendingStep:
+    def _layout(self, t_start: int) -> PendingStep:
         """Copy what this step's rows need before the runner's arrays are reused by the next step."""
         if self.capture.failed is not None:
             raise RuntimeError(self.capture.failed)
@@ -263,15 +267,25 @@ class Recorder:
         return PendingStep(
             step=self._next_step(),
             t_start=t_start,
-            started=started,
             requests=np.array([self.request_index.setdefault(r, len(self.request_index))
                                for r in batch.req_ids[:num_reqs]], dtype=np.uint32),
             query_start=query_start,
             num_prompt_tokens=np.asarray(batch.num_prompt_tokens[:num_reqs], dtype=np.int64),
             drafts=drafts,
-            packed=to_host(torch.cat(columns, dim=1)),
+            packed=self._to_host(torch.cat(columns, dim=1)),
             layout=self.layout,
+            copied=copied_event() if self.capture.cuda else None,
         )
+
+    def _to_host(self, packed: torch.Tensor) -> torch.Tensor:
+        """The step's block copied to the host without blocking: under sync scheduling into one pinned buffer
+        allocated once (the step is handed over, its bytes pickled, before the next step's copy is queued); under
+        async scheduling, where steps wait, into fresh pinned memory."""
+        if self._staging is None:
+            return to_host(packed)
+        host = self._staging[: packed.shape[0], : packed.shape[1]]
+        host.copy_(packed, non_blocking=True)
+        return host
 
     def _next_step(self) -> int:
         self.step += 1
@@ -283,8 +297,9 @@ def logits_entry(moe: Any) -> tuple[Any, str]:
     return (moe.routed_experts, "forward_monolithic") if moe.is_monolithic else (moe.router, "select_experts")
 
 
-def timing_event() -> torch.cuda.Event:
-    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+def copied_event() -> torch.cuda.Event:
+    """Recorded after a step's device-to-host copies: done once they have landed (no timing: cheaper)."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record()
     return event
 
@@ -302,29 +317,27 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 @dataclass
 class PendingStep:
     """One step as the engine thread left it: host arrays copied, device copies in flight, ready once the event
-    recorded after the last of them has completed. The writer forwards it from the engine thread, never waiting."""
+    recorded after the last of them has completed (at once on the CPU). Under sync scheduling that is already so
+    when vLLM's ``sample_tokens`` returns (its own sync follows the copies on the same stream)."""
 
     step: int
     t_start: int
-    started: torch.cuda.Event | None
     requests: npt.NDArray[np.uint32]  # [R]
     query_start: npt.NDArray[np.int64]  # [R + 1]
     num_prompt_tokens: npt.NDArray[np.int64]  # [R]
     drafts: npt.NDArray[np.int64]  # [R]
     packed: torch.Tensor  # [T, W] int32, see PackedLayout
     layout: PackedLayout
+    copied: torch.cuda.Event | None = None
     kept: torch.Tensor | npt.NDArray[np.int64] | None = None  # [R] accepted drafts + 1 (host, or copy in flight)
-    ended: torch.cuda.Event | None = None
     t_end: int = 0
 
     def is_ready(self) -> bool:
-        return self.ended is None or bool(self.ended.query())  # type: ignore[no-untyped-call]
+        return self.copied is None or bool(self.copied.query())  # type: ignore[no-untyped-call]
 
     def ready(self) -> StepRecord:
         assert self.kept is not None
-        t_end = self.t_end
-        if self.started is not None and self.ended is not None:
-            self.ended.synchronize()
-            t_end = self.t_start + int(self.started.elapsed_time(self.ended) * 1e6)  # GPU time of the step
-        return StepRecord(self.step, self.t_start, t_end, self.requests, self.query_start, self.num_prompt_tokens,
+        if self.copied is not None:
+            self.copied.synchronize()
+        return StepRecord(self.step, self.t_start, self.t_end, self.requests, self.query_start, self.num_prompt_tokens,
                           self.drafts, np.asarray(self.kept, dtype=np.int64), self.packed.numpy(), self.layout)

@@ -30,6 +30,10 @@ class PackedLayout:
     candidates: int
     token_ids: bool
 
+    @property
+    def width(self) -> int:
+        return self.layers * 2 * (self.top_k + self.candidates) + 1 + int(self.token_ids)
+
     def unpack(self, packed: npt.NDArray[np.int32]) -> dict[str, npt.NDArray[np.generic]]:
         num_tokens = packed.shape[0]
         widths = {"ids": self.top_k, "weights": self.top_k, "cand_ids": self.candidates,

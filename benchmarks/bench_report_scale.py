@@ -1,0 +1,97 @@
+"""Benchmark: the whole ``moetrace report`` (terminal summary, --json and the dashboard) on a large trace, against
+one full scan of the same routing files with Polars, in the same run.
+
+    python benchmarks/bench_report_scale.py [--tokens 1000000] [--layers 60]     # 60M rows: the target size
+
+The trace is bench_growth's Kimi-shaped plain-decoding trace (384 experts, top-8, 64 requests), plus its steps
+table, generated once into the cache directory. The report runs in a child process (its peak memory is its own
+max RSS) with ``--acceptance 0.7`` (a plain-decoding trace has no drafts to measure) and writes its dashboard and
+JSON to a scratch folder. Baseline: a child that scans every routing file once (sum of all expert ids), the least
+any analysis of all rows must do. Targets: the report in at most 60 s and 4 GB.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_growth import REQUESTS, generate, trace_dir  # noqa: E402
+
+SCAN = """
+import sys, polars as pl
+files = sys.argv[1] + "/routing/*.parquet"
+print(pl.scan_parquet(files).select(pl.col("experts").arr.sum().sum()).collect().item())
+"""
+
+
+def add_steps(root: Path, tokens: int) -> None:
+    """One steps row per (step, request), as the recorder writes them for plain decoding."""
+    from moetrace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION, STEPS_SCHEMA
+
+    steps = tokens // REQUESTS
+    count = steps * REQUESTS
+    schema = STEPS_SCHEMA.with_metadata({FOOTER_SCHEMA_KEY: SCHEMA_VERSION.encode()})
+    table = pa.Table.from_pydict({
+        "step": np.repeat(np.arange(steps, dtype=np.uint32), REQUESTS),
+        "request": np.tile(np.arange(REQUESTS, dtype=np.uint32), steps),
+        "num_tokens": np.ones(count, np.uint32),
+        "num_drafts": np.zeros(count, np.uint32),
+        "num_accepted": np.zeros(count, np.uint32),
+        "batch_size": np.full(count, REQUESTS, np.uint32),
+        "t_start_ns": np.repeat(np.arange(steps, dtype=np.int64) * 10_000_000, REQUESTS),
+        "t_end_ns": np.repeat(np.arange(steps, dtype=np.int64) * 10_000_000 + 9_000_000, REQUESTS),
+    }, schema=schema)
+    (root / "steps").mkdir(exist_ok=True)
+    pq.write_table(table, root / "steps" / "part-00000.parquet")
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["model"].update(num_layers=len(manifest["model"]["moe_layers"]) + 1, shared_experts=1, expert_width=2048,
+                             expert_weight_bits=4, quant_group_size=32)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def timed_child(command: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (GiB) of one child process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command[:4])} failed: {done.stderr.strip()[-2000:]}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return wall, max(peak, before) / 2**20
+
+
+@click.command()
+@click.option("--tokens", default=1_000_000, show_default=True, help="Decoded tokens (rows = tokens × layers).")
+@click.option("--layers", default=60, show_default=True)
+@click.option("--cache", type=click.Path(path_type=Path), default=Path(tempfile.gettempdir()) / "moetrace-bench")
+def main(tokens: int, layers: int, cache: Path) -> None:
+    root = trace_dir(cache, tokens, layers)
+    if not (root / "steps").exists():
+        print(f"generating {tokens * layers:,} rows into {root} ...", flush=True)
+        generate(root, tokens, layers)
+        add_steps(root, tokens)
+    with tempfile.TemporaryDirectory(prefix="moetrace-report-") as scratch:
+        scan_s, scan_gib = timed_child([sys.executable, "-c", SCAN, str(root)])
+        report_s, report_gib = timed_child([
+            sys.executable, "-m", "moetrace", "report", str(root), "--k", "3", "--acceptance", "0.7", "--json",
+            "-o", str(Path(scratch) / "report.html")])
+    rows = tokens * layers
+    print(f"rows {rows:,}: report {report_s:.1f} s, peak {report_gib:.2f} GiB; one Polars scan {scan_s:.1f} s, "
+          f"peak {scan_gib:.2f} GiB; report / scan = {report_s / scan_s:.1f}× "
+          f"(targets: 60 s, 4 GiB: {'met' if report_s <= 60 and report_gib <= 4 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
