@@ -12,6 +12,8 @@ Experts are ranked per window by the sum of their candidate scores when the trac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import polars as pl
 
 from moetrace.analysis.growth import accepted_sequence
@@ -41,6 +43,57 @@ def budget_windows(routing: pl.LazyFrame, k: int, measured: bool, share: float =
     return keyed.filter(pl.len().over(WINDOW) == k + 1)
 
 
+# lcm(1..9): a block of this many positions holds whole windows of k+1 tokens for every k ≤ 8 (windows start at
+# multiples of k+1), so a sample of blocks serves every k at once.
+SAMPLE_BLOCK = 2520
+# Rows read into memory at most, per table, for windows at every k; beyond it, a deterministic sample.
+MAX_SAMPLE_ROWS = 3_000_000
+
+
+@dataclass(frozen=True)
+class WindowSample:
+    """What windows at any k are cut from, read from the trace once: the accepted sequence of a deterministic
+    sample of position blocks ``(request, position // SAMPLE_BLOCK)`` (counterfactual windows), and the verify rows
+    of a deterministic sample of steps (measured windows at the trace's own k; None without drafts). ``share``: the
+    share of blocks and steps kept (1.0: the whole trace)."""
+
+    accepted: pl.DataFrame
+    verify: pl.DataFrame | None
+    share: float
+
+    def windows(self, k: int, measured: bool, max_windows: int) -> tuple[pl.LazyFrame, float]:
+        """``budget_windows`` of the sample, thinned to about ``max_windows`` windows per layer; with the share of
+        the trace's windows they stand for."""
+        rows = self.verify if measured and self.verify is not None else self.accepted
+        layers = max(int(rows["layer"].n_unique()), 1)
+        share = window_share(rows.height, layers, k, max_windows)
+        if measured:  # whole steps, so that a step's windows stay together
+            thinned = rows.lazy().filter(pl.col("step").hash(seed=1) % HASH_RANGE < int(share * HASH_RANGE))
+            return budget_windows(thinned, k, True), share * self.share
+        return budget_windows(rows.lazy(), k, False, share), share * self.share
+
+
+def window_sample(routing: pl.LazyFrame, trace_k: int, columns: list[str],
+                  max_rows: int = MAX_SAMPLE_ROWS) -> WindowSample:
+    """One pass over the trace per table (see ``WindowSample``); ``columns`` besides the keys every window needs."""
+    keys = ["layer", "step", "request", "position", "phase", "draft_pos", "accepted"]
+    total = int(routing.select(pl.len()).collect().item())
+    share = min(1.0, max_rows / max(total, 1))
+    keep = int(share * HASH_RANGE)
+    accepted = accepted_sequence(routing)
+    if share < 1.0:
+        block = pl.struct(pl.col("request"), pl.col("position") // SAMPLE_BLOCK).hash(seed=0) % HASH_RANGE
+        accepted = accepted.filter(block < keep)
+    verify = None
+    if trace_k > 0:
+        verify = routing.filter(pl.col("phase").cast(pl.String) == "verify")
+        if share < 1.0:
+            verify = verify.filter(pl.col("step").hash(seed=0) % HASH_RANGE < keep)
+    chosen = [*keys, *columns]
+    return WindowSample(accepted.select(chosen).collect(),
+                        None if verify is None else verify.select(chosen).collect(), share)
+
+
 def window_share(rows: int, layers: int, k: int, max_windows: int) -> float:
     """The share of windows to keep so that about ``max_windows`` per layer remain: ``rows`` routing rows over
     ``layers`` layers hold at most rows / layers / (k+1) complete windows of k+1 tokens."""
@@ -50,6 +103,9 @@ def window_share(rows: int, layers: int, k: int, max_windows: int) -> float:
 
 def budget_curves(windows: pl.LazyFrame, expert_bytes: int, use_candidates: bool) -> pl.DataFrame:
     """Per (layer, budget) from 1 to the largest useful budget: see the module doc for the columns."""
+    # The windows feed four aggregations: collected once (they are a sample of a long trace), not rescanned.
+    columns = [*WINDOW, "position", "experts", "weights", *(["cand_experts", "cand_scores"] if use_candidates else [])]
+    windows = windows.select(columns).collect().lazy()
     picks = windows.select(
         *WINDOW,
         "position",

@@ -2,8 +2,8 @@
 
 - measured: steps of the trace that verified exactly B requests at the trace's own k (the union of their recorded
   windows), where the trace has at least ``MIN_MEASURED_STEPS`` such steps;
-- estimated: the mean union of B windows drawn at random without replacement (seeded) from the trace's own
-  per-request windows at k (the recorded windows at the trace's k, windows of k+1 consecutive accepted tokens at any
+- estimated: the mean union of B distinct windows drawn at random (seeded: disjoint groups of a few random
+  permutations) from the trace's own per-request windows at k (the recorded windows at the trace's k, windows of k+1 consecutive accepted tokens at any
   other k); with fewer windows than B, every window once (so a lower bound, and labelled so);
 - uniform: N·(1−(1−K/N)^(B(k+1))), B(k+1) independent uniformly random top-K sets.
 
@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import polars as pl
 
-from moetrace.analysis.budgets import HASH_RANGE, WINDOW, budget_windows, window_share
+from moetrace.analysis.budgets import WINDOW, WindowSample
 from moetrace.analysis.cost import uniform_busiest_rank
 from moetrace.analysis.expert_sets import (
     Masks,
@@ -38,9 +38,10 @@ ESTIMATED_ALL = "lower bound"  # fewer windows than B: the union of all of them
 DIRECTNESS = {MEASURED_BATCH: 0, ESTIMATED: 1, ESTIMATED_ALL: 2}
 MIN_MEASURED_STEPS = 5
 SAMPLES = 256
+MAX_PERMUTATIONS = 8
 # Windows per layer and k the unions are drawn from: above it, a deterministic sample (of whole steps for the
 # measured unions), so a long trace costs what a short one does; the estimates are means over random draws anyway.
-MAX_WINDOWS = 20_000
+MAX_WINDOWS = 4_000
 
 SCHEMA: dict[str, pl.DataType] = {
     "batch": pl.Int32(), "k": pl.Int32(), "layer": pl.Int32(), "unique_experts": pl.Float64(),
@@ -82,30 +83,28 @@ def measured_batch_unions(masks: Masks, steps: npt.NDArray[np.int64], batch: int
 
 
 def sampled_batch_unions(masks: Masks, batch: int, samples: int, seed: int) -> tuple[Masks, bool]:
-    """Unions of ``batch`` windows drawn without replacement, ``samples`` times; all windows once when there are
-    fewer than ``batch`` (the second value says so)."""
+    """Unions of ``batch`` distinct windows, about ``samples`` of them: disjoint groups of random permutations of
+    the windows (a few permutations at most, so vectorised); all windows once when there are fewer than ``batch``
+    (the second value says so)."""
     if len(masks) <= batch:
         return np.bitwise_or.reduce(masks, axis=0, keepdims=True), len(masks) < batch
     rng = np.random.default_rng(seed)
-    picks = np.stack([rng.choice(len(masks), size=batch, replace=False) for _ in range(samples)])
-    return np.bitwise_or.reduce(masks[picks], axis=1), False
+    per_permutation = len(masks) // batch
+    permutations = min(MAX_PERMUTATIONS, -(-samples // per_permutation))
+    groups = np.concatenate([rng.permutation(len(masks))[: per_permutation * batch].reshape(-1, batch)
+                             for _ in range(permutations)])[:samples]
+    return np.bitwise_or.reduce(masks[groups], axis=1), False
 
 
-def batch_unions(routing: pl.LazyFrame, num_experts: int, top_k: int, expert_rank: npt.NDArray[np.int64],
+def batch_unions(sample: WindowSample, num_experts: int, top_k: int, expert_rank: npt.NDArray[np.int64],
                  ks: Sequence[int], batches: Sequence[int], trace_k: int, seed: int = 0) -> pl.DataFrame:
     """Per (batch, k, layer): unique experts and busiest-rank experts one step reads, and the uniform bound."""
     ranks = rank_masks(expert_rank, num_experts)
     rows: list[dict[str, object]] = []
-    total = int(routing.select(pl.len()).collect().item())
-    layers = int(routing.select(pl.col("layer").n_unique()).collect().item())
     for k in ks:
         measured_k = k == trace_k and k > 0
-        share = window_share(total, layers, k, MAX_WINDOWS)
-        if measured_k and share < 1.0:  # whole steps: a step's union needs all of its windows
-            sampled = routing.filter(pl.col("step").hash(seed=0) % HASH_RANGE < int(share * HASH_RANGE))
-            per_layer = window_masks(budget_windows(sampled, k, True), num_experts)
-        else:
-            per_layer = window_masks(budget_windows(routing, k, measured_k, share), num_experts)
+        windows, _ = sample.windows(k, measured_k, MAX_WINDOWS)
+        per_layer = window_masks(windows, num_experts)
         for batch in batches:
             bound = uniform_batch_union(num_experts, top_k, batch * (k + 1))
             for layer, (masks, steps) in sorted(per_layer.items()):

@@ -13,7 +13,9 @@ Every row also carries the per-rank view under an expert placement: experts on t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -419,10 +421,51 @@ def _counterfactual_streamed(
     return _frame([*stats.rows(tokens.layers, ks, COUNTERFACTUAL, PER_REQUEST)])
 
 
-def _decode_and_verify(routing: pl.LazyFrame) -> pl.DataFrame:
-    """Non-prefill rows sorted into windows: layer, step, request, draft position."""
+@dataclass(frozen=True)
+class WindowRows:
+    """Non-prefill rows in recording order as numpy columns [N] (experts [N, K]), read once and shared by the
+    measured growth, the rejected-only analysis and the expert load."""
+
+    layer: npt.NDArray[np.uint16]
+    step: npt.NDArray[np.uint32]
+    request: npt.NDArray[np.uint32]
+    draft_pos: npt.NDArray[np.uint8]
+    is_verify: npt.NDArray[np.bool_]
+    in_sequence: npt.NDArray[np.bool_]
+    experts: npt.NDArray[np.uint16]
+
+    def take(self, index: slice | npt.NDArray[np.int64]) -> WindowRows:
+        return WindowRows(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
+
+    def by_layer(self) -> Iterator[tuple[int, WindowRows]]:
+        """Each layer's rows with every verification window's rows contiguous. The recorder writes rows
+        token-major, every token with the same layers in the same order: then layer i is every L-th row (a strided
+        view, nothing copied). Otherwise one stable index gathers each layer, and a layer whose steps are out of
+        order is sorted."""
+        layers = np.unique(self.layer)
+        count = len(layers)
+        if count == 0:
+            return
+        tokens = len(self.layer) // count
+        regular = len(self.layer) == tokens * count and bool(
+            np.array_equal(self.layer.reshape(tokens, count), np.broadcast_to(self.layer[:count], (tokens, count))))
+        order = None if regular else np.argsort(self.layer, kind="stable")
+        bounds = None if order is None else np.searchsorted(self.layer[order], layers, side="right")
+        for i in range(count):
+            if order is None or bounds is None:
+                part, layer = self.take(slice(i, None, count)), int(self.layer[i])
+            else:
+                part, layer = self.take(order[(bounds[i - 1] if i else 0) : bounds[i]]), int(layers[i])
+            if not bool(np.all(np.diff(part.step.astype(np.int64)) >= 0)):
+                part = part.take(np.lexsort((part.draft_pos, part.request, part.step)))
+            yield layer, part
+
+
+def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
+    """The trace's non-prefill rows as ``WindowRows``: one pass over the files; each column moved into numpy and
+    dropped from the Polars frame in turn, so that the peak holds the frame and one column's copy, not two frames."""
     phase = pl.col("phase").cast(pl.String)
-    return (
+    frame = (
         routing.filter(phase != "prefill")
         .select(
             "layer",
@@ -433,53 +476,57 @@ def _decode_and_verify(routing: pl.LazyFrame) -> pl.DataFrame:
             ((pl.col("draft_pos") == 0) | pl.col("accepted").fill_null(False)).alias("in_sequence"),
             "experts",
         )
-        .sort("layer", "step", "request", "draft_pos")
         .collect()
     )
+    columns = {}
+    for field in dataclasses.fields(WindowRows):
+        columns[field.name] = np.ascontiguousarray(frame.drop_in_place(field.name).to_numpy())
+    if frame.height == 0 and columns["experts"].ndim == 1:  # an empty list column has no width
+        columns["experts"] = columns["experts"].reshape(0, 0).astype(np.uint16)
+    return WindowRows(**columns)
 
 
 def measured_growth(
-    routing: pl.LazyFrame, num_experts: int, trace_k: int, expert_rank: npt.NDArray[np.int64]
+    rows: WindowRows, num_experts: int, trace_k: int, expert_rank: npt.NDArray[np.int64]
 ) -> pl.DataFrame:
-    """Unique experts per recorded verification window (per request) and per step (whole batch), k = 0..trace_k."""
-    frame = _decode_and_verify(routing)
+    """Unique experts per recorded verification window (per request) and per step (whole batch), k = 0..trace_k.
+    ``rows``: ``decode_and_verify`` of the trace."""
     ranks = rank_masks(expert_rank, num_experts)
-    rows: list[dict[str, object] | None] = []
-    for layer, part in _layer_parts(frame):
-        masks = expert_masks(part["experts"].to_numpy(), num_experts)
-        step = part["step"].to_numpy()
-        request = part["request"].to_numpy()
-        draft_pos = part["draft_pos"].to_numpy()
-        is_verify = part["is_verify"].to_numpy()
+    found: list[dict[str, object] | None] = []
+    for layer, part in rows.by_layer():
+        masks = expert_masks(part.experts, num_experts)
+        step, request, draft_pos, is_verify = part.step, part.request, part.draft_pos, part.is_verify
         window_starts = group_starts(step, request)
         window_drafts = np.maximum.reduceat(draft_pos, window_starts) if len(window_starts) else draft_pos
-        drafts_in_window = np.repeat(window_drafts, np.diff(np.append(window_starts, len(part))))
+        drafts_in_window = np.repeat(window_drafts, np.diff(np.append(window_starts, len(step))))
         for k in range(trace_k + 1):
             capped = draft_pos <= k
             in_window = capped & is_verify & (drafts_in_window >= k)
             unions = group_union(masks[in_window], group_starts(step[in_window], request[in_window]))
-            rows.append(_window_row(layer, k, MEASURED, PER_REQUEST, unions, ranks))
+            found.append(_window_row(layer, k, MEASURED, PER_REQUEST, unions, ranks))
             unions = group_union(masks[capped], group_starts(step[capped]))
-            rows.append(_window_row(layer, k, MEASURED, PER_BATCH, unions, ranks))
-    return _frame(rows)
+            found.append(_window_row(layer, k, MEASURED, PER_BATCH, unions, ranks))
+    return _frame(found)
 
 
-def rejected_only_experts(routing: pl.LazyFrame, num_experts: int) -> pl.DataFrame:
+def rejected_only_experts(rows: WindowRows, num_experts: int) -> pl.DataFrame:
     """Per layer, over verification windows with drafts: mean unique experts and mean experts that only rejected
-    drafts pulled in (read for nothing)."""
-    frame = _decode_and_verify(routing).filter(pl.col("is_verify"))
-    rows = []
-    for layer, part in _layer_parts(frame):
-        masks = expert_masks(part["experts"].to_numpy(), num_experts)
-        starts = group_starts(part["step"].to_numpy(), part["request"].to_numpy())
-        has_drafts = np.maximum.reduceat(part["draft_pos"].to_numpy(), starts) > 0
+    drafts pulled in (read for nothing). ``rows``: ``decode_and_verify`` of the trace."""
+    found = []
+    for layer, everything_in_layer in rows.by_layer():
+        part = everything_in_layer.take(np.flatnonzero(everything_in_layer.is_verify))
+        if len(part.step) == 0:
+            continue
+        masks = expert_masks(part.experts, num_experts)
+        starts = group_starts(part.step, part.request)
+        has_drafts = np.maximum.reduceat(part.draft_pos, starts) > 0
         everything = group_union(masks, starts)[has_drafts]
-        kept = group_union(np.where(part["in_sequence"].to_numpy()[:, None], masks, np.uint64(0)), starts)[has_drafts]
+        kept = group_union(np.where(part.in_sequence[:, None], masks, np.uint64(0)), starts)[has_drafts]
         if len(everything) == 0:
             continue
         unique = count_experts(everything)
         rejected_only = count_experts(everything & ~kept)
-        rows.append(
+        found.append(
             {
                 "layer": layer,
                 "windows": len(everything),
@@ -495,7 +542,7 @@ def rejected_only_experts(routing: pl.LazyFrame, num_experts: int) -> pl.DataFra
         "rejected_only_experts": pl.Float64(),
         "rejected_only_share": pl.Float64(),
     }
-    return pl.DataFrame(rows, schema=schema, orient="row")
+    return pl.DataFrame(found, schema=schema, orient="row")
 
 
 def growth(
@@ -505,10 +552,13 @@ def growth(
     ks: Sequence[int],
     trace_k: int,
     expert_rank: npt.NDArray[np.int64],
+    rows: WindowRows | None = None,
 ) -> pl.DataFrame:
     """Measured (k ≤ trace_k) and counterfactual (every k in ks) growth per layer, with the uniform bound and the
-    routing locality (unique experts / uniform bound: below 1 means tokens share experts more than chance)."""
-    measured = measured_growth(routing, num_experts, min(trace_k, max(ks, default=0)), expert_rank)
+    routing locality (unique experts / uniform bound: below 1 means tokens share experts more than chance).
+    ``rows``: ``decode_and_verify`` of the trace when the caller has it already."""
+    rows = decode_and_verify(routing) if rows is None else rows
+    measured = measured_growth(rows, num_experts, min(trace_k, max(ks, default=0)), expert_rank)
     combined = pl.concat([measured, counterfactual_growth(routing, num_experts, ks, expert_rank)])
     uniform = pl.DataFrame(
         {"k": list(ks), "uniform_bound": [uniform_unique_experts(num_experts, top_k, k) for k in ks]},

@@ -13,10 +13,16 @@ from moetrace.analysis.concurrency import (
     batch_unions,
     uniform_batch_union,
 )
+from moetrace.analysis.budgets import window_sample
 from moetrace.analysis.placement import linear_placement
 from trace_builder import Model, routing_frame, verify_tokens
 
 MODEL = Model(num_experts=32, top_k=2, layers=(1, 2))
+
+
+def unions(routing: pl.LazyFrame, ks: list[int], batches: list[int], trace_k: int, ranks: int = 1) -> pl.DataFrame:
+    sample = window_sample(routing, trace_k, ["experts"])
+    return batch_unions(sample, 32, 2, linear_placement(32, ranks), ks=ks, batches=batches, trace_k=trace_k)
 
 
 def test_uniform_union_is_hand_computed_for_small_cases() -> None:
@@ -38,7 +44,7 @@ def brute_force_step_unions(frame: pl.DataFrame, layer: int, batch: int) -> list
 def test_measured_unions_equal_brute_force_over_steps_with_exactly_b_requests() -> None:
     tokens = verify_tokens(np.random.default_rng(3), MODEL, requests=4, steps=12, k=2, accept_prob=0.6)
     routing = routing_frame(tokens, MODEL)
-    table = batch_unions(routing, 32, 2, linear_placement(32, 1), ks=[2], batches=[4], trace_k=2)
+    table = unions(routing, [2], [4], 2)
     frame = routing.collect().with_columns(pl.col("experts").arr.to_list())
     for layer in MODEL.layers:
         row = table.filter(pl.col("layer") == layer).row(0, named=True)
@@ -49,7 +55,7 @@ def test_measured_unions_equal_brute_force_over_steps_with_exactly_b_requests() 
 def test_estimated_unions_with_all_windows_equal_the_union_of_every_window() -> None:
     tokens = verify_tokens(np.random.default_rng(4), MODEL, requests=2, steps=6, k=1, accept_prob=0.5)
     routing = routing_frame(tokens, MODEL)
-    table = batch_unions(routing, 32, 2, linear_placement(32, 1), ks=[3], batches=[1000], trace_k=1)
+    table = unions(routing, [3], [1000], 1)
     frame = routing.collect().with_columns(pl.col("experts").arr.to_list())
     for layer in MODEL.layers:
         # counterfactual windows of 4 consecutive accepted (not prefill) tokens, complete ones only, per request
@@ -72,7 +78,7 @@ def test_estimated_unions_with_all_windows_equal_the_union_of_every_window() -> 
 def test_estimated_unions_of_independent_uniform_windows_approach_the_uniform_bound() -> None:
     tokens = verify_tokens(np.random.default_rng(5), MODEL, requests=64, steps=40, k=0, accept_prob=0.0)
     routing = routing_frame(tokens, MODEL)
-    table = batch_unions(routing, 32, 2, linear_placement(32, 4), ks=[1], batches=[1, 4], trace_k=0)
+    table = unions(routing, [1], [1, 4], 0, ranks=4)
     for batch in (1, 4):
         rows = table.filter(pl.col("batch") == batch)
         assert set(rows["source"]) == {ESTIMATED}
@@ -86,8 +92,19 @@ def test_long_traces_are_sampled_by_whole_steps_and_keep_the_measured_union(monk
 
     tokens = verify_tokens(np.random.default_rng(6), MODEL, requests=4, steps=200, k=2, accept_prob=0.6)
     routing = routing_frame(tokens, MODEL)
-    full = batch_unions(routing, 32, 2, linear_placement(32, 1), ks=[2], batches=[4], trace_k=2)
+    full = unions(routing, [2], [4], 2)
     monkeypatch.setattr(concurrency, "MAX_WINDOWS", 50)  # about a quarter of the 200 steps' windows per layer
-    sampled = batch_unions(routing, 32, 2, linear_placement(32, 1), ks=[2], batches=[4], trace_k=2)
+    sampled = unions(routing, [2], [4], 2)
     assert set(sampled["source"]) == {MEASURED_BATCH}  # whole steps kept: still steps of exactly 4 requests
     assert sampled["unique_experts"].to_list() == pytest.approx(full["unique_experts"].to_list(), rel=0.1)
+
+
+def test_a_sample_of_position_blocks_keeps_whole_windows_of_every_k() -> None:
+    tokens = verify_tokens(np.random.default_rng(7), MODEL, requests=6, steps=2000, k=0, accept_prob=0.0)
+    routing = routing_frame(tokens, MODEL)
+    sample = window_sample(routing, 0, ["experts"], max_rows=routing.collect().height // 3)
+    assert 0.2 < sample.share < 0.5 and sample.accepted.height < routing.collect().height
+    for k in range(9):
+        windows, _ = sample.windows(k, False, 10**9)
+        sizes = windows.collect().group_by("layer", "window_major", "window_minor").len()["len"]
+        assert sizes.len() > 0 and (sizes == k + 1).all()

@@ -12,6 +12,7 @@ import pytest
 from moetrace.analysis.growth import (
     counterfactual_growth,
     growth,
+    decode_and_verify,
     measured_growth,
     rejected_only_experts,
     uniform_unique_experts,
@@ -43,10 +44,21 @@ def _check(frame: pl.DataFrame, layer: int, k: int, scope: str, windows: list[se
     assert row[0]["ranks_touched"] == pytest.approx(touched)
 
 
+def test_measured_growth_of_rows_out_of_recording_order_equals_the_recorded_order() -> None:
+    tokens = verify_tokens(np.random.default_rng(2), MODEL, requests=3, steps=12, k=3, accept_prob=0.6,
+                           variable_drafts=True)
+    ordered = routing_frame(tokens, MODEL)
+    shuffled = ordered.collect().sample(fraction=1.0, shuffle=True, seed=0).lazy()
+    placement = linear_placement(16, EP)
+    expected = measured_growth(decode_and_verify(ordered), MODEL.num_experts, 3, placement)
+    assert measured_growth(decode_and_verify(shuffled), MODEL.num_experts, 3, placement).equals(expected)
+
+
 def test_measured_matches_brute_force() -> None:
     tokens = verify_tokens(np.random.default_rng(1), MODEL, requests=3, steps=12, k=3, accept_prob=0.6, variable_drafts=True)
     rows = _rows(tokens)
-    frame = measured_growth(routing_frame(tokens, MODEL), MODEL.num_experts, 3, linear_placement(16, EP))
+    frame = measured_growth(decode_and_verify(routing_frame(tokens, MODEL)), MODEL.num_experts, 3,
+                            linear_placement(16, EP))
     for layer in MODEL.layers:
         mine = [r for r in rows if r["layer"] == layer and r["phase"] != "prefill"]
         by_window: dict[tuple[object, object], list[dict[str, object]]] = defaultdict(list)
@@ -120,7 +132,7 @@ def test_growth_labels_sources_and_locality() -> None:
 def test_rejected_only_matches_brute_force() -> None:
     tokens = verify_tokens(np.random.default_rng(6), MODEL, requests=3, steps=10, k=3, accept_prob=0.5, variable_drafts=True)
     rows = _rows(tokens)
-    frame = rejected_only_experts(routing_frame(tokens, MODEL), 16)
+    frame = rejected_only_experts(decode_and_verify(routing_frame(tokens, MODEL)), 16)
     for layer in MODEL.layers:
         windows: dict[tuple[object, object], list[dict[str, object]]] = defaultdict(list)
         for r in rows:

@@ -17,7 +17,14 @@ from moetrace.errors import UserError
 from moetrace.report.dashboard import render_dashboard
 from moetrace.analysis.decision import DEFAULT_BATCHES, batches_from
 from moetrace.report.inputs import DEFAULT_PREDICTION, check_k, model_shape, open_run
-from moetrace.report.summary import Options, analyse_run, budget_curves_per_k, sample_note, summary_json
+from moetrace.report.summary import (
+    Options,
+    analyse_run,
+    budget_curves_per_k,
+    sample_note,
+    summary_json,
+    trace_windows,
+)
 from moetrace.report.terminal import print_budget_table, print_summary
 
 SHAPE_CHOICE = click.Choice(sorted(SHAPE_PRESETS))
@@ -188,7 +195,7 @@ def budget(trace: Path, k: int, coverage: float, shape_preset: str | None, outpu
     _refuse_overwrite(output, force)
     run = open_run(trace, k)
     shape = model_shape(run.primary, shape_preset)
-    curves, share = budget_curves_per_k(run, range(k, k + 1), shape.expert_bytes)
+    curves, share = budget_curves_per_k(run, trace_windows(run), range(k, k + 1), shape.expert_bytes)
     curves = curves.drop("k")
     notes = [note for note in (sample_note(share),) if note is not None]
     chosen = smallest_budgets(curves.lazy(), coverage)

@@ -10,7 +10,7 @@ from typing import Any
 import polars as pl
 
 from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary
-from moetrace.analysis.budgets import budget_curves, budget_windows, smallest_budgets, window_share
+from moetrace.analysis.budgets import WindowSample, budget_curves, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import batch_unions, uniform_batch_union, union_means, uniform_unions
 from moetrace.analysis.cost import (
     Profile,
@@ -21,7 +21,15 @@ from moetrace.analysis.cost import (
     uniform_routing,
 )
 from moetrace.analysis.decision import DEFAULT_BATCHES, recommended_k, speedup_per_batch
-from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, PER_BATCH, PER_REQUEST, growth, rejected_only_experts
+from moetrace.analysis.growth import (
+    COUNTERFACTUAL,
+    MEASURED,
+    PER_BATCH,
+    PER_REQUEST,
+    decode_and_verify,
+    growth,
+    rejected_only_experts,
+)
 from moetrace.analysis.load import expert_load
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import best_window_estimate, step_bytes
@@ -86,31 +94,40 @@ class RunAnalysis:
         return MEASURED if self.run.primary.k >= self.k else COUNTERFACTUAL
 
 
-# Budget curves per layer and k from at most this many windows: above it they come from a deterministic sample
-# (4M rows took 22 s per k on 2 cores, so 60M rows took minutes per k); the report says so.
+# Budget curves per layer and k from at most this many windows per layer (and about this many over all layers):
+# above it they come from a deterministic sample (4M rows took 22 s per k on 2 cores, so 60M rows took minutes per
+# k); the report says so.
 MAX_BUDGET_WINDOWS = 5_000
+MAX_BUDGET_WINDOWS_ALL_LAYERS = 30_000
 
 
-def budget_curves_per_k(run: Run, ks: range, expert_bytes: int) -> tuple[pl.DataFrame, float]:
+def trace_windows(run: Run) -> WindowSample:
+    """The rows every windowed analysis (budgets, batch unions) cuts its windows from, read once."""
+    trace = run.primary
+    candidates = int(trace.manifest.get("capture", {}).get("candidates") or 0) > 0
+    return window_sample(trace.routing(), trace.k, ["experts", "weights",
+                                                    *(["cand_experts", "cand_scores"] if candidates else [])])
+
+
+def budget_curves_per_k(run: Run, sample: WindowSample, ks: range, expert_bytes: int) -> tuple[pl.DataFrame, float]:
     """Budget curves (with a k column) of the primary trace: its verification windows at its own k, counterfactual
     windows of accepted tokens at any other k. Also the smallest share of windows a k was computed from."""
     trace = run.primary
-    use_candidates = int(trace.manifest.get("capture", {}).get("candidates") or 0) > 0
-    rows = int(trace.routing().select(pl.len()).collect().item())
+    use_candidates = "cand_experts" in sample.accepted.columns
     layers = len(trace.manifest["model"]["moe_layers"])
-    shares = {k: window_share(rows, layers, k, MAX_BUDGET_WINDOWS) for k in ks}
-    frames = [
-        budget_curves(budget_windows(trace.routing(), k, trace.k == k, shares[k]), expert_bytes, use_candidates)
-        .with_columns(k=pl.lit(k, pl.Int32))
-        for k in ks
-    ]
-    return pl.concat(frames), min(shares.values(), default=1.0)
+    per_layer = min(MAX_BUDGET_WINDOWS, max(500, MAX_BUDGET_WINDOWS_ALL_LAYERS // max(layers, 1)))
+    frames, shares = [], []
+    for k in ks:
+        windows, share = sample.windows(k, trace.k == k, per_layer)
+        frames.append(budget_curves(windows, expert_bytes, use_candidates).with_columns(k=pl.lit(k, pl.Int32)))
+        shares.append(share)
+    return pl.concat(frames), min(shares, default=1.0)
 
 
 def sample_note(share: float) -> str | None:
     if share >= 1.0:
         return None
-    return (f"budget curves come from a deterministic sample of about {MAX_BUDGET_WINDOWS:,} windows per layer "
+    return (f"budget curves come from a deterministic sample of at most {MAX_BUDGET_WINDOWS:,} windows per layer "
             f"(down to {share:.1%} of the windows)")
 
 
@@ -168,8 +185,8 @@ def prediction_deployment(trace_shape: ModelShape, tp: int, ep: int,
     return shape, preset_tp, preset_ep, []
 
 
-def run_prediction(run: Run, growth_table: pl.DataFrame, by_position: pl.DataFrame, shape: ModelShape,
-                   placement: Any, tp: int, ep: int,
+def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, by_position: pl.DataFrame,
+                   shape: ModelShape, placement: Any, tp: int, ep: int,
                    options: Options) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
     """Per (batch, k) predicted steps, the one-request prediction per k, and the recommended k per batch. One
     request's window is the growth analysis's (measured where recorded, else counterfactual); B > 1 requests' is
@@ -181,8 +198,7 @@ def run_prediction(run: Run, growth_table: pl.DataFrame, by_position: pl.DataFra
     if options.routing == "uniform":
         unions = uniform_unions(shape.num_experts, shape.top_k, pred_placement, ks, batches)
     else:
-        unions = batch_unions(run.primary.routing(), shape.num_experts, shape.top_k, pred_placement, ks, batches,
-                              run.primary.k)
+        unions = batch_unions(sample, shape.num_experts, shape.top_k, pred_placement, ks, batches, run.primary.k)
     one_request = inputs.select(
         "k", "unique_experts", "busiest_rank_experts", union_source=pl.col("routing_source"),
         uniform_bound=pl.col("k").map_elements(
@@ -222,8 +238,9 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     ep = parallel_size(trace, "ep", options.ep)
     placement = expert_placement(trace, ep, options.placement_file)
     routing = trace.routing()
+    rows = decode_and_verify(routing)
     growth_table = growth(
-        routing, shape.num_experts, shape.top_k, range(options.max_k + 1), trace.k, placement
+        routing, shape.num_experts, shape.top_k, range(options.max_k + 1), trace.k, placement, rows
     )
     by_position = pl.concat(
         [acceptance_by_position(t.routing()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
@@ -231,13 +248,14 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     per_k = pl.concat(
         [acceptance_summary(t.steps()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
     ).select("k", pl.exclude("k"))
-    curves, budget_share = budget_curves_per_k(run, range(1, options.max_k + 1), shape.expert_bytes)
+    sample = trace_windows(run)
+    curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape.expert_bytes)
     at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
     speedups = prediction = decision = basis = None
     prediction_note = None
     if options.predicts:
         try:
-            speedups, prediction, decision, basis = run_prediction(run, growth_table, by_position, shape,
+            speedups, prediction, decision, basis = run_prediction(run, sample, growth_table, by_position, shape,
                                                                    placement, tp, ep, options)
         except UserError as exc:
             if options.preset is None:  # the user asked for this prediction
@@ -249,7 +267,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         tp=tp,
         ep=ep,
         growth=growth_table,
-        rejected_only=rejected_only_experts(routing, shape.num_experts),
+        rejected_only=rejected_only_experts(rows, shape.num_experts),
         step_bytes=step_bytes(growth_table.lazy(), shape, tp, ep),
         acceptance_by_position=by_position,
         acceptance_per_k=per_k,
@@ -257,7 +275,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         budget_curves=curves,
         budget_share=budget_share,
         budgets=smallest_budgets(at_k.lazy(), options.coverage),
-        load=expert_load(routing),
+        load=expert_load(rows, shape.num_experts),
         k=options.k,
         prediction=prediction,
         prediction_basis=basis,
