@@ -33,3 +33,31 @@ def acceptance_summary(steps: pl.LazyFrame) -> pl.DataFrame:
         mean_accepted=pl.col("num_accepted").filter(with_drafts).mean().cast(pl.Float64),
         tokens_per_step=(pl.col("num_accepted").mean() + 1).cast(pl.Float64),
     ).collect()
+
+
+def step_times(steps: pl.LazyFrame) -> pl.DataFrame:
+    """One row over the steps in which every request was decoding (no prefill chunk): how many, their median
+    duration in ms (recorded wall-clock bounds: from vLLM's ``execute_model`` to its sync after sampling, drafting
+    included) and median requests per step."""
+    per_step = (
+        steps.group_by("step")
+        .agg(
+            decoding=(pl.col("num_tokens") == pl.col("num_drafts") + 1).all(),
+            duration_ms=((pl.col("t_end_ns") - pl.col("t_start_ns")).first() / 1e6),
+            requests=pl.len(),
+        )
+        .filter(pl.col("decoding"))
+    )
+    return per_step.select(
+        decode_steps=pl.len().cast(pl.Int64),
+        step_ms=pl.col("duration_ms").median().cast(pl.Float64),
+        requests_per_step=pl.col("requests").median().cast(pl.Float64),
+    ).collect()
+
+
+def measured_speedup(per_k: pl.LazyFrame) -> pl.DataFrame:
+    """``per_k`` (k, tokens_per_step, step_ms, one row per recorded k) with ``measured_speedup``: tokens per request
+    per second at k over the same at k = 0, on the machine that recorded (null without a k = 0 recording)."""
+    rate = pl.col("tokens_per_step") / pl.col("step_ms")
+    baseline = rate.filter(pl.col("k") == 0).first()
+    return per_k.with_columns(measured_speedup=rate / baseline).collect()

@@ -6,7 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary
+from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary, measured_speedup, step_times
 from moetrace.analysis.cost import Deployment
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
@@ -86,3 +86,19 @@ def test_acceptance_matches_the_drafts() -> None:
     assert summary["mean_drafts"] == 3.0
     assert summary["mean_accepted"] == pytest.approx(accepted / 60)
     assert summary["tokens_per_step"] == pytest.approx(1 + accepted / 60)
+
+
+def test_step_times_take_decode_steps_only_and_speedup_is_per_request_throughput_over_k0() -> None:
+    steps = pl.DataFrame({  # step 0: a prefill chunk (4 tokens, no drafts) beside a decode; steps 1, 2: decoding
+        "step": [0, 0, 1, 1, 2, 2], "request": [0, 1, 0, 1, 0, 1], "num_tokens": [4, 1, 3, 3, 1, 3],
+        "num_drafts": [0, 0, 2, 2, 0, 2], "num_accepted": [0, 0, 1, 2, 0, 0],
+        "t_start_ns": [0, 0, 10_000_000, 10_000_000, 30_000_000, 30_000_000],
+        "t_end_ns": [8_000_000, 8_000_000, 14_000_000, 14_000_000, 36_000_000, 36_000_000],
+    }).lazy()
+    (times,) = step_times(steps).to_dicts()
+    assert times == {"decode_steps": 2, "step_ms": 5.0, "requests_per_step": 2.0}  # median of 4 ms and 6 ms
+    per_k = pl.DataFrame({"k": [0, 2], "tokens_per_step": [1.0, 1.6], "step_ms": [4.0, 5.0]}).lazy()
+    speedups = measured_speedup(per_k)["measured_speedup"].to_list()
+    assert speedups == pytest.approx([1.0, (1.6 / 5.0) / (1.0 / 4.0)])
+    without_k0 = measured_speedup(per_k.filter(pl.col("k") > 0))["measured_speedup"].to_list()
+    assert without_k0 == [None]

@@ -9,7 +9,7 @@ from typing import Any
 
 import polars as pl
 
-from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary
+from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary, measured_speedup, step_times
 from moetrace.analysis.budgets import WindowSample, budget_curves, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import batch_unions, uniform_batch_union, union_means, uniform_unions
 from moetrace.analysis.cost import (
@@ -245,9 +245,10 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     by_position = pl.concat(
         [acceptance_by_position(t.routing()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
     )
-    per_k = pl.concat(
-        [acceptance_summary(t.steps()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
-    ).select("k", pl.exclude("k"))
+    per_k = measured_speedup(pl.concat(
+        [pl.concat([acceptance_summary(t.steps()), step_times(t.steps())], how="horizontal")
+         .with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
+    ).select("k", pl.exclude("k")).lazy())
     sample = trace_windows(run)
     curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape.expert_bytes)
     at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")

@@ -81,9 +81,11 @@ def _step_bytes(run: dict[str, Any], k: int) -> Table:
 
 
 def _acceptance(run: dict[str, Any]) -> Table:
-    table = _table("Acceptance per recorded k", [
+    table = _table("Acceptance per recorded k, and what it delivered on the recording machine", [
         ("k", ""), ("windows", ""), ("drafts", "mean drafts per window"), ("accepted", "mean accepted"),
-        ("tok/step", "tokens per step"), ("rate by position", "acceptance rate of draft i (i:rate)")])
+        ("tok/step", "tokens per step"), ("step ms", "median decode step, drafting included"),
+        ("×", "measured speedup over k=0 (tokens per request per second)"),
+        ("rate by position", "acceptance rate of draft i (i:rate)")])
     for row in run["acceptance_per_k"]:
         rates = [p for p in run["acceptance_by_position"] if p["k"] == row["k"]]
         table.add_row(
@@ -92,6 +94,8 @@ def _acceptance(run: dict[str, Any]) -> Table:
             _number(row["mean_drafts"]),
             _number(row["mean_accepted"]),
             _number(row["tokens_per_step"]),
+            _number(row["step_ms"], 1),
+            _number(row["measured_speedup"]),
             " ".join(f"{p['draft_pos']}:{p['acceptance_rate']:.2f}" for p in rates) or "–",
         )
     return table
