@@ -31,6 +31,7 @@ from moetrace.analysis.expert_sets import (
     per_rank_counts,
     rank_masks,
 )
+from moetrace.analysis.growth import uniform_unique_experts
 
 MEASURED_BATCH = "measured"
 ESTIMATED = "estimated"
@@ -51,7 +52,7 @@ SCHEMA: dict[str, pl.DataType] = {
 
 def uniform_batch_union(num_experts: int, top_k: int, tokens: int) -> float:
     """Expected unique experts in ``tokens`` tokens that each pick top_k of num_experts uniformly at random."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+    return uniform_unique_experts(num_experts, top_k, tokens - 1)
 
 
 def window_masks(windows: pl.LazyFrame, num_experts: int) -> dict[int, tuple[Masks, npt.NDArray[np.int64]]]:

@@ -283,7 +283,7 @@ class Recorder:
         async scheduling, where steps wait, into fresh pinned memory."""
         if self._staging is None:
             return to_host(packed)
-        host = self._staging[: packed.shape[0], : packed.shape[1]]
+        host = self._staging[: packed.shape[0]]
         host.copy_(packed, non_blocking=True)
         return host
 

@@ -11,7 +11,7 @@ import polars as pl
 
 from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary, measured_speedup, step_times
 from moetrace.analysis.budgets import WindowSample, budget_curves, smallest_budgets, window_sample
-from moetrace.analysis.concurrency import batch_unions, uniform_batch_union, union_means, uniform_unions
+from moetrace.analysis.concurrency import batch_unions, union_means, uniform_unions
 from moetrace.analysis.cost import (
     Profile,
     acceptance_curve,
@@ -29,6 +29,7 @@ from moetrace.analysis.growth import (
     decode_and_verify,
     growth,
     rejected_only_experts,
+    uniform_unique_experts,
 )
 from moetrace.analysis.load import expert_load
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
@@ -202,7 +203,7 @@ def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, b
     one_request = inputs.select(
         "k", "unique_experts", "busiest_rank_experts", union_source=pl.col("routing_source"),
         uniform_bound=pl.col("k").map_elements(
-            lambda k: uniform_batch_union(shape.num_experts, shape.top_k, k + 1), return_dtype=pl.Float64),
+            lambda k: uniform_unique_experts(shape.num_experts, shape.top_k, k), return_dtype=pl.Float64),
         batch=pl.lit(1, pl.Int32))
     per_batch = pl.concat([one_request, union_means(unions)], how="diagonal_relaxed")
     one_token = growth_table.filter((pl.col("k") == 0) & (pl.col("scope") == PER_REQUEST))
