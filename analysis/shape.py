@@ -44,6 +44,43 @@ class ModelShape:
         )
 
 
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+
+
+def config_value(config: dict[str, Any], *keys: str) -> Any:
+    """The first of ``keys`` set in a Hugging Face config or its ``text_config`` (multimodal models)."""
+    for node in (config, config.get("text_config") or {}):
+        for key in keys:
+            if node.get(key) is not None:
+                return node[key]
+    return None
+
+
+def config_expert_count(config: dict[str, Any]) -> int:
+    """Routed experts per MoE layer named by a Hugging Face config; 0 for a dense model."""
+    count = config_value(config, *EXPERT_COUNT_KEYS)
+    return int(count) if isinstance(count, int) and count > 1 else 0
+
+
+def shape_from_config(config: dict[str, Any]) -> ModelShape:
+    """The expert shape a Hugging Face ``config.json`` describes (DeepseekV3/Kimi, Qwen-MoE, Mixtral key names)."""
+    experts = config_expert_count(config)
+    if not experts:
+        raise ValueError("the config names no routed experts: not a MoE model")
+    layers = int(config_value(config, "num_hidden_layers") or 0)
+    dense = int(config_value(config, "first_k_dense_replace") or 0)
+    width = config_value(config, "moe_intermediate_size", "intermediate_size")
+    top_k = config_value(config, "num_experts_per_tok", "top_k")
+    hidden = config_value(config, "hidden_size")
+    if not (layers and width and top_k and hidden):
+        raise ValueError("the config lacks one of num_hidden_layers, moe_intermediate_size, num_experts_per_tok, "
+                         "hidden_size")
+    return ModelShape(num_experts=experts, top_k=int(top_k), num_layers=layers, moe_layers=layers - dense,
+                      hidden_size=int(hidden), expert_width=int(width),
+                      shared_experts=int(config_value(config, "n_shared_experts") or 0),
+                      expert_weight_bits=16, quant_group_size=None)
+
+
 SHAPE_PRESETS: dict[str, ModelShape] = {
     "kimi-k2": ModelShape(
         num_experts=384,

@@ -19,6 +19,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
+from moetrace.analysis.shape import config_expert_count, config_value
 from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.engine import SPEC_METHODS
 from moetrace.errors import UserError
@@ -29,7 +30,6 @@ from moetrace.telemetry import TelemetrySampler
 from moetrace.writer import write_json_atomic
 
 # Keys under which configs name their routed-expert count (DeepSeek/Kimi, Qwen-MoE, Mixtral, ERNIE).
-EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 
 
 @dataclass(frozen=True)
@@ -102,14 +102,6 @@ def parse_key_values(pairs: tuple[str, ...], option: str) -> dict[str, Any]:
     return parsed
 
 
-def _config_expert_count(config: dict[str, Any]) -> int:
-    for node in (config, config.get("text_config") or {}):
-        for key in EXPERT_COUNT_KEYS:
-            if isinstance(node.get(key), int) and node[key] > 1:
-                return int(node[key])
-    return 0
-
-
 def resolve_model(model: str | None) -> ResolvedModel:
     if model is None:
         path = ensure_default_model()
@@ -128,12 +120,11 @@ def resolve_model(model: str | None) -> ResolvedModel:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"{config_path}: unreadable model config ({exc})") from None
-    experts = _config_expert_count(config)
+    experts = config_expert_count(config)
     if not experts:
         raise UserError(f"{model} is not a MoE model (its config names no routed experts)")
-    top_k = next((node.get("num_experts_per_tok") for node in (config, config.get("text_config") or {})
-                  if isinstance(node.get("num_experts_per_tok"), int)), None)
-    return ResolvedModel(path, path.name, False, "auto", None, experts, top_k)
+    top_k = config_value(config, "num_experts_per_tok")
+    return ResolvedModel(path, path.name, False, "auto", None, experts, top_k if isinstance(top_k, int) else None)
 
 
 def _check_drafter(method: str, drafter: str | None) -> None:

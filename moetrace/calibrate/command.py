@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from moetrace.analysis.shape import SHAPE_PRESETS
+from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape, shape_from_config
 from moetrace.errors import UserError
 
 
@@ -30,12 +31,30 @@ def default_output(device: str, quick: bool) -> Path:
     return Path(f"calibration-{name}{'-quick' if quick else ''}.json")
 
 
+def model_shape(model: str) -> ModelShape:
+    """The expert shape of a model directory's config.json, or of the embedded default model."""
+    if model == "default":
+        from moetrace.default_model import CONFIG
+
+        return shape_from_config(CONFIG)
+    config_path = Path(model).expanduser() / "config.json"
+    try:
+        return shape_from_config(json.loads(config_path.read_text()))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"--model {model}: cannot read {config_path} ({getattr(exc, 'strerror', None) or exc})") from None
+    except ValueError as exc:
+        raise UserError(f"--model {model}: {exc}") from None
+
+
 @click.command()
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="Where to measure; cpu is a smoke test of the whole path, not a figure to predict with.")
 @click.option("--quick", is_flag=True, help="Small shapes, a small grid and few repetitions: a run of seconds.")
 @click.option("--shape", "shape_preset", type=click.Choice(sorted(SHAPE_PRESETS)), default="kimi-k2",
               show_default=True, help="Model whose per-rank expert shapes are measured.")
+@click.option("--model", default=None,
+              help="Measure this model's expert shape instead: a model directory (its config.json), or 'default' for "
+                   "the embedded model. Overrides --shape.")
 @click.option("--tp", default=8, show_default=True, help="Tensor-parallel size whose expert slice is measured.")
 @click.option("--ep", default=8, show_default=True, help="Expert-parallel size whose experts per rank are measured.")
 @click.option("--formats", default="bf16,fp8", show_default=True, help="Weight formats to measure (bf16, fp8).")
@@ -44,7 +63,7 @@ def default_output(device: str, quick: bool) -> Path:
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Calibration file [default: calibration-<gpu>x<count>.json].")
 @click.option("--force", is_flag=True, help="Overwrite an existing calibration file.")
-def calibrate(device: str, quick: bool, shape_preset: str, tp: int, ep: int, formats: str, max_gpus: int | None,
+def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp: int, ep: int, formats: str, max_gpus: int | None,
               no_allreduce: bool, output: Path | None, force: bool) -> None:
     """Measure, on the GPUs present, MoE expert time against unique experts and rows (bf16 and fp8 grouped GEMMs
     at the model's per-rank TP and EP shapes, with the weight bandwidth that INT4 is estimated from) and NCCL
@@ -55,7 +74,7 @@ def calibrate(device: str, quick: bool, shape_preset: str, tp: int, ep: int, for
     path = output or default_output(device, quick)
     if path.exists() and not force:
         raise UserError(f"{path}: already exists (use --force to overwrite)")
-    shape = SHAPE_PRESETS[shape_preset]
+    shape = SHAPE_PRESETS[shape_preset] if model is None else model_shape(model)
     common: dict[str, Any] = {
         "formats": tuple(f.strip() for f in formats.split(",") if f.strip()),
         "allreduce": not no_allreduce,

@@ -1,0 +1,224 @@
+"""Predicted against measured speedup per k: what vLLM delivers on a GPU beside what ``moetrace report`` predicts.
+
+    # on the GPU: serve each k (and drafter) with CUDA graphs, time it, record a trace of the same workload
+    python benchmarks/bench_speedup_validation.py measure --model default --methods ngram,mtp --out runs
+    python benchmarks/bench_speedup_validation.py measure --model kimi-k2-tp8 --methods ngram --out runs
+    moetrace calibrate --model default --tp 1 --ep 1 --formats bf16 --no-allreduce -o runs/calibration-default.json
+    moetrace calibrate --model runs/kimi-k2-tp8-model --tp 1 --ep 1 --formats bf16 --no-allreduce \\
+        -o runs/calibration-kimi-k2-tp8.json
+    # anywhere: predict from the traces and calibrations, set beside the measurements
+    python benchmarks/bench_speedup_validation.py compare runs --json benchmarks/results/speedup-validation.json
+
+Measured: output tokens per second at concurrency 1 (requests one after another) and 16 (48 requests through an
+engine that runs at most 16 at once), greedy, ``ignore_eos``, 128 tokens each, over rounds that alternate the
+two concurrencies; one engine per (drafter, k), moetrace's hooks paused while timing (the engine exactly as vLLM
+built it). Then the hooks resume and the same workload is recorded once, so the trace is of what was timed.
+
+Baseline: k = 0 (no speculation) on the same GPU, same workload, same run. Measured speedup = median tok/s at k
+over median tok/s at k = 0; its 95% interval bootstraps the rounds of both engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CONCURRENCIES = (1, 16)
+REQUESTS = {1: 3, 16: 48}  # per timed round: concurrency 16 keeps 16 running until the last three
+PROMPT_CUTS = (1.0, 0.9, 0.8, 0.7, 0.6)  # each built-in prompt cut at these fractions: 50 distinct prompts
+
+
+def distinct_prompts() -> list[str]:
+    """The built-in prompts and shorter cuts of them (at a space), all distinct, so no two requests of a step route
+    alike because they are the same text."""
+    from moetrace.prompts import BUILTIN_PROMPTS
+
+    out: list[str] = []
+    for cut in PROMPT_CUTS:
+        for prompt in BUILTIN_PROMPTS:
+            end = len(prompt) if cut == 1.0 else prompt.rfind(" ", 0, int(len(prompt) * cut))
+            out.append(prompt[: max(end, 1)])
+    if len(set(out)) != len(out):
+        raise RuntimeError("prompt cuts are not distinct")
+    return out
+
+
+def workload(prompts: list[Any], concurrency: int, round_index: int) -> list[Any]:
+    count = REQUESTS[concurrency]
+    return [prompts[(round_index * count + i) % len(prompts)] for i in range(count)]
+
+
+def timed_generate(llm: Any, requests: list[Any], concurrency: int, max_tokens: int) -> float:
+    """Output tokens per second of ``requests`` at ``concurrency`` (1: one ``generate`` per request)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    groups = [[r] for r in requests] if concurrency == 1 else [requests]
+    started = time.perf_counter()
+    generated = 0
+    for group in groups:
+        outputs = llm.generate(group, params, use_tqdm=False)
+        generated += sum(len(o.outputs[0].token_ids) for o in outputs)
+    return generated / (time.perf_counter() - started)
+
+
+def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, trace_dir: Path,
+                   max_tokens: int, eager: bool) -> dict[str, Any]:
+    """Engine settings of one recorded engine (``moetrace.record.engine_settings``) for the default model or the
+    Kimi-K2 TP=8 slice (dummy weights, bytes as token ids)."""
+    from moetrace.default_model import encode_text
+    from moetrace.record import RecordRequest, engine_settings, resolve_model
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_recording_overhead import KIMI_K2_TP8
+
+    prompts = distinct_prompts()
+    engine_args: dict[str, Any] = {}
+    model_path: str | None = None
+    if model == "kimi-k2-tp8":
+        model_dir = out / "kimi-k2-tp8-model"
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(KIMI_K2_TP8))
+        model_path = str(model_dir)
+        engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 1024}
+    request = RecordRequest(model=model_path, ks=ks, method=method, batch_size=max(CONCURRENCIES),
+                            max_tokens=max_tokens, out=out, eager=eager, engine_args=engine_args)
+    settings = engine_settings(request, resolve_model(model_path), k, trace_dir, prompts,
+                               trace_dir / "progress")
+    settings["token_prompts"] = [encode_text(p) for p in prompts]  # bytes: inside both models' vocabularies
+    if model == "kimi-k2-tp8":
+        settings["dtype"] = "bfloat16"
+        settings["max_model_len"] = 1024
+    return settings
+
+
+def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int) -> dict[str, Any]:
+    """Start one engine, time ``rounds`` rounds with the hooks paused, record one more, close the trace."""
+    from moetrace.engine import build_llm, engine_prompts, spec_decode_counters
+    from moetrace.schema import MANIFEST_NAME
+    from moetrace.writer import write_json_atomic
+
+    started = time.perf_counter()
+    llm = build_llm(settings)
+    start_s = time.perf_counter() - started
+    try:
+        prompts = engine_prompts(settings)
+        llm.collective_rpc("moetrace_pause")
+        for concurrency in CONCURRENCIES:  # warm-up: first-use costs (allocator, prefix cache) out of the timing
+            timed_generate(llm, workload(prompts, concurrency, rounds + 1), concurrency, 16)
+        timings: dict[str, list[float]] = {str(c): [] for c in CONCURRENCIES}
+        for round_index in range(rounds):
+            order = CONCURRENCIES if round_index % 2 == 0 else CONCURRENCIES[::-1]
+            for concurrency in order:
+                timings[str(concurrency)].append(
+                    timed_generate(llm, workload(prompts, concurrency, round_index), concurrency, max_tokens))
+        before = spec_decode_counters(llm)
+        llm.collective_rpc("moetrace_resume")
+        recorded = {str(c): timed_generate(llm, workload(prompts, c, 0), c, max_tokens) for c in CONCURRENCIES}
+        closed = [c for c in llm.collective_rpc("moetrace_close") if c is not None]
+        # vLLM's counters over the recorded workload only: the cross-check of the trace's drafts and acceptances
+        counters = {name: value - before.get(name, 0.0) for name, value in spec_decode_counters(llm).items()}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    trace = Path(settings["out"])
+    manifest = json.loads((trace / MANIFEST_NAME).read_text())
+    manifest["vllm_counters"] = counters
+    write_json_atomic(trace / MANIFEST_NAME, manifest)
+    return {"method": settings["method"], "k": settings["k"], "trace": str(trace), "engine_start_s": start_s,
+            "tok_s": timings, "recorded_tok_s": recorded, "vllm_counters": counters,
+            "recording_complete": all(c["complete"] for c in closed) and bool(closed),
+            "engine_thread_us_per_step": [c.get("engine_thread_us_per_step") for c in closed]}
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Every (drafter, k) engine not yet in ``<out>/<model>-measurements.json``, while the time budget allows one
+    more (a call that stops early is resumed by running the same command again)."""
+    from moetrace.hooks.vllm_api import vllm_version
+    from moetrace.host import gpu_inventory
+
+    began = time.perf_counter()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / f"{args.model}-measurements.json"
+    ks = [int(k) for k in args.ks.split(",")]
+    doc: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {
+        "model": args.model, "vllm_version": vllm_version(), "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
+        "cuda_graphs": not args.eager, "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "requests": {str(c): n for c, n in REQUESTS.items()},
+        "command": "python benchmarks/bench_speedup_validation.py " + " ".join(sys.argv[1:]),
+        "engines": [],
+    }
+    done = {(e["method"], e["k"]) for e in doc["engines"]}
+    # k = 0 runs no drafter: one engine serves as every drafter's baseline; "sync" is k = 0 without vLLM's async
+    # scheduling, which vLLM switches off for n-gram drafting (the price of that switch, measured apart)
+    plan = [(method, k) for position, method in enumerate(args.methods.split(","))
+            for k in (ks if position == 0 else [k for k in ks if k > 0])]
+    plan += [("sync", 0)] if args.sync_baseline else []
+    longest = 0.0
+    for method, k in plan:
+        sweep = out / f"{args.model}-{method}-k{'-'.join(map(str, ks))}"
+        if (method, k) in done:
+            continue
+        if time.perf_counter() - began + max(longest, 60.0) > args.budget_s:
+            print(f"time budget of {args.budget_s:.0f} s reached: run the same command again to go on")
+            return
+        trace_dir = sweep / f"k{k}"
+        shutil.rmtree(trace_dir, ignore_errors=True)  # a half-written trace of an interrupted call
+        settings = model_settings(args.model, out, "ngram" if method == "sync" else method, ks, k, trace_dir,
+                                  args.max_tokens, args.eager)
+        if method == "sync":
+            settings["engine_args"]["async_scheduling"] = False
+        print(f"[{time.strftime('%H:%M:%S')}] {args.model} {method} k={k}: starting", flush=True)
+        engine_began = time.perf_counter()
+        try:
+            engine = measure_engine(settings, args.rounds, args.max_tokens)
+        except Exception as exc:  # one engine that vLLM cannot run must not cost the others
+            engine = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            print(f"{method} k={k}: FAILED {engine['error']}", flush=True)
+        longest = max(longest, time.perf_counter() - engine_began)
+        engine.update(method=method, k=k, trace=str(trace_dir.relative_to(out)))
+        doc["engines"].append(engine)
+        results_path.write_text(json.dumps(doc, indent=2) + "\n")  # after every engine: nothing lost on a crash
+        if "tok_s" in engine:
+            medians = {c: round(statistics.median(v), 1) for c, v in engine["tok_s"].items()}
+            print(f"[{time.strftime('%H:%M:%S')}] {method} k={k}: start {engine['engine_start_s']:.0f} s, "
+                  f"tok/s by concurrency {medians}", flush=True)
+    print(f"measurements: {results_path}")
+
+
+def compare(args: argparse.Namespace) -> None:
+    raise SystemExit("compare: not yet")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("measure", help="time and record every k on this machine's vLLM")
+    run.add_argument("--model", choices=("default", "kimi-k2-tp8"), default="default")
+    run.add_argument("--methods", default="ngram", help="drafters, e.g. ngram,mtp (mtp: the default model only)")
+    run.add_argument("--ks", default="0,1,2,3,4")
+    run.add_argument("--rounds", type=int, default=4)
+    run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--sync-baseline", action="store_true",
+                     help="also k = 0 with async scheduling off (as vLLM runs n-gram drafting)")
+    run.add_argument("--eager", action="store_true", help="no torch.compile or CUDA graphs (CPU smoke runs)")
+    run.add_argument("--out", type=Path, default=Path("speedup-runs"))
+    run.add_argument("--budget-s", type=float, default=540.0,
+                     help="start no engine past this many seconds (the longest engine so far as the estimate)")
+    check = commands.add_parser("compare", help="predicted against measured speedup from a measure directory")
+    check.add_argument("runs", type=Path)
+    check.add_argument("--json", type=Path, help="also write the table here")
+    args = parser.parse_args()
+    measure(args) if args.command == "measure" else compare(args)
+
+
+if __name__ == "__main__":
+    main()
