@@ -26,18 +26,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Kimi-K2's config with every per-GPU dimension divided by TP=8, and 17 of its 61 layers.
-KIMI_K2_TP8: dict[str, Any] = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
-    "vocab_size": 163840 // 8, "hidden_size": 7168, "intermediate_size": 18432 // 8,
-    "moe_intermediate_size": 2048 // 8, "num_hidden_layers": 17, "num_attention_heads": 64 // 8,
-    "num_key_value_heads": 64 // 8, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
-    "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
-    "routed_scaling_factor": 2.827, "first_k_dense_replace": 1, "moe_layer_freq": 1, "q_lora_rank": 1536,
-    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "hidden_act": "silu",
-    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 50000.0, "tie_word_embeddings": False,
-    "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1,
-}
+
+def kimi_k2_slice(tp: int) -> dict[str, Any]:
+    """Kimi-K2's config with every per-GPU dimension divided by ``tp`` (what one rank of a TP=``tp`` deployment
+    holds when this model runs on one GPU), and 17 of its 61 layers."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
+        "vocab_size": 163840 // tp, "hidden_size": 7168, "intermediate_size": 18432 // tp,
+        "moe_intermediate_size": 2048 // tp, "num_hidden_layers": 17, "num_attention_heads": 64 // tp,
+        "num_key_value_heads": 64 // tp, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+        "routed_scaling_factor": 2.827, "first_k_dense_replace": 1, "moe_layer_freq": 1, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 50000.0,
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1,
+    }
 
 
 def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) -> float:
@@ -82,7 +85,7 @@ def engine_settings_for(model: str, scratch: Path, batch: int, max_tokens: int, 
         return engine_settings(request, resolve_model(None), 3, scratch / "trace", prompts, scratch / "progress")
     model_dir = scratch / "kimi-k2-tp8"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(KIMI_K2_TP8))
+    (model_dir / "config.json").write_text(json.dumps(kimi_k2_slice(8)))
     request = RecordRequest(model=str(model_dir), ks=[3], batch_size=batch, max_tokens=max_tokens, out=scratch,
                             eager=not compiled, engine_args={"load_format": "dummy", "skip_tokenizer_init": True,
                                                              "max_model_len": 1024})

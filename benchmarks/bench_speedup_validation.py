@@ -71,30 +71,31 @@ def timed_generate(llm: Any, requests: list[Any], concurrency: int, max_tokens: 
 
 
 def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, trace_dir: Path,
-                   max_tokens: int, eager: bool) -> dict[str, Any]:
-    """Engine settings of one recorded engine (``moetrace.record.engine_settings``) for the default model or the
-    Kimi-K2 TP=8 slice (dummy weights, bytes as token ids)."""
+                   max_tokens: int, eager: bool, tp: int) -> dict[str, Any]:
+    """Engine settings of one recorded engine (``moetrace.record.engine_settings``) for the default model or a
+    Kimi-K2 slice (``kimi-k2-tp8``: one rank of TP=8 on one GPU; ``kimi-k2-tp4`` at ``tp`` 2: the same per-GPU
+    shape with real all-reduces; dummy weights, bytes as token ids)."""
     from moetrace.default_model import encode_text
     from moetrace.record import RecordRequest, engine_settings, resolve_model
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_recording_overhead import KIMI_K2_TP8
+    from bench_recording_overhead import kimi_k2_slice
 
     prompts = distinct_prompts()
     engine_args: dict[str, Any] = {}
     model_path: str | None = None
-    if model == "kimi-k2-tp8":
-        model_dir = out / "kimi-k2-tp8-model"
+    if model.startswith("kimi-k2-tp"):
+        model_dir = out / f"{model}-model"
         model_dir.mkdir(parents=True, exist_ok=True)
-        (model_dir / "config.json").write_text(json.dumps(KIMI_K2_TP8))
+        (model_dir / "config.json").write_text(json.dumps(kimi_k2_slice(int(model.removeprefix("kimi-k2-tp")))))
         model_path = str(model_dir)
         engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 1024}
-    request = RecordRequest(model=model_path, ks=ks, method=method, batch_size=max(CONCURRENCIES),
+    request = RecordRequest(model=model_path, ks=ks, method=method, batch_size=max(CONCURRENCIES), tp=tp,
                             max_tokens=max_tokens, out=out, eager=eager, engine_args=engine_args)
     settings = engine_settings(request, resolve_model(model_path), k, trace_dir, prompts,
                                trace_dir / "progress")
     settings["token_prompts"] = [encode_text(p) for p in prompts]  # bytes: inside both models' vocabularies
-    if model == "kimi-k2-tp8":
+    if model_path is not None:
         settings["dtype"] = "bfloat16"
         settings["max_model_len"] = 1024
     return settings
@@ -150,7 +151,7 @@ def measure(args: argparse.Namespace) -> None:
     results_path = out / f"{args.model}-measurements.json"
     ks = [int(k) for k in args.ks.split(",")]
     doc: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {
-        "model": args.model, "vllm_version": vllm_version(), "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
+        "model": args.model, "tp": args.tp, "vllm_version": vllm_version(), "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
         "cuda_graphs": not args.eager, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "requests": {str(c): n for c, n in REQUESTS.items()},
         "command": "python benchmarks/bench_speedup_validation.py " + " ".join(sys.argv[1:]),
@@ -173,7 +174,7 @@ def measure(args: argparse.Namespace) -> None:
         trace_dir = sweep / f"k{k}"
         shutil.rmtree(trace_dir, ignore_errors=True)  # a half-written trace of an interrupted call
         settings = model_settings(args.model, out, "ngram" if method == "sync" else method, ks, k, trace_dir,
-                                  args.max_tokens, args.eager)
+                                  args.max_tokens, args.eager, args.tp)
         if method == "sync":
             settings["engine_args"]["async_scheduling"] = False
         print(f"[{time.strftime('%H:%M:%S')}] {args.model} {method} k={k}: starting", flush=True)
@@ -202,7 +203,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("measure", help="time and record every k on this machine's vLLM")
-    run.add_argument("--model", choices=("default", "kimi-k2-tp8"), default="default")
+    run.add_argument("--model", choices=("default", "kimi-k2-tp8", "kimi-k2-tp4"), default="default")
+    run.add_argument("--tp", type=int, default=1, help="tensor-parallel size (kimi-k2-tp4 at 2: TP=8's per-GPU shape)")
     run.add_argument("--methods", default="ngram", help="drafters, e.g. ngram,mtp (mtp: the default model only)")
     run.add_argument("--ks", default="0,1,2,3,4")
     run.add_argument("--rounds", type=int, default=4)

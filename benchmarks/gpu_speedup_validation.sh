@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU side of benchmarks/bench_speedup_validation.py in as few machine calls as possible: on a GPU machine
+# with vLLM installed, run it again and again (same machine, same $SV) until it prints "speedup validation: all
+# measured". Each call measures what is missing while the time budget lasts, then packs $SV into $OUT/sv.tar.xz.
+#   phase 1: the default model (n-gram k=0..4, MTP k=1..4) and the Kimi-K2 TP=8 slice (n-gram k=0..4), one GPU
+#            each, side by side when there are two GPUs; both with a k=0 run without async scheduling
+#   phase 2: calibrations of the same shapes on the same GPUs (expert curves; all-reduce on 2 GPUs)
+#   phase 3 (two GPUs): the Kimi-K2 TP=4 slice at TP=2 (TP=8's per-GPU shape, with real all-reduces)
+set -u
+R=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/moetrace-out}
+SV=${SV:-/root/sv}
+BUDGET=${BUDGET:-480}
+mkdir -p "$SV" "$OUT"
+cd /tmp || exit 1
+export PYTHONUNBUFFERED=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+GPUS=$(nvidia-smi -L | wc -l)
+began=$SECONDS
+
+measure() {  # MODEL [args...]: resumable; done once its log ends with "measurements:"
+  local model=$1; shift
+  grep -q '^measurements:' "$SV/$model.log" 2>/dev/null && return 0
+  timeout -k 20 $((BUDGET + 90)) python3 "$R/benchmarks/bench_speedup_validation.py" measure --model "$model" \
+    --out "$SV" --budget-s "$(left)" "$@" >> "$SV/$model.log" 2>&1
+}
+measured() { grep -q '^measurements:' "$SV/$1.log" 2>/dev/null; }
+left() { echo $((BUDGET - (SECONDS - began))); }
+calibrate() {  # NAME [args...]: when at least 3 minutes are left
+  [ -s "$SV/calibration-$1.json" ] && return 0
+  [ "$(left)" -ge 180 ] || return 0
+  local name=$1; shift
+  timeout 240 moetrace calibrate --formats bf16 --ep 1 -o "$SV/calibration-$name.json" --force "$@" \
+    >> "$SV/calibrate-$name.log" 2>&1
+}
+
+if ! measured default || ! measured kimi-k2-tp8; then
+  if [ "$GPUS" -ge 2 ]; then
+    CUDA_VISIBLE_DEVICES=0 measure default --methods ngram,mtp --sync-baseline & first=$!
+    CUDA_VISIBLE_DEVICES=1 measure kimi-k2-tp8 --methods ngram --sync-baseline
+    wait $first
+  else
+    measure default --methods ngram,mtp --sync-baseline
+    measure kimi-k2-tp8 --methods ngram --sync-baseline
+  fi
+fi
+if measured default && measured kimi-k2-tp8; then
+  CUDA_VISIBLE_DEVICES=0 calibrate default --model default --tp 1 --no-allreduce
+  CUDA_VISIBLE_DEVICES=0 calibrate kimi-k2-tp8 --model "$SV/kimi-k2-tp8-model" --tp 1 --no-allreduce
+  if [ "$GPUS" -ge 2 ] && [ -s "$SV/calibration-kimi-k2-tp8.json" ] && [ "$(left)" -ge 150 ]; then
+    measure kimi-k2-tp4 --tp 2 --methods ngram
+    measured kimi-k2-tp4 && calibrate kimi-k2-tp4 --model "$SV/kimi-k2-tp4-model" --tp 2
+  fi
+fi
+tar -C "$(dirname "$SV")" -cJf "$OUT/sv.tar.xz" "$(basename "$SV")"
+grep -h '^\[\|budget\|^measurements\|FAILED\|Error' "$SV"/*.log | tail -n 60
+if measured default && measured kimi-k2-tp8 && [ -s "$SV/calibration-kimi-k2-tp8.json" ] \
+   && { [ "$GPUS" -lt 2 ] || [ -s "$SV/calibration-kimi-k2-tp4.json" ]; }; then
+  echo "speedup validation: all measured"
+else
+  echo "speedup validation: not finished; run again on the same machine"
+fi
