@@ -55,6 +55,29 @@ def step_times(steps: pl.LazyFrame) -> pl.DataFrame:
     ).collect()
 
 
+def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
+    """Per concurrency (``batch``: requests per step): the median time from one decode step's start to the next's,
+    host scheduling between them included, over consecutive steps of the same requests count in which every
+    request was decoding; and how many such pairs there were. This is what each request waits per step."""
+    per_step = (
+        steps.group_by("step")
+        .agg(decoding=(pl.col("num_tokens") == pl.col("num_drafts") + 1).all(), requests=pl.len(),
+             t_start_ns=pl.col("t_start_ns").first())
+        .sort("step")
+    )
+    following = [pl.col(name).shift(-1).alias(f"next_{name}") for name in ("step", "decoding", "requests", "t_start_ns")]
+    return (
+        per_step.with_columns(following)
+        .filter(pl.col("decoding") & pl.col("next_decoding") & (pl.col("next_step") == pl.col("step") + 1)
+                & (pl.col("next_requests") == pl.col("requests")))
+        .group_by(batch=pl.col("requests").cast(pl.Int32))
+        .agg(decode_steps=pl.len().cast(pl.Int64),
+             period_ms=((pl.col("next_t_start_ns") - pl.col("t_start_ns")) / 1e6).median().cast(pl.Float64))
+        .sort("batch")
+        .collect()
+    )
+
+
 def measured_speedup(per_k: pl.LazyFrame) -> pl.DataFrame:
     """``per_k`` (k, tokens_per_step, step_ms, one row per recorded k) with ``measured_speedup``: tokens per request
     per second at k over the same at k = 0, on the machine that recorded (null without a k = 0 recording)."""

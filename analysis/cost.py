@@ -342,14 +342,19 @@ def deployment_for(shape: ModelShape, tp: int, ep: int, weight_format: str | Non
 
 def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None,
             calibration: Mapping[str, Any] | None,
-            one_token_busiest: float | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+            one_token_busiest: float | None = None,
+            baseline_ms: float | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Predicted step per k at ``deployment.batch`` requests per step. ``per_k`` has k, unique_experts,
     busiest_rank_experts (per layer, what one step of ``batch`` requests' windows reads) and tokens_per_step (per
     request). A profile is a one-request step: components are scaled from a one-token step (top-k experts,
     ``one_token_busiest`` on the busiest rank; default: the k=0 row, right when batch is 1) to the step's
-    batch·(k+1) tokens. Returns the table and a description of the basis (mode, notes, checks)."""
+    batch·(k+1) tokens. ``baseline_ms``, a k=0 step measured at this batch (start to start), replaces the profile:
+    MoE and all-reduce are the calibration's at every k, and what the calibration does not explain of the measured
+    step is held flat. Returns the table and a description of the basis (mode, notes, checks)."""
     if profile is None and calibration is None:
         raise ValueError("a prediction needs a calibration, a profile, or both")
+    if baseline_ms is not None and (calibration is None or profile is not None):
+        raise ValueError("a measured k=0 step goes with a calibration (how MoE and all-reduce grow) and no profile")
     rows = per_k.sort("k").to_dicts()
     if not rows or rows[0]["k"] != 0:
         raise ValueError("per-k input must start at k=0")
@@ -394,7 +399,22 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     allreduce_us = [ar_model.time_us(deployment.message_bytes(t)) if ar_model else 0.0 for t in tokens_list]
     anchor_allreduce_us = ar_model.time_us(deployment.message_bytes(anchor_tokens)) if ar_model else 0.0
 
-    if profile is not None:
+    if baseline_ms is not None:
+        mode = "measured k=0 step, calibrated growth"
+        moe = [shape.moe_layers * e / 1e3 for e in expert_us]
+        ar = [n_ar * a / 1e3 for a in allreduce_us]
+        flat = baseline_ms - moe[0] - ar[0]
+        if flat < 0:
+            notes.append(f"the calibration's MoE and all-reduce ({moe[0] + ar[0]:.3f} ms) exceed the measured k=0 "
+                         f"step ({baseline_ms:.3f} ms) at {deployment.batch} request(s): nothing else held flat")
+            flat = 0.0
+        attention = other = [0.0 for _ in rows]
+        rest = [flat for _ in rows]
+        notes.append("k=0 step measured in the sweep's k=0 trace at each concurrency (decode step start to start, "
+                     "host scheduling included); MoE and all-reduce grow with k as calibrated; the rest of that step "
+                     "is held flat, so what speculation itself adds per step (drafting, rejection sampling, "
+                     "bookkeeping) is not in the prediction")
+    elif profile is not None:
         mode = "profile anchored, calibrated growth" if calibration is not None else "profile, modelled growth"
         p_ms = profile.step_ms
         moe = [p_ms * profile.moe * e / anchor_expert_us for e in expert_us]

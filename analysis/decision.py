@@ -21,16 +21,21 @@ DEFAULT_BATCHES = (1, 8, 32, 128)
 
 def speedup_per_batch(per_batch: pl.DataFrame, tokens: pl.DataFrame, deployment: Deployment,
                       profile: Profile | None, calibration: Mapping[str, Any] | None,
-                      one_token_busiest: float) -> tuple[pl.DataFrame, dict[str, Any]]:
+                      one_token_busiest: float,
+                      baselines: Mapping[int, float] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per (batch, k): the prediction table of ``analysis.cost.predict`` with batch, uniform_bound and
     union_source columns. ``per_batch``: batch, k, unique_experts, busiest_rank_experts (per layer, one step),
-    uniform_bound, union_source; ``tokens``: k, tokens_per_step (per request)."""
+    uniform_bound, union_source; ``tokens``: k, tokens_per_step (per request). ``baselines``: a measured k=0 step
+    (ms) per batch; only those batches are then predicted."""
     frames = []
     basis: dict[str, Any] = {}
     joined = per_batch.join(tokens.select("k", "tokens_per_step"), on="k").sort("batch", "k")
+    if baselines is not None:
+        joined = joined.filter(pl.col("batch").is_in(list(baselines)))
     for (batch,), per_k in joined.group_by("batch", maintain_order=True):
-        table, basis = predict(per_k, replace(deployment, batch=int(str(batch))), profile, calibration,
-                               one_token_busiest)
+        size = int(str(batch))
+        table, basis = predict(per_k, replace(deployment, batch=size), profile, calibration, one_token_busiest,
+                               None if baselines is None else baselines[size])
         frames.append(table.with_columns(batch=pl.lit(int(str(batch)), pl.Int32))
                       .join(per_k.select("k", "uniform_bound", "union_source"), on="k"))
     basis.pop("batch", None)

@@ -195,9 +195,121 @@ def measure(args: argparse.Namespace) -> None:
     print(f"measurements: {results_path}")
 
 
-def compare(args: argparse.Namespace) -> None:
-    raise SystemExit("compare: not yet")
+def ratio_ci95(numerator: list[float], denominator: list[float], resamples: int = 10_000) -> tuple[float, list[float]]:
+    """median(numerator) / median(denominator) and its bootstrap 95% interval, each engine's rounds resampled on
+    their own (the engines ran one after another, so rounds do not pair)."""
+    rng = random.Random(0)
+    ratios = sorted(statistics.median(rng.choices(numerator, k=len(numerator)))
+                    / statistics.median(rng.choices(denominator, k=len(denominator))) for _ in range(resamples))
+    return (statistics.median(numerator) / statistics.median(denominator),
+            [ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]])
 
+
+def predicted_speedups(sweep: Path, calibration: Path, scratch: Path) -> tuple[dict[tuple[int, int], Any], Any]:
+    """``moetrace report`` as a user runs it (a subprocess): per (concurrency, k) its prediction row, and its basis."""
+    command = [sys.executable, "-m", "moetrace", "report", str(sweep), "--calibration", str(calibration),
+               "--profile", "measured", "--batch", ",".join(map(str, CONCURRENCIES)), "--json",
+               "-o", str(scratch / f"{sweep.name}.html"), "--force"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{sweep}: moetrace report failed: {done.stderr.strip()}")
+    prediction = json.loads(done.stdout)["runs"][0]["prediction"]
+    return {(row["batch"], row["k"]): row for row in prediction["per_batch"]}, prediction["basis"]
+
+
+def trace_side(trace: Path) -> dict[int, dict[str, float]]:
+    """From a recorded trace, per concurrency: the decode step period (start to start) and tokens per request-step."""
+    import polars as pl
+
+    from moetrace.analysis.acceptance import decode_step_periods
+    from moetrace.reader import open_traces
+
+    opened = open_traces(trace)[0]
+    steps = opened.steps()
+    periods = decode_step_periods(steps)
+    decoding = steps.filter(pl.col("num_tokens") == pl.col("num_drafts") + 1)
+    per_batch = decoding.group_by(batch=pl.col("batch_size").cast(pl.Int32)).agg(
+        tokens_per_step=(pl.col("num_accepted").mean() + 1)).collect()
+    tokens = {int(r["batch"]): float(r["tokens_per_step"]) for r in per_batch.to_dicts()}
+    return {int(r["batch"]): {"period_ms": float(r["period_ms"]), "tokens_per_step": tokens.get(int(r["batch"]), 1.0)}
+            for r in periods.to_dicts()}
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Predicted and measured speedup per (model, drafter, concurrency, k), and what explains the gap."""
+    import tempfile
+
+    runs: Path = args.runs
+    rows: list[dict[str, Any]] = []
+    models: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for path in sorted(runs.glob("*-measurements.json")):
+            doc = json.loads(path.read_text())
+            model = doc["model"]
+            calibration = runs / f"calibration-{model}.json"
+            engines = [e for e in doc["engines"] if "tok_s" in e]
+            baseline = next((e for e in engines if e["k"] == 0 and e["method"] != "sync"), None)
+            if baseline is None or not calibration.exists():
+                print(f"{model}: no k=0 engine or no {calibration.name}: skipped")
+                continue
+            base_trace = trace_side(runs / baseline["trace"])
+            sync = next((e for e in engines if e["method"] == "sync"), None)
+            models[model] = {
+                "device": doc["device"], "vllm_version": doc["vllm_version"], "tp": doc.get("tp", 1),
+                "command": doc["command"], "calibration": calibration.name,
+                "failed_engines": [f"{e['method']} k={e['k']}: {e['error']}" for e in doc["engines"] if "error" in e],
+                "async_off_k0": None if sync is None else {
+                    c: ratio_ci95(sync["tok_s"][c], baseline["tok_s"][c])[0] for c in sync["tok_s"]},
+            }
+            for method in dict.fromkeys(e["method"] for e in engines if e["k"] > 0 and e["method"] != "sync"):
+                sweep = (runs / next(e["trace"] for e in engines if e["method"] == method)).parent
+                if not (sweep / "k0").exists():  # k = 0 runs no drafter: the shared baseline joins each sweep
+                    (sweep / "k0").symlink_to(Path("..") / Path(baseline["trace"]))
+                predicted, basis = predicted_speedups(sweep, calibration, Path(scratch))
+                models[model].setdefault("prediction_basis", {})[method] = basis["mode"]
+                for engine in (e for e in engines if e["method"] == method and e["k"] > 0):
+                    at_k = trace_side(runs / engine["trace"])
+                    for concurrency in map(str, CONCURRENCIES):
+                        batch, k = int(concurrency), engine["k"]
+                        measured, interval = ratio_ci95(engine["tok_s"][concurrency], baseline["tok_s"][concurrency])
+                        row = predicted.get((batch, k))
+                        trace_k, trace_0 = at_k.get(batch), base_trace.get(batch)
+                        step_ratio = trace_k["period_ms"] / trace_0["period_ms"] if trace_k and trace_0 else None
+                        rows.append({
+                            "model": model, "drafter": method, "concurrency": batch, "k": k,
+                            "predicted_speedup": row["speedup"] if row else None,
+                            "measured_speedup": measured, "measured_ci95": interval,
+                            "error": (row["speedup"] - measured) / measured if row else None,
+                            "predicted_step_ratio": row["step_ratio"] if row else None,
+                            "trace_step_ratio": step_ratio,
+                            "predicted_tokens_per_step": row["tokens_per_step"] if row else None,
+                            "trace_tokens_per_step": trace_k["tokens_per_step"] if trace_k else None,
+                            "trace_step_ms": trace_k["period_ms"] if trace_k else None,
+                            "predicted_step_ms": row["step_ms"] if row else None,
+                            "command": doc["command"],
+                        })
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    print(f"{'model':<12} {'drafter':<6} {'B':>3} {'k':>2} {'predicted':>9} {'measured':>8} {'95% interval':>13} "
+          f"{'error':>6} {'step× pred':>10} {'step× trace':>11} {'tok/step pred':>13} {'trace':>6}")
+    for r in rows:
+        def show(value: float | None, width: int, digits: int = 2) -> str:
+            return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+        print(f"{r['model']:<12} {r['drafter']:<6} {r['concurrency']:>3} {r['k']:>2} {show(r['predicted_speedup'], 9)} "
+              f"{show(r['measured_speedup'], 8)} {r['measured_ci95'][0]:>6.2f}-{r['measured_ci95'][1]:<6.2f} "
+              f"{show(100 * r['error'] if r['error'] is not None else None, 5, 0)}% "
+              f"{show(r['predicted_step_ratio'], 10)} {show(r['trace_step_ratio'], 11)} "
+              f"{show(r['predicted_tokens_per_step'], 13)} {show(r['trace_tokens_per_step'], 6)}")
+    for model, facts in models.items():
+        if facts["async_off_k0"]:
+            print(f"{model}: k=0 with async scheduling off / on: "
+                  + ", ".join(f"B={c} {v:.3f}" for c, v in facts["async_off_k0"].items()))
+        for failed in facts["failed_engines"]:
+            print(f"{model}: engine failed: {failed}")
+    if errors:
+        print(f"largest |predicted − measured| / measured: {100 * max(errors):.1f}%")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"models": models, "rows": rows,
+                                         "largest_error": max(errors) if errors else None}, indent=2) + "\n")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -6,7 +6,13 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary, measured_speedup, step_times
+from moetrace.analysis.acceptance import (
+    acceptance_by_position,
+    acceptance_summary,
+    decode_step_periods,
+    measured_speedup,
+    step_times,
+)
 from moetrace.analysis.cost import Deployment
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
@@ -102,3 +108,26 @@ def test_step_times_take_decode_steps_only_and_speedup_is_per_request_throughput
     assert speedups == pytest.approx([1.0, (1.6 / 5.0) / (1.0 / 4.0)])
     without_k0 = measured_speedup(per_k.filter(pl.col("k") > 0))["measured_speedup"].to_list()
     assert without_k0 == [None]
+
+
+def test_decode_step_periods_time_consecutive_decode_steps_of_one_concurrency() -> None:
+    ms = 1_000_000
+    # (step, requests, start ms, prefill?): step 0 holds a prefill chunk; steps 1-3 decode 2 requests; steps 4-5
+    # decode 1; step 6 is not recorded, so 5 -> 7 is no pair
+    plan = [(0, 2, 0, True), (1, 2, 10, False), (2, 2, 14, False), (3, 2, 20, False), (4, 1, 30, False),
+            (5, 1, 33, False), (7, 1, 50, False), (8, 1, 52, False)]
+    rows: dict[str, list[int]] = {"step": [], "request": [], "num_tokens": [], "num_drafts": [], "num_accepted": [],
+                                  "t_start_ns": [], "t_end_ns": []}
+    for step, requests, start, prefill in plan:
+        for request in range(requests):
+            rows["step"].append(step)
+            rows["request"].append(request)
+            rows["num_tokens"].append(5 if prefill and request == 0 else 3)
+            rows["num_drafts"].append(0 if prefill and request == 0 else 2)
+            rows["num_accepted"].append(1)
+            rows["t_start_ns"].append(start * ms)
+            rows["t_end_ns"].append(start * ms + ms)
+    periods = decode_step_periods(pl.DataFrame(rows).lazy()).to_dicts()
+    # batch 2: 1 -> 2 (4 ms) and 2 -> 3 (6 ms); batch 1: 4 -> 5 (3 ms) and 7 -> 8 (2 ms); 0 -> 1 has a prefill,
+    # 3 -> 4 changes the request count
+    assert periods == [{"batch": 1, "decode_steps": 2, "period_ms": 2.5}, {"batch": 2, "decode_steps": 2, "period_ms": 5.0}]

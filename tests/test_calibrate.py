@@ -11,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from moetrace.analysis.shape import shape_from_config
 from moetrace.calibrate import SCHEMA
 from moetrace.calibrate.allreduce import measure_allreduce
 from moetrace.calibrate.experts import ExpertPool, group_offsets, measure_curve, weight_bytes_per_expert
@@ -145,3 +146,40 @@ def test_nccl_allreduce_two_gpus() -> None:
     result = measure_allreduce(2, "nccl", [14336, 917504], iters=5, replays=2, tick=lambda: None, graph_sizes=1)
     assert [p["bytes"] for p in result["points"]] == [14336, 917504]
     assert all(p["queued_us"] > 0 and p["eager_us"] > 0 for p in result["points"])
+
+
+def test_shape_from_config_reads_deepseek_and_qwen_names() -> None:
+    from moetrace.default_model import CONFIG
+
+    default = shape_from_config(CONFIG)
+    assert (default.num_experts, default.top_k, default.hidden_size, default.expert_width) == (384, 8, 64, 16)
+    assert (default.num_layers, default.moe_layers, default.shared_experts) == (4, 3, 1)
+    qwen = shape_from_config({"text_config": {"num_experts": 128, "num_experts_per_tok": 8, "hidden_size": 2048,
+                                              "moe_intermediate_size": 768, "num_hidden_layers": 48}})
+    assert (qwen.num_experts, qwen.moe_layers, qwen.expert_width, qwen.shared_experts) == (128, 48, 768, 0)
+    with pytest.raises(ValueError, match="not a MoE model"):
+        shape_from_config({"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 11008})
+
+
+def test_calibrate_measures_the_shape_of_a_model_directory(tmp_path: Path) -> None:
+    from moetrace.cli import main
+
+    model = tmp_path / "tiny-moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"n_routed_experts": 16, "num_experts_per_tok": 2,
+                                                   "hidden_size": 32, "moe_intermediate_size": 8,
+                                                   "num_hidden_layers": 2}))
+    out = tmp_path / "c.json"
+    result = CliRunner().invoke(main, ["calibrate", "--device", "cpu", "--model", str(model), "--tp", "2", "--ep", "1",
+                                       "--formats", "bf16", "--no-allreduce", "-o", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["shape"] == {"hidden_size": 32, "expert_width": 8, "num_experts": 16, "top_k": 2}
+    assert {(c["config"], c["width"]) for c in doc["experts"]} == {("tp2", 4)}
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"hidden_size": 32, "num_hidden_layers": 2}))
+    for path, fragment in ((dense, "not a MoE model"), (tmp_path / "missing", "cannot read")):
+        failed = CliRunner().invoke(main, ["calibrate", "--device", "cpu", "--model", str(path), "-o",
+                                           str(tmp_path / "x.json")], catch_exceptions=False)
+        assert failed.exit_code == 1 and fragment in failed.output and "Traceback" not in failed.output

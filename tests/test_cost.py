@@ -25,10 +25,11 @@ from moetrace.analysis.cost import (
     uniform_busiest_rank,
     uniform_routing,
 )
+from moetrace.analysis.decision import speedup_per_batch
 from moetrace.analysis.placement import linear_placement
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.cli import main
-from trace_builder import Model, verify_tokens, write_trace
+from trace_builder import Model, decode_tokens, verify_tokens, write_trace
 
 SMALL = ModelShape(num_experts=64, top_k=8, num_layers=2, moe_layers=2, hidden_size=1000, expert_width=32,
                    shared_experts=1, expert_weight_bits=16, quant_group_size=None)
@@ -118,6 +119,34 @@ def test_predict_calibration_only_by_hand() -> None:
         predict(_per_k([8.0], [1.0]), deployment_for(SMALL, 1, 2), None, _calibration())
 
 
+def test_predict_from_a_measured_k0_step_by_hand() -> None:
+    table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None, _calibration(),
+                           baseline_ms=5.0)
+    k0, k1 = table.to_dicts()
+    # k=0: 2 layers × (10 + 2·(8+1) + 0.5·9) µs MoE and 4 all-reduces of 10 µs; the rest of the 5 ms is held flat
+    assert k0["moe_ms"] == pytest.approx(0.065) and k0["allreduce_ms"] == pytest.approx(0.040)
+    assert k0["rest_ms"] == pytest.approx(5.0 - 0.065 - 0.040) and k0["step_ms"] == pytest.approx(5.0)
+    # k=1: 2 × 45 µs MoE, 4 × 11 µs all-reduce, the same rest
+    assert k1["step_ms"] == pytest.approx(5.0 - 0.105 + 0.090 + 0.044)
+    assert k1["speedup"] == pytest.approx(1.5 / (k1["step_ms"] / 5.0))
+    assert basis["mode"] == "measured k=0 step, calibrated growth"
+    small, small_basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None,
+                                 _calibration(), baseline_ms=0.05)
+    assert small["rest_ms"].to_list() == [0.0, 0.0] and any("exceed the measured" in n for n in small_basis["notes"])
+    for profile, calibration in ((PROFILE_PRESETS["kimi-k2-tp8"], _calibration()), (None, None)):
+        with pytest.raises(ValueError):
+            predict(_per_k([8.0], [1.0]), deployment_for(SMALL, 2, 1), profile, calibration, baseline_ms=5.0)
+
+
+def test_speedup_per_batch_predicts_only_the_batches_with_a_measured_k0_step() -> None:
+    per_batch = pl.concat([_per_k([8.0, 12.0], [1.0, 1.5]).with_columns(batch=pl.lit(b, pl.Int32)) for b in (1, 4)])
+    per_batch = per_batch.with_columns(uniform_bound=pl.col("unique_experts"), union_source=pl.lit("measured"))
+    table, _ = speedup_per_batch(per_batch.drop("tokens_per_step"), per_batch.filter(pl.col("batch") == 1),
+                                 deployment_for(SMALL, 2, 1), None, _calibration(), 8.0, {4: 3.0})
+    assert table["batch"].unique().to_list() == [4]
+    assert table.filter(pl.col("k") == 0)["step_ms"].item() == pytest.approx(3.0)
+
+
 def test_design_profile_uniform_k3_is_in_the_hand_band() -> None:
     shape = SHAPE_PRESETS["kimi-k2"]
     per_k = uniform_routing(384, 8, linear_placement(384, 1), range(4)).with_columns(
@@ -175,3 +204,33 @@ def test_report_prediction_bad_input(trace: Path, tmp_path: Path) -> None:
     ok = CliRunner().invoke(main, ["report", str(trace), "--force", "--profile", "kimi-k2-tp8", "--routing",
                                    "uniform", "--acceptance", "0.7"], catch_exceptions=False)
     assert ok.exit_code == 0 and "Predicted verify step" in ok.output
+
+
+def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
+    model = Model()
+    write_trace(tmp_path / "sweep" / "k0", decode_tokens(np.random.default_rng(0), model, requests=2, steps=12),
+                model, k=0)
+    write_trace(tmp_path / "sweep" / "k2", verify_tokens(np.random.default_rng(1), model, requests=2, steps=10, k=2,
+                                                         accept_prob=0.7), model, k=2)
+    calibration = tmp_path / "calib.json"
+    calibration.write_text(json.dumps(_calibration()))
+
+    def report(*args: str) -> Any:
+        return CliRunner().invoke(main, ["report", str(tmp_path / "sweep"), "--k", "2", "--tp", "2", "--force",
+                                         *args], catch_exceptions=False)
+
+    result = report("--calibration", str(calibration), "--profile", "measured", "--batch", "1,2", "--json")
+    assert result.exit_code == 0, result.output
+    prediction = json.loads(result.output)["runs"][0]["prediction"]
+    assert prediction["basis"]["mode"] == "measured k=0 step, calibrated growth"
+    rows = prediction["per_batch"]
+    assert {row["batch"] for row in rows} == {2}  # the builder's k=0 trace decodes 2 requests a step, 1 ms apart
+    assert next(row["step_ms"] for row in rows if row["k"] == 0) == pytest.approx(1.0)
+    for args, fragment in ((["--profile", "measured"], "give --calibration too"),
+                           (["--profile", "measured", "--calibration", str(calibration), "--batch", "7"],
+                            "no run of 5+ decode steps at concurrency 7 to measure the k=0 step at (has: 2)")):
+        failed = report(*args)
+        assert failed.exit_code == 1 and fragment in failed.output and "Traceback" not in failed.output
+    no_k0 = CliRunner().invoke(main, ["report", str(tmp_path / "sweep" / "k2"), "--k", "2", "--tp", "2", "--force",
+                                      "--calibration", str(calibration), "--profile", "measured"])
+    assert no_k0.exit_code == 1 and "needs a k=0 trace" in no_k0.output

@@ -105,8 +105,9 @@ def _coverage(value: float) -> float:
 @click.option("--calibration", "calibration_file", type=click.Path(path_type=Path), default=None,
               help="Calibration JSON from `moetrace calibrate`: predict step time and speedup per k from it.")
 @click.option("--profile", "profile_text", default=None,
-              help="Measured step breakdown at k=0: a preset (kimi-k2-tp8), a .json file, or "
-                   "'step=12.1ms,allreduce=51.5%,moe=11.1%,attention=15.3%,other=13.4%'. Predicts per k.")
+              help="Measured step breakdown at k=0: a preset (kimi-k2-tp8), a .json file, "
+                   "'step=12.1ms,allreduce=51.5%,moe=11.1%,attention=15.3%,other=13.4%', or 'measured': the sweep's "
+                   "own k=0 step time at each --batch (with --calibration, on the machine that recorded).")
 @click.option("--acceptance", type=float, default=None,
               help="Per-draft acceptance rate for the prediction [default: measured per draft position].")
 @click.option("--routing", type=click.Choice(["measured", "uniform"]), default="measured", show_default=True,
@@ -140,6 +141,11 @@ def report(
     HTML dashboard. Several TRACEs (traces or sweep folders, e.g. one per drafter) are compared side by side.
     Predictions use --calibration and/or --profile; without either, the shipped H200 preset (Kimi-K2, TP=8)."""
     check_k(k)
+    measured_baseline = profile_text == "measured"
+    if measured_baseline:
+        if calibration_file is None:
+            raise UserError("--profile measured: give --calibration too (how MoE and all-reduce grow with k)")
+        profile_text = None
     preset = DEFAULT_PREDICTION if calibration_file is None and profile_text is None else None
     options = Options(
         k=k,
@@ -156,6 +162,7 @@ def report(
         routing=routing,
         batches=_batches(batch_text),
         preset=preset,
+        measured_baseline=measured_baseline,
     )
     if options.max_k < k:
         raise UserError(f"--max-k {options.max_k}: must be at least --k {k}")

@@ -9,7 +9,13 @@ from typing import Any
 
 import polars as pl
 
-from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary, measured_speedup, step_times
+from moetrace.analysis.acceptance import (
+    acceptance_by_position,
+    acceptance_summary,
+    decode_step_periods,
+    measured_speedup,
+    step_times,
+)
 from moetrace.analysis.budgets import WindowSample, budget_curves, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import batch_unions, union_means, uniform_unions
 from moetrace.analysis.cost import (
@@ -56,6 +62,7 @@ class Options:
     routing: str = "measured"  # or "uniform": unique experts of uniformly random routing
     batches: tuple[int, ...] = DEFAULT_BATCHES  # concurrencies the decision is made for
     preset: PredictionPreset | None = None  # the shipped deployment assumption, used without calibration/profile
+    measured_baseline: bool = False  # --profile measured: the sweep's own k=0 step times instead of a profile
 
     @property
     def predicts(self) -> bool:
@@ -98,6 +105,7 @@ class RunAnalysis:
 # Budget curves per layer and k from at most this many windows per layer (and about this many over all layers):
 # above it they come from a deterministic sample (4M rows took 22 s per k on 2 cores, so 60M rows took minutes per
 # k); the report says so.
+MIN_BASELINE_STEPS = 5  # decode step pairs a measured k=0 step time rests on
 MAX_BUDGET_WINDOWS = 5_000
 MAX_BUDGET_WINDOWS_ALL_LAYERS = 30_000
 
@@ -186,6 +194,20 @@ def prediction_deployment(trace_shape: ModelShape, tp: int, ep: int,
     return shape, preset_tp, preset_ep, []
 
 
+def measured_baselines(run: Run, options: Options) -> dict[int, float]:
+    """The k=0 trace's decode step (start to start, ms) at each asked concurrency it has steps of."""
+    baseline = next((trace for trace in run.traces if trace.k == 0), None)
+    if baseline is None:
+        raise UserError(f"{run.path}: --profile measured needs a k=0 trace in the sweep (its steps are the baseline)")
+    periods = decode_step_periods(baseline.steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
+    found = {int(row["batch"]): float(row["period_ms"]) for row in periods.to_dicts() if row["batch"] in options.batches}
+    if not found:
+        have = ", ".join(str(b) for b in periods["batch"].to_list()) or "none"
+        raise UserError(f"{baseline.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency "
+                        f"{', '.join(map(str, options.batches))} to measure the k=0 step at (has: {have})")
+    return found
+
+
 def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, by_position: pl.DataFrame,
                    shape: ModelShape, placement: Any, tp: int, ep: int,
                    options: Options) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
@@ -208,9 +230,10 @@ def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, b
     per_batch = pl.concat([one_request, union_means(unions)], how="diagonal_relaxed")
     one_token = growth_table.filter((pl.col("k") == 0) & (pl.col("scope") == PER_REQUEST))
     one_token_busiest = float(one_token["busiest_rank_experts"].mean() or shape.top_k)  # type: ignore[arg-type]
+    baselines = measured_baselines(run, options) if options.measured_baseline else None
     try:
         speedups, basis = speedup_per_batch(per_batch, inputs, deployment_for(pred_shape, pred_tp, pred_ep),
-                                            options.profile, options.calibration, one_token_busiest)
+                                            options.profile, options.calibration, one_token_busiest, baselines)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
     speedups = speedups.join(inputs.select("k", extrapolated=pl.col("acceptance_source") == "extrapolated"), on="k")
@@ -353,7 +376,8 @@ def prediction_summary(analysis: RunAnalysis, k: int) -> dict[str, Any] | None:
         return None
     at_k = analysis.prediction.filter(pl.col("k") == k).to_dicts()
     return {"basis": analysis.prediction_basis, "at_k": at_k[0] if at_k else None,
-            "per_k": analysis.prediction.to_dicts()}
+            "per_k": analysis.prediction.to_dicts(),
+            "per_batch": analysis.speedups.to_dicts() if analysis.speedups is not None else []}
 
 
 def budget_summary(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:
