@@ -112,9 +112,12 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int) -> di
     start_s = time.perf_counter() - started
     try:
         prompts = engine_prompts(settings)
+        statuses = llm.collective_rpc("moetrace_status")
+        if not any(s["recording"] for s in statuses):
+            raise RuntimeError(next((s["error"] for s in statuses if s["error"]), "the plugin did not load"))
         llm.collective_rpc("moetrace_pause")
-        for concurrency in CONCURRENCIES:  # warm-up: first-use costs (allocator, prefix cache) out of the timing
-            timed_generate(llm, workload(prompts, concurrency, rounds + 1), concurrency, 16)
+        for concurrency in CONCURRENCIES:  # warm-up, the whole workload: Triton compiles each new batch shape
+            timed_generate(llm, workload(prompts, concurrency, rounds + 1), concurrency, max_tokens)
         timings: dict[str, list[float]] = {str(c): [] for c in CONCURRENCIES}
         for round_index in range(rounds):
             order = CONCURRENCIES if round_index % 2 == 0 else CONCURRENCIES[::-1]
@@ -131,6 +134,8 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int) -> di
         llm.llm_engine.engine_core.shutdown()
     trace = Path(settings["out"])
     manifest = json.loads((trace / MANIFEST_NAME).read_text())
+    if manifest["spec"]["k"] != settings["k"]:
+        raise RuntimeError(f"{trace} holds a trace at k={manifest['spec']['k']}, not k={settings['k']}")
     manifest["vllm_counters"] = counters
     write_json_atomic(trace / MANIFEST_NAME, manifest)
     return {"method": settings["method"], "k": settings["k"], "trace": str(trace), "engine_start_s": start_s,
@@ -157,7 +162,7 @@ def measure(args: argparse.Namespace) -> None:
         "command": "python benchmarks/bench_speedup_validation.py " + " ".join(sys.argv[1:]),
         "engines": [],
     }
-    done = {(e["method"], e["k"]) for e in doc["engines"]}
+    done = {(e["method"], e["k"]) for e in doc["engines"] if "tok_s" in e}  # a failed engine is tried again
     # k = 0 runs no drafter: one engine serves as every drafter's baseline; "sync" is k = 0 without vLLM's async
     # scheduling, which vLLM switches off for n-gram drafting (the price of that switch, measured apart)
     plan = [(method, k) for position, method in enumerate(args.methods.split(","))
@@ -186,7 +191,7 @@ def measure(args: argparse.Namespace) -> None:
             print(f"{method} k={k}: FAILED {engine['error']}", flush=True)
         longest = max(longest, time.perf_counter() - engine_began)
         engine.update(method=method, k=k, trace=str(trace_dir.relative_to(out)))
-        doc["engines"].append(engine)
+        doc["engines"] = [e for e in doc["engines"] if (e["method"], e["k"]) != (method, k)] + [engine]
         results_path.write_text(json.dumps(doc, indent=2) + "\n")  # after every engine: nothing lost on a crash
         if "tok_s" in engine:
             medians = {c: round(statistics.median(v), 1) for c, v in engine["tok_s"].items()}

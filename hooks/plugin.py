@@ -35,14 +35,18 @@ def settings_from_env() -> dict[str, Any] | None:
     return settings
 
 
+def recording_settings() -> dict[str, Any] | None:
+    """``settings_from_env``, or None with a warning when malformed: vLLM is loading, and must not stop for it."""
+    try:
+        return settings_from_env()
+    except ValueError as exc:
+        log.warning("moetrace: not recording: %s is not valid JSON (%s)", ENV_VAR, exc)
+        return None
+
+
 def register() -> None:
     """Entry point of ``vllm.general_plugins``; does nothing unless recording is switched on. Idempotent."""
-    try:
-        settings = settings_from_env()
-    except ValueError as exc:  # vLLM is loading plugins: a malformed setting must not stop it
-        log.warning("moetrace: not recording: %s is not valid JSON (%s)", ENV_VAR, exc)
-        return
-    if settings is None:
+    if recording_settings() is None:
         return
     from moetrace.hooks.vllm_api import VllmApiError, worker_class
 
@@ -57,7 +61,12 @@ def register() -> None:
 
     def load_model_and_record(self: Any, *args: Any, **kwargs: Any) -> None:
         original_load(self, *args, **kwargs)
-        install(self, settings)
+        # Read again here, not kept from registration: a worker forked from a process that registered for an
+        # earlier engine (one driver process, one engine per k) inherits this wrapper, and must record where the
+        # environment says now.
+        settings = recording_settings()
+        if settings is not None:
+            install(self, settings)
 
     def close_and_shut_down(self: Any, *args: Any, **kwargs: Any) -> Any:
         # A clean shutdown (`vllm serve` stopped with Ctrl-C, an LLM shut down) reaches every worker here; its

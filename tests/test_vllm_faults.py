@@ -107,3 +107,41 @@ def test_record_exits_non_zero_with_the_reason_when_its_writer_process_is_killed
                           capture_output=True, text=True)
     shown = " ".join(info.stdout.split())  # Rich wraps at the terminal width
     assert "INCOMPLETE (recording stopped: RuntimeError: the writer process ended unexpectedly)" in shown, shown
+
+
+TWO_ENGINES_FROM_ONE_DRIVER = """
+import json, os, sys
+from pathlib import Path
+from moetrace.engine import run
+from moetrace.hooks.plugin import ENV_VAR, register
+from moetrace.prompts import BUILTIN_PROMPTS
+from moetrace.record import RecordRequest, engine_settings, resolve_model
+
+if __name__ == "__main__":
+    earlier, now = Path(sys.argv[1]), Path(sys.argv[2])
+    # The driver registered the plugin for an earlier engine (as vLLM does in the driver on a GPU): the Worker
+    # class in this process is wrapped, and a worker forked from it inherits the wrapper. Here the next engine's
+    # worker lives in this very process (no engine process, uni executor): the same inherited wrapper.
+    os.environ[ENV_VAR] = json.dumps({"out": str(earlier)})
+    register()
+    request = RecordRequest(model=None, ks=[1], batch_size=2, max_tokens=8, out=now.parent,
+                            engine_args={"distributed_executor_backend": "uni"})  # the worker in the engine process
+    settings = engine_settings(request, resolve_model(None), 1, now, list(BUILTIN_PROMPTS)[:2], now.parent / "p")
+    sys.exit(run(settings))
+"""
+
+
+def test_an_engine_started_after_the_driver_registered_for_another_records_where_its_own_settings_say(
+    tmp_path: Path,
+) -> None:
+    """One driver process, one engine per k (as the speedup benchmark runs): each engine's trace lands in its own
+    directory, not in the one the driver's first registration named."""
+    script = tmp_path / "two_engines.py"
+    script.write_text(TWO_ENGINES_FROM_ONE_DRIVER)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "earlier"), str(tmp_path / "now")],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((tmp_path / "now" / "manifest.json").read_text())
+    assert manifest["spec"]["k"] == 1 and manifest["counts"]["steps"] > 0
+    assert not (tmp_path / "earlier").exists()
