@@ -10,9 +10,10 @@
     python benchmarks/bench_speedup_validation.py compare runs --json benchmarks/results/speedup-validation.json
 
 Measured: output tokens per second at concurrency 1 (requests one after another) and 16 (48 requests through an
-engine that runs at most 16 at once), greedy, ``ignore_eos``, 128 tokens each, over rounds that alternate the
-two concurrencies; one engine per (drafter, k), moetrace's hooks paused while timing (the engine exactly as vLLM
-built it). Then the hooks resume and the same workload is recorded once, so the trace is of what was timed.
+engine that runs at most 16 at once), greedy, ``ignore_eos``, 256 tokens each, prefix caching off, over rounds that
+alternate the two concurrencies after a warm-up of the whole workload; one engine per (drafter, k), moetrace's
+hooks paused while timing (the engine exactly as vLLM built it). Then the hooks resume and the same workload is
+recorded once, so the trace is of what was timed. Dummy-weight models get spread routing (``spread_routing``).
 
 Baseline: k = 0 (no speculation) on the same GPU, same workload, same run. Measured speedup = median tok/s at k
 over median tok/s at k = 0; its 95% interval bootstraps the rounds of both engines.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -90,6 +92,8 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
         (model_dir / "config.json").write_text(json.dumps(kimi_k2_slice(int(model.removeprefix("kimi-k2-tp")))))
         model_path = str(model_dir)
         engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 1024}
+    # Every round does the same work: no prefix cache hits on prompts an earlier round sent.
+    engine_args["enable_prefix_caching"] = False
     request = RecordRequest(model=model_path, ks=ks, method=method, batch_size=max(CONCURRENCIES), tp=tp,
                             max_tokens=max_tokens, out=out, eager=eager, engine_args=engine_args)
     settings = engine_settings(request, resolve_model(model_path), k, trace_dir, prompts,
@@ -99,6 +103,28 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
         settings["dtype"] = "bfloat16"
         settings["max_model_len"] = 1024
     return settings
+
+
+def spread_routing(worker: Any) -> int:
+    """In the worker: every MoE router loses its selection bias, and gets random gate rows (its own seed per
+    layer) where the weight is a plain matrix (CPU builds repack it). vLLM's dummy weights draw every tensor from
+    one seed and tiny values, so such a router picks the same experts for every token (its bias decides) and the
+    MoE cost never grows with k; a trained router spreads tokens over experts, and so does this one. Parameters
+    change in place: compiled graphs read them as they are. Returns the routers changed."""
+    import torch
+
+    layers = 0
+    for name, module in worker.model_runner.model.named_modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if not name.endswith(".gate") or not isinstance(bias, torch.Tensor):
+            continue
+        bias.data.zero_()
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            generator = torch.Generator(device=weight.device).manual_seed(1 + layers)
+            weight.data.normal_(0.0, 1.0, generator=generator)
+        layers += 1
+    return layers
 
 
 def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int) -> dict[str, Any]:
@@ -115,6 +141,8 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int) -> di
         statuses = llm.collective_rpc("moetrace_status")
         if not any(s["recording"] for s in statuses):
             raise RuntimeError(next((s["error"] for s in statuses if s["error"]), "the plugin did not load"))
+        if settings["engine_args"].get("load_format") == "dummy" and not all(llm.collective_rpc(spread_routing)):
+            raise RuntimeError("no MoE router found to spread")
         llm.collective_rpc("moetrace_pause")
         for concurrency in CONCURRENCIES:  # warm-up, the whole workload: Triton compiles each new batch shape
             timed_generate(llm, workload(prompts, concurrency, rounds + 1), concurrency, max_tokens)
@@ -151,6 +179,7 @@ def measure(args: argparse.Namespace) -> None:
     from moetrace.host import gpu_inventory
 
     began = time.perf_counter()
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(spread_routing): a function of this script
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / f"{args.model}-measurements.json"
@@ -324,8 +353,8 @@ def main() -> None:
     run.add_argument("--tp", type=int, default=1, help="tensor-parallel size (kimi-k2-tp4 at 2: TP=8's per-GPU shape)")
     run.add_argument("--methods", default="ngram", help="drafters, e.g. ngram,mtp (mtp: the default model only)")
     run.add_argument("--ks", default="0,1,2,3,4")
-    run.add_argument("--rounds", type=int, default=4)
-    run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--rounds", type=int, default=3)
+    run.add_argument("--max-tokens", type=int, default=256)
     run.add_argument("--sync-baseline", action="store_true",
                      help="also k = 0 with async scheduling off (as vLLM runs n-gram drafting)")
     run.add_argument("--eager", action="store_true", help="no torch.compile or CUDA graphs (CPU smoke runs)")
