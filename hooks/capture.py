@@ -74,6 +74,21 @@ class RoutingBuffers:
             buffer[: value.shape[0], slot].copy_(value)
 
 
+def own_rows_start(routed_rows: int, num_tokens: int, tokens_across_dp: list[int] | None, dp_rank: int) -> int:
+    """Where this rank's ``num_tokens`` rows start among the ``routed_rows`` its routers saw. Under data parallelism
+    with an all-gather dispatch, routers see every DP rank's tokens, rank by rank (``tokens_across_dp``, from
+    vLLM's forward context): this rank's come after the lower ranks'. Otherwise (no DP, or a dispatch that routes
+    before it gathers) they are the first rows, padding after them."""
+    if not tokens_across_dp or len(tokens_across_dp) < 2:
+        return 0
+    if routed_rows == sum(tokens_across_dp) and routed_rows != tokens_across_dp[dp_rank]:
+        return sum(tokens_across_dp[:dp_rank])
+    if routed_rows < num_tokens:
+        raise ValueError(f"routers saw {routed_rows} rows for {num_tokens} tokens of DP rank {dp_rank} "
+                         f"(tokens across DP ranks: {tokens_across_dp})")
+    return 0
+
+
 class NothingCaptured(LookupError):
     """No capture mechanism wrote this forward's routing: recording it would record zeros."""
 
@@ -110,17 +125,20 @@ class RoutingCapture:
         """Call before each recorded forward: forget the previous forward's references."""
         self.step = [None] * self.num_layers
 
-    def collect(self, num_tokens: int, replayed: Hashable | None = None) -> tuple[str, dict[str, torch.Tensor]]:
-        """Rows [:T] of this forward, still on the device, and the mechanism that wrote them (``eager``, ``graph``
-        or ``traced``). ``replayed`` names the CUDA graph the forward replayed (None: no graph). No kernel ran in
-        the forward, so the gather is here: one stack per field. Raises ``NothingCaptured`` when no mechanism
-        wrote this forward."""
+    def collect(self, num_tokens: int, replayed: Hashable | None = None, tokens_across_dp: list[int] | None = None,
+                dp_rank: int = 0) -> tuple[str, dict[str, torch.Tensor]]:
+        """This rank's T rows of this forward, still on the device, and the mechanism that wrote them (``eager``,
+        ``graph`` or ``traced``). ``replayed`` names the CUDA graph the forward replayed (None: no graph);
+        ``tokens_across_dp`` the tokens of every DP rank in this forward (None without DP). No kernel ran in the
+        forward, so the gather is here: one stack per field. Raises ``NothingCaptured`` when no mechanism wrote
+        this forward."""
         mechanism, kept = self._kept(replayed)
         self.step = [None] * self.num_layers
         if kept is None:  # traced forward: the static buffers hold it
             rows = {name: b[:num_tokens] for name, b in self.buffers.fields.items()}
         else:  # every layer's tensor has the forward's (padded) length: stack, then cut once
-            rows = {name: torch.stack([getattr(k, name) for k in kept], dim=1)[:num_tokens]
+            start = own_rows_start(int(kept[0].ids.shape[0]), num_tokens, tokens_across_dp, dp_rank)
+            rows = {name: torch.stack([getattr(k, name) for k in kept], dim=1)[start : start + num_tokens]
                     for name in self.buffers.fields}
         return mechanism, {name: r.to(_DTYPES[name]) for name, r in rows.items()}
 

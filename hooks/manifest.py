@@ -82,6 +82,7 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], settings: dict[
             "ep": ep,
             "pp": int(parallel.pipeline_parallel_size),
             "dp": int(parallel.data_parallel_size),
+            "dp_rank": int(parallel.data_parallel_rank),
             "expert_placement": str(parallel.expert_placement_strategy),
         },
         "spec": {

@@ -94,7 +94,11 @@ def install(worker: Any, settings: dict[str, Any]) -> None:
             raise RuntimeError("pipeline parallelism is not supported yet")
         # A recording started by hand under `vllm serve` gets its run id from its directory and start time.
         run_id = settings.get("run_id") or f"{Path(settings['out']).name}-{time.strftime('%Y%m%dT%H%M%S')}"
-        recorder = Recorder(api, worker.model_runner, worker.vllm_config, {**settings, "run_id": run_id})
+        settings = {**settings, "run_id": run_id}
+        parallel = worker.vllm_config.parallel_config
+        if int(parallel.data_parallel_size) > 1:  # every DP rank records its own requests, into its own directory
+            settings["out"] = str(Path(settings["out"]) / f"dp{int(parallel.data_parallel_rank)}")
+        recorder = Recorder(api, worker.model_runner, worker.vllm_config, settings)
     except Exception as exc:
         worker._moetrace_error = f"{exc}"
         log.warning("moetrace: not recording: %s", exc)

@@ -89,6 +89,8 @@ class Recorder:
             self._staging = torch.empty((int(runner.max_num_tokens), self.layout.width), dtype=torch.int32,
                                         pin_memory=True)
         self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
+        self._tokens_across_dp: list[int] | None = None  # every DP rank's tokens in the last forward
+        self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
         manifest = worker_manifest(vllm_config, infos, settings)
         manifest["capture"]["recomputed_from_logits"] = any(entry is not None for entry in self.entries)
         self.writer = TraceWriter(
@@ -163,7 +165,7 @@ class Recorder:
         began = time.perf_counter_ns()
         t_start = time.time_ns()
         self.capture.begin_step()
-        self._replayed = None
+        self._replayed = self._tokens_across_dp = None
         before = time.perf_counter_ns() - began
         result = self._original_execute(scheduler_output, *args, **kwargs)
         resumed = time.perf_counter_ns()
@@ -182,6 +184,7 @@ class Recorder:
             began = time.perf_counter_ns()
             try:
                 self._replayed = self.api.graph_key()
+                self._tokens_across_dp = self.api.tokens_across_dp()
             except Exception as exc:
                 self._stop(exc)
             self.own_ns["model_forward"] += time.perf_counter_ns() - began
@@ -257,7 +260,7 @@ class Recorder:
         num_tokens = int(query_start[-1])
         spec = state.spec_decode_metadata if state is not None else None
         drafts = np.asarray(spec.num_draft_tokens, dtype=np.int64) if spec is not None else np.zeros(num_reqs, np.int64)
-        mechanism, routing = self.capture.collect(num_tokens, self._replayed)
+        mechanism, routing = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp, self.dp_rank)
         self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
         # One int32 [T, W] block (floats by their bits), so one copy brings the whole step to the host.
         columns = [routing[name].view(torch.int32).reshape(num_tokens, -1) for name in FIELDS if name in routing]

@@ -81,6 +81,14 @@ class WorkerApi:
         mode = context.cudagraph_runtime_mode
         return None if mode == self.cudagraph_none else (mode.name, context.batch_descriptor)
 
+    def tokens_across_dp(self) -> list[int] | None:
+        """Inside a forward: every DP rank's token count in it (host values vLLM already holds), None without DP."""
+        if not self.is_forward_context_available():
+            return None
+        metadata = getattr(self.get_forward_context(), "dp_metadata", None)
+        counts = getattr(metadata, "num_tokens_across_dp_cpu", None)
+        return None if counts is None else [int(n) for n in counts.tolist()]
+
     def check_runner(self, runner: Any) -> None:
         require_fields(runner, RUNNER_FIELDS, "model runner")
         require_fields(runner.input_batch, INPUT_BATCH_FIELDS, "input batch")

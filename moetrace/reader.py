@@ -8,6 +8,7 @@ naming the file while the intact files are still read.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ class Trace:
     steps_files: list[Path]
     telemetry_files: list[Path]
     warnings: list[str] = field(default_factory=list)
+    ranks: list[Trace] = field(default_factory=list)  # a data-parallel recording: one trace per DP rank
 
     @property
     def k(self) -> int:
@@ -51,11 +53,28 @@ class Trace:
         return bool(self.manifest.get("complete"))
 
     def routing(self) -> pl.LazyFrame:
+        if self.ranks:
+            return self._merged([rank.routing() for rank in self.ranks])
         return _scan(self.routing_files, routing_schema(int(self.manifest["model"]["top_k"]),
                                                         int(self.manifest.get("capture", {}).get("candidates", 0))))
 
     def steps(self) -> pl.LazyFrame:
+        if self.ranks:
+            return self._merged([rank.steps() for rank in self.ranks])
         return _scan(self.steps_files, STEPS_SCHEMA)
+
+    def _merged(self, frames: list[pl.LazyFrame]) -> pl.LazyFrame:
+        """Every DP rank's rows, with a ``dp_rank`` column; each rank's requests and steps are its own (a rank's
+        step is its own batch), so they are renumbered apart: request·dp + rank, step·dp + rank."""
+        size = len(self.ranks)
+        return pl.concat([
+            frame.with_columns(
+                dp_rank=pl.lit(int(rank.manifest["parallel"].get("dp_rank", index)), pl.UInt16),
+                request=(pl.col("request").cast(pl.Int64) * size + index).cast(pl.UInt32),
+                step=(pl.col("step").cast(pl.Int64) * size + index).cast(pl.UInt32),
+            )
+            for index, (rank, frame) in enumerate(zip(self.ranks, frames))
+        ])
 
     def telemetry(self) -> pl.LazyFrame | None:
         return pl.scan_parquet(self.telemetry_files, glob=False) if self.telemetry_files else None
@@ -165,10 +184,49 @@ def _table_files(directory: Path, expected: pa.Schema | None, warnings: list[str
     return good
 
 
+def rank_directories(directory: Path) -> list[Path]:
+    """The per-DP-rank traces (``dp0/``, ``dp1/``, …) a data-parallel recording left in ``directory``."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if re.fullmatch(r"dp[0-9]+", p.name) and (p / MANIFEST_NAME).exists()]
+    return sorted(found, key=lambda p: int(p.name[2:]))
+
+
+def is_trace(directory: Path) -> bool:
+    return (directory / MANIFEST_NAME).exists() or bool(rank_directories(directory))
+
+
+def open_ranks(directory: Path, ranks: list[Path]) -> Trace:
+    """One trace over a data-parallel recording's ranks: rank 0's manifest with the counts of all, complete
+    when every rank is; the ranks must be one recording (same model, drafter and k; under `vllm serve` each rank
+    names its run by its own start time, so run ids may differ by a second)."""
+    traces = [open_trace(rank) for rank in ranks]
+    first = traces[0]
+    for trace in traces[1:]:
+        for key in ("spec.k", "spec.method", *SWEEP_MODEL_KEYS):
+            if _get_or_none(trace.manifest, key) != _get_or_none(first.manifest, key):
+                raise UserError(f"{directory}: DP ranks {first.path.name} and {trace.path.name} are not one "
+                                f"recording ({key} differs)")
+    manifest = json.loads(json.dumps(first.manifest))
+    manifest["complete"] = all(trace.complete for trace in traces)
+    counts = [trace.manifest.get("counts") or {} for trace in traces]
+    manifest["counts"] = {key: sum(int(c.get(key) or 0) for c in counts) for key in counts[0]}
+    manifest["parallel"]["dp_ranks"] = [int(t.manifest["parallel"].get("dp_rank", i)) for i, t in enumerate(traces)]
+    return Trace(path=directory, manifest=manifest,
+                 routing_files=[f for t in traces for f in t.routing_files],
+                 steps_files=[f for t in traces for f in t.steps_files],
+                 telemetry_files=first.telemetry_files,
+                 warnings=[w for t in traces for w in t.warnings], ranks=traces)
+
+
 def open_trace(directory: Path) -> Trace:
-    """Open one trace directory; raises ``UserError`` for a directory that is not a readable trace."""
+    """Open one trace directory (or a data-parallel recording's, holding one per rank); raises ``UserError`` for
+    a directory that is not a readable trace."""
     if not directory.exists():
         raise UserError(f"{directory}: no such trace")
+    ranks = rank_directories(directory)
+    if ranks and not (directory / MANIFEST_NAME).exists():
+        return open_ranks(directory, ranks)
     manifest = read_manifest(directory)
     warnings: list[str] = []
     if manifest.get("error"):
@@ -191,9 +249,9 @@ def open_traces(path: Path) -> list[Trace]:
     """A trace directory, or a parent holding one trace per k (a sweep), ordered by k."""
     if not path.exists():
         raise UserError(f"{path}: no such trace")
-    if (path / MANIFEST_NAME).exists():
+    if is_trace(path):
         return [open_trace(path)]
-    children = sorted(p for p in path.iterdir() if (p / MANIFEST_NAME).exists()) if path.is_dir() else []
+    children = sorted(p for p in path.iterdir() if is_trace(p)) if path.is_dir() else []
     if not children:
         raise UserError(f"{path}: not a moetrace trace (no {MANIFEST_NAME} here or in its subdirectories)")
     traces = sorted((open_trace(child) for child in children), key=lambda t: t.k)

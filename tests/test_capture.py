@@ -12,6 +12,7 @@ import torch
 from moetrace.hooks.capture import (
     NothingCaptured,
     RoutingCapture,
+    own_rows_start,
     unwrap_router,
     wrap_router,
 )
@@ -104,6 +105,23 @@ def test_eager_forwards_keep_references_that_equal_the_computed_routing_without_
         assert rows["ids"].shape == (num_tokens, L, K) and rows["ids"].dtype == torch.int32
         assert rows["weights"].dtype == torch.float32
         assert_rows_equal(rows, routers, logits)
+
+
+def test_a_router_that_sees_every_dp_ranks_tokens_records_only_this_ranks_rows() -> None:
+    routers, capture, _ = setup()
+    gen = torch.Generator().manual_seed(7)
+    across = [2, 3, 1]  # tokens of DP ranks 0, 1, 2 in this forward, gathered rank by rank before routing
+    logits = torch.randn(sum(across), L, E, generator=gen).bfloat16()
+    for rank, own in enumerate(across):
+        capture.begin_step()
+        forward(routers, logits)
+        used, rows = capture.collect(own, None, across, rank)
+        start = sum(across[:rank])
+        assert_rows_equal({n: t.cpu() for n, t in rows.items()}, routers, logits[start : start + own])
+    # a dispatch that routes before gathering: the first rows are this rank's, padding after them
+    assert own_rows_start(4, 3, across, 1) == 0 and own_rows_start(6, 1, None, 0) == 0
+    with pytest.raises(ValueError, match="routers saw 2 rows for 3 tokens"):
+        own_rows_start(2, 3, across, 1)
 
 
 def test_candidates_are_the_top_selection_scores() -> None:

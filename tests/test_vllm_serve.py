@@ -21,7 +21,7 @@ import pytest
 
 from moetrace.default_model import encode_text, ensure_default_model
 from moetrace.prompts import BUILTIN_PROMPTS
-from moetrace.reader import open_trace
+from moetrace.reader import open_trace, open_traces
 
 pytestmark = pytest.mark.vllm
 
@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def vllm_server(recording: dict[str, Any], log: Path) -> Iterator[str]:
+def vllm_server(recording: dict[str, Any], log: Path, *extra: str) -> Iterator[str]:
     """vLLM's OpenAI server on the default model with MOETRACE_RECORD set, in its own process group (so that the
     test can press Ctrl-C on the group, as a terminal does)."""
     port = free_port()
@@ -44,7 +44,7 @@ def vllm_server(recording: dict[str, Any], log: Path) -> Iterator[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ensure_default_model()),
         "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
         "--max-model-len", "512", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(512 << 20),
-        "--speculative-config", json.dumps(spec), "--port", str(port),
+        "--speculative-config", json.dumps(spec), "--port", str(port), *extra,
     ]
     env = {**os.environ, "MOETRACE_RECORD": json.dumps(recording)}
     with open(log, "w") as sink:
@@ -138,3 +138,18 @@ def test_a_recording_window_closes_the_trace_while_the_server_keeps_serving(tmp_
         assert manifest["complete"] is True and manifest["counts"]["steps"] == 20
         send_traffic(base, requests=4, concurrency=4)  # the server serves on, unhooked
     assert json.loads((trace_dir / "manifest.json").read_text())["counts"]["steps"] == 20
+
+
+def test_each_data_parallel_rank_records_into_its_own_directory_and_they_read_as_one_trace(tmp_path: Path) -> None:
+    """vLLM's CPU build starts a DP=2 server for this MoE model but cannot run its forward (its fused-MoE
+    ``_prepare`` raises NotImplementedError under DP, with or without moetrace), so this proves the layout and the
+    clean close; the rows of each rank are proven on GPUs."""
+    trace_dir = tmp_path / "dp-trace"
+    with vllm_server({"out": str(trace_dir)}, tmp_path / "server.log", "--data-parallel-size", "2"):
+        pass
+    manifests = [finished_manifest(trace_dir / f"dp{rank}") for rank in (0, 1)]
+    assert [m["parallel"]["dp_rank"] for m in manifests] == [0, 1]
+    assert all(m["complete"] is True and m["parallel"]["dp"] == 2 for m in manifests)
+    assert not (trace_dir / "manifest.json").exists()
+    (trace,) = open_traces(trace_dir)
+    assert trace.manifest["parallel"]["dp_ranks"] == [0, 1] and trace.complete

@@ -240,3 +240,42 @@ def test_a_sweep_folder_with_two_traces_at_one_k_or_two_models_is_refused_in_one
     TraceWriter(tmp_path / "mixed" / "k2", other, LAYERS, TOP_K).close()
     with pytest.raises(UserError, match="not one sweep: k0 has model.num_experts 384, k2 has 256"):
         open_traces(tmp_path / "mixed")
+
+
+def _dp_recording(root: Path, ks: tuple[int, int] = (2, 2)) -> Path:
+    """Two DP ranks' traces of one recording, as the plugin writes them: root/dp0, root/dp1."""
+    from trace_builder import Model, verify_tokens, write_trace
+
+    model = Model()
+    for rank, k in enumerate(ks):
+        tokens = verify_tokens(np.random.default_rng(rank), model, requests=2, steps=6, k=k, accept_prob=0.6)
+        trace = write_trace(root / f"dp{rank}", tokens, model, k=k)
+        manifest = json.loads((trace / "manifest.json").read_text())
+        manifest["parallel"].update(dp=2, dp_rank=rank)
+        manifest["counts"] = {"steps": 6, "routing_rows": int(len(tokens.step)) * len(model.layers)}
+        (trace / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def test_a_data_parallel_recording_reads_as_one_trace_with_each_ranks_requests_and_steps_apart(
+    tmp_path: Path,
+) -> None:
+    root = _dp_recording(tmp_path / "run")
+    (trace,) = open_traces(root)
+    ranks = [open_trace(root / "dp0"), open_trace(root / "dp1")]
+    routing = trace.routing().collect()
+    assert routing.height == sum(r.routing().collect().height for r in ranks)
+    assert routing["dp_rank"].unique().sort().to_list() == [0, 1]
+    # the same request index on two ranks is two requests; a rank's step is its own batch
+    per_rank = [r.steps().collect() for r in ranks]
+    steps = trace.steps().collect()
+    assert steps.select("request").n_unique() == sum(f.select("request").n_unique() for f in per_rank)
+    assert steps.select("step").n_unique() == sum(f.select("step").n_unique() for f in per_rank)
+    assert trace.manifest["parallel"]["dp_ranks"] == [0, 1] and trace.manifest["counts"]["steps"] == 12
+    assert trace.k == 2 and trace.complete
+
+
+def test_data_parallel_ranks_of_different_recordings_are_refused(tmp_path: Path) -> None:
+    root = _dp_recording(tmp_path / "run", ks=(2, 3))
+    with pytest.raises(UserError, match="not one recording"):
+        open_traces(root)
