@@ -58,11 +58,12 @@ def step_times(steps: pl.LazyFrame) -> pl.DataFrame:
 def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
     """Per concurrency (``batch``: requests per step): the median time from one decode step's start to the next's,
     host scheduling between them included, over consecutive steps of the same requests count in which every
-    request was decoding; and how many such pairs there were. This is what each request waits per step."""
+    request was decoding; how many such pairs there were; and the tokens each request gained per step in them
+    (1 + accepted drafts). This is what each request waits per step, and what it gets for it."""
     per_step = (
         steps.group_by("step")
         .agg(decoding=(pl.col("num_tokens") == pl.col("num_drafts") + 1).all(), requests=pl.len(),
-             t_start_ns=pl.col("t_start_ns").first())
+             t_start_ns=pl.col("t_start_ns").first(), kept=(pl.col("num_accepted") + 1).sum())
         .sort("step")
     )
     following = [pl.col(name).shift(-1).alias(f"next_{name}") for name in ("step", "decoding", "requests", "t_start_ns")]
@@ -72,7 +73,8 @@ def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
                 & (pl.col("next_requests") == pl.col("requests")))
         .group_by(batch=pl.col("requests").cast(pl.Int32))
         .agg(decode_steps=pl.len().cast(pl.Int64),
-             period_ms=((pl.col("next_t_start_ns") - pl.col("t_start_ns")) / 1e6).median().cast(pl.Float64))
+             period_ms=((pl.col("next_t_start_ns") - pl.col("t_start_ns")) / 1e6).median().cast(pl.Float64),
+             tokens_per_step=(pl.col("kept").sum() / pl.col("requests").sum()).cast(pl.Float64))
         .sort("batch")
         .collect()
     )

@@ -71,3 +71,22 @@ def batches_from(values: Sequence[int]) -> tuple[int, ...]:
     if not out or out[0] < 1:
         raise ValueError("concurrency values must be at least 1")
     return out
+
+
+def against_trace(speedups: pl.DataFrame, measured: pl.DataFrame) -> pl.DataFrame:
+    """Per (batch, k > 0) that the sweep recorded: the predicted step and speedup beside those its traces measured
+    on the machine that recorded them, and what the prediction leaves out per step (measured − predicted step).
+    ``measured``: k, batch, period_ms, tokens_per_step (``analysis.acceptance.decode_step_periods`` of each trace,
+    k = 0 included: the speedup is over it, at the same batch)."""
+    baseline = measured.filter(pl.col("k") == 0).select("batch", baseline_ms=pl.col("period_ms"))
+    at_k = (measured.filter(pl.col("k") > 0).join(baseline, on="batch")
+            .with_columns(measured_speedup=pl.col("tokens_per_step") / (pl.col("period_ms") / pl.col("baseline_ms"))))
+    return (
+        speedups.select("batch", "k", predicted_step_ms="step_ms", predicted_tokens_per_step="tokens_per_step",
+                        predicted_speedup="speedup")
+        .join(at_k.select("batch", "k", measured_step_ms="period_ms", measured_tokens_per_step="tokens_per_step",
+                          measured_speedup="measured_speedup"), on=["batch", "k"])
+        .with_columns(error=(pl.col("predicted_speedup") - pl.col("measured_speedup")) / pl.col("measured_speedup"),
+                      unexplained_ms=pl.col("measured_step_ms") - pl.col("predicted_step_ms"))
+        .sort("batch", "k")
+    )

@@ -239,38 +239,21 @@ def ratio_ci95(numerator: list[float], denominator: list[float], resamples: int 
             [ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]])
 
 
-def predicted_speedups(sweep: Path, calibration: Path, scratch: Path) -> tuple[dict[tuple[int, int], Any], Any]:
-    """``moetrace report`` as a user runs it (a subprocess): per (concurrency, k) its prediction row, and its basis."""
+def report_prediction(sweep: Path, calibration: Path, scratch: Path) -> dict[str, Any]:
+    """``moetrace report --profile measured`` as a user runs it (a subprocess): its prediction section."""
     command = [sys.executable, "-m", "moetrace", "report", str(sweep), "--calibration", str(calibration),
                "--profile", "measured", "--batch", ",".join(map(str, CONCURRENCIES)), "--json",
                "-o", str(scratch / f"{sweep.name}.html"), "--force"]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{sweep}: moetrace report failed: {done.stderr.strip()}")
-    prediction = json.loads(done.stdout)["runs"][0]["prediction"]
-    return {(row["batch"], row["k"]): row for row in prediction["per_batch"]}, prediction["basis"]
-
-
-def trace_side(trace: Path) -> dict[int, dict[str, float]]:
-    """From a recorded trace, per concurrency: the decode step period (start to start) and tokens per request-step."""
-    import polars as pl
-
-    from moetrace.analysis.acceptance import decode_step_periods
-    from moetrace.reader import open_traces
-
-    opened = open_traces(trace)[0]
-    steps = opened.steps()
-    periods = decode_step_periods(steps)
-    decoding = steps.filter(pl.col("num_tokens") == pl.col("num_drafts") + 1)
-    per_batch = decoding.group_by(batch=pl.col("batch_size").cast(pl.Int32)).agg(
-        tokens_per_step=(pl.col("num_accepted").mean() + 1)).collect()
-    tokens = {int(r["batch"]): float(r["tokens_per_step"]) for r in per_batch.to_dicts()}
-    return {int(r["batch"]): {"period_ms": float(r["period_ms"]), "tokens_per_step": tokens.get(int(r["batch"]), 1.0)}
-            for r in periods.to_dicts()}
+    prediction: dict[str, Any] = json.loads(done.stdout)["runs"][0]["prediction"]
+    return prediction
 
 
 def compare(args: argparse.Namespace) -> None:
-    """Predicted and measured speedup per (model, drafter, concurrency, k), and what explains the gap."""
+    """Predicted and measured speedup per (model, drafter, concurrency, k): throughput with the hooks paused, and
+    the report's own check against the recorded decode steps (with the per-step time the prediction leaves out)."""
     import tempfile
 
     runs: Path = args.runs
@@ -286,7 +269,6 @@ def compare(args: argparse.Namespace) -> None:
             if baseline is None or not calibration.exists():
                 print(f"{model}: no k=0 engine or no {calibration.name}: skipped")
                 continue
-            base_trace = trace_side(runs / baseline["trace"])
             sync = next((e for e in engines if e["method"] == "sync"), None)
             models[model] = {
                 "device": doc["device"], "vllm_version": doc["vllm_version"], "tp": doc.get("tp", 1),
@@ -299,40 +281,42 @@ def compare(args: argparse.Namespace) -> None:
                 sweep = (runs / next(e["trace"] for e in engines if e["method"] == method)).parent
                 if not (sweep / "k0").exists():  # k = 0 runs no drafter: the shared baseline joins each sweep
                     (sweep / "k0").symlink_to(Path("..") / Path(baseline["trace"]))
-                predicted, basis = predicted_speedups(sweep, calibration, Path(scratch))
-                models[model].setdefault("prediction_basis", {})[method] = basis["mode"]
+                prediction = report_prediction(sweep, calibration, Path(scratch))
+                models[model].setdefault("prediction_basis", {})[method] = prediction["basis"]["mode"]
+                predicted = {(r["batch"], r["k"]): r for r in prediction["per_batch"]}
+                checked = {(r["batch"], r["k"]): r for r in prediction["against_trace"]}
                 for engine in (e for e in engines if e["method"] == method and e["k"] > 0):
-                    at_k = trace_side(runs / engine["trace"])
-                    for concurrency in map(str, CONCURRENCIES):
-                        batch, k = int(concurrency), engine["k"]
-                        measured, interval = ratio_ci95(engine["tok_s"][concurrency], baseline["tok_s"][concurrency])
-                        row = predicted.get((batch, k))
-                        trace_k, trace_0 = at_k.get(batch), base_trace.get(batch)
-                        step_ratio = trace_k["period_ms"] / trace_0["period_ms"] if trace_k and trace_0 else None
+                    for concurrency in CONCURRENCIES:
+                        key = (concurrency, engine["k"])
+                        measured, interval = ratio_ci95(engine["tok_s"][str(concurrency)],
+                                                        baseline["tok_s"][str(concurrency)])
+                        row, trace = predicted.get(key), checked.get(key, {})
                         rows.append({
-                            "model": model, "drafter": method, "concurrency": batch, "k": k,
+                            "model": model, "drafter": method, "concurrency": concurrency, "k": engine["k"],
                             "predicted_speedup": row["speedup"] if row else None,
                             "measured_speedup": measured, "measured_ci95": interval,
                             "error": (row["speedup"] - measured) / measured if row else None,
-                            "predicted_step_ratio": row["step_ratio"] if row else None,
-                            "trace_step_ratio": step_ratio,
-                            "predicted_tokens_per_step": row["tokens_per_step"] if row else None,
-                            "trace_tokens_per_step": trace_k["tokens_per_step"] if trace_k else None,
-                            "trace_step_ms": trace_k["period_ms"] if trace_k else None,
+                            "trace_measured_speedup": trace.get("measured_speedup"),
+                            "trace_tokens_per_step": trace.get("measured_tokens_per_step"),
+                            "trace_step_ms": trace.get("measured_step_ms"),
                             "predicted_step_ms": row["step_ms"] if row else None,
+                            "unexplained_ms_per_step": trace.get("unexplained_ms"),
                             "command": doc["command"],
                         })
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+
+    def show(value: float | None, width: int, digits: int = 2) -> str:
+        return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
     print(f"{'model':<12} {'drafter':<6} {'B':>3} {'k':>2} {'predicted':>9} {'measured':>8} {'95% interval':>13} "
-          f"{'error':>6} {'step× pred':>10} {'step× trace':>11} {'tok/step pred':>13} {'trace':>6}")
+          f"{'error':>6} {'trace ×':>7} {'step ms':>7} {'missing ms':>10}")
     for r in rows:
-        def show(value: float | None, width: int, digits: int = 2) -> str:
-            return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
-        print(f"{r['model']:<12} {r['drafter']:<6} {r['concurrency']:>3} {r['k']:>2} {show(r['predicted_speedup'], 9)} "
-              f"{show(r['measured_speedup'], 8)} {r['measured_ci95'][0]:>6.2f}-{r['measured_ci95'][1]:<6.2f} "
-              f"{show(100 * r['error'] if r['error'] is not None else None, 5, 0)}% "
-              f"{show(r['predicted_step_ratio'], 10)} {show(r['trace_step_ratio'], 11)} "
-              f"{show(r['predicted_tokens_per_step'], 13)} {show(r['trace_tokens_per_step'], 6)}")
+        error = 100 * r["error"] if r["error"] is not None else None
+        print(f"{r['model']:<12} {r['drafter']:<6} {r['concurrency']:>3} {r['k']:>2} "
+              f"{show(r['predicted_speedup'], 9)} {show(r['measured_speedup'], 8)} "
+              f"{r['measured_ci95'][0]:>6.2f}-{r['measured_ci95'][1]:<6.2f} {show(error, 5, 0)}% "
+              f"{show(r['trace_measured_speedup'], 7)} {show(r['trace_step_ms'], 7)} "
+              f"{show(r['unexplained_ms_per_step'], 10)}")
     for model, facts in models.items():
         if facts["async_off_k0"]:
             print(f"{model}: k=0 with async scheduling off / on: "
@@ -344,6 +328,7 @@ def compare(args: argparse.Namespace) -> None:
     if args.json is not None:
         args.json.write_text(json.dumps({"models": models, "rows": rows,
                                          "largest_error": max(errors) if errors else None}, indent=2) + "\n")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 
 from moetrace.analysis.cost import CALIBRATION_SCHEMA, Deployment, Profile
-from moetrace.analysis.decision import recommended_k, speedup_per_batch
+from moetrace.analysis.decision import against_trace, recommended_k, speedup_per_batch
 from moetrace.analysis.shape import ModelShape
 
 SHAPE = ModelShape(num_experts=64, top_k=2, num_layers=2, moe_layers=1, hidden_size=8, expert_width=4,
@@ -77,3 +77,15 @@ def test_a_profile_is_scaled_from_one_token_to_batch_times_k_plus_one_tokens() -
     assert k0["attention_ms"] == pytest.approx(10.0 * 0.2 * (1 + 0.03 * 3))  # 4 tokens: 3 more than the profile's
     assert k1["other_ms"] == pytest.approx(10.0 * 0.1 * (1 + 0.01 * 7))
     assert k0["rest_ms"] == pytest.approx(10.0 * 0.2)
+
+
+def test_against_trace_sets_the_prediction_beside_the_recorded_steps_by_hand() -> None:
+    speedups = pl.DataFrame({"batch": [1, 1, 4, 4], "k": [0, 2, 0, 2], "step_ms": [10.0, 11.0, 12.0, 14.0],
+                             "tokens_per_step": [1.0, 2.5, 1.0, 2.5], "speedup": [1.0, 2.5 / 1.1, 1.0, 2.5 * 12 / 14]})
+    measured = pl.DataFrame({"k": [0, 2, 0], "batch": [1, 1, 4], "period_ms": [10.0, 15.0, 12.5],
+                             "tokens_per_step": [1.0, 2.4, 1.0]})
+    (row,) = against_trace(speedups, measured).to_dicts()  # batch 4 has no recorded k = 2 steps
+    assert (row["batch"], row["k"]) == (1, 2)
+    assert row["measured_speedup"] == pytest.approx(2.4 / 1.5)
+    assert row["error"] == pytest.approx((2.5 / 1.1 - 1.6) / 1.6)
+    assert row["unexplained_ms"] == pytest.approx(4.0)

@@ -124,10 +124,11 @@ def test_decode_step_periods_time_consecutive_decode_steps_of_one_concurrency() 
             rows["request"].append(request)
             rows["num_tokens"].append(5 if prefill and request == 0 else 3)
             rows["num_drafts"].append(0 if prefill and request == 0 else 2)
-            rows["num_accepted"].append(1)
+            rows["num_accepted"].append(1 if step != 8 else 3)  # the last step starts no pair: not counted
             rows["t_start_ns"].append(start * ms)
             rows["t_end_ns"].append(start * ms + ms)
     periods = decode_step_periods(pl.DataFrame(rows).lazy()).to_dicts()
     # batch 2: 1 -> 2 (4 ms) and 2 -> 3 (6 ms); batch 1: 4 -> 5 (3 ms) and 7 -> 8 (2 ms); 0 -> 1 has a prefill,
     # 3 -> 4 changes the request count
-    assert periods == [{"batch": 1, "decode_steps": 2, "period_ms": 2.5}, {"batch": 2, "decode_steps": 2, "period_ms": 5.0}]
+    assert periods == [{"batch": 1, "decode_steps": 2, "period_ms": 2.5, "tokens_per_step": 2.0},
+                       {"batch": 2, "decode_steps": 2, "period_ms": 5.0, "tokens_per_step": 2.0}]

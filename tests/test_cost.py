@@ -226,6 +226,15 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     rows = prediction["per_batch"]
     assert {row["batch"] for row in rows} == {2}  # the builder's k=0 trace decodes 2 requests a step, 1 ms apart
     assert next(row["step_ms"] for row in rows if row["k"] == 0) == pytest.approx(1.0)
+    # beside the recorded k=2 steps (the builder starts a step every 1 ms at every k): the speedup they measured
+    # is their tokens per step, and what the prediction leaves out is 1 ms minus its predicted step
+    (checked,) = prediction["against_trace"]
+    assert (checked["batch"], checked["k"]) == (2, 2)
+    assert checked["measured_speedup"] == pytest.approx(checked["measured_tokens_per_step"])
+    predicted_k2 = next(row["step_ms"] for row in rows if row["k"] == 2)
+    assert checked["unexplained_ms"] == pytest.approx(1.0 - predicted_k2)
+    terminal = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2")
+    assert "Predicted against measured on the machine that recorded" in terminal.output
     for args, fragment in ((["--profile", "measured"], "give --calibration too"),
                            (["--profile", "measured", "--calibration", str(calibration), "--batch", "7"],
                             "no run of 5+ decode steps at concurrency 7 to measure the k=0 step at (has: 2)")):

@@ -26,7 +26,7 @@ from moetrace.analysis.cost import (
     tokens_per_step,
     uniform_routing,
 )
-from moetrace.analysis.decision import DEFAULT_BATCHES, recommended_k, speedup_per_batch
+from moetrace.analysis.decision import DEFAULT_BATCHES, against_trace, recommended_k, speedup_per_batch
 from moetrace.analysis.growth import (
     COUNTERFACTUAL,
     MEASURED,
@@ -90,6 +90,7 @@ class RunAnalysis:
     prediction: pl.DataFrame | None = None  # predicted step per k at one request (analysis.cost.predict)
     prediction_basis: dict[str, Any] | None = None
     speedups: pl.DataFrame | None = None  # predicted step per (batch, k) (analysis.decision)
+    against_trace: pl.DataFrame | None = None  # --profile measured: the prediction beside the sweep's own steps
     decision: pl.DataFrame | None = None  # recommended k per batch
     prediction_note: str | None = None  # why the preset could not predict
 
@@ -286,6 +287,10 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
             if options.preset is None:  # the user asked for this prediction
                 raise
             prediction_note = f"no prediction: {exc} (give --calibration or --profile for this deployment)"
+    checked = None
+    if options.measured_baseline and speedups is not None:
+        measured = pl.concat([decode_step_periods(t.steps()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces])
+        checked = against_trace(speedups, measured.filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS))
     return RunAnalysis(
         run=run,
         shape=shape,
@@ -305,6 +310,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         prediction=prediction,
         prediction_basis=basis,
         speedups=speedups,
+        against_trace=checked,
         decision=decision,
         prediction_note=prediction_note,
     )
@@ -377,7 +383,8 @@ def prediction_summary(analysis: RunAnalysis, k: int) -> dict[str, Any] | None:
     at_k = analysis.prediction.filter(pl.col("k") == k).to_dicts()
     return {"basis": analysis.prediction_basis, "at_k": at_k[0] if at_k else None,
             "per_k": analysis.prediction.to_dicts(),
-            "per_batch": analysis.speedups.to_dicts() if analysis.speedups is not None else []}
+            "per_batch": analysis.speedups.to_dicts() if analysis.speedups is not None else [],
+            "against_trace": analysis.against_trace.to_dicts() if analysis.against_trace is not None else []}
 
 
 def budget_summary(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:

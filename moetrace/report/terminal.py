@@ -127,6 +127,18 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
     return table
 
 
+def _against_trace(rows: list[dict[str, Any]]) -> Table:
+    table = _table("Predicted against measured on the machine that recorded (decode steps of the sweep's traces)", [
+        ("B", "requests per step"), ("k", ""), ("tok", "tokens per step, measured"), ("pred ×", "predicted speedup"),
+        ("meas ×", "measured speedup"), ("error", ""), ("step", "measured ms"),
+        ("missing", "ms per step the prediction leaves out")])
+    for row in rows:
+        table.add_row(str(row["batch"]), str(row["k"]), _number(row["measured_tokens_per_step"]),
+                      _number(row["predicted_speedup"]), _number(row["measured_speedup"]),
+                      f"{100 * row['error']:+.0f}%", _number(row["measured_step_ms"]), _number(row["unexplained_ms"]))
+    return table
+
+
 def _prediction_notes(prediction: dict[str, Any]) -> list[str]:
     basis = prediction["basis"]
     lines = [f"all-reduce: {basis['allreduce']}"] if basis["allreduce"] else []
@@ -234,6 +246,8 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
             console.print(_prediction(run["prediction"], k))
             for line in _prediction_notes(run["prediction"]):
                 console.print(Text(f"  {line}", style="dim"))
+            if run["prediction"]["against_trace"]:
+                console.print(_against_trace(run["prediction"]["against_trace"]))
         console.print(_budget(run["budget"]))
     if len(summary["runs"]) > 1:
         console.print(_comparison(summary))
