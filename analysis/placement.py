@@ -9,10 +9,12 @@ import numpy.typing as npt
 
 
 def linear_placement(num_experts: int, ep: int) -> npt.NDArray[np.int64]:
-    """Rank ``r`` holds experts ``[r*N/ep, (r+1)*N/ep)`` (vLLM's default); ``ep=1`` puts every expert on rank 0."""
+    """Contiguous blocks in rank order, as vLLM places experts by default: every rank N // ep experts, the first
+    N % ep ranks one more; ``ep=1`` puts every expert on rank 0."""
     if ep < 1:
         raise ValueError(f"expert-parallel size must be at least 1, got {ep}")
-    return (np.arange(num_experts, dtype=np.int64) * ep) // num_experts
+    base, extra = divmod(num_experts, ep)
+    return np.repeat(np.arange(ep, dtype=np.int64), [base + (rank < extra) for rank in range(ep)])
 
 
 def round_robin_placement(num_experts: int, ep: int) -> npt.NDArray[np.int64]:

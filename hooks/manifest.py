@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from moetrace.hooks.capture import RouterInfo
+from moetrace.hooks.vllm_api import VllmApiError, expert_placement
 from moetrace.host import gpu_inventory, host_facts
 from moetrace.schema import SCHEMA_VERSION
 
@@ -35,6 +36,18 @@ def expert_weight_format(hf_config: Any, dtype: torch.dtype) -> tuple[int, int |
         block = quant.get("weight_block_size")
         return 8, int(block[1]) if block else None
     return torch.finfo(dtype).bits, None
+
+
+def placement_facts(num_experts: int, ep: int, strategy: str) -> dict[str, Any]:
+    """The rank of every expert as vLLM placed them at load (``expert_placement``: a list under EP); where this
+    vLLM's placement function cannot be found, the strategy's name, and why."""
+    facts: dict[str, Any] = {"expert_placement": "linear", "expert_placement_strategy": strategy}
+    if ep > 1:
+        try:
+            facts["expert_placement"] = expert_placement(num_experts, ep, strategy)
+        except VllmApiError as exc:
+            facts.update(expert_placement=strategy, expert_placement_note=f"vLLM's own map not read: {exc}")
+    return facts
 
 
 def worker_manifest(vllm_config: Any, routers: list[RouterInfo], settings: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +96,8 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], settings: dict[
             "pp": int(parallel.pipeline_parallel_size),
             "dp": int(parallel.data_parallel_size),
             "dp_rank": int(parallel.data_parallel_rank),
-            "expert_placement": str(parallel.expert_placement_strategy),
+            **placement_facts(first.num_experts, ep, str(parallel.expert_placement_strategy)),
+            "eplb": bool(getattr(parallel, "enable_eplb", False)),  # when on, vLLM moves experts after load
         },
         "spec": {
             "method": str(spec.method) if spec is not None else "none",

@@ -55,6 +55,36 @@ def symbol(path: str) -> Any:
         raise missing(path) from None
 
 
+def first_symbol(*paths: str) -> Any:
+    """The first of ``paths`` this vLLM has (a symbol that moved between releases), else ``VllmApiError``."""
+    for path in paths:
+        try:
+            return symbol(path)
+        except VllmApiError:
+            continue
+    raise missing(" or ".join(paths))
+
+
+# vLLM's own expert placement (global expert -> this EP rank's local index, -1 elsewhere); it moved in 0.3x.
+EXPERT_MAP_PATHS = ("vllm.model_executor.layers.fused_moe.expert_map_manager.determine_expert_map",
+                    "vllm.model_executor.layers.fused_moe.layer.determine_expert_map")
+
+
+def expert_placement(num_experts: int, ep: int, strategy: str) -> list[int]:
+    """The EP rank of every logical expert as vLLM places them at load: its own ``determine_expert_map`` asked for
+    every rank (so a placement vLLM changes, or a remainder it gives the last rank, is recorded as it is)."""
+    determine = first_symbol(*EXPERT_MAP_PATHS)
+    owner = [-1] * num_experts
+    for rank in range(ep):
+        _, expert_map, *_ = determine(ep, rank, num_experts, strategy)
+        for expert, local in enumerate(expert_map.tolist()):
+            if local >= 0:
+                owner[expert] = rank
+    if min(owner) < 0:
+        raise VllmApiError(f"vLLM's expert map places no rank on expert {owner.index(-1)}")
+    return owner
+
+
 def require_fields(obj: Any, fields: tuple[str, ...], what: str) -> None:
     for field in fields:
         if not hasattr(obj, field):

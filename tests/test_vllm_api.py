@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from moetrace.hooks.vllm_api import (
+    expert_placement,
     SUPPORTED,
     VllmApiError,
     engine_arg_exists,
@@ -56,3 +57,17 @@ def test_hooks_and_writer_never_import_polars_or_plotly() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_expert_placement_recorded_is_vllms_own_for_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moetrace.analysis.placement import linear_placement, round_robin_placement
+    from moetrace.hooks import manifest, vllm_api
+
+    assert expert_placement(384, 8, "linear") == linear_placement(384, 8).tolist()
+    assert expert_placement(384, 8, "round_robin") == round_robin_placement(384, 8).tolist()
+    # 10 experts over 4 ranks: vLLM gives each rank 10 // 4 and the first 10 % 4 ranks one more
+    assert expert_placement(10, 4, "linear") == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3] == linear_placement(10, 4).tolist()
+    assert manifest.placement_facts(10, 1, "linear")["expert_placement"] == "linear"
+    monkeypatch.setattr(vllm_api, "EXPERT_MAP_PATHS", ("vllm.no_such_module.determine_expert_map",))
+    facts = manifest.placement_facts(10, 4, "round_robin")
+    assert facts["expert_placement"] == "round_robin" and "no_such_module" in facts["expert_placement_note"]
