@@ -235,6 +235,8 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     assert checked["unexplained_ms"] == pytest.approx(1.0 - predicted_k2)
     terminal = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2")
     assert "Predicted against measured on the machine that recorded" in terminal.output
+    page = (tmp_path / "sweep" / "report.html").read_text()
+    assert 'class="against-trace"' in page and f"{checked['unexplained_ms']:.2f}" in page
     for args, fragment in ((["--profile", "measured"], "give --calibration too"),
                            (["--profile", "measured", "--calibration", str(calibration), "--batch", "7"],
                             "no run of 5+ decode steps at concurrency 7 to measure the k=0 step at (has: 2)")):
