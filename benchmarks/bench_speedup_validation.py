@@ -226,7 +226,11 @@ def measure(args: argparse.Namespace) -> None:
             medians = {c: round(statistics.median(v), 1) for c, v in engine["tok_s"].items()}
             print(f"[{time.strftime('%H:%M:%S')}] {method} k={k}: start {engine['engine_start_s']:.0f} s, "
                   f"tok/s by concurrency {medians}", flush=True)
-    print(f"measurements: {results_path}")
+    failed = [f"{e['method']} k={e['k']}" for e in doc["engines"] if "tok_s" not in e]
+    if failed:  # the driver script runs this again until every engine has measured
+        print(f"failed engines, tried again on the next run: {', '.join(failed)}")
+    else:
+        print(f"measurements: {results_path}")
 
 
 def ratio_ci95(numerator: list[float], denominator: list[float], resamples: int = 10_000) -> tuple[float, list[float]]:
