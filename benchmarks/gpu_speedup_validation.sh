@@ -4,8 +4,9 @@
 # measured". Each call measures what is missing while the time budget lasts, then packs $SV into $OUT/sv.tar.xz.
 #   phase 1: the default model (n-gram k=0..4, MTP k=1..4) and the Kimi-K2 TP=8 slice (n-gram k=0..4), one GPU
 #            each, side by side when there are two GPUs; both with a k=0 run without async scheduling
-#   phase 2: calibrations of the same shapes on the same GPUs (expert curves; all-reduce on 2 GPUs)
-#   phase 3 (two GPUs): the Kimi-K2 TP=4 slice at TP=2 (TP=8's per-GPU shape, with real all-reduces)
+#   then, while time is left: calibrations of the same shapes on the same GPUs (expert curves), and (two GPUs,
+#   once phase 1 is done) the Kimi-K2 TP=4 slice at TP=2 (TP=8's per-GPU shape, real all-reduces) and its
+#   calibration (all-reduce on 2 GPUs)
 set -u
 R=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/moetrace-out}
@@ -43,18 +44,19 @@ if ! measured default || ! measured kimi-k2-tp8; then
     measure kimi-k2-tp8 --methods ngram --sync-baseline
   fi
 fi
-if measured default && measured kimi-k2-tp8; then
-  CUDA_VISIBLE_DEVICES=0 calibrate default --model default --tp 1 --no-allreduce
-  CUDA_VISIBLE_DEVICES=0 calibrate kimi-k2-tp8 --model "$SV/kimi-k2-tp8-model" --tp 1 --no-allreduce
-  if [ "$GPUS" -ge 2 ] && [ -s "$SV/calibration-kimi-k2-tp8.json" ] && [ "$(left)" -ge 150 ]; then
-    measure kimi-k2-tp4 --tp 2 --methods ngram
-    measured kimi-k2-tp4 && calibrate kimi-k2-tp4 --model "$SV/kimi-k2-tp4-model" --tp 2
-  fi
+# calibrations whenever time is left (each needs the model directory the measurement wrote)
+CUDA_VISIBLE_DEVICES=0 calibrate default --model default --tp 1 --no-allreduce
+[ -d "$SV/kimi-k2-tp8-model" ] && CUDA_VISIBLE_DEVICES=0 calibrate kimi-k2-tp8 --model "$SV/kimi-k2-tp8-model" \
+  --tp 1 --no-allreduce
+if [ "$GPUS" -ge 2 ] && measured default && measured kimi-k2-tp8 && [ "$(left)" -ge 150 ]; then
+  measure kimi-k2-tp4 --tp 2 --methods ngram
+  [ -d "$SV/kimi-k2-tp4-model" ] && calibrate kimi-k2-tp4 --model "$SV/kimi-k2-tp4-model" --tp 2
 fi
 tar -C "$(dirname "$SV")" -cJf "$OUT/sv.tar.xz" "$(basename "$SV")"
 grep -h '^\[\|budget\|^measurements\|FAILED\|Error' "$SV"/*.log | tail -n 60
-if measured default && measured kimi-k2-tp8 && [ -s "$SV/calibration-kimi-k2-tp8.json" ] \
-   && { [ "$GPUS" -lt 2 ] || [ -s "$SV/calibration-kimi-k2-tp4.json" ]; }; then
+if measured default && measured kimi-k2-tp8 && [ -s "$SV/calibration-default.json" ] \
+   && [ -s "$SV/calibration-kimi-k2-tp8.json" ] \
+   && { [ "$GPUS" -lt 2 ] || { measured kimi-k2-tp4 && [ -s "$SV/calibration-kimi-k2-tp4.json" ]; }; }; then
   echo "speedup validation: all measured"
 else
   echo "speedup validation: not finished; run again on the same machine"
