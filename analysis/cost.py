@@ -299,6 +299,25 @@ def allreduce_model(doc: Mapping[str, Any], world_size: int) -> AllReduceModel |
         byte_scale=ring_n / ring_m)
 
 
+# ---------------------------------------------------------------- drafting
+
+MODEL_DRAFTERS = ("mtp", "eagle", "eagle3", "draft_model")  # drafters that run a model forward per draft
+
+
+def drafting_per_k(measured: Mapping[int, float], method: str, ks: Sequence[int]) -> dict[int, float]:
+    """The drafter's time per step (ms) at every k > 0 of ``ks`` from the ks it was measured at: measured where
+    recorded; elsewhere from the nearest recorded k, scaled by k for a drafter that runs a model forward per
+    draft, held for one that does not (n-gram: one lookup per step whatever k)."""
+    if not measured:
+        raise ValueError("no drafter time measured")
+    out = {}
+    for k in (k for k in ks if k > 0):
+        nearest = min(measured, key=lambda recorded: (abs(recorded - k), recorded))
+        scale = k / nearest if method in MODEL_DRAFTERS else 1.0
+        out[k] = measured[k] if k in measured else measured[nearest] * scale
+    return out
+
+
 # ---------------------------------------------------------------- prediction
 
 
@@ -343,18 +362,22 @@ def deployment_for(shape: ModelShape, tp: int, ep: int, weight_format: str | Non
 def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None,
             calibration: Mapping[str, Any] | None,
             one_token_busiest: float | None = None,
-            baseline_ms: float | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+            baseline_ms: float | None = None,
+            drafting_ms: Mapping[int, float] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Predicted step per k at ``deployment.batch`` requests per step. ``per_k`` has k, unique_experts,
     busiest_rank_experts (per layer, what one step of ``batch`` requests' windows reads) and tokens_per_step (per
     request). A profile is a one-request step: components are scaled from a one-token step (top-k experts,
     ``one_token_busiest`` on the busiest rank; default: the k=0 row, right when batch is 1) to the step's
     batch·(k+1) tokens. ``baseline_ms``, a k=0 step measured at this batch (start to start), replaces the profile:
     MoE and all-reduce are the calibration's at every k, and what the calibration does not explain of the measured
-    step is held flat. Returns the table and a description of the basis (mode, notes, checks)."""
+    step is held flat; ``drafting_ms`` (per k, measured with it) adds the drafter's own time to every step at k > 0.
+    Returns the table and a description of the basis (mode, notes, checks)."""
     if profile is None and calibration is None:
         raise ValueError("a prediction needs a calibration, a profile, or both")
     if baseline_ms is not None and (calibration is None or profile is not None):
         raise ValueError("a measured k=0 step goes with a calibration (how MoE and all-reduce grow) and no profile")
+    if drafting_ms is not None and baseline_ms is None:
+        raise ValueError("a measured drafter time goes with a measured k=0 step (both from the same machine)")
     rows = per_k.sort("k").to_dicts()
     if not rows or rows[0]["k"] != 0:
         raise ValueError("per-k input must start at k=0")
@@ -412,8 +435,12 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         rest = [flat for _ in rows]
         notes.append("k=0 step measured in the sweep's k=0 trace at each concurrency (decode step start to start, "
                      "host scheduling included); MoE and all-reduce grow with k as calibrated; the rest of that step "
-                     "is held flat, so what speculation itself adds per step (drafting, rejection sampling, "
-                     "bookkeeping) is not in the prediction")
+                     "is held flat"
+                     + ("; the drafter's own time per step as the sweep's traces measured it (the longer of its host "
+                        "time and its device time), scaled with k from the nearest recorded k for a model drafter, "
+                        "held for n-gram" if drafting_ms is not None else
+                        "; the drafter's own time is not in it (the traces did not measure it)")
+                     + "; rejection sampling and bookkeeping are not in the prediction")
     elif profile is not None:
         mode = "profile anchored, calibrated growth" if calibration is not None else "profile, modelled growth"
         p_ms = profile.step_ms
@@ -435,7 +462,8 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         attention = other = rest = [0.0 for _ in rows]
         notes.append("no profile: attention, other GEMMs and the rest are left out, so step times cover MoE and "
                      "all-reduce only and the speedups are a lower bound")
-    steps = [sum(parts) for parts in zip(moe, ar, attention, other, rest)]
+    drafting = [float(drafting_ms.get(int(r["k"]), 0.0)) if drafting_ms and r["k"] > 0 else 0.0 for r in rows]
+    steps = [sum(parts) for parts in zip(moe, ar, attention, other, rest, drafting)]
     table = pl.DataFrame({
         "k": [int(r["k"]) for r in rows],
         "tokens": tokens_list,
@@ -447,6 +475,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "attention_ms": attention,
         "other_ms": other,
         "rest_ms": rest,
+        "drafting_ms": drafting,
         "step_ms": steps,
         "step_ratio": [s / steps[0] for s in steps],
         "speedup": [float(r["tokens_per_step"]) / (s / steps[0]) for r, s in zip(rows, steps)],

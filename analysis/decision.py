@@ -22,11 +22,13 @@ DEFAULT_BATCHES = (1, 8, 32, 128)
 def speedup_per_batch(per_batch: pl.DataFrame, tokens: pl.DataFrame, deployment: Deployment,
                       profile: Profile | None, calibration: Mapping[str, Any] | None,
                       one_token_busiest: float,
-                      baselines: Mapping[int, float] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+                      baselines: Mapping[int, float] | None = None,
+                      drafting_ms: Mapping[int, float] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per (batch, k): the prediction table of ``analysis.cost.predict`` with batch, uniform_bound and
     union_source columns. ``per_batch``: batch, k, unique_experts, busiest_rank_experts (per layer, one step),
     uniform_bound, union_source; ``tokens``: k, tokens_per_step (per request). ``baselines``: a measured k=0 step
-    (ms) per batch; only those batches are then predicted."""
+    (ms) per batch; only those batches are then predicted; ``drafting_ms``: the drafter's time per step at each k
+    (measured with them)."""
     frames = []
     basis: dict[str, Any] = {}
     joined = per_batch.join(tokens.select("k", "tokens_per_step"), on="k").sort("batch", "k")
@@ -35,7 +37,7 @@ def speedup_per_batch(per_batch: pl.DataFrame, tokens: pl.DataFrame, deployment:
     for (batch,), per_k in joined.group_by("batch", maintain_order=True):
         size = int(str(batch))
         table, basis = predict(per_k, replace(deployment, batch=size), profile, calibration, one_token_busiest,
-                               None if baselines is None else baselines[size])
+                               None if baselines is None else baselines[size], drafting_ms)
         frames.append(table.with_columns(batch=pl.lit(int(str(batch)), pl.Int32))
                       .join(per_k.select("k", "uniform_bound", "union_source"), on="k"))
     basis.pop("batch", None)

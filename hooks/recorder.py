@@ -4,7 +4,7 @@
 
 Model Runner V1 (the CPU runner, and the GPU runner when ``VLLM_USE_V2_MODEL_RUNNER=0``) is supported: its
 ``execute_model`` runs the target forward, ``_sample`` runs the rejection sampler, and the drafter runs after
-both. Model Runner V2 is refused with a clear message.
+both (timed: the manifest's ``drafting``). Model Runner V2 is refused with a clear message.
 
 The engine thread only enqueues: what lives on the host (request order, query starts, drafts per request) is
 copied at once because the runner reuses those arrays; what lives on the device (routing rows, positions, token
@@ -115,6 +115,8 @@ class Recorder:
         self._original_sample = runner._sample
         self._original_model_forward = runner._model_forward
         self._original_sample_tokens = runner.sample_tokens
+        self._original_propose = runner.propose_draft_token_ids
+        self.drafting = DraftTiming(self.capture.cuda)
         self.install()
 
     def install(self) -> None:
@@ -130,6 +132,7 @@ class Recorder:
         self.runner._sample = self.sample
         self.runner._model_forward = self.model_forward
         self.runner.sample_tokens = self.sample_tokens
+        self.runner.propose_draft_token_ids = self.propose_draft_token_ids
 
     def uninstall(self) -> None:
         """Restore the runner and routers as they were; the writer stays open until ``close``."""
@@ -137,7 +140,7 @@ class Recorder:
             unwrap_router(moe.router)
             if entry is not None:
                 unwrap_logits_entry(entry[0])
-        for name in ("execute_model", "_sample", "_model_forward", "sample_tokens"):
+        for name in ("execute_model", "_sample", "_model_forward", "sample_tokens", "propose_draft_token_ids"):
             vars(self.runner).pop(name, None)
         self._pending = None
 
@@ -148,7 +151,8 @@ class Recorder:
                 self.uninstall()
                 self._closed = self.writer.close(
                     {"requests": list(self.request_index), "capture_mechanisms": self.mechanisms,
-                     "engine_thread_us_per_step": self.engine_thread_us_per_step()})
+                     "engine_thread_us_per_step": self.engine_thread_us_per_step(),
+                     "drafting": self.drafting.summary()})
             return self._closed
 
     def _window_over(self) -> bool:
@@ -208,12 +212,31 @@ class Recorder:
         self.own_ns["sample"] += time.perf_counter_ns() - began
         return sampler_output
 
+    def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's drafter, timed: host time of the call and, on CUDA, device time between events around it."""
+        began = time.perf_counter_ns()
+        events = None
+        if self.writer.failed is None:
+            try:
+                events = self.drafting.start()
+            except Exception as exc:
+                self._stop(exc)
+        try:
+            return self._original_propose(*args, **kwargs)
+        finally:
+            if events is not None:
+                try:
+                    self.drafting.end(events, time.perf_counter_ns() - began)
+                except Exception as exc:
+                    self._stop(exc)
+
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM has synced by the time this returns (sync scheduling), and its output holds each request's sampled
         tokens on the host: take the kept counts from there and hand the step over now (one pickle, one pipe
         write), so that an engine stopped while idle (``vllm serve`` kills its workers) holds no step back."""
         output = self._original_sample_tokens(*args, **kwargs)
         began = time.perf_counter_ns()
+        self.drafting.read_done()
         pending, self._pending = self._pending, None
         if pending is None or not pending.t_end or self.writer.failed is not None:
             self.writer.forward_ready()  # nothing sampled for a recorded step: forward what became ready
@@ -293,6 +316,49 @@ class Recorder:
     def _next_step(self) -> int:
         self.step += 1
         return self.step - 1
+
+
+class DraftTiming:
+    """What vLLM's drafter costs per call (once per step that drafts): host time, and on CUDA the device time
+    between two events recorded around it, read once they have completed (never waited for inside a step)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.calls = 0
+        self.host_ns = 0
+        self.device_ms = 0.0
+        self.timed = 0  # calls whose device time has been read
+        self._in_flight: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()]:
+        if not self.cuda:
+            return ()
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
+        events[0].record()
+        return events
+
+    def end(self, events: tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()], host_ns: int) -> None:
+        self.calls += 1
+        self.host_ns += host_ns
+        if events:
+            events[1].record()
+            self._in_flight.append(events)
+
+    def read_done(self, wait: bool = False) -> None:
+        """Add the device time of every call whose events have completed (``wait``: all of them, at close)."""
+        while self._in_flight and (wait or self._in_flight[0][1].query()):  # type: ignore[no-untyped-call]
+            first, last = self._in_flight.pop(0)
+            last.synchronize()
+            self.device_ms += first.elapsed_time(last)
+            self.timed += 1
+
+    def summary(self) -> dict[str, Any]:
+        self.read_done(wait=True)
+        return {
+            "calls": self.calls,
+            "host_ms_per_call": self.host_ns / self.calls / 1e6 if self.calls else None,
+            "device_ms_per_call": self.device_ms / self.timed if self.timed else None,
+        }
 
 
 def logits_entry(moe: Any) -> tuple[Any, str]:

@@ -21,7 +21,7 @@ SUPPORTED = ("0.26", "0.32")
 # What the recorder reads on Model Runner V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` and the CPU
 # runner that subclasses it), and on its input batch.
 RUNNER_FIELDS = ("model", "max_num_tokens", "input_batch", "query_start_loc", "positions", "input_ids",
-                 "execute_model", "_sample", "_model_forward", "sample_tokens")
+                 "execute_model", "_sample", "_model_forward", "sample_tokens", "propose_draft_token_ids")
 INPUT_BATCH_FIELDS = ("num_reqs", "req_ids", "num_prompt_tokens")
 ROUTER_FIELDS = ("_compute_routing", "global_num_experts", "top_k")
 MOE_RUNNER_FIELDS = ("router", "layer_id", "layer_name", "is_monolithic")

@@ -17,6 +17,7 @@ from moetrace.analysis.cost import (
     acceptance_curve,
     allreduce_model,
     deployment_for,
+    drafting_per_k,
     geometric_acceptance,
     parse_profile,
     predict,
@@ -138,6 +139,24 @@ def test_predict_from_a_measured_k0_step_by_hand() -> None:
             predict(_per_k([8.0], [1.0]), deployment_for(SMALL, 2, 1), profile, calibration, baseline_ms=5.0)
 
 
+def test_drafter_time_is_measured_where_recorded_and_scaled_by_its_kind_elsewhere() -> None:
+    measured = {2: 4.0, 4: 9.0}
+    # a model drafter runs a forward per draft: scaled by k from the nearest recorded k (ties: the smaller)
+    assert drafting_per_k(measured, "mtp", range(7)) == {1: 2.0, 2: 4.0, 3: 6.0, 4: 9.0, 5: 11.25, 6: 13.5}
+    # n-gram: one lookup per step, whatever k
+    assert drafting_per_k(measured, "ngram", range(1, 4)) == {1: 4.0, 2: 4.0, 3: 4.0}
+    with pytest.raises(ValueError):
+        drafting_per_k({}, "ngram", range(3))
+    table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None, _calibration(),
+                           baseline_ms=5.0, drafting_ms={1: 0.5})
+    k0, k1 = table.to_dicts()
+    assert k0["drafting_ms"] == 0.0 and k1["drafting_ms"] == 0.5
+    assert k1["step_ms"] == pytest.approx(5.0 - 0.105 + 0.090 + 0.044 + 0.5)
+    assert any("drafter's own time per step" in note for note in basis["notes"])
+    with pytest.raises(ValueError, match="goes with a measured k=0 step"):
+        predict(_per_k([8.0], [1.0]), deployment_for(SMALL, 2, 1), None, _calibration(), drafting_ms={1: 0.5})
+
+
 def test_speedup_per_batch_predicts_only_the_batches_with_a_measured_k0_step() -> None:
     per_batch = pl.concat([_per_k([8.0, 12.0], [1.0, 1.5]).with_columns(batch=pl.lit(b, pl.Int32)) for b in (1, 4)])
     per_batch = per_batch.with_columns(uniform_bound=pl.col("unique_experts"), union_source=pl.lit("measured"))
@@ -210,8 +229,11 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     model = Model()
     write_trace(tmp_path / "sweep" / "k0", decode_tokens(np.random.default_rng(0), model, requests=2, steps=12),
                 model, k=0)
-    write_trace(tmp_path / "sweep" / "k2", verify_tokens(np.random.default_rng(1), model, requests=2, steps=10, k=2,
-                                                         accept_prob=0.7), model, k=2)
+    k2 = write_trace(tmp_path / "sweep" / "k2", verify_tokens(np.random.default_rng(1), model, requests=2, steps=10,
+                                                              k=2, accept_prob=0.7), model, k=2)
+    manifest = json.loads((k2 / "manifest.json").read_text())
+    manifest["drafting"] = {"calls": 10, "host_ms_per_call": 0.25, "device_ms_per_call": None}
+    (k2 / "manifest.json").write_text(json.dumps(manifest))
     calibration = tmp_path / "calib.json"
     calibration.write_text(json.dumps(_calibration()))
 
@@ -226,6 +248,8 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     rows = prediction["per_batch"]
     assert {row["batch"] for row in rows} == {2}  # the builder's k=0 trace decodes 2 requests a step, 1 ms apart
     assert next(row["step_ms"] for row in rows if row["k"] == 0) == pytest.approx(1.0)
+    # the drafter's 0.25 ms per step, measured at k=2, held for every k of an n-gram drafter
+    assert {row["drafting_ms"] for row in rows if row["k"] > 0} == {0.25}
     # beside the recorded k=2 steps (the builder starts a step every 1 ms at every k): the speedup they measured
     # is their tokens per step, and what the prediction leaves out is 1 ms minus its predicted step
     (checked,) = prediction["against_trace"]

@@ -297,3 +297,11 @@ def test_the_trace_says_what_recording_cost_the_engine_thread(recorded_trace: Pa
     assert set(cost) == {"execute_model", "model_forward", "sample", "sample_tokens"}
     assert cost["execute_model"] > 0 and cost["sample"] > 0  # the layout and the hand-over take measurable time
     assert sum(cost.values()) < 20_000  # and far less than a CPU step (tens of ms)
+
+
+def test_the_trace_says_what_the_drafter_cost_per_step(recorded_trace: Path) -> None:
+    manifest = open_trace(recorded_trace).manifest
+    drafting = manifest["drafting"]
+    # one call per step that sampled (the drafter proposes for the next step); none of it timed on a device here
+    assert 0 < drafting["calls"] <= manifest["counts"]["steps"]
+    assert 0 < drafting["host_ms_per_call"] < 1_000 and drafting["device_ms_per_call"] is None

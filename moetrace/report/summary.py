@@ -22,6 +22,7 @@ from moetrace.analysis.cost import (
     Profile,
     acceptance_curve,
     deployment_for,
+    drafting_per_k,
     geometric_acceptance,
     tokens_per_step,
     uniform_routing,
@@ -209,6 +210,20 @@ def measured_baselines(run: Run, options: Options) -> dict[int, float]:
     return found
 
 
+def measured_drafting(run: Run, max_k: int) -> dict[int, float] | None:
+    """The drafter's time per step at every k up to ``max_k`` from what the sweep's traces measured (each trace's
+    manifest ``drafting``: the longer of host and device time per call); None when none of them measured it."""
+    measured = {}
+    for trace in run.traces:
+        drafting = trace.manifest.get("drafting") or {}
+        if trace.k > 0 and drafting.get("calls"):
+            measured[trace.k] = max(float(drafting.get("host_ms_per_call") or 0.0),
+                                    float(drafting.get("device_ms_per_call") or 0.0))
+    if not measured:
+        return None
+    return drafting_per_k(measured, str(run.primary.manifest["spec"].get("method")), range(max_k + 1))
+
+
 def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, by_position: pl.DataFrame,
                    shape: ModelShape, placement: Any, tp: int, ep: int,
                    options: Options) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
@@ -232,9 +247,11 @@ def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, b
     one_token = growth_table.filter((pl.col("k") == 0) & (pl.col("scope") == PER_REQUEST))
     one_token_busiest = float(one_token["busiest_rank_experts"].mean() or shape.top_k)  # type: ignore[arg-type]
     baselines = measured_baselines(run, options) if options.measured_baseline else None
+    drafting = measured_drafting(run, options.max_k) if options.measured_baseline else None
     try:
         speedups, basis = speedup_per_batch(per_batch, inputs, deployment_for(pred_shape, pred_tp, pred_ep),
-                                            options.profile, options.calibration, one_token_busiest, baselines)
+                                            options.profile, options.calibration, one_token_busiest, baselines,
+                                            drafting)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
     speedups = speedups.join(inputs.select("k", extrapolated=pl.col("acceptance_source") == "extrapolated"), on="k")

@@ -107,7 +107,8 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
              f"{basis['weight_format']} experts, routing {basis['routing']})")
     table = _table(title, [
         ("k", ""), ("tok", "tokens per step"), ("uniq", "unique experts per layer"), ("rank", "busiest rank's experts"),
-        ("MoE", "ms"), ("AR", "all-reduce ms"), ("attn", "attention ms"), ("other", "ms"), ("step", "ms"),
+        ("MoE", "ms"), ("AR", "all-reduce ms"), ("attn", "attention ms"), ("other", "ms"),
+        ("draft", "drafter ms, as measured"), ("step", "ms"),
         ("×", "step time vs k=0"), ("speedup", "")])
     for row in prediction["per_k"]:
         table.add_row(
@@ -119,6 +120,7 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
             _number(row["allreduce_ms"]),
             _number(row["attention_ms"]),
             _number(row["other_ms"]),
+            _number(row["drafting_ms"]),
             _number(row["step_ms"]),
             _number(row["step_ratio"]),
             _number(row["speedup"]),
