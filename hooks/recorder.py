@@ -320,14 +320,13 @@ class Recorder:
 
 class DraftTiming:
     """What vLLM's drafter costs per call (once per step that drafts): host time, and on CUDA the device time
-    between two events recorded around it, read once they have completed (never waited for inside a step)."""
+    between two events recorded around it, read once they have completed (never waited for inside a step).
+    Medians: the first calls carry one-off costs (the n-gram proposer's JIT compile takes a second)."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
-        self.calls = 0
-        self.host_ns = 0
-        self.device_ms = 0.0
-        self.timed = 0  # calls whose device time has been read
+        self.host_ms: list[float] = []
+        self.device_ms: list[float] = []
         self._in_flight: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()]:
@@ -338,26 +337,24 @@ class DraftTiming:
         return events
 
     def end(self, events: tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()], host_ns: int) -> None:
-        self.calls += 1
-        self.host_ns += host_ns
+        self.host_ms.append(host_ns / 1e6)
         if events:
             events[1].record()
             self._in_flight.append(events)
 
     def read_done(self, wait: bool = False) -> None:
-        """Add the device time of every call whose events have completed (``wait``: all of them, at close)."""
+        """Keep the device time of every call whose events have completed (``wait``: all of them, at close)."""
         while self._in_flight and (wait or self._in_flight[0][1].query()):  # type: ignore[no-untyped-call]
             first, last = self._in_flight.pop(0)
             last.synchronize()
-            self.device_ms += first.elapsed_time(last)
-            self.timed += 1
+            self.device_ms.append(first.elapsed_time(last))
 
     def summary(self) -> dict[str, Any]:
         self.read_done(wait=True)
         return {
-            "calls": self.calls,
-            "host_ms_per_call": self.host_ns / self.calls / 1e6 if self.calls else None,
-            "device_ms_per_call": self.device_ms / self.timed if self.timed else None,
+            "calls": len(self.host_ms),
+            "host_ms_median": float(np.median(self.host_ms)) if self.host_ms else None,
+            "device_ms_median": float(np.median(self.device_ms)) if self.device_ms else None,
         }
 
 

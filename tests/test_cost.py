@@ -232,7 +232,7 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     k2 = write_trace(tmp_path / "sweep" / "k2", verify_tokens(np.random.default_rng(1), model, requests=2, steps=10,
                                                               k=2, accept_prob=0.7), model, k=2)
     manifest = json.loads((k2 / "manifest.json").read_text())
-    manifest["drafting"] = {"calls": 10, "host_ms_per_call": 0.25, "device_ms_per_call": None}
+    manifest["drafting"] = {"calls": 10, "host_ms_median": 0.25, "device_ms_median": None}
     (k2 / "manifest.json").write_text(json.dumps(manifest))
     calibration = tmp_path / "calib.json"
     calibration.write_text(json.dumps(_calibration()))

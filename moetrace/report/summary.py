@@ -212,13 +212,14 @@ def measured_baselines(run: Run, options: Options) -> dict[int, float]:
 
 def measured_drafting(run: Run, max_k: int) -> dict[int, float] | None:
     """The drafter's time per step at every k up to ``max_k`` from what the sweep's traces measured (each trace's
-    manifest ``drafting``: the longer of host and device time per call); None when none of them measured it."""
+    manifest ``drafting``: the longer of its host and device medians per call); None when none of them measured
+    it."""
     measured = {}
     for trace in run.traces:
         drafting = trace.manifest.get("drafting") or {}
         if trace.k > 0 and drafting.get("calls"):
-            measured[trace.k] = max(float(drafting.get("host_ms_per_call") or 0.0),
-                                    float(drafting.get("device_ms_per_call") or 0.0))
+            measured[trace.k] = max(float(drafting.get("host_ms_median") or 0.0),
+                                    float(drafting.get("device_ms_median") or 0.0))
     if not measured:
         return None
     return drafting_per_k(measured, str(run.primary.manifest["spec"].get("method")), range(max_k + 1))
