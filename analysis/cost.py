@@ -475,7 +475,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "attention_ms": attention,
         "other_ms": other,
         "rest_ms": rest,
-        "drafting_ms": drafting,
+        "drafting_ms": drafting if drafting_ms is not None else [None] * len(rows),  # None: not measured
         "step_ms": steps,
         "step_ratio": [s / steps[0] for s in steps],
         "speedup": [float(r["tokens_per_step"]) / (s / steps[0]) for r, s in zip(rows, steps)],

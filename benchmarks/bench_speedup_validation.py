@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 CONCURRENCIES = (1, 16)
-REQUESTS = {1: 3, 16: 48}  # per timed round: concurrency 16 keeps 16 running until the last three
+REQUESTS = {1: 3, 16: 48}  # per timed round: 48 requests through 16 slots keep 16 running most of the round
 PROMPT_CUTS = (1.0, 0.9, 0.8, 0.7, 0.6)  # each built-in prompt cut at these fractions: 50 distinct prompts
 
 
