@@ -66,7 +66,8 @@ def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
              t_start_ns=pl.col("t_start_ns").first(), kept=(pl.col("num_accepted") + 1).sum())
         .sort("step")
     )
-    following = [pl.col(name).shift(-1).alias(f"next_{name}") for name in ("step", "decoding", "requests", "t_start_ns")]
+    following = [pl.col(name).shift(-1).alias(f"next_{name}")
+                 for name in ("step", "decoding", "requests", "t_start_ns")]
     return (
         per_step.with_columns(following)
         .filter(pl.col("decoding") & pl.col("next_decoding") & (pl.col("next_step") == pl.col("step") + 1)

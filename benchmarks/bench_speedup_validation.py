@@ -185,7 +185,8 @@ def measure(args: argparse.Namespace) -> None:
     results_path = out / f"{args.model}-measurements.json"
     ks = [int(k) for k in args.ks.split(",")]
     doc: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {
-        "model": args.model, "tp": args.tp, "vllm_version": vllm_version(), "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
+        "model": args.model, "tp": args.tp, "vllm_version": vllm_version(),
+        "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
         "cuda_graphs": not args.eager, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "requests": {str(c): n for c, n in REQUESTS.items()},
         "command": "python benchmarks/bench_speedup_validation.py " + " ".join(sys.argv[1:]),

@@ -332,7 +332,8 @@ class DraftTiming:
     def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()]:
         if not self.cuda:
             return ()
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
+        timing = {"enable_timing": True}
+        events = (torch.cuda.Event(**timing), torch.cuda.Event(**timing))  # type: ignore[no-untyped-call]
         events[0].record()
         return events
 

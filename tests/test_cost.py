@@ -259,6 +259,9 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     assert checked["unexplained_ms"] == pytest.approx(1.0 - predicted_k2)
     terminal = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2")
     assert "Predicted against measured on the machine that recorded" in terminal.output
+    # the per-k table is for the fewest requests predicted: 2 here, the k=0 trace's only concurrency
+    assert prediction["basis"]["per_k_batch"] == 2 and [row["k"] for row in prediction["per_k"]][:3] == [0, 1, 2]
+    assert "Predicted verify step at 2 requests per step" in terminal.output and "draft" in terminal.output
     page = (tmp_path / "sweep" / "report.html").read_text()
     assert 'class="against-trace"' in page and f"{checked['unexplained_ms']:.2f}" in page
     for args, fragment in ((["--profile", "measured"], "give --calibration too"),

@@ -256,9 +256,14 @@ def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, b
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
     speedups = speedups.join(inputs.select("k", extrapolated=pl.col("acceptance_source") == "extrapolated"), on="k")
-    table = (speedups.filter(pl.col("batch") == 1).drop("batch", "uniform_bound", "union_source", "extrapolated")
+    # the per-k table is for one request, or for the fewest requests predicted (--profile measured predicts only
+    # the concurrencies its k=0 trace ran at)
+    per_k_batch = int(speedups["batch"].min())  # type: ignore[arg-type]
+    table = (speedups.filter(pl.col("batch") == per_k_batch)
+             .drop("batch", "uniform_bound", "union_source", "extrapolated")
              .join(inputs.select("k", "routing_source", "acceptance_source"), on="k", how="left"))
     basis["notes"] = preset_notes + basis["notes"]
+    basis["per_k_batch"] = per_k_batch
     basis["routing"] = options.routing
     basis["acceptance"] = options.acceptance
     basis["shape"] = options.shape_preset or (options.preset.shape if pred_shape is not shape and options.preset

@@ -103,8 +103,9 @@ def _acceptance(run: dict[str, Any]) -> Table:
 
 def _prediction(prediction: dict[str, Any], k: int) -> Table:
     basis = prediction["basis"]
-    title = (f"Predicted verify step ({basis['mode']}; tp={basis['tp']}, ep={basis['ep']}, "
-             f"{basis['weight_format']} experts, routing {basis['routing']})")
+    batch = basis.get("per_k_batch", 1)
+    title = (f"Predicted verify step{f' at {batch} requests per step' if batch != 1 else ''} ({basis['mode']}; "
+             f"tp={basis['tp']}, ep={basis['ep']}, {basis['weight_format']} experts, routing {basis['routing']})")
     # the drafter's time is a column only where the traces measured it (--profile measured): 80 columns are tight
     drafter = any(row["drafting_ms"] is not None for row in prediction["per_k"])
     parts = [("MoE", "moe_ms", "ms"), ("AR", "allreduce_ms", "all-reduce ms"), ("attn", "attention_ms", "attention ms"),
