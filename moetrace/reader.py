@@ -203,10 +203,10 @@ def open_ranks(directory: Path, ranks: list[Path]) -> Trace:
     traces = [open_trace(rank) for rank in ranks]
     first = traces[0]
     for trace in traces[1:]:
-        for key in ("spec.k", "spec.method", *SWEEP_MODEL_KEYS):
-            if _get_or_none(trace.manifest, key) != _get_or_none(first.manifest, key):
-                raise UserError(f"{directory}: DP ranks {first.path.name} and {trace.path.name} are not one "
-                                f"recording ({key} differs)")
+        differs = first_difference(first.manifest, trace.manifest, ("spec.k", "spec.method", *SWEEP_MODEL_KEYS))
+        if differs is not None:
+            raise UserError(f"{directory}: DP ranks {first.path.name} and {trace.path.name} are not one "
+                            f"recording ({differs[0]} differs)")
     manifest = json.loads(json.dumps(first.manifest))
     manifest["complete"] = all(trace.complete for trace in traces)
     counts = [trace.manifest.get("counts") or {} for trace in traces]
@@ -272,11 +272,21 @@ def check_one_sweep(path: Path, traces: list[Trace]) -> None:
     speculating = [trace for trace in traces if trace.k > 0]
     for group, keys in ((traces, SWEEP_MODEL_KEYS), (speculating, ("spec.method",))):
         for trace in group[1:]:
-            for key in keys:
-                mine, theirs = _get_or_none(group[0].manifest, key), _get_or_none(trace.manifest, key)
-                if mine != theirs:
-                    raise UserError(f"{path}: not one sweep: {group[0].path.name} has {key} {mine!r}, "
-                                    f"{trace.path.name} has {theirs!r} (give them as separate TRACEs to compare them)")
+            differs = first_difference(group[0].manifest, trace.manifest, keys)
+            if differs is not None:
+                key, mine, theirs = differs
+                raise UserError(f"{path}: not one sweep: {group[0].path.name} has {key} {mine!r}, "
+                                f"{trace.path.name} has {theirs!r} (give them as separate TRACEs to compare them)")
+
+
+def first_difference(mine: dict[str, Any], theirs: dict[str, Any],
+                     keys: tuple[str, ...]) -> tuple[str, Any, Any] | None:
+    """The first of ``keys`` (dotted) two manifests disagree on, with both values; None when they agree."""
+    for key in keys:
+        a, b = _get_or_none(mine, key), _get_or_none(theirs, key)
+        if a != b:
+            return key, a, b
+    return None
 
 
 def _get_or_none(manifest: dict[str, Any], dotted: str) -> Any:

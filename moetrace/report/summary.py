@@ -196,12 +196,20 @@ def prediction_deployment(trace_shape: ModelShape, tp: int, ep: int,
     return shape, preset_tp, preset_ep, []
 
 
-def measured_baselines(run: Run, options: Options) -> dict[int, float]:
-    """The k=0 trace's decode step (start to start, ms) at each asked concurrency it has steps of."""
+def recorded_steps(run: Run) -> pl.DataFrame:
+    """Every trace's decode steps per concurrency (``analysis.acceptance.decode_step_periods``, with k), where at
+    least ``MIN_BASELINE_STEPS`` step pairs measured them: the baseline and the check of --profile measured."""
+    per_trace = [decode_step_periods(t.steps()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
+    return pl.concat(per_trace).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
+
+
+def measured_baselines(run: Run, steps: pl.DataFrame, options: Options) -> dict[int, float]:
+    """The k=0 trace's decode step (start to start, ms) at each asked concurrency it has steps of (``steps``:
+    ``recorded_steps``)."""
     baseline = next((trace for trace in run.traces if trace.k == 0), None)
     if baseline is None:
         raise UserError(f"{run.path}: --profile measured needs a k=0 trace in the sweep (its steps are the baseline)")
-    periods = decode_step_periods(baseline.steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
+    periods = steps.filter(pl.col("k") == 0)
     found = {int(row["batch"]): float(row["period_ms"]) for row in periods.to_dicts() if row["batch"] in options.batches}
     if not found:
         have = ", ".join(str(b) for b in periods["batch"].to_list()) or "none"
@@ -226,8 +234,8 @@ def measured_drafting(run: Run, max_k: int) -> dict[int, float] | None:
 
 
 def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, by_position: pl.DataFrame,
-                   shape: ModelShape, placement: Any, tp: int, ep: int,
-                   options: Options) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
+                   shape: ModelShape, placement: Any, tp: int, ep: int, options: Options,
+                   steps: pl.DataFrame | None) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
     """Per (batch, k) predicted steps, the one-request prediction per k, and the recommended k per batch. One
     request's window is the growth analysis's (measured where recorded, else counterfactual); B > 1 requests' is
     their union (analysis.concurrency)."""
@@ -247,7 +255,7 @@ def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, b
     per_batch = pl.concat([one_request, union_means(unions)], how="diagonal_relaxed")
     one_token = growth_table.filter((pl.col("k") == 0) & (pl.col("scope") == PER_REQUEST))
     one_token_busiest = float(one_token["busiest_rank_experts"].mean() or shape.top_k)  # type: ignore[arg-type]
-    baselines = measured_baselines(run, options) if options.measured_baseline else None
+    baselines = measured_baselines(run, steps, options) if steps is not None else None
     drafting = measured_drafting(run, options.max_k) if options.measured_baseline else None
     try:
         speedups, basis = speedup_per_batch(per_batch, inputs, deployment_for(pred_shape, pred_tp, pred_ep),
@@ -301,19 +309,17 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape.expert_bytes)
     at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
     speedups = prediction = decision = basis = None
+    steps = recorded_steps(run) if options.measured_baseline else None
     prediction_note = None
     if options.predicts:
         try:
             speedups, prediction, decision, basis = run_prediction(run, sample, growth_table, by_position, shape,
-                                                                   placement, tp, ep, options)
+                                                                   placement, tp, ep, options, steps)
         except UserError as exc:
             if options.preset is None:  # the user asked for this prediction
                 raise
             prediction_note = f"no prediction: {exc} (give --calibration or --profile for this deployment)"
-    checked = None
-    if options.measured_baseline and speedups is not None:
-        measured = pl.concat([decode_step_periods(t.steps()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces])
-        checked = against_trace(speedups, measured.filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS))
+    checked = against_trace(speedups, steps) if steps is not None and speedups is not None else None
     return RunAnalysis(
         run=run,
         shape=shape,
