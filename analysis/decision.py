@@ -23,12 +23,12 @@ def speedup_per_batch(per_batch: pl.DataFrame, tokens: pl.DataFrame, deployment:
                       profile: Profile | None, calibration: Mapping[str, Any] | None,
                       one_token_busiest: float,
                       baselines: Mapping[int, float] | None = None,
-                      drafting_ms: Mapping[int, float] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+                      drafting_ms: Mapping[int, Mapping[int, float]] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per (batch, k): the prediction table of ``analysis.cost.predict`` with batch, uniform_bound and
     union_source columns. ``per_batch``: batch, k, unique_experts, busiest_rank_experts (per layer, one step),
     uniform_bound, union_source; ``tokens``: k, tokens_per_step (per request). ``baselines``: a measured k=0 step
-    (ms) per batch; only those batches are then predicted; ``drafting_ms``: the drafter's time per step at each k
-    (measured with them)."""
+    (ms) per batch; only those batches are then predicted; ``drafting_ms``: per batch, the drafter's time per step
+    at each k (measured with them)."""
     frames = []
     basis: dict[str, Any] = {}
     joined = per_batch.join(tokens.select("k", "tokens_per_step"), on="k").sort("batch", "k")
@@ -37,7 +37,8 @@ def speedup_per_batch(per_batch: pl.DataFrame, tokens: pl.DataFrame, deployment:
     for (batch,), per_k in joined.group_by("batch", maintain_order=True):
         size = int(str(batch))
         table, basis = predict(per_k, replace(deployment, batch=size), profile, calibration, one_token_busiest,
-                               None if baselines is None else baselines[size], drafting_ms)
+                               None if baselines is None else baselines[size],
+                               None if drafting_ms is None else drafting_ms[size])
         frames.append(table.with_columns(batch=pl.lit(int(str(batch)), pl.Int32))
                       .join(per_k.select("k", "uniform_bound", "union_source"), on="k"))
     basis.pop("batch", None)
@@ -75,19 +76,29 @@ def batches_from(values: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
+PHASE_COLUMNS = ("forward_ms", "sampling_ms", "drafting_ms")  # vLLM's calls a recorded step is timed in
+
+
 def against_trace(speedups: pl.DataFrame, measured: pl.DataFrame) -> pl.DataFrame:
     """Per (batch, k > 0) that the sweep recorded: the predicted step and speedup beside those its traces measured
-    on the machine that recorded them, and what the prediction leaves out per step (measured − predicted step).
-    ``measured``: k, batch, period_ms, tokens_per_step (``analysis.acceptance.decode_step_periods`` of each trace,
-    k = 0 included: the speedup is over it, at the same batch)."""
-    baseline = measured.filter(pl.col("k") == 0).select("batch", baseline_ms=pl.col("period_ms"))
+    on the machine that recorded them, what the prediction leaves out per step (measured − predicted step), and
+    where the recorded step grew against k = 0: in vLLM's forward, in its sampling (the rejection sampler), and the
+    drafter's own time. ``measured``: k, batch, period_ms, tokens_per_step (``analysis.acceptance.
+    decode_step_periods`` of each trace, k = 0 included: the speedup is over it, at the same batch), and the
+    ``PHASE_COLUMNS`` (null where not timed)."""
+    baseline = measured.filter(pl.col("k") == 0).select(
+        "batch", baseline_ms=pl.col("period_ms"), forward_k0=pl.col("forward_ms"), sampling_k0=pl.col("sampling_ms"))
     at_k = (measured.filter(pl.col("k") > 0).join(baseline, on="batch")
-            .with_columns(measured_speedup=pl.col("tokens_per_step") / (pl.col("period_ms") / pl.col("baseline_ms"))))
+            .with_columns(measured_speedup=pl.col("tokens_per_step") / (pl.col("period_ms") / pl.col("baseline_ms")),
+                          forward_growth_ms=pl.col("forward_ms") - pl.col("forward_k0"),
+                          sampling_growth_ms=pl.col("sampling_ms") - pl.col("sampling_k0")))
     return (
         speedups.select("batch", "k", predicted_step_ms="step_ms", predicted_tokens_per_step="tokens_per_step",
                         predicted_speedup="speedup")
         .join(at_k.select("batch", "k", measured_step_ms="period_ms", measured_tokens_per_step="tokens_per_step",
-                          measured_speedup="measured_speedup"), on=["batch", "k"])
+                          measured_speedup="measured_speedup", step_growth_ms=pl.col("period_ms") - pl.col(
+                              "baseline_ms"), forward_growth_ms="forward_growth_ms",
+                          sampling_growth_ms="sampling_growth_ms", drafting_ms="drafting_ms"), on=["batch", "k"])
         .with_columns(error=(pl.col("predicted_speedup") - pl.col("measured_speedup")) / pl.col("measured_speedup"),
                       unexplained_ms=pl.col("measured_step_ms") - pl.col("predicted_step_ms"))
         .sort("batch", "k")

@@ -256,6 +256,21 @@ def report_prediction(sweep: Path, calibration: Path, scratch: Path) -> dict[str
     return prediction
 
 
+def async_off_growth(baseline: Path, sync: Path) -> dict[str, float]:
+    """Per concurrency: how much longer a k = 0 decode step took with async scheduling off (ms, start to start,
+    from the two traces), the part of an n-gram step's growth that is vLLM turning async scheduling off."""
+    import polars as pl
+
+    from moetrace.analysis.acceptance import decode_step_periods
+    from moetrace.reader import open_trace
+    from moetrace.report.summary import MIN_BASELINE_STEPS
+
+    on, off = (decode_step_periods(open_trace(path).steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
+               for path in (baseline, sync))
+    joined = on.join(off, on="batch", suffix="_off")
+    return {str(row["batch"]): row["period_ms_off"] - row["period_ms"] for row in joined.to_dicts()}
+
+
 def compare(args: argparse.Namespace) -> None:
     """Predicted and measured speedup per (model, drafter, concurrency, k): throughput with the hooks paused, and
     the report's own check against the recorded decode steps (with the per-step time the prediction leaves out)."""
@@ -275,12 +290,14 @@ def compare(args: argparse.Namespace) -> None:
                 print(f"{model}: no k=0 engine or no {calibration.name}: skipped")
                 continue
             sync = next((e for e in engines if e["method"] == "sync"), None)
+            async_off_ms = None if sync is None else async_off_growth(runs / baseline["trace"], runs / sync["trace"])
             models[model] = {
                 "device": doc["device"], "vllm_version": doc["vllm_version"], "tp": doc.get("tp", 1),
                 "command": doc["command"], "calibration": calibration.name,
                 "failed_engines": [f"{e['method']} k={e['k']}: {e['error']}" for e in doc["engines"] if "error" in e],
                 "async_off_k0": None if sync is None else {
                     c: ratio_ci95(sync["tok_s"][c], baseline["tok_s"][c])[0] for c in sync["tok_s"]},
+                "async_off_step_growth_ms": async_off_ms,
             }
             for method in dict.fromkeys(e["method"] for e in engines if e["k"] > 0 and e["method"] != "sync"):
                 sweep = (runs / next(e["trace"] for e in engines if e["method"] == method)).parent
@@ -306,6 +323,13 @@ def compare(args: argparse.Namespace) -> None:
                             "trace_step_ms": trace.get("measured_step_ms"),
                             "predicted_step_ms": row["step_ms"] if row else None,
                             "unexplained_ms_per_step": trace.get("unexplained_ms"),
+                            # where the recorded step grew against k = 0 (ms per step)
+                            "trace_step_growth_ms": trace.get("step_growth_ms"),
+                            "trace_forward_growth_ms": trace.get("forward_growth_ms"),
+                            "trace_sampling_growth_ms": trace.get("sampling_growth_ms"),
+                            "trace_drafting_ms": trace.get("drafting_ms"),
+                            "async_off_growth_ms": (async_off_ms or {}).get(str(concurrency))
+                            if method != "mtp" else None,  # vLLM keeps async scheduling on under MTP
                             "command": doc["command"],
                         })
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
@@ -314,14 +338,17 @@ def compare(args: argparse.Namespace) -> None:
         return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
     print(f"{'model':<12} {'drafter':<6} {'B':>3} {'k':>2} {'predicted':>9} {'measured':>8} {'95% interval':>13} "
-          f"{'error':>6} {'trace ×':>7} {'step ms':>7} {'missing ms':>10}")
+          f"{'error':>6} {'trace ×':>7} {'step ms':>7} {'missing ms':>10} {'grew':>6} {'fwd':>6} {'sample':>6} "
+          f"{'draft':>6} {'async':>6}")
     for r in rows:
         error = 100 * r["error"] if r["error"] is not None else None
         print(f"{r['model']:<12} {r['drafter']:<6} {r['concurrency']:>3} {r['k']:>2} "
               f"{show(r['predicted_speedup'], 9)} {show(r['measured_speedup'], 8)} "
               f"{r['measured_ci95'][0]:>6.2f}-{r['measured_ci95'][1]:<6.2f} {show(error, 5, 0)}% "
               f"{show(r['trace_measured_speedup'], 7)} {show(r['trace_step_ms'], 7)} "
-              f"{show(r['unexplained_ms_per_step'], 10)}")
+              f"{show(r['unexplained_ms_per_step'], 10)} {show(r['trace_step_growth_ms'], 6)} "
+              f"{show(r['trace_forward_growth_ms'], 6)} {show(r['trace_sampling_growth_ms'], 6)} "
+              f"{show(r['trace_drafting_ms'], 6)} {show(r['async_off_growth_ms'], 6)}")
     for model, facts in models.items():
         if facts["async_off_k0"]:
             print(f"{model}: k=0 with async scheduling off / on: "

@@ -4,9 +4,9 @@
 # measured". Each call measures what is missing while the time budget lasts, then packs $SV into $OUT/sv.tar.xz.
 #   phase 1: the default model (n-gram k=0..4, MTP k=1..4) and the Kimi-K2 TP=8 slice (n-gram k=0..4), one GPU
 #            each, side by side when there are two GPUs; both with a k=0 run without async scheduling
-#   then, while time is left: calibrations of the same shapes on the same GPUs (expert curves), and (two GPUs,
-#   once phase 1 is done) the Kimi-K2 TP=4 slice at TP=2 (TP=8's per-GPU shape, real all-reduces) and its
-#   calibration (all-reduce on 2 GPUs)
+#   calibrations of the same shapes (expert curves) on the Kimi slice's GPU once it is done, while time is left;
+#   then (two GPUs, once phase 1 is done) the Kimi-K2 TP=4 slice at TP=2, k = 0 and 3 (TP=8's per-GPU shape, real
+#   all-reduces), and its calibration (all-reduce on 2 GPUs)
 set -u
 R=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/moetrace-out}
@@ -34,22 +34,22 @@ calibrate() {  # NAME [args...]: when at least 3 minutes are left
     >> "$SV/calibrate-$name.log" 2>&1
 }
 
-if ! measured default || ! measured kimi-k2-tp8; then
-  if [ "$GPUS" -ge 2 ]; then
-    CUDA_VISIBLE_DEVICES=0 measure default --methods ngram,mtp --sync-baseline & first=$!
-    CUDA_VISIBLE_DEVICES=1 measure kimi-k2-tp8 --methods ngram --sync-baseline
-    wait $first
-  else
-    measure default --methods ngram,mtp --sync-baseline
-    measure kimi-k2-tp8 --methods ngram --sync-baseline
-  fi
+kimi_then_calibrations() {  # the Kimi slice is done long before the default model's 10 engines: calibrate after it
+  measure kimi-k2-tp8 --methods ngram --sync-baseline
+  [ -d "$SV/kimi-k2-tp8-model" ] && calibrate kimi-k2-tp8 --model "$SV/kimi-k2-tp8-model" --tp 1 --no-allreduce
+  calibrate default --model default --tp 1 --no-allreduce
+}
+if [ "$GPUS" -ge 2 ]; then
+  CUDA_VISIBLE_DEVICES=0 measure default --methods ngram,mtp --sync-baseline & first=$!
+  CUDA_VISIBLE_DEVICES=1 kimi_then_calibrations
+  wait $first
+else
+  measure default --methods ngram,mtp --sync-baseline
+  kimi_then_calibrations
 fi
-# calibrations whenever time is left (each needs the model directory the measurement wrote)
-CUDA_VISIBLE_DEVICES=0 calibrate default --model default --tp 1 --no-allreduce
-[ -d "$SV/kimi-k2-tp8-model" ] && CUDA_VISIBLE_DEVICES=0 calibrate kimi-k2-tp8 --model "$SV/kimi-k2-tp8-model" \
-  --tp 1 --no-allreduce
+# TP=2 on two GPUs: k = 0 and one k > 0 are enough to set the all-reduce term against the NCCL curve
 if [ "$GPUS" -ge 2 ] && measured default && measured kimi-k2-tp8 && [ "$(left)" -ge 150 ]; then
-  measure kimi-k2-tp4 --tp 2 --methods ngram
+  measure kimi-k2-tp4 --tp 2 --methods ngram --ks 0,3
   [ -d "$SV/kimi-k2-tp4-model" ] && calibrate kimi-k2-tp4 --model "$SV/kimi-k2-tp4-model" --tp 2
 fi
 tar -C "$(dirname "$SV")" -cJf "$OUT/sv.tar.xz" "$(basename "$SV")"

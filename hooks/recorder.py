@@ -4,7 +4,9 @@
 
 Model Runner V1 (the CPU runner, and the GPU runner when ``VLLM_USE_V2_MODEL_RUNNER=0``) is supported: its
 ``execute_model`` runs the target forward, ``_sample`` runs the rejection sampler, and the drafter runs after
-both (timed: the manifest's ``drafting``). Model Runner V2 is refused with a clear message.
+both. Each of the three is timed per step (the manifest's ``phases``: host time, and on CUDA the device time between
+events around it, per batch size), so a trace says where its steps' time went. Model Runner V2 is refused with a
+clear message.
 
 The engine thread only enqueues: what lives on the host (request order, query starts, drafts per request) is
 copied at once because the runner reuses those arrays; what lives on the device (routing rows, positions, token
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,7 +118,8 @@ class Recorder:
         self._original_model_forward = runner._model_forward
         self._original_sample_tokens = runner.sample_tokens
         self._original_propose = runner.propose_draft_token_ids
-        self.drafting = DraftTiming(self.capture.cuda)
+        self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in PHASES}
+        self._batch = 0  # requests scheduled in the step under way
         self.install()
 
     def install(self) -> None:
@@ -152,7 +155,7 @@ class Recorder:
                 self._closed = self.writer.close(
                     {"requests": list(self.request_index), "capture_mechanisms": self.mechanisms,
                      "engine_thread_us_per_step": self.engine_thread_us_per_step(),
-                     "drafting": self.drafting.summary()})
+                     "phases": {phase: timing.summary() for phase, timing in self.phases.items()}})
             return self._closed
 
     def _window_over(self) -> bool:
@@ -170,8 +173,9 @@ class Recorder:
         t_start = time.time_ns()
         self.capture.begin_step()
         self._replayed = self._tokens_across_dp = None
+        self._batch = len(scheduler_output.num_scheduled_tokens)
         before = time.perf_counter_ns() - began
-        result = self._original_execute(scheduler_output, *args, **kwargs)
+        result = self._timed("forward", self._original_execute, scheduler_output, *args, **kwargs)
         resumed = time.perf_counter_ns()
         self._pending = None
         if scheduler_output.total_num_scheduled_tokens:
@@ -197,7 +201,7 @@ class Recorder:
     def sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
         """Runs inside ``sample_tokens``: closes the step's timing; with async scheduling also counts the tokens
         each request kept (accepted drafts + 1) on the device, copied without blocking."""
-        sampler_output = self._original_sample(logits, spec_decode_metadata)
+        sampler_output = self._timed("sampling", self._original_sample, logits, spec_decode_metadata)
         began = time.perf_counter_ns()
         pending = self._pending
         if pending is not None and self.writer.failed is None:
@@ -213,20 +217,25 @@ class Recorder:
         return sampler_output
 
     def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's drafter, timed: host time of the call and, on CUDA, device time between events around it."""
+        return self._timed("drafting", self._original_propose, *args, **kwargs)
+
+    def _timed(self, phase: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``call``, timed as ``phase`` of the step under way (none when no request was scheduled): never
+        raises into the engine."""
+        timing = self.phases[phase]
         began = time.perf_counter_ns()
         events = None
-        if self.writer.failed is None:
+        if self.writer.failed is None and self._batch:
             try:
-                events = self.drafting.start()
+                events = timing.start()
             except Exception as exc:
                 self._stop(exc)
         try:
-            return self._original_propose(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
             if events is not None:
                 try:
-                    self.drafting.end(events, time.perf_counter_ns() - began)
+                    timing.end(self._batch, events, time.perf_counter_ns() - began)
                 except Exception as exc:
                     self._stop(exc)
 
@@ -236,7 +245,8 @@ class Recorder:
         write), so that an engine stopped while idle (``vllm serve`` kills its workers) holds no step back."""
         output = self._original_sample_tokens(*args, **kwargs)
         began = time.perf_counter_ns()
-        self.drafting.read_done()
+        for timing in self.phases.values():
+            timing.read_done()
         pending, self._pending = self._pending, None
         if pending is None or not pending.t_end or self.writer.failed is not None:
             self.writer.forward_ready()  # nothing sampled for a recorded step: forward what became ready
@@ -318,16 +328,19 @@ class Recorder:
         return self.step - 1
 
 
-class DraftTiming:
-    """What vLLM's drafter costs per call (once per step that drafts): host time, and on CUDA the device time
-    between two events recorded around it, read once they have completed (never waited for inside a step).
-    Medians: the first calls carry one-off costs (the n-gram proposer's JIT compile takes a second)."""
+PHASES = ("forward", "sampling", "drafting")  # execute_model, _sample, propose_draft_token_ids
+
+
+class PhaseTiming:
+    """What one runner call costs per step, per batch size (requests scheduled): host time of the call and, on CUDA,
+    the device time between two events recorded around it, read once they have completed (never waited for inside
+    a step). Medians: the first calls carry one-off costs (the n-gram proposer's JIT compile takes a second)."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
-        self.host_ms: list[float] = []
-        self.device_ms: list[float] = []
-        self._in_flight: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_ms: dict[int, list[float]] = {}
+        self.device_ms: dict[int, list[float]] = {}
+        self._in_flight: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
     def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()]:
         if not self.cuda:
@@ -337,25 +350,29 @@ class DraftTiming:
         events[0].record()
         return events
 
-    def end(self, events: tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()], host_ns: int) -> None:
-        self.host_ms.append(host_ns / 1e6)
+    def end(self, batch: int, events: tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()], host_ns: int) -> None:
+        self.host_ms.setdefault(batch, []).append(host_ns / 1e6)
         if events:
             events[1].record()
-            self._in_flight.append(events)
+            self._in_flight.append((batch, *events))
 
     def read_done(self, wait: bool = False) -> None:
         """Keep the device time of every call whose events have completed (``wait``: all of them, at close)."""
-        while self._in_flight and (wait or self._in_flight[0][1].query()):  # type: ignore[no-untyped-call]
-            first, last = self._in_flight.pop(0)
+        while self._in_flight and (wait or self._in_flight[0][2].query()):  # type: ignore[no-untyped-call]
+            batch, first, last = self._in_flight.pop(0)
             last.synchronize()
-            self.device_ms.append(first.elapsed_time(last))
+            self.device_ms.setdefault(batch, []).append(first.elapsed_time(last))
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per batch size: calls, and the host and device medians in ms (device: None off CUDA)."""
         self.read_done(wait=True)
         return {
-            "calls": len(self.host_ms),
-            "host_ms_median": float(np.median(self.host_ms)) if self.host_ms else None,
-            "device_ms_median": float(np.median(self.device_ms)) if self.device_ms else None,
+            str(batch): {
+                "calls": len(host),
+                "host_ms_median": float(np.median(host)),
+                "device_ms_median": float(np.median(self.device_ms[batch])) if self.device_ms.get(batch) else None,
+            }
+            for batch, host in sorted(self.host_ms.items())
         }
 
 

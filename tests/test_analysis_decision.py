@@ -83,9 +83,14 @@ def test_against_trace_sets_the_prediction_beside_the_recorded_steps_by_hand() -
     speedups = pl.DataFrame({"batch": [1, 1, 4, 4], "k": [0, 2, 0, 2], "step_ms": [10.0, 11.0, 12.0, 14.0],
                              "tokens_per_step": [1.0, 2.5, 1.0, 2.5], "speedup": [1.0, 2.5 / 1.1, 1.0, 2.5 * 12 / 14]})
     measured = pl.DataFrame({"k": [0, 2, 0], "batch": [1, 1, 4], "period_ms": [10.0, 15.0, 12.5],
-                             "tokens_per_step": [1.0, 2.4, 1.0]})
+                             "tokens_per_step": [1.0, 2.4, 1.0], "forward_ms": [8.0, 9.5, 9.0],
+                             "sampling_ms": [0.5, 1.25, 0.5], "drafting_ms": [None, 2.0, None]})
     (row,) = against_trace(speedups, measured).to_dicts()  # batch 4 has no recorded k = 2 steps
     assert (row["batch"], row["k"]) == (1, 2)
     assert row["measured_speedup"] == pytest.approx(2.4 / 1.5)
     assert row["error"] == pytest.approx((2.5 / 1.1 - 1.6) / 1.6)
     assert row["unexplained_ms"] == pytest.approx(4.0)
+    # the recorded step grew 5 ms against k = 0: 1.5 in the forward, 0.75 in sampling, 2 ms drafting
+    assert row["step_growth_ms"] == pytest.approx(5.0)
+    assert (row["forward_growth_ms"], row["sampling_growth_ms"]) == (pytest.approx(1.5), pytest.approx(0.75))
+    assert row["drafting_ms"] == 2.0

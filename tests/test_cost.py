@@ -225,15 +225,26 @@ def test_report_prediction_bad_input(trace: Path, tmp_path: Path) -> None:
     assert ok.exit_code == 0 and "Predicted verify step" in ok.output
 
 
+def with_phases(trace: Path, phases: dict[str, Any]) -> None:
+    manifest = json.loads((trace / "manifest.json").read_text())
+    manifest["phases"] = phases
+    (trace / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     model = Model()
     write_trace(tmp_path / "sweep" / "k0", decode_tokens(np.random.default_rng(0), model, requests=2, steps=12),
                 model, k=0)
     k2 = write_trace(tmp_path / "sweep" / "k2", verify_tokens(np.random.default_rng(1), model, requests=2, steps=10,
                                                               k=2, accept_prob=0.7), model, k=2)
-    manifest = json.loads((k2 / "manifest.json").read_text())
-    manifest["drafting"] = {"calls": 10, "host_ms_median": 0.25, "device_ms_median": None}
-    (k2 / "manifest.json").write_text(json.dumps(manifest))
+
+    def timed(host: float, device: float | None) -> dict[str, Any]:
+        return {"calls": 10, "host_ms_median": host, "device_ms_median": device}
+
+    # what the recorder timed per batch size: a step costs the longer of its host and device time
+    with_phases(tmp_path / "sweep" / "k0", {"forward": {"2": timed(0.6, 0.7)}, "sampling": {"2": timed(0.1, None)}})
+    with_phases(k2, {"forward": {"2": timed(0.8, 0.75)}, "sampling": {"2": timed(0.2, 0.15)},
+                     "drafting": {"1": timed(9.0, None), "2": timed(0.25, None)}})
     calibration = tmp_path / "calib.json"
     calibration.write_text(json.dumps(_calibration()))
 
@@ -248,7 +259,7 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     rows = prediction["per_batch"]
     assert {row["batch"] for row in rows} == {2}  # the builder's k=0 trace decodes 2 requests a step, 1 ms apart
     assert next(row["step_ms"] for row in rows if row["k"] == 0) == pytest.approx(1.0)
-    # the drafter's 0.25 ms per step, measured at k=2, held for every k of an n-gram drafter
+    # the drafter's 0.25 ms per step, measured at k=2 with 2 requests a step, held for every k of an n-gram drafter
     assert {row["drafting_ms"] for row in rows if row["k"] > 0} == {0.25}
     # beside the recorded k=2 steps (the builder starts a step every 1 ms at every k): the speedup they measured
     # is their tokens per step, and what the prediction leaves out is 1 ms minus its predicted step
@@ -257,6 +268,11 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     assert checked["measured_speedup"] == pytest.approx(checked["measured_tokens_per_step"])
     predicted_k2 = next(row["step_ms"] for row in rows if row["k"] == 2)
     assert checked["unexplained_ms"] == pytest.approx(1.0 - predicted_k2)
+    # where the recorded step grew against k=0: not at all (1 ms apart at both), of which forward 0.8 - 0.7,
+    # sampling 0.2 - 0.1, and the drafter's 0.25
+    assert checked["step_growth_ms"] == pytest.approx(0.0)
+    assert (checked["forward_growth_ms"], checked["sampling_growth_ms"]) == (pytest.approx(0.1), pytest.approx(0.1))
+    assert checked["drafting_ms"] == 0.25
     terminal = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2")
     assert "Predicted against measured on the machine that recorded" in terminal.output
     # the per-k table is for the fewest requests predicted: 2 here, the k=0 trace's only concurrency

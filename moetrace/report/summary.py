@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from moetrace.analysis.cost import (
     tokens_per_step,
     uniform_routing,
 )
-from moetrace.analysis.decision import DEFAULT_BATCHES, against_trace, recommended_k, speedup_per_batch
+from moetrace.analysis.decision import DEFAULT_BATCHES, PHASE_COLUMNS, against_trace, recommended_k, speedup_per_batch
 from moetrace.analysis.growth import (
     COUNTERFACTUAL,
     MEASURED,
@@ -198,9 +199,28 @@ def prediction_deployment(trace_shape: ModelShape, tp: int, ep: int,
 
 def recorded_steps(run: Run) -> pl.DataFrame:
     """Every trace's decode steps per concurrency (``analysis.acceptance.decode_step_periods``, with k), where at
-    least ``MIN_BASELINE_STEPS`` step pairs measured them: the baseline and the check of --profile measured."""
+    least ``MIN_BASELINE_STEPS`` step pairs measured them, with what those steps spent in vLLM's calls
+    (``recorded_phases``): the baseline and the check of --profile measured."""
     per_trace = [decode_step_periods(t.steps()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
-    return pl.concat(per_trace).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
+    return (pl.concat(per_trace).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
+            .join(recorded_phases(run), on=["k", "batch"], how="left"))
+
+
+def recorded_phases(run: Run) -> pl.DataFrame:
+    """Per (k, batch): ms per step in vLLM's forward, sampling and drafting calls (``PHASE_COLUMNS``), from each
+    trace's manifest ``phases``: the longer of the host and device medians (the step waits for the longer); null
+    where a trace did not time them (a trace without drafts has no drafting)."""
+    rows = [{"k": trace.k, "batch": int(batch), "phase": f"{phase}_ms",
+             "ms": max(float(timing["host_ms_median"]), float(timing.get("device_ms_median") or 0.0))}
+            for trace in run.traces
+            for phase, per_batch in (trace.manifest.get("phases") or {}).items()
+            for batch, timing in per_batch.items()]
+    schema = {"k": pl.Int32, "batch": pl.Int32, **{name: pl.Float64 for name in PHASE_COLUMNS}}
+    if not rows:
+        return pl.DataFrame(schema=schema)
+    wide = pl.DataFrame(rows).pivot(on="phase", index=["k", "batch"], values="ms")
+    return wide.with_columns(pl.lit(None, pl.Float64).alias(name) for name in PHASE_COLUMNS
+                             if name not in wide.columns).select(pl.col(name).cast(t) for name, t in schema.items())
 
 
 def measured_baselines(run: Run, steps: pl.DataFrame, options: Options) -> dict[int, float]:
@@ -218,19 +238,23 @@ def measured_baselines(run: Run, steps: pl.DataFrame, options: Options) -> dict[
     return found
 
 
-def measured_drafting(run: Run, max_k: int) -> dict[int, float] | None:
-    """The drafter's time per step at every k up to ``max_k`` from what the sweep's traces measured (each trace's
-    manifest ``drafting``: the longer of its host and device medians per call); None when none of them measured
-    it."""
-    measured = {}
-    for trace in run.traces:
-        drafting = trace.manifest.get("drafting") or {}
-        if trace.k > 0 and drafting.get("calls"):
-            measured[trace.k] = max(float(drafting.get("host_ms_median") or 0.0),
-                                    float(drafting.get("device_ms_median") or 0.0))
-    if not measured:
+def measured_drafting(run: Run, steps: pl.DataFrame, batches: Sequence[int],
+                      max_k: int) -> dict[int, dict[int, float]] | None:
+    """Per concurrency of ``batches``: the drafter's time per step at every k up to ``max_k``, from what the sweep's
+    traces measured (``recorded_steps``' drafting_ms) at that concurrency, or at the nearest one that has it; None
+    when no trace measured it."""
+    drafted = steps.filter(pl.col("k") > 0).drop_nulls("drafting_ms")
+    if drafted.is_empty():
         return None
-    return drafting_per_k(measured, str(run.primary.manifest["spec"].get("method")), range(max_k + 1))
+    recorded = sorted(set(drafted["batch"].to_list()))
+    method = str(run.primary.manifest["spec"].get("method"))
+    out = {}
+    for batch in batches:
+        nearest = min(recorded, key=lambda b: (abs(b - batch), b))
+        at = drafted.filter(pl.col("batch") == nearest)
+        out[batch] = drafting_per_k(dict(zip(at["k"].to_list(), at["drafting_ms"].to_list())), method,
+                                    range(max_k + 1))
+    return out
 
 
 def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, by_position: pl.DataFrame,
@@ -256,7 +280,8 @@ def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, b
     one_token = growth_table.filter((pl.col("k") == 0) & (pl.col("scope") == PER_REQUEST))
     one_token_busiest = float(one_token["busiest_rank_experts"].mean() or shape.top_k)  # type: ignore[arg-type]
     baselines = measured_baselines(run, steps, options) if steps is not None else None
-    drafting = measured_drafting(run, options.max_k) if options.measured_baseline else None
+    drafting = measured_drafting(run, steps, list(baselines), options.max_k) if steps is not None and baselines \
+        else None
     try:
         speedups, basis = speedup_per_batch(per_batch, inputs, deployment_for(pred_shape, pred_tp, pred_ep),
                                             options.profile, options.calibration, one_token_busiest, baselines,

@@ -133,11 +133,14 @@ def _against_trace(rows: list[dict[str, Any]]) -> Table:
     table = _table("Predicted against measured on the machine that recorded (decode steps of the sweep's traces)", [
         ("B", "requests per step"), ("k", ""), ("tok", "tokens per step, measured"), ("pred ×", "predicted speedup"),
         ("meas ×", "measured speedup"), ("error", ""), ("step", "measured ms"),
-        ("missing", "ms per step the prediction leaves out")])
+        ("missing", "ms per step the prediction leaves out"), ("grew", "ms the step grew against k=0, of which:"),
+        ("forward", "vLLM's forward"), ("sampling", "its sampling"), ("draft", "the drafter")])
     for row in rows:
         table.add_row(str(row["batch"]), str(row["k"]), _number(row["measured_tokens_per_step"]),
                       _number(row["predicted_speedup"]), _number(row["measured_speedup"]),
-                      f"{100 * row['error']:+.0f}%", _number(row["measured_step_ms"]), _number(row["unexplained_ms"]))
+                      f"{100 * row['error']:+.0f}%", _number(row["measured_step_ms"]), _number(row["unexplained_ms"]),
+                      _number(row["step_growth_ms"]), *(_number(row[name]) for name in
+                                                         ("forward_growth_ms", "sampling_growth_ms", "drafting_ms")))
     return table
 
 
