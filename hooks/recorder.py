@@ -112,7 +112,7 @@ class Recorder:
         self._close_lock = threading.Lock()
         self._closed: dict[str, Any] | None = None
         self._pending: PendingStep | None = None
-        self.own_ns = {"execute_model": 0, "model_forward": 0, "sample": 0, "sample_tokens": 0}
+        self.own_ns = {"execute_model": 0, "model_forward": 0, "sample": 0, "sample_tokens": 0, "phase_timing": 0}
         self._original_execute = runner.execute_model
         self._original_sample = runner._sample
         self._original_model_forward = runner._model_forward
@@ -230,14 +230,17 @@ class Recorder:
                 events = timing.start()
             except Exception as exc:
                 self._stop(exc)
+        called = time.perf_counter_ns()
         try:
             return call(*args, **kwargs)
         finally:
+            returned = time.perf_counter_ns()
             if events is not None:
                 try:
-                    timing.end(self._batch, events, time.perf_counter_ns() - began)
+                    timing.end(self._batch, events, returned - called)
                 except Exception as exc:
                     self._stop(exc)
+            self.own_ns["phase_timing"] += called - began + time.perf_counter_ns() - returned
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM has synced by the time this returns (sync scheduling), and its output holds each request's sampled
@@ -333,17 +336,22 @@ PHASES = ("forward", "sampling", "drafting")  # execute_model, _sample, propose_
 
 class PhaseTiming:
     """What one runner call costs per step, per batch size (requests scheduled): host time of the call and, on CUDA,
-    the device time between two events recorded around it, read once they have completed (never waited for inside
-    a step). Medians: the first calls carry one-off costs (the n-gram proposer's JIT compile takes a second)."""
+    the device time between two events recorded around every ``DEVICE_EVERY``-th call (a sample: events cost the
+    engine thread microseconds), read once they have completed (never waited for inside a step). Medians: the first
+    calls carry one-off costs (the n-gram proposer's JIT compile takes a second)."""
+
+    DEVICE_EVERY = 4
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
+        self.calls = 0
         self.host_ms: dict[int, list[float]] = {}
         self.device_ms: dict[int, list[float]] = {}
         self._in_flight: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
     def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()]:
-        if not self.cuda:
+        self.calls += 1
+        if not self.cuda or self.calls % self.DEVICE_EVERY:
             return ()
         timing = {"enable_timing": True}
         events = (torch.cuda.Event(**timing), torch.cuda.Event(**timing))  # type: ignore[no-untyped-call]
