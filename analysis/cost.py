@@ -205,15 +205,24 @@ def check_calibration(doc: Mapping[str, Any]) -> None:
             raise ValueError(f"missing {key!r}")
 
 
-def expert_fit(doc: Mapping[str, Any], config: str, fmt: str) -> tuple[dict[str, Any], str, list[str]]:
+def expert_fit(doc: Mapping[str, Any], config: str, fmt: str,
+               rank_shape: tuple[int, int, int] | None = None) -> tuple[dict[str, Any], str, list[str]]:
     """The fitted expert curve of ``config`` (e.g. "tp8", "ep8") in ``fmt`` (bf16, fp8, int4), else the narrowest
-    format measured for that config; returns the fit, the format used, and notes."""
+    format measured for that config; returns the fit, the format used, and notes. Without a curve of that config,
+    one measured at the same per-rank work serves (``rank_shape``: hidden size, expert width and experts per rank:
+    Kimi-K2's tp8 curve is a model of its per-GPU shape's tp1)."""
     curves = [c for c in list(doc["experts"]) + list(doc["int4_estimate"]) if c.get("fit")]
     mine = [c for c in curves if c["config"] == config]
+    notes = []
+    if not mine and rank_shape is not None and doc.get("shape", {}).get("hidden_size") == rank_shape[0]:
+        same_work = [c for c in curves if (c.get("width"), c.get("experts_per_rank")) == rank_shape[1:]]
+        if same_work:
+            mine = [c for c in same_work if c["config"] == same_work[0]["config"]]
+            notes.append(f"no expert curve for {config}: {mine[0]['config']}'s serves, measured at the same per-rank "
+                         f"work ({rank_shape[0]}×{rank_shape[1]} experts, {rank_shape[2]} per rank)")
     if not mine:
         have = sorted({c["config"] for c in curves})
         raise ValueError(f"no expert curve for {config} (has: {', '.join(have) or 'none'})")
-    notes = []
     chosen = next((c for c in mine if c["format"] == fmt), None)
     if chosen is None:
         chosen = min(mine, key=lambda c: c["weight_bits"])
@@ -221,6 +230,13 @@ def expert_fit(doc: Mapping[str, Any], config: str, fmt: str) -> tuple[dict[str,
     if chosen.get("estimated"):
         notes.append(f"{config} {chosen['format']} expert time is estimated, not measured: {chosen.get('note', '')}")
     return dict(chosen["fit"]), str(chosen["format"]), notes
+
+
+def bandwidth_fit(doc: Mapping[str, Any], bytes_per_expert: float) -> dict[str, Any]:
+    """An expert curve from the calibration's device copy bandwidth alone: each expert's weights read once, no
+    fixed cost (a lower bound on how expert time grows with the experts read)."""
+    return {"c0_us": 0.0, "per_expert_us": bytes_per_expert / (float(doc["copy_bandwidth_gbs"]) * 1e3),
+            "per_row_us": 0.0}
 
 
 def expert_time_us(fit: Mapping[str, Any], experts: float, rows: float) -> float:
@@ -304,17 +320,15 @@ def allreduce_model(doc: Mapping[str, Any], world_size: int) -> AllReduceModel |
 MODEL_DRAFTERS = ("mtp", "eagle", "eagle3", "draft_model")  # drafters that run a model forward per draft
 
 
-def drafting_per_k(measured: Mapping[int, float], method: str, ks: Sequence[int]) -> dict[int, float]:
-    """The drafter's time per step (ms) at every k > 0 of ``ks`` from the ks it was measured at: measured where
-    recorded; elsewhere from the nearest recorded k, scaled by k for a drafter that runs a model forward per
-    draft, held for one that does not (n-gram: one lookup per step whatever k)."""
+def per_k_from_nearest(measured: Mapping[int, float], ks: Sequence[int], scale_with_k: bool) -> dict[int, float]:
+    """A time per step (ms) at every k > 0 of ``ks``: measured where recorded; elsewhere from the nearest recorded k,
+    scaled by k when ``scale_with_k``, else held."""
     if not measured:
-        raise ValueError("no drafter time measured")
+        raise ValueError("nothing measured")
     out = {}
     for k in (k for k in ks if k > 0):
         nearest = min(measured, key=lambda recorded: (abs(recorded - k), recorded))
-        scale = k / nearest if method in MODEL_DRAFTERS else 1.0
-        out[k] = measured[k] if k in measured else measured[nearest] * scale
+        out[k] = measured[k] if k in measured else measured[nearest] * (k / nearest if scale_with_k else 1.0)
     return out
 
 
@@ -345,6 +359,12 @@ class Deployment:
     def expert_config(self) -> str:
         return f"ep{self.ep}" if self.ep > 1 else f"tp{self.tp}"
 
+    def rank_shape(self) -> tuple[int, int, int]:
+        """(hidden size, expert width, experts) one rank's expert layer computes: EP splits experts, TP widths."""
+        if self.ep > 1:
+            return self.shape.hidden_size, self.shape.expert_width, self.shape.num_experts // self.ep
+        return self.shape.hidden_size, self.shape.expert_width // self.tp, self.shape.num_experts
+
     def rank_work(self, unique: float, busiest: float, tokens: float) -> tuple[float, float]:
         """(experts, rows) one rank computes in one MoE layer."""
         shared, top_k = self.shape.shared_experts, self.shape.top_k
@@ -363,21 +383,26 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
             calibration: Mapping[str, Any] | None,
             one_token_busiest: float | None = None,
             baseline_ms: float | None = None,
-            drafting_ms: Mapping[int, float] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+            drafting_ms: Mapping[int, float] | None = None,
+            scheduling_ms: float | None = None,
+            sampling_ms: Mapping[int, float] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Predicted step per k at ``deployment.batch`` requests per step. ``per_k`` has k, unique_experts,
     busiest_rank_experts (per layer, what one step of ``batch`` requests' windows reads) and tokens_per_step (per
     request). A profile is a one-request step: components are scaled from a one-token step (top-k experts,
     ``one_token_busiest`` on the busiest rank; default: the k=0 row, right when batch is 1) to the step's
     batch·(k+1) tokens. ``baseline_ms``, a k=0 step measured at this batch (start to start), replaces the profile:
     MoE and all-reduce are the calibration's at every k, and what the calibration does not explain of the measured
-    step is held flat; ``drafting_ms`` (per k, measured with it) adds the drafter's own time to every step at k > 0.
+    step is held flat; ``drafting_ms`` (per k, measured with it) adds the drafter's own time to every step at k > 0,
+    and ``scheduling_ms`` what vLLM's scheduling for drafting adds to every step at k > 0 (async scheduling off:
+    a k=0 step measured that way, less the measured k=0 step), and ``sampling_ms`` (per k, measured) how much longer
+    vLLM's sampling (the rejection sampler) takes than at k=0.
     Returns the table and a description of the basis (mode, notes, checks)."""
     if profile is None and calibration is None:
         raise ValueError("a prediction needs a calibration, a profile, or both")
     if baseline_ms is not None and (calibration is None or profile is not None):
         raise ValueError("a measured k=0 step goes with a calibration (how MoE and all-reduce grow) and no profile")
-    if drafting_ms is not None and baseline_ms is None:
-        raise ValueError("a measured drafter time goes with a measured k=0 step (both from the same machine)")
+    if (drafting_ms is not None or scheduling_ms is not None or sampling_ms is not None) and baseline_ms is None:
+        raise ValueError("a measured drafter or scheduling time goes with a measured k=0 step (the same machine)")
     rows = per_k.sort("k").to_dicts()
     if not rows or rows[0]["k"] != 0:
         raise ValueError("per-k input must start at k=0")
@@ -394,7 +419,18 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     anchor_work = deployment.rank_work(float(shape.top_k), min(busiest_one, float(shape.top_k)), anchor_tokens)
     if calibration is not None:
         check_calibration(calibration)
-        fit, fmt_used, fit_notes = expert_fit(calibration, deployment.expert_config(), deployment.weight_format)
+        try:
+            fit, fmt_used, fit_notes = expert_fit(calibration, deployment.expert_config(), deployment.weight_format,
+                                                  deployment.rank_shape())
+        except ValueError as exc:
+            if baseline_ms is None or "copy_bandwidth_gbs" not in calibration:
+                raise
+            # with a measured k=0 step only the growth is priced: from bytes read, when no curve fits the shape
+            per_rank = shape.expert_bytes / (deployment.ep if deployment.ep > 1 else deployment.tp)
+            fit, fmt_used = bandwidth_fit(calibration, per_rank), deployment.weight_format
+            fit_notes = [f"{exc}: expert time grows as its weights read at the calibration's copy bandwidth "
+                         f"({float(calibration['copy_bandwidth_gbs']):.0f} GB/s, {per_rank / 1e3:.1f} kB per expert "
+                         f"per rank): a lower bound"]
         notes += fit_notes
         cal_hidden = calibration.get("shape", {}).get("hidden_size")
         if cal_hidden is not None and int(cal_hidden) != shape.hidden_size:
@@ -440,7 +476,11 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
                         "time and its device time), scaled with k from the nearest recorded k for a model drafter, "
                         "held for n-gram" if drafting_ms is not None else
                         "; the drafter's own time is not in it (the traces did not measure it)")
-                     + "; rejection sampling and bookkeeping are not in the prediction")
+                     + (f"; k>0 steps run with async scheduling off as vLLM runs this drafter: +{scheduling_ms:.3f} ms "
+                        "per step, measured at k=0 (--k0-sync)" if scheduling_ms is not None else "")
+                     + ("; the rejection sampler's time over k=0's as the sweep's traces measured it, held from the "
+                        "nearest recorded k" if sampling_ms is not None else "; rejection sampling is not in it")
+                     + "; bookkeeping is not in the prediction")
     elif profile is not None:
         mode = "profile anchored, calibrated growth" if calibration is not None else "profile, modelled growth"
         p_ms = profile.step_ms
@@ -463,7 +503,9 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         notes.append("no profile: attention, other GEMMs and the rest are left out, so step times cover MoE and "
                      "all-reduce only and the speedups are a lower bound")
     drafting = [float(drafting_ms.get(int(r["k"]), 0.0)) if drafting_ms and r["k"] > 0 else 0.0 for r in rows]
-    steps = [sum(parts) for parts in zip(moe, ar, attention, other, rest, drafting)]
+    scheduling = [scheduling_ms if scheduling_ms is not None and r["k"] > 0 else 0.0 for r in rows]
+    sampling = [float(sampling_ms.get(int(r["k"]), 0.0)) if sampling_ms and r["k"] > 0 else 0.0 for r in rows]
+    steps = [sum(parts) for parts in zip(moe, ar, attention, other, rest, drafting, scheduling, sampling)]
     table = pl.DataFrame({
         "k": [int(r["k"]) for r in rows],
         "tokens": tokens_list,
@@ -476,6 +518,8 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "other_ms": other,
         "rest_ms": rest,
         "drafting_ms": drafting if drafting_ms is not None else [None] * len(rows),  # None: not measured
+        "scheduling_ms": scheduling if scheduling_ms is not None else [None] * len(rows),
+        "sampling_ms": sampling if sampling_ms is not None else [None] * len(rows),
         "step_ms": steps,
         "step_ratio": [s / steps[0] for s in steps],
         "speedup": [float(r["tokens_per_step"]) / (s / steps[0]) for r, s in zip(rows, steps)],

@@ -23,12 +23,15 @@ def speedup_per_batch(per_batch: pl.DataFrame, tokens: pl.DataFrame, deployment:
                       profile: Profile | None, calibration: Mapping[str, Any] | None,
                       one_token_busiest: float,
                       baselines: Mapping[int, float] | None = None,
-                      drafting_ms: Mapping[int, Mapping[int, float]] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+                      drafting_ms: Mapping[int, Mapping[int, float]] | None = None,
+                      scheduling_ms: Mapping[int, float] | None = None,
+                      sampling_ms: Mapping[int, Mapping[int, float]] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per (batch, k): the prediction table of ``analysis.cost.predict`` with batch, uniform_bound and
     union_source columns. ``per_batch``: batch, k, unique_experts, busiest_rank_experts (per layer, one step),
     uniform_bound, union_source; ``tokens``: k, tokens_per_step (per request). ``baselines``: a measured k=0 step
     (ms) per batch; only those batches are then predicted; ``drafting_ms``: per batch, the drafter's time per step
-    at each k (measured with them)."""
+    at each k (measured with them); ``scheduling_ms``: per batch, what async scheduling off adds to a step at k > 0;
+    ``sampling_ms``: per batch, the rejection sampler's time over k = 0's at each k."""
     frames = []
     basis: dict[str, Any] = {}
     joined = per_batch.join(tokens.select("k", "tokens_per_step"), on="k").sort("batch", "k")
@@ -38,7 +41,9 @@ def speedup_per_batch(per_batch: pl.DataFrame, tokens: pl.DataFrame, deployment:
         size = int(str(batch))
         table, basis = predict(per_k, replace(deployment, batch=size), profile, calibration, one_token_busiest,
                                None if baselines is None else baselines[size],
-                               None if drafting_ms is None else drafting_ms[size])
+                               None if drafting_ms is None else drafting_ms[size],
+                               None if scheduling_ms is None else scheduling_ms[size],
+                               None if sampling_ms is None else sampling_ms[size])
         frames.append(table.with_columns(batch=pl.lit(int(str(batch)), pl.Int32))
                       .join(per_k.select("k", "uniform_bound", "union_source"), on="k"))
     basis.pop("batch", None)

@@ -244,11 +244,13 @@ def ratio_ci95(numerator: list[float], denominator: list[float], resamples: int 
             [ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]])
 
 
-def report_prediction(sweep: Path, calibration: Path, scratch: Path) -> dict[str, Any]:
-    """``moetrace report --profile measured`` as a user runs it (a subprocess): its prediction section."""
+def report_prediction(sweep: Path, calibration: Path, scratch: Path, k0_sync: Path | None) -> dict[str, Any]:
+    """``moetrace report --profile measured`` as a user runs it (a subprocess): its prediction section.
+    ``k0_sync``: the k=0 trace with async scheduling off, for a drafter vLLM runs that way."""
     command = [sys.executable, "-m", "moetrace", "report", str(sweep), "--calibration", str(calibration),
                "--profile", "measured", "--batch", ",".join(map(str, CONCURRENCIES)), "--json",
-               "-o", str(scratch / f"{sweep.name}.html"), "--force"]
+               "-o", str(scratch / f"{sweep.name}.html"), "--force",
+               *(["--k0-sync", str(k0_sync)] if k0_sync is not None else [])]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{sweep}: moetrace report failed: {done.stderr.strip()}")
@@ -303,7 +305,9 @@ def compare(args: argparse.Namespace) -> None:
                 sweep = (runs / next(e["trace"] for e in engines if e["method"] == method)).parent
                 if not (sweep / "k0").exists():  # k = 0 runs no drafter: the shared baseline joins each sweep
                     (sweep / "k0").symlink_to(Path("..") / Path(baseline["trace"]))
-                prediction = report_prediction(sweep, calibration, Path(scratch))
+                # vLLM drafts n-gram with async scheduling off, MTP with it on
+                k0_sync = runs / sync["trace"] if sync is not None and method != "mtp" else None
+                prediction = report_prediction(sweep, calibration, Path(scratch), k0_sync)
                 models[model].setdefault("prediction_basis", {})[method] = prediction["basis"]["mode"]
                 predicted = {(r["batch"], r["k"]): r for r in prediction["per_batch"]}
                 checked = {(r["batch"], r["k"]): r for r in prediction["against_trace"]}
@@ -313,6 +317,7 @@ def compare(args: argparse.Namespace) -> None:
                         measured, interval = ratio_ci95(engine["tok_s"][str(concurrency)],
                                                         baseline["tok_s"][str(concurrency)])
                         row, trace = predicted.get(key), checked.get(key, {})
+                        row0 = predicted.get((concurrency, 0))
                         rows.append({
                             "model": model, "drafter": method, "concurrency": concurrency, "k": engine["k"],
                             "predicted_speedup": row["speedup"] if row else None,
@@ -325,6 +330,8 @@ def compare(args: argparse.Namespace) -> None:
                             "unexplained_ms_per_step": trace.get("unexplained_ms"),
                             # where the recorded step grew against k = 0 (ms per step)
                             "trace_step_growth_ms": trace.get("step_growth_ms"),
+                            "predicted_moe_growth_ms": (row["moe_ms"] + row["allreduce_ms"] - row0["moe_ms"]
+                                                        - row0["allreduce_ms"]) if row and row0 else None,
                             "trace_forward_growth_ms": trace.get("forward_growth_ms"),
                             "trace_sampling_growth_ms": trace.get("sampling_growth_ms"),
                             "trace_drafting_ms": trace.get("drafting_ms"),
@@ -338,8 +345,8 @@ def compare(args: argparse.Namespace) -> None:
         return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
     print(f"{'model':<12} {'drafter':<6} {'B':>3} {'k':>2} {'predicted':>9} {'measured':>8} {'95% interval':>13} "
-          f"{'error':>6} {'trace ×':>7} {'step ms':>7} {'missing ms':>10} {'grew':>6} {'fwd':>6} {'sample':>6} "
-          f"{'draft':>6} {'async':>6}")
+          f"{'error':>6} {'trace ×':>7} {'step ms':>7} {'missing ms':>10} {'grew':>6} {'fwd':>6} {'moe':>6} "
+          f"{'sample':>6} {'draft':>6} {'async':>6}")
     for r in rows:
         error = 100 * r["error"] if r["error"] is not None else None
         print(f"{r['model']:<12} {r['drafter']:<6} {r['concurrency']:>3} {r['k']:>2} "
@@ -347,7 +354,8 @@ def compare(args: argparse.Namespace) -> None:
               f"{r['measured_ci95'][0]:>6.2f}-{r['measured_ci95'][1]:<6.2f} {show(error, 5, 0)}% "
               f"{show(r['trace_measured_speedup'], 7)} {show(r['trace_step_ms'], 7)} "
               f"{show(r['unexplained_ms_per_step'], 10)} {show(r['trace_step_growth_ms'], 6)} "
-              f"{show(r['trace_forward_growth_ms'], 6)} {show(r['trace_sampling_growth_ms'], 6)} "
+              f"{show(r['trace_forward_growth_ms'], 6)} {show(r['predicted_moe_growth_ms'], 6)} "
+              f"{show(r['trace_sampling_growth_ms'], 6)} "
               f"{show(r['trace_drafting_ms'], 6)} {show(r['async_off_growth_ms'], 6)}")
     for model, facts in models.items():
         if facts["async_off_k0"]:

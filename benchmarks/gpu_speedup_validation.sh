@@ -16,7 +16,7 @@ mkdir -p "$SV" "$OUT"
 cd /tmp || exit 1
 export PYTHONUNBUFFERED=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 GPUS=$(nvidia-smi -L | wc -l)
-began=$SECONDS
+began=$(date +%s)
 
 measure() {  # MODEL [args...]: resumable; done once its log ends with "measurements:"
   local model=$1; shift
@@ -25,12 +25,12 @@ measure() {  # MODEL [args...]: resumable; done once its log ends with "measurem
     --out "$SV" --budget-s "$(left)" "$@" >> "$SV/$model.log" 2>&1
 }
 measured() { grep -q '^measurements:' "$SV/$1.log" 2>/dev/null; }
-left() { echo $((BUDGET - (SECONDS - began))); }
+left() { echo $((BUDGET - ($(date +%s) - began))); }
 calibrate() {  # NAME [args...]: when at least 3 minutes are left
   [ -s "$SV/calibration-$1.json" ] && return 0
   [ "$(left)" -ge 180 ] || return 0
   local name=$1; shift
-  timeout 240 moetrace calibrate --formats bf16 --ep 1 -o "$SV/calibration-$name.json" --force "$@" \
+  timeout 240 python3 -m moetrace calibrate --formats bf16 --ep 1 -o "$SV/calibration-$name.json" --force "$@" \
     >> "$SV/calibrate-$name.log" 2>&1
 }
 
@@ -40,8 +40,13 @@ kimi_then_calibrations() {  # the Kimi slice is done long before the default mod
   calibrate default --model default --tp 1 --no-allreduce
 }
 if [ "$GPUS" -ge 2 ]; then
-  CUDA_VISIBLE_DEVICES=0 measure default --methods ngram,mtp --sync-baseline & first=$!
-  CUDA_VISIBLE_DEVICES=1 kimi_then_calibrations
+  # each side on its own half of the host's cores: the default model's step is host-bound, and the other side's
+  # engine start (torch.compile workers) would otherwise slow it at random
+  half=$(($(nproc) / 2))
+  export R SV BUDGET began && export -f measure measured left calibrate kimi_then_calibrations
+  CUDA_VISIBLE_DEVICES=0 taskset -c "0-$((half - 1))" bash -c 'measure default --methods ngram,mtp --sync-baseline' &
+  first=$!
+  CUDA_VISIBLE_DEVICES=1 taskset -c "$half-$(($(nproc) - 1))" bash -c kimi_then_calibrations
   wait $first
 else
   measure default --methods ngram,mtp --sync-baseline

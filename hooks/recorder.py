@@ -95,6 +95,7 @@ class Recorder:
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
         manifest = worker_manifest(vllm_config, infos, settings)
         manifest["capture"]["recomputed_from_logits"] = any(entry is not None for entry in self.entries)
+        manifest["capture"]["async_scheduling"] = not self.sampled_on_host  # vLLM turns it off for some drafters
         self.writer = TraceWriter(
             Path(settings["out"]),
             manifest,

@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import polars as pl
 import pytest
 from click.testing import CliRunner
 
 from moetrace.analysis.cost import (
+    expert_fit,
     PROFILE_PRESETS,
     Profile,
     acceptance_curve,
     allreduce_model,
     deployment_for,
-    drafting_per_k,
     geometric_acceptance,
     parse_profile,
+    per_k_from_nearest,
     predict,
     ring_model,
     tokens_per_step,
@@ -46,6 +51,47 @@ def _calibration(world_sizes: tuple[int, ...] = (2,)) -> dict[str, Any]:
             "shape": {"hidden_size": 1000},
             "experts": [{"config": "tp2", "format": "bf16", "weight_bits": 16, "estimated": False, "fit": fit}],
             "int4_estimate": [], "allreduce": {"measured": measured}}
+
+
+def test_a_curve_measured_at_the_same_per_rank_work_serves_another_config() -> None:
+    calibration = _calibration()
+    calibration["experts"][0].update(width=16, experts_per_rank=64)  # tp2 of SMALL: each rank 1000×16, 64 experts
+    per_gpu = deployment_for(replace(SMALL, expert_width=16), 1, 1)  # SMALL's per-GPU slice at tp1: the same work
+    fit, _, notes = expert_fit(calibration, "tp1", "bf16", per_gpu.rank_shape())
+    assert fit["per_expert_us"] == 2.0 and "tp2's serves" in notes[0]
+    with pytest.raises(ValueError, match="no expert curve for tp1"):  # 1000×32 per rank: not what tp2 measured
+        expert_fit(calibration, "tp1", "bf16", deployment_for(SMALL, 1, 1).rank_shape())
+
+
+def test_a_measured_k0_step_grows_at_copy_bandwidth_where_no_curve_fits() -> None:
+    calibration = {**_calibration(), "copy_bandwidth_gbs": 100.0}
+    # SMALL at tp1 has no curve; an expert is 3 × 1000 × 32 × 2 B = 192 kB: 1.92 us at 100 GB/s. k=1 reads
+    # 12 + 1 shared experts against 8 + 1 in each of 2 MoE layers: 2 × 4 × 1.92 us more
+    table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 1, 1), None, calibration,
+                           baseline_ms=5.0)
+    k0, k1 = table.to_dicts()
+    assert k0["step_ms"] == pytest.approx(5.0) and k1["step_ms"] - k0["step_ms"] == pytest.approx(2 * 4 * 1.92e-3)
+    assert any("copy bandwidth (100 GB/s, 192.0 kB per expert per rank)" in note for note in basis["notes"])
+    with pytest.raises(ValueError, match="no expert curve for tp1"):  # without a measured step: no such shortcut
+        predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 1, 1), None, calibration)
+
+
+def test_async_scheduling_off_adds_its_measured_time_to_every_step_that_drafts() -> None:
+    args = (_per_k([8.0, 8.0], [1.0, 1.5]), deployment_for(SMALL, 1, 1), None, {**_calibration(),
+                                                                                "copy_bandwidth_gbs": 100.0})
+    plain, _ = predict(*args, baseline_ms=5.0)
+    table, basis = predict(*args, baseline_ms=5.0, scheduling_ms=0.75)
+    # same experts at both k: the step at k=1 is the k=0 step plus 0.75 ms, and the speedup 1.5 × 5 / 5.75
+    assert table["scheduling_ms"].to_list() == [0.0, 0.75] and plain["scheduling_ms"].to_list() == [None, None]
+    assert table["step_ms"].to_list() == pytest.approx([5.0, 5.75])
+    assert table["speedup"][1] == pytest.approx(1.5 * 5.0 / 5.75)
+    assert any("+0.750 ms per step, measured at k=0 (--k0-sync)" in note for note in basis["notes"])
+    with pytest.raises(ValueError, match="measured k=0 step"):
+        predict(*args, scheduling_ms=0.75)
+    # the rejection sampler's measured time over k=0's adds the same way
+    sampled, basis = predict(*args, baseline_ms=5.0, sampling_ms={1: 0.25})
+    assert sampled["sampling_ms"].to_list() == [0.0, 0.25] and sampled["step_ms"][1] == pytest.approx(5.25)
+    assert any("rejection sampler's time over k=0's" in note for note in basis["notes"])
 
 
 def _per_k(unique: list[float], tokens: list[float]) -> pl.DataFrame:
@@ -139,14 +185,14 @@ def test_predict_from_a_measured_k0_step_by_hand() -> None:
             predict(_per_k([8.0], [1.0]), deployment_for(SMALL, 2, 1), profile, calibration, baseline_ms=5.0)
 
 
-def test_drafter_time_is_measured_where_recorded_and_scaled_by_its_kind_elsewhere() -> None:
+def test_a_measured_time_is_kept_where_recorded_and_scaled_or_held_elsewhere() -> None:
     measured = {2: 4.0, 4: 9.0}
     # a model drafter runs a forward per draft: scaled by k from the nearest recorded k (ties: the smaller)
-    assert drafting_per_k(measured, "mtp", range(7)) == {1: 2.0, 2: 4.0, 3: 6.0, 4: 9.0, 5: 11.25, 6: 13.5}
+    assert per_k_from_nearest(measured, range(7), True) == {1: 2.0, 2: 4.0, 3: 6.0, 4: 9.0, 5: 11.25, 6: 13.5}
     # n-gram: one lookup per step, whatever k
-    assert drafting_per_k(measured, "ngram", range(1, 4)) == {1: 4.0, 2: 4.0, 3: 4.0}
+    assert per_k_from_nearest(measured, range(1, 4), False) == {1: 4.0, 2: 4.0, 3: 4.0}
     with pytest.raises(ValueError):
-        drafting_per_k({}, "ngram", range(3))
+        per_k_from_nearest({}, range(3), False)
     table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None, _calibration(),
                            baseline_ms=5.0, drafting_ms={1: 0.5})
     k0, k1 = table.to_dicts()
@@ -225,6 +271,16 @@ def test_report_prediction_bad_input(trace: Path, tmp_path: Path) -> None:
     assert ok.exit_code == 0 and "Predicted verify step" in ok.output
 
 
+def stretch_steps(trace: Path, factor: float) -> None:
+    """Space the trace's recorded steps ``factor`` times as far apart."""
+    for part in (trace / "steps").glob("*.parquet"):
+        table = pq.read_table(part)
+        for name in ("t_start_ns", "t_end_ns"):
+            stretched = pa.array([int(v * factor) for v in table[name].to_pylist()], pa.int64())
+            table = table.set_column(table.schema.get_field_index(name), name, stretched)
+        pq.write_table(table, part)
+
+
 def with_phases(trace: Path, phases: dict[str, Any]) -> None:
     manifest = json.loads((trace / "manifest.json").read_text())
     manifest["phases"] = phases
@@ -261,6 +317,8 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     assert next(row["step_ms"] for row in rows if row["k"] == 0) == pytest.approx(1.0)
     # the drafter's 0.25 ms per step, measured at k=2 with 2 requests a step, held for every k of an n-gram drafter
     assert {row["drafting_ms"] for row in rows if row["k"] > 0} == {0.25}
+    # sampling took 0.2 ms a step at k=2 (the longer of host and device), 0.1 at k=0: 0.1 more, held for every k
+    assert [row["sampling_ms"] for row in rows if row["k"] > 0] == pytest.approx([0.1] * 8)
     # beside the recorded k=2 steps (the builder starts a step every 1 ms at every k): the speedup they measured
     # is their tokens per step, and what the prediction leaves out is 1 ms minus its predicted step
     (checked,) = prediction["against_trace"]
@@ -285,6 +343,31 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
                             "no run of 5+ decode steps at concurrency 7 to measure the k=0 step at (has: 2)")):
         failed = report(*args)
         assert failed.exit_code == 1 and fragment in failed.output and "Traceback" not in failed.output
+    # a k=0 trace recorded with async scheduling off, its steps 1.5 ms apart against the sweep's 1 ms: every step
+    # that drafts pays 0.5 ms more
+    sync = write_trace(tmp_path / "sync", decode_tokens(np.random.default_rng(0), model, requests=2, steps=12), model,
+                       k=0)
+    stretch_steps(sync, 1.5)
+    synced = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2", "--k0-sync",
+                    str(sync), "--json")
+    assert synced.exit_code == 0, synced.output
+    rows_sync = json.loads(synced.output)["runs"][0]["prediction"]["per_batch"]
+    assert [row["scheduling_ms"] for row in rows_sync[:3]] == [0.0, pytest.approx(0.5), pytest.approx(0.5)]
+    assert rows_sync[2]["step_ms"] == pytest.approx(predicted_k2 + 0.5)
+    assert "sched" in report("--calibration", str(calibration), "--profile", "measured", "--batch", "2",
+                             "--k0-sync", str(sync)).output
+    with_async = json.loads((sync / "manifest.json").read_text())
+    with_async["capture"] = {"async_scheduling": True}
+    (tmp_path / "async").mkdir()
+    shutil.copytree(sync / "steps", tmp_path / "async" / "steps")
+    shutil.copytree(sync / "routing", tmp_path / "async" / "routing")
+    (tmp_path / "async" / "manifest.json").write_text(json.dumps(with_async))
+    for args, fragment in ((["--k0-sync", str(sync)], "--k0-sync goes with --profile measured"),
+                           (["--profile", "measured", "--k0-sync", str(k2)], "needs one trace recorded at k=0"),
+                           (["--profile", "measured", "--k0-sync", str(tmp_path / "async")], "async scheduling on"),
+                           (["--profile", "measured", "--k0-sync", str(tmp_path / "none")], "no such trace")):
+        failed = report("--calibration", str(calibration), "--batch", "2", *args)
+        assert failed.exit_code == 1 and fragment in failed.output and "Traceback" not in failed.output, failed.output
     no_k0 = CliRunner().invoke(main, ["report", str(tmp_path / "sweep" / "k2"), "--k", "2", "--tp", "2", "--force",
                                       "--calibration", str(calibration), "--profile", "measured"])
     assert no_k0.exit_code == 1 and "needs a k=0 trace" in no_k0.output

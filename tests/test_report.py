@@ -257,20 +257,23 @@ def test_the_terminal_report_cuts_nothing_at_80_columns_when_piped(verify_trace:
     assert max(len(line) for line in done.stdout.splitlines()) <= 80
 
 
-def test_the_drafter_column_shows_only_where_the_traces_measured_the_drafter() -> None:
+def test_measured_term_columns_show_only_where_the_traces_measured_them() -> None:
     from rich.console import Console
 
     from moetrace.report.terminal import _prediction
 
     row = {"k": 1, "tokens_per_step": 1.6, "acceptance_source": "measured", "unique_experts": 12.0,
            "rank_experts": 13.0, "moe_ms": 1.0, "allreduce_ms": 0.0, "attention_ms": 0.5, "other_ms": 0.2,
-           "drafting_ms": None, "step_ms": 3.0, "step_ratio": 1.1, "speedup": 1.45}
+           "drafting_ms": None, "scheduling_ms": None, "sampling_ms": None, "step_ms": 3.0, "step_ratio": 1.1,
+           "speedup": 1.45}
     basis = {"mode": "m", "tp": 1, "ep": 1, "weight_format": "bf16", "routing": "measured"}
 
-    def rendered(drafting: float | None) -> str:
+    def rendered(**measured: float) -> str:
         console = Console(width=200, record=True)
-        console.print(_prediction({"basis": basis, "per_k": [{**row, "drafting_ms": drafting}]}, 1))
+        console.print(_prediction({"basis": basis, "per_k": [{**row, **measured}]}, 1))
         return console.export_text()
 
-    assert "draft" not in rendered(None)
-    assert "draft" in rendered(0.75) and "0.75" in rendered(0.75)
+    assert not {"draft", "sched", "rej"} & set(rendered().split())
+    assert "draft" in rendered(drafting_ms=0.75) and "0.75" in rendered(drafting_ms=0.75)
+    assert "sched" in rendered(scheduling_ms=0.5) and "rej" in rendered(sampling_ms=0.25)
+    assert "rej" not in rendered(drafting_ms=0.75)

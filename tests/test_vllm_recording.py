@@ -302,6 +302,7 @@ def test_the_trace_says_what_recording_cost_the_engine_thread(recorded_trace: Pa
 def test_the_trace_says_where_each_step_spent_its_time(recorded_trace: Path) -> None:
     trace = open_trace(recorded_trace)
     phases, counts = trace.manifest["phases"], trace.manifest["counts"]
+    assert trace.manifest["capture"]["async_scheduling"] is False  # vLLM drafts n-gram with async scheduling off
     assert set(phases) == {"forward", "sampling", "drafting"}
     steps = trace.steps().collect()
     durations = (steps.group_by("step").agg((pl.col("t_end_ns").first() - pl.col("t_start_ns").first()) / 1e6)

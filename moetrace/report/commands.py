@@ -108,6 +108,9 @@ def _coverage(value: float) -> float:
               help="Measured step breakdown at k=0: a preset (kimi-k2-tp8), a .json file, "
                    "'step=12.1ms,allreduce=51.5%,moe=11.1%,attention=15.3%,other=13.4%', or 'measured': the sweep's "
                    "own k=0 step time at each --batch (with --calibration, on the machine that recorded).")
+@click.option("--k0-sync", "k0_sync", type=click.Path(path_type=Path), default=None,
+              help="With --profile measured: a k=0 trace recorded with async scheduling off (vLLM switches it off to "
+                   "draft with n-gram); what that costs a step is added at every k>0.")
 @click.option("--acceptance", type=float, default=None,
               help="Per-draft acceptance rate for the prediction [default: measured per draft position].")
 @click.option("--routing", type=click.Choice(["measured", "uniform"]), default="measured", show_default=True,
@@ -129,6 +132,7 @@ def report(
     placement_file: Path | None,
     calibration_file: Path | None,
     profile_text: str | None,
+    k0_sync: Path | None,
     acceptance: float | None,
     routing: str,
     batch_text: str,
@@ -146,6 +150,8 @@ def report(
         if calibration_file is None:
             raise UserError("--profile measured: give --calibration too (how MoE and all-reduce grow with k)")
         profile_text = None
+    elif k0_sync is not None:
+        raise UserError("--k0-sync goes with --profile measured (it corrects the sweep's own k=0 step)")
     preset = DEFAULT_PREDICTION if calibration_file is None and profile_text is None else None
     options = Options(
         k=k,
@@ -163,6 +169,7 @@ def report(
         batches=_batches(batch_text),
         preset=preset,
         measured_baseline=measured_baseline,
+        k0_sync=k0_sync,
     )
     if options.max_k < k:
         raise UserError(f"--max-k {options.max_k}: must be at least --k {k}")

@@ -46,7 +46,7 @@ def _run_data(analysis: RunAnalysis) -> dict[str, Any]:
         "budgets": _columns(analysis.budget_curves.select("k", "layer", "budget", "coverage")),
         "prediction": None if analysis.prediction is None else _columns(analysis.prediction.select(
             "k", "tokens_per_step", "moe_ms", "allreduce_ms", "attention_ms", "other_ms", "rest_ms", "drafting_ms",
-            "step_ms", "speedup")),
+            "scheduling_ms", "sampling_ms", "step_ms", "speedup")),
         "prediction_mode": None if analysis.prediction_basis is None else html.escape(
             str(analysis.prediction_basis["mode"])),
     }

@@ -20,11 +20,12 @@ from moetrace.analysis.acceptance import (
 from moetrace.analysis.budgets import WindowSample, budget_curves, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import batch_unions, union_means, uniform_unions
 from moetrace.analysis.cost import (
+    MODEL_DRAFTERS,
     Profile,
     acceptance_curve,
     deployment_for,
-    drafting_per_k,
     geometric_acceptance,
+    per_k_from_nearest,
     tokens_per_step,
     uniform_routing,
 )
@@ -43,6 +44,7 @@ from moetrace.analysis.load import expert_load
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import best_window_estimate, step_bytes
 from moetrace.errors import UserError
+from moetrace.reader import SWEEP_MODEL_KEYS, first_difference, open_trace
 from moetrace.report.inputs import PredictionPreset, Run, expert_placement, model_shape, parallel_size
 
 RANDOM_WEIGHTS_NOTE = "routing of a random-weight model: says nothing about a trained model's routing"
@@ -65,6 +67,7 @@ class Options:
     batches: tuple[int, ...] = DEFAULT_BATCHES  # concurrencies the decision is made for
     preset: PredictionPreset | None = None  # the shipped deployment assumption, used without calibration/profile
     measured_baseline: bool = False  # --profile measured: the sweep's own k=0 step times instead of a profile
+    k0_sync: Path | None = None  # --k0-sync: a k=0 trace recorded with async scheduling off
 
     @property
     def predicts(self) -> bool:
@@ -238,23 +241,54 @@ def measured_baselines(run: Run, steps: pl.DataFrame, options: Options) -> dict[
     return found
 
 
-def measured_drafting(run: Run, steps: pl.DataFrame, batches: Sequence[int],
-                      max_k: int) -> dict[int, dict[int, float]] | None:
-    """Per concurrency of ``batches``: the drafter's time per step at every k up to ``max_k``, from what the sweep's
-    traces measured (``recorded_steps``' drafting_ms) at that concurrency, or at the nearest one that has it; None
-    when no trace measured it."""
-    drafted = steps.filter(pl.col("k") > 0).drop_nulls("drafting_ms")
-    if drafted.is_empty():
+def scheduling_costs(run: Run, path: Path, baselines: dict[int, float]) -> dict[int, float]:
+    """Per concurrency of ``baselines`` (the sweep's k=0 step, ms): how much longer a k=0 decode step took in the
+    trace at ``path``, recorded with async scheduling off, which vLLM switches off to draft with n-gram: what every
+    k>0 step pays for that switch."""
+    trace = open_trace(path)
+    if trace.k != 0:
+        raise UserError(f"{path}: --k0-sync needs one trace recorded at k=0")
+    if trace.manifest.get("capture", {}).get("async_scheduling") is True:
+        raise UserError(f"{path}: recorded with async scheduling on; --k0-sync needs it off")
+    differs = first_difference(run.primary.manifest, trace.manifest, SWEEP_MODEL_KEYS)
+    if differs is not None:
+        key, mine, theirs = differs
+        raise UserError(f"{path}: not the sweep's model: {key} {theirs!r}, the sweep has {mine!r}")
+    drafting = [t for t in run.traces if t.k > 0 and t.manifest.get("capture", {}).get("async_scheduling") is True]
+    if drafting:
+        raise UserError(f"{path}: --k0-sync, but {drafting[0].path} drafted with async scheduling on")
+    periods = decode_step_periods(trace.steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
+    found = {int(row["batch"]): float(row["period_ms"]) for row in periods.to_dicts()}
+    missing = [batch for batch in baselines if batch not in found]
+    if missing:
+        raise UserError(f"{path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency {missing[0]} "
+                        f"(has: {', '.join(map(str, sorted(found))) or 'none'})")
+    return {batch: found[batch] - baseline for batch, baseline in baselines.items()}
+
+
+def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max_k: int,
+                   scale_with_k: bool) -> dict[int, dict[int, float]] | None:
+    """Per concurrency of ``batches``: ``column`` of ``recorded_steps`` (ms per step) at every k up to ``max_k``, from
+    what the sweep's k > 0 traces measured at that concurrency, or at the nearest one that has it
+    (``analysis.cost.per_k_from_nearest`` across k); None when no trace measured it."""
+    timed = steps.filter(pl.col("k") > 0).drop_nulls(column)
+    if timed.is_empty():
         return None
-    recorded = sorted(set(drafted["batch"].to_list()))
-    method = str(run.primary.manifest["spec"].get("method"))
+    recorded = sorted(set(timed["batch"].to_list()))
     out = {}
     for batch in batches:
-        nearest = min(recorded, key=lambda b: (abs(b - batch), b))
-        at = drafted.filter(pl.col("batch") == nearest)
-        out[batch] = drafting_per_k(dict(zip(at["k"].to_list(), at["drafting_ms"].to_list())), method,
-                                    range(max_k + 1))
+        at = timed.filter(pl.col("batch") == min(recorded, key=lambda b: (abs(b - batch), b)))
+        out[batch] = per_k_from_nearest(dict(zip(at["k"].to_list(), at[column].to_list())), range(max_k + 1),
+                                        scale_with_k)
     return out
+
+
+def sampling_growth(steps: pl.DataFrame) -> pl.DataFrame:
+    """``recorded_steps`` with sampling_growth_ms: how much longer vLLM's sampling took than at k = 0 at the same
+    concurrency (the rejection sampler's work over plain sampling)."""
+    k0 = steps.filter(pl.col("k") == 0).select("batch", sampling_k0="sampling_ms")
+    return steps.join(k0, on="batch", how="left").with_columns(
+        sampling_growth_ms=pl.col("sampling_ms") - pl.col("sampling_k0")).drop("sampling_k0")
 
 
 def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, by_position: pl.DataFrame,
@@ -280,12 +314,17 @@ def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, b
     one_token = growth_table.filter((pl.col("k") == 0) & (pl.col("scope") == PER_REQUEST))
     one_token_busiest = float(one_token["busiest_rank_experts"].mean() or shape.top_k)  # type: ignore[arg-type]
     baselines = measured_baselines(run, steps, options) if steps is not None else None
-    drafting = measured_drafting(run, steps, list(baselines), options.max_k) if steps is not None and baselines \
-        else None
+    drafting = sampling = None
+    if steps is not None and baselines:
+        method = str(run.primary.manifest["spec"].get("method"))
+        drafting = measured_per_k(steps, "drafting_ms", list(baselines), options.max_k, method in MODEL_DRAFTERS)
+        sampling = measured_per_k(sampling_growth(steps), "sampling_growth_ms", list(baselines), options.max_k,
+                                  scale_with_k=False)
+    scheduling = scheduling_costs(run, options.k0_sync, baselines) if options.k0_sync and baselines else None
     try:
         speedups, basis = speedup_per_batch(per_batch, inputs, deployment_for(pred_shape, pred_tp, pred_ep),
                                             options.profile, options.calibration, one_token_busiest, baselines,
-                                            drafting)
+                                            drafting, scheduling, sampling)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
     speedups = speedups.join(inputs.select("k", extrapolated=pl.col("acceptance_source") == "extrapolated"), on="k")

@@ -106,10 +106,13 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
     batch = basis.get("per_k_batch", 1)
     title = (f"Predicted verify step{f' at {batch} requests per step' if batch != 1 else ''} ({basis['mode']}; "
              f"tp={basis['tp']}, ep={basis['ep']}, {basis['weight_format']} experts, routing {basis['routing']})")
-    # the drafter's time is a column only where the traces measured it (--profile measured): 80 columns are tight
-    drafter = any(row["drafting_ms"] is not None for row in prediction["per_k"])
+    # the drafter's, scheduling's and sampling's times are columns only where measured (--profile measured): 80 columns are tight
+    measured = [(header, column, meaning) for header, column, meaning in
+                (("draft", "drafting_ms", "drafter ms, as measured"), ("sched", "scheduling_ms", "async off ms"),
+                 ("rej", "sampling_ms", "rejection sampler ms over k=0's"))
+                if any(row[column] is not None for row in prediction["per_k"])]
     parts = [("MoE", "moe_ms", "ms"), ("AR", "allreduce_ms", "all-reduce ms"), ("attn", "attention_ms", "attention ms"),
-             ("other", "other_ms", "ms")] + ([("draft", "drafting_ms", "drafter ms, as measured")] if drafter else [])
+             ("other", "other_ms", "ms")] + measured
     table = _table(title, [
         ("k", ""), ("tok", "tokens per step"), ("uniq", "unique experts per layer"), ("rank", "busiest rank's experts"),
         *[(header, meaning) for header, _, meaning in parts], ("step", "ms"), ("×", "step time vs k=0"),
