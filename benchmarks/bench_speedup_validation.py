@@ -172,6 +172,9 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int) -> di
             "engine_thread_us_per_step": [c.get("engine_thread_us_per_step") for c in closed]}
 
 
+ENGINE_START_TIMEOUT_S = 240  # the slowest engine start seen on the H200 took 108 s
+
+
 def measure(args: argparse.Namespace) -> None:
     """Every (drafter, k) engine not yet in ``<out>/<model>-measurements.json``, while the time budget allows one
     more (a call that stops early is resumed by running the same command again)."""
@@ -180,6 +183,9 @@ def measure(args: argparse.Namespace) -> None:
 
     began = time.perf_counter()
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(spread_routing): a function of this script
+    # An engine that has not started in this long has hung (seen: the first engine on a fresh GPU host, before it
+    # loaded its model; it started when tried again): vLLM gives up on it, and it is tried once more at once.
+    os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(ENGINE_START_TIMEOUT_S))
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / f"{args.model}-measurements.json"
@@ -207,19 +213,24 @@ def measure(args: argparse.Namespace) -> None:
             print(f"time budget of {args.budget_s:.0f} s reached: run the same command again to go on")
             return
         trace_dir = sweep / f"k{k}"
-        shutil.rmtree(trace_dir, ignore_errors=True)  # a half-written trace of an interrupted call
         settings = model_settings(args.model, out, "ngram" if method == "sync" else method, ks, k, trace_dir,
                                   args.max_tokens, args.eager, args.tp)
         if method == "sync":
             settings["engine_args"]["async_scheduling"] = False
         print(f"[{time.strftime('%H:%M:%S')}] {args.model} {method} k={k}: starting", flush=True)
-        engine_began = time.perf_counter()
-        try:
-            engine = measure_engine(settings, args.rounds, args.max_tokens)
-        except Exception as exc:  # one engine that vLLM cannot run must not cost the others
-            engine = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-            print(f"{method} k={k}: FAILED {engine['error']}", flush=True)
-        longest = max(longest, time.perf_counter() - engine_began)
+        for attempt in (1, 2):
+            shutil.rmtree(trace_dir, ignore_errors=True)  # a half-written trace of an interrupted call or attempt
+            engine_began = time.perf_counter()
+            try:
+                engine = measure_engine(settings, args.rounds, args.max_tokens)
+            except Exception as exc:  # one engine that vLLM cannot run must not cost the others
+                engine = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+                print(f"{method} k={k}: FAILED {engine['error']}", flush=True)
+                if isinstance(exc, TimeoutError) and attempt == 1:
+                    continue  # a hung start (VLLM_ENGINE_READY_TIMEOUT_S): once more
+            break
+        if "tok_s" in engine:  # the longest engine that ran estimates the next one
+            longest = max(longest, time.perf_counter() - engine_began)
         engine.update(method=method, k=k, trace=str(trace_dir.relative_to(out)))
         doc["engines"] = [e for e in doc["engines"] if (e["method"], e["k"]) != (method, k)] + [engine]
         results_path.write_text(json.dumps(doc, indent=2) + "\n")  # after every engine: nothing lost on a crash
@@ -305,8 +316,10 @@ def compare(args: argparse.Namespace) -> None:
                 sweep = (runs / next(e["trace"] for e in engines if e["method"] == method)).parent
                 if not (sweep / "k0").exists():  # k = 0 runs no drafter: the shared baseline joins each sweep
                     (sweep / "k0").symlink_to(Path("..") / Path(baseline["trace"]))
-                # vLLM drafts n-gram with async scheduling off, MTP with it on
-                k0_sync = runs / sync["trace"] if sync is not None and method != "mtp" else None
+                # vLLM drafts n-gram with async scheduling off, MTP with it on (and the CPU never runs it)
+                k0_async = json.loads((runs / baseline["trace"] / "manifest.json").read_text())["capture"].get(
+                    "async_scheduling", True)
+                k0_sync = runs / sync["trace"] if sync is not None and method != "mtp" and k0_async else None
                 prediction = report_prediction(sweep, calibration, Path(scratch), k0_sync)
                 models[model].setdefault("prediction_basis", {})[method] = prediction["basis"]["mode"]
                 predicted = {(r["batch"], r["k"]): r for r in prediction["per_batch"]}

@@ -368,6 +368,13 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
                            (["--profile", "measured", "--k0-sync", str(tmp_path / "none")], "no such trace")):
         failed = report("--calibration", str(calibration), "--batch", "2", *args)
         assert failed.exit_code == 1 and fragment in failed.output and "Traceback" not in failed.output, failed.output
+    k0_manifest = tmp_path / "sweep" / "k0" / "manifest.json"
+    as_recorded = k0_manifest.read_text()
+    k0_manifest.write_text(json.dumps({**json.loads(as_recorded), "capture": {"async_scheduling": False}}))
+    redundant = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2", "--k0-sync",
+                       str(sync))
+    assert redundant.exit_code == 1 and "no --k0-sync needed" in redundant.output
+    k0_manifest.write_text(as_recorded)
     no_k0 = CliRunner().invoke(main, ["report", str(tmp_path / "sweep" / "k2"), "--k", "2", "--tp", "2", "--force",
                                       "--calibration", str(calibration), "--profile", "measured"])
     assert no_k0.exit_code == 1 and "needs a k=0 trace" in no_k0.output

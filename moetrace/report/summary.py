@@ -250,6 +250,9 @@ def scheduling_costs(run: Run, path: Path, baselines: dict[int, float]) -> dict[
         raise UserError(f"{path}: --k0-sync needs one trace recorded at k=0")
     if trace.manifest.get("capture", {}).get("async_scheduling") is True:
         raise UserError(f"{path}: recorded with async scheduling on; --k0-sync needs it off")
+    k0 = next(t for t in run.traces if t.k == 0)
+    if k0.manifest.get("capture", {}).get("async_scheduling") is False:
+        raise UserError(f"{path}: the sweep's k=0 trace ran with async scheduling off already: no --k0-sync needed")
     differs = first_difference(run.primary.manifest, trace.manifest, SWEEP_MODEL_KEYS)
     if differs is not None:
         key, mine, theirs = differs
