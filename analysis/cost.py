@@ -426,7 +426,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
             if baseline_ms is None or "copy_bandwidth_gbs" not in calibration:
                 raise
             # with a measured k=0 step only the growth is priced: from bytes read, when no curve fits the shape
-            per_rank = shape.expert_bytes / (deployment.ep if deployment.ep > 1 else deployment.tp)
+            per_rank = shape.expert_bytes / (1 if deployment.ep > 1 else deployment.tp)  # EP: whole experts
             fit, fmt_used = bandwidth_fit(calibration, per_rank), deployment.weight_format
             fit_notes = [f"{exc}: expert time grows as its weights read at the calibration's copy bandwidth "
                          f"({float(calibration['copy_bandwidth_gbs']):.0f} GB/s, {per_rank / 1e3:.1f} kB per expert "
@@ -476,7 +476,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
                         "time and its device time), scaled with k from the nearest recorded k for a model drafter, "
                         "held for n-gram" if drafting_ms is not None else
                         "; the drafter's own time is not in it (the traces did not measure it)")
-                     + (f"; k>0 steps run with async scheduling off as vLLM runs this drafter: +{scheduling_ms:.3f} ms "
+                     + (f"; k>0 steps run with async scheduling off as vLLM runs this drafter: {scheduling_ms:+.3f} ms "
                         "per step, measured at k=0 (--k0-sync)" if scheduling_ms is not None else "")
                      + ("; the rejection sampler's time over k=0's as the sweep's traces measured it, held from the "
                         "nearest recorded k" if sampling_ms is not None else "; rejection sampling is not in it")

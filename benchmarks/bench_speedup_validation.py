@@ -127,14 +127,52 @@ def spread_routing(worker: Any) -> int:
     return layers
 
 
-def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int) -> dict[str, Any]:
+class EngineStartHung(RuntimeError):
+    """vLLM's engine did not start in time (seen: the first engine on a fresh GPU host, before it loaded its model;
+    it started when tried again). vLLM itself waits for ever."""
+
+
+def build_llm_within(settings: dict[str, Any], seconds: float) -> Any:
+    """``moetrace.engine.build_llm``, or ``EngineStartHung`` once ``seconds`` pass: from then until vLLM gives up,
+    the engine's processes are killed as they appear, which ends vLLM's wait for them."""
+    import contextlib
+    import threading
+
+    import psutil
+
+    from moetrace.engine import build_llm
+
+    done, hung = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        hung.set()
+        while not done.is_set():
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+            done.wait(1.0)
+
+    threading.Thread(target=watch, name="engine-start-watchdog", daemon=True).start()
+    try:
+        return build_llm(settings)
+    except Exception as exc:
+        if hung.is_set():
+            raise EngineStartHung(f"the engine did not start in {seconds:.0f} s") from exc
+        raise
+    finally:
+        done.set()
+
+
+def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start_timeout_s: float) -> dict[str, Any]:
     """Start one engine, time ``rounds`` rounds with the hooks paused, record one more, close the trace."""
-    from moetrace.engine import build_llm, engine_prompts, spec_decode_counters
+    from moetrace.engine import engine_prompts, spec_decode_counters
     from moetrace.schema import MANIFEST_NAME
     from moetrace.writer import write_json_atomic
 
     started = time.perf_counter()
-    llm = build_llm(settings)
+    llm = build_llm_within(settings, start_timeout_s)
     start_s = time.perf_counter() - started
     try:
         prompts = engine_prompts(settings)
@@ -172,9 +210,6 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int) -> di
             "engine_thread_us_per_step": [c.get("engine_thread_us_per_step") for c in closed]}
 
 
-ENGINE_START_TIMEOUT_S = 240  # the slowest engine start seen on the H200 took 108 s
-
-
 def measure(args: argparse.Namespace) -> None:
     """Every (drafter, k) engine not yet in ``<out>/<model>-measurements.json``, while the time budget allows one
     more (a call that stops early is resumed by running the same command again)."""
@@ -183,9 +218,6 @@ def measure(args: argparse.Namespace) -> None:
 
     began = time.perf_counter()
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(spread_routing): a function of this script
-    # An engine that has not started in this long has hung (seen: the first engine on a fresh GPU host, before it
-    # loaded its model; it started when tried again): vLLM gives up on it, and it is tried once more at once.
-    os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(ENGINE_START_TIMEOUT_S))
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / f"{args.model}-measurements.json"
@@ -222,12 +254,13 @@ def measure(args: argparse.Namespace) -> None:
             shutil.rmtree(trace_dir, ignore_errors=True)  # a half-written trace of an interrupted call or attempt
             engine_began = time.perf_counter()
             try:
-                engine = measure_engine(settings, args.rounds, args.max_tokens)
+                engine = measure_engine(settings, args.rounds, args.max_tokens, args.start_timeout_s)
             except Exception as exc:  # one engine that vLLM cannot run must not cost the others
                 engine = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
                 print(f"{method} k={k}: FAILED {engine['error']}", flush=True)
-                if isinstance(exc, TimeoutError) and attempt == 1:
-                    continue  # a hung start (VLLM_ENGINE_READY_TIMEOUT_S): once more
+                fits = time.perf_counter() - began + max(longest, 60.0) <= args.budget_s
+                if isinstance(exc, EngineStartHung) and attempt == 1 and fits:
+                    continue  # once more
             break
         if "tok_s" in engine:  # the longest engine that ran estimates the next one
             longest = max(longest, time.perf_counter() - engine_began)
@@ -396,6 +429,8 @@ def main() -> None:
     run.add_argument("--sync-baseline", action="store_true",
                      help="also k = 0 with async scheduling off (as vLLM runs n-gram drafting)")
     run.add_argument("--eager", action="store_true", help="no torch.compile or CUDA graphs (CPU smoke runs)")
+    run.add_argument("--start-timeout-s", type=float, default=240.0,
+                     help="an engine not started by then has hung: killed, and tried once more (slowest seen: 108 s)")
     run.add_argument("--out", type=Path, default=Path("speedup-runs"))
     run.add_argument("--budget-s", type=float, default=540.0,
                      help="start no engine past this many seconds (the longest engine so far as the estimate)")

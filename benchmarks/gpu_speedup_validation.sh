@@ -42,11 +42,16 @@ kimi_then_calibrations() {  # the Kimi slice is done long before the default mod
 if [ "$GPUS" -ge 2 ]; then
   # each side on its own half of the host's cores: the default model's step is host-bound, and the other side's
   # engine start (torch.compile workers) would otherwise slow it at random
-  half=$(($(nproc) / 2))
+  # (the cores this process may use, split in two; no pinning where taskset cannot)
+  read -r first_half second_half < <(python3 -c "import os; c = sorted(os.sched_getaffinity(0)); h = len(c) // 2
+print(','.join(map(str, c[:h])), ','.join(map(str, c[h:])))")
+  pin0=() pin1=()
+  if taskset -c "$first_half" true 2>/dev/null && taskset -c "$second_half" true 2>/dev/null; then
+    pin0=(taskset -c "$first_half") pin1=(taskset -c "$second_half")
+  fi
   export R SV BUDGET began && export -f measure measured left calibrate kimi_then_calibrations
-  CUDA_VISIBLE_DEVICES=0 taskset -c "0-$((half - 1))" bash -c 'measure default --methods ngram,mtp --sync-baseline' &
-  first=$!
-  CUDA_VISIBLE_DEVICES=1 taskset -c "$half-$(($(nproc) - 1))" bash -c kimi_then_calibrations
+  CUDA_VISIBLE_DEVICES=0 "${pin0[@]}" bash -c 'measure default --methods ngram,mtp --sync-baseline' & first=$!
+  CUDA_VISIBLE_DEVICES=1 "${pin1[@]}" bash -c kimi_then_calibrations
   wait $first
 else
   measure default --methods ngram,mtp --sync-baseline

@@ -1,13 +1,16 @@
 """Graph capture records the truth: eager against compiled (CUDA graphs) on a GPU vLLM, and both against a
-float32 reference routing computed from the same router logits.
+float32 reference routing computed from the same router logits; with ``--tp 2``, a tensor-parallel run against
+a one-GPU run the same way.
 
     python benchmarks/gpu_vllm_capture.py --json benchmarks/results/gpu-vllm-capture.json
+    python benchmarks/gpu_vllm_capture.py --tp 2 --json benchmarks/results/gpu-vllm-tp2.json   # 2 GPUs
 
 Records the embedded default model twice with ``moetrace record`` (bf16 on the GPU, n-gram k=3, top-16
-candidates): eager, and ``--compiled`` (vLLM's torch.compile with FULL_AND_PIECEWISE CUDA graphs). Compares the
-in-sequence rows up to where greedy decoding diverges; every row whose expert set differs must be a near-tie (the
-swapped experts' selection scores within 2 bf16 ulps of the K-th score, in both runs). Then checks every row of
-both runs against the top-8 of its own float32 selection scores. Exits 1 on any unexplained row.
+candidates): eager, and ``--compiled`` (vLLM's torch.compile with FULL_AND_PIECEWISE CUDA graphs); with ``--tp N``,
+compiled on one GPU and compiled at TP=N (rank 0 records; its all-reduces change the sums' rounding). Compares
+the in-sequence rows up to where greedy decoding diverges; every row whose expert set differs must be a near-tie
+(the swapped experts' selection scores within 2 bf16 ulps of the K-th score, in both runs). Then checks every row
+of both runs against the top-8 of its own float32 selection scores. Exits 1 on any unexplained row.
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 
-def record(out: Path, args: argparse.Namespace, compiled: bool) -> Path:
+def record(out: Path, args: argparse.Namespace, extra: list[str]) -> Path:
     command = [sys.executable, "-m", "moetrace", "record", "--k", str(args.k), "--max-tokens", str(args.max_tokens),
                "--num-prompts", str(args.num_prompts), "--batch-size", str(args.batch_size),
                "--candidates", str(args.candidates), "--out", str(out)]
-    done = subprocess.run(command + (["--compiled"] if compiled else []), capture_output=True, text=True)
+    done = subprocess.run(command + extra, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"recording failed ({'compiled' if compiled else 'eager'}): {done.stderr.strip()[-2000:]}")
+        sys.exit(f"recording failed ({out.name}): {done.stderr.strip()[-2000:]}")
     (trace,) = [p for p in out.iterdir() if p.is_dir()]
     return trace
 
@@ -53,6 +56,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--candidates", type=int, default=16)
+    parser.add_argument("--tp", type=int, default=1, help="compare compiled at this TP against compiled on one GPU")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -61,19 +65,22 @@ def main() -> None:
     from moetrace.host import gpu_inventory
 
     with tempfile.TemporaryDirectory(prefix="moetrace-capture-") as scratch:
-        eager = record(Path(scratch) / "eager", args, compiled=False)
-        compiled = record(Path(scratch) / "compiled", args, compiled=True)
-        manifests = {name: json.loads((d / "manifest.json").read_text()) for name, d in
-                     (("eager", eager), ("compiled", compiled))}
+        # run A, the reference, then run B against it
+        a_name, b_name = ("compiled", f"tp{args.tp}") if args.tp > 1 else ("eager", "compiled")
+        runs = {a_name: record(Path(scratch) / a_name, args, [] if args.tp == 1 else ["--compiled"]),
+                b_name: record(Path(scratch) / b_name, args, ["--compiled", "--tp", str(args.tp)])}
+        manifests = {name: json.loads((d / "manifest.json").read_text()) for name, d in runs.items()}
         result: dict[str, Any] = {
             "vllm_version": vllm_version(),
             "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
-            **compare_runs(eager, compiled),
-            "reference": {"eager": reference_check(eager), "compiled": reference_check(compiled)},
+            "runs": {"a": a_name, "b": b_name},
+            **compare_runs(runs[a_name], runs[b_name]),
+            "reference": {name: reference_check(d) for name, d in runs.items()},
             "capture_mechanisms": {name: m.get("capture_mechanisms") for name, m in manifests.items()},
-            "dtype": manifests["compiled"]["model"]["dtype"],
+            "tp": {name: m["parallel"]["tp"] for name, m in manifests.items()},
+            "dtype": manifests[b_name]["model"]["dtype"],
             "complete": {name: m["complete"] for name, m in manifests.items()},
-            "acceptance_equals_vllm_counters": {"eager": counters_equal(eager), "compiled": counters_equal(compiled)},
+            "acceptance_equals_vllm_counters": {name: counters_equal(d) for name, d in runs.items()},
             "command": "python benchmarks/gpu_vllm_capture.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         }

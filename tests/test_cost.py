@@ -72,6 +72,11 @@ def test_a_measured_k0_step_grows_at_copy_bandwidth_where_no_curve_fits() -> Non
     k0, k1 = table.to_dicts()
     assert k0["step_ms"] == pytest.approx(5.0) and k1["step_ms"] - k0["step_ms"] == pytest.approx(2 * 4 * 1.92e-3)
     assert any("copy bandwidth (100 GB/s, 192.0 kB per expert per rank)" in note for note in basis["notes"])
+    # under EP a rank holds whole experts: 192 kB each, and the busiest rank's experts are read
+    ep_table, ep_basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 1, 2), None, calibration,
+                                 baseline_ms=5.0)
+    assert any("192.0 kB per expert per rank" in note for note in ep_basis["notes"])
+    assert ep_table["step_ms"][1] > ep_table["step_ms"][0]
     with pytest.raises(ValueError, match="no expert curve for tp1"):  # without a measured step: no such shortcut
         predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 1, 1), None, calibration)
 

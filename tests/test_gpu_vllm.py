@@ -1,6 +1,7 @@
 """On a GPU vLLM: graph capture (torch.compile + FULL_AND_PIECEWISE CUDA graphs) records what eager capture
-records, up to near-ties, and every row equals the float32 reference routing of its own router logits. Skipped
-without CUDA; passed on an H200 with vLLM 0.26 (benchmarks/results/gpu-vllm-capture.json)."""
+records, and a TP=2 run what a one-GPU run records, up to near-ties, and every row equals the float32 reference
+routing of its own router logits. Skipped without CUDA (the TP test without 2 GPUs); the first passed on an H200
+with vLLM 0.26 (benchmarks/results/gpu-vllm-capture.json)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,19 +17,37 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a GPU build of vLLM")
 
 
-def test_compiled_graph_capture_equals_eager_up_to_near_ties_and_the_float32_reference(tmp_path: Path) -> None:
+def capture(tmp_path: Path, *args: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
     out = tmp_path / "capture.json"
     script = Path(__file__).parent.parent / "benchmarks" / "gpu_vllm_capture.py"
-    done = subprocess.run([sys.executable, str(script), "--max-tokens", "48", "--json", str(out)],
+    done = subprocess.run([sys.executable, str(script), "--max-tokens", "48", "--json", str(out), *args],
                           capture_output=True, text=True, timeout=1200)
     assert out.exists(), done.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["complete"] == {"eager": True, "compiled": True}
-    assert result["acceptance_equals_vllm_counters"] == {"eager": True, "compiled": True}
-    assert result["capture_mechanisms"]["compiled"].get("graph", 0) > 0, "the compiled run replayed CUDA graphs"
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result, done
+
+
+def assert_rows_agree(result: dict[str, Any], done: subprocess.CompletedProcess[str]) -> None:
+    runs = list(result["complete"])
+    assert result["complete"] == dict.fromkeys(runs, True)
+    assert result["acceptance_equals_vllm_counters"] == dict.fromkeys(runs, True)
     assert result["rows_compared"] == result["rows_in_a"] > 0 and result["tokens_equal"]
     assert result["decoded_rows_compared"] > 0
     assert result["rows_unexplained"] == 0
-    for run in ("eager", "compiled"):
+    for run in runs:
         assert result["reference"][run]["rows_reference_unexplained"] == 0
     assert done.returncode == 0
+
+
+def test_compiled_graph_capture_equals_eager_up_to_near_ties_and_the_float32_reference(tmp_path: Path) -> None:
+    result, done = capture(tmp_path)
+    assert set(result["complete"]) == {"eager", "compiled"}
+    assert result["capture_mechanisms"]["compiled"].get("graph", 0) > 0, "the compiled run replayed CUDA graphs"
+    assert_rows_agree(result, done)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_rows_equal_one_gpu_rows_up_to_near_ties(tmp_path: Path) -> None:
+    result, done = capture(tmp_path, "--tp", "2")
+    assert result["tp"] == {"compiled": 1, "tp2": 2}
+    assert_rows_agree(result, done)
