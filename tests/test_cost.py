@@ -359,8 +359,12 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     rows_sync = json.loads(synced.output)["runs"][0]["prediction"]["per_batch"]
     assert [row["scheduling_ms"] for row in rows_sync[:3]] == [0.0, pytest.approx(0.5), pytest.approx(0.5)]
     assert rows_sync[2]["step_ms"] == pytest.approx(predicted_k2 + 0.5)
-    assert "sched" in report("--calibration", str(calibration), "--profile", "measured", "--batch", "2",
-                             "--k0-sync", str(sync)).output
+    widest = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2", "--k0-sync",
+                    str(sync)).output
+    assert "sched" in widest and "rej" in widest
+    # every table, the measured-mode ones with a dozen columns included, fits an 80-column terminal unfolded
+    assert max(len(line) for line in widest.splitlines()) <= 80
+    assert f"{predicted_k2 + 0.5:.2f}" in widest
     with_async = json.loads((sync / "manifest.json").read_text())
     with_async["capture"] = {"async_scheduling": True}
     (tmp_path / "async").mkdir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -30,10 +31,11 @@ def _bytes(value: Any) -> str:
 
 
 def _table(title: str, columns: list[tuple[str, str]]) -> Table:
-    """Short headers that fit 80 columns, each explained in a legend under the table where it needs it; a cell
-    that still does not fit wraps (never "…")."""
+    """Short headers that fit 80 columns, each explained in a legend under the table where it needs it; no vertical
+    rules (a dozen columns of numbers then fit 80 characters); a cell that still does not fit wraps (never "…")."""
     legend = "; ".join(f"{header}: {meaning}" for header, meaning in columns if meaning)
-    table = Table(title=title, title_justify="left", caption=legend or None, caption_justify="left")
+    table = Table(title=title, title_justify="left", caption=legend or None, caption_justify="left",
+                  box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, pad_edge=False)
     for header, _ in columns:
         table.add_column(header, justify="right", overflow="fold")
     return table
@@ -106,13 +108,13 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
     batch = basis.get("per_k_batch", 1)
     title = (f"Predicted verify step{f' at {batch} requests per step' if batch != 1 else ''} ({basis['mode']}; "
              f"tp={basis['tp']}, ep={basis['ep']}, {basis['weight_format']} experts, routing {basis['routing']})")
-    # the drafter's, scheduling's and sampling's times are columns only where measured (--profile measured): 80 columns are tight
-    measured = [(header, column, meaning) for header, column, meaning in
-                (("draft", "drafting_ms", "drafter ms, as measured"), ("sched", "scheduling_ms", "async off ms"),
-                 ("rej", "sampling_ms", "rejection sampler ms over k=0's"))
-                if any(row[column] is not None for row in prediction["per_k"])]
-    parts = [("MoE", "moe_ms", "ms"), ("AR", "allreduce_ms", "all-reduce ms"), ("attn", "attention_ms", "attention ms"),
-             ("other", "other_ms", "ms")] + measured
+    # a component is a column only where some k has it (measured mode has no attention or other GEMMs; the
+    # drafter, scheduling and sampling are measured only there): 80 columns are tight
+    parts = [(header, column, meaning) for header, column, meaning in (
+        ("MoE", "moe_ms", "ms"), ("AR", "allreduce_ms", "all-reduce ms"), ("attn", "attention_ms", "attention ms"),
+        ("other", "other_ms", "other GEMMs ms"), ("draft", "drafting_ms", "drafter ms, as measured"),
+        ("sched", "scheduling_ms", "async off ms"), ("rej", "sampling_ms", "rejection sampler ms over k=0's"))
+        if column == "moe_ms" or any(row[column] for row in prediction["per_k"])]
     table = _table(title, [
         ("k", ""), ("tok", "tokens per step"), ("uniq", "unique experts per layer"), ("rank", "busiest rank's experts"),
         *[(header, meaning) for header, _, meaning in parts], ("step", "ms"), ("×", "step time vs k=0"),
@@ -135,9 +137,9 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
 def _against_trace(rows: list[dict[str, Any]]) -> Table:
     table = _table("Predicted against measured on the machine that recorded (decode steps of the sweep's traces)", [
         ("B", "requests per step"), ("k", ""), ("tok", "tokens per step, measured"), ("pred ×", "predicted speedup"),
-        ("meas ×", "measured speedup"), ("error", ""), ("step", "measured ms"),
-        ("missing", "ms per step the prediction leaves out"), ("grew", "ms the step grew against k=0, of which:"),
-        ("forward", "vLLM's forward"), ("sampling", "its sampling"), ("draft", "the drafter")])
+        ("meas ×", "measured speedup"), ("err", "error"), ("step", "measured ms"),
+        ("miss", "ms per step the prediction leaves out"), ("grew", "ms the step grew against k=0, of which"),
+        ("fwd", "in vLLM's forward"), ("samp", "in its sampling"), ("draft", "the drafter's")])
     for row in rows:
         table.add_row(str(row["batch"]), str(row["k"]), _number(row["measured_tokens_per_step"]),
                       _number(row["predicted_speedup"]), _number(row["measured_speedup"]),
