@@ -14,7 +14,7 @@ Per layer, with the experts on the busiest rank under an expert placement beside
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -98,13 +98,17 @@ def sampled_batch_unions(masks: Masks, batch: int, samples: int, seed: int) -> t
 
 
 def batch_unions(sample: WindowSample, num_experts: int, top_k: int, expert_rank: npt.NDArray[np.int64],
-                 ks: Sequence[int], batches: Sequence[int], trace_k: int, seed: int = 0) -> pl.DataFrame:
-    """Per (batch, k, layer): unique experts and busiest-rank experts one step reads, and the uniform bound."""
+                 ks: Sequence[int], batches: Sequence[int], trace_k: int, seed: int = 0,
+                 recorded: Mapping[int, WindowSample] | None = None) -> pl.DataFrame:
+    """Per (batch, k, layer): unique experts and busiest-rank experts one step reads, and the uniform bound. From
+    ``sample`` (recorded at ``trace_k``), or at a k that a sweep recorded in a trace of its own, from that trace's
+    sample (``recorded``): its steps are steps at that k."""
     ranks = rank_masks(expert_rank, num_experts)
     rows: list[dict[str, object]] = []
     for k in ks:
-        measured_k = k == trace_k and k > 0
-        windows, _ = sample.windows(k, measured_k, MAX_WINDOWS)
+        own = (recorded or {}).get(k) if k > 0 else None
+        measured_k = own is not None or (k == trace_k and k > 0)
+        windows, _ = (own or sample).windows(k, measured_k, MAX_WINDOWS)
         per_layer = window_masks(windows, num_experts)
         for batch in batches:
             bound = uniform_batch_union(num_experts, top_k, batch * (k + 1))

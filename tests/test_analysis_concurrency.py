@@ -108,3 +108,19 @@ def test_a_sample_of_position_blocks_keeps_whole_windows_of_every_k() -> None:
         windows, _ = sample.windows(k, False, 10**9)
         sizes = windows.collect().group_by("layer", "window_major", "window_minor").len()["len"]
         assert sizes.len() > 0 and (sizes == k + 1).all()
+
+
+def test_a_sweeps_trace_at_k_gives_the_measured_unions_at_that_k() -> None:
+    primary = routing_frame(verify_tokens(np.random.default_rng(7), MODEL, requests=4, steps=12, k=3,
+                                          accept_prob=0.6), MODEL)
+    at_two = routing_frame(verify_tokens(np.random.default_rng(8), MODEL, requests=4, steps=12, k=2,
+                                         accept_prob=0.6), MODEL)
+    table = batch_unions(window_sample(primary, 3, ["experts"]), 32, 2, linear_placement(32, 1), ks=[1, 2, 3],
+                         batches=[4], trace_k=3, recorded={2: window_sample(at_two, 2, ["experts"])})
+    frame = at_two.collect().with_columns(pl.col("experts").arr.to_list())
+    for layer in MODEL.layers:
+        rows = {row["k"]: row for row in table.filter(pl.col("layer") == layer).iter_rows(named=True)}
+        # k = 2: the steps of the trace recorded at k = 2, brute force; k = 1 was recorded by neither
+        assert rows[2]["source"] == MEASURED_BATCH
+        assert rows[2]["unique_experts"] == pytest.approx(np.mean(brute_force_step_unions(frame, layer, 4)))
+        assert rows[3]["source"] == MEASURED_BATCH and rows[1]["source"] != MEASURED_BATCH

@@ -307,7 +307,11 @@ def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, b
     if options.routing == "uniform":
         unions = uniform_unions(shape.num_experts, shape.top_k, pred_placement, ks, batches)
     else:
-        unions = batch_unions(sample, shape.num_experts, shape.top_k, pred_placement, ks, batches, run.primary.k)
+        # a sweep's other traces: each one's steps are steps at its own k
+        recorded = {t.k: window_sample(t.routing(), t.k, ["experts"]) for t in run.traces
+                    if t.k > 0 and t is not run.primary}
+        unions = batch_unions(sample, shape.num_experts, shape.top_k, pred_placement, ks, batches, run.primary.k,
+                              recorded=recorded)
     one_request = inputs.select(
         "k", "unique_experts", "busiest_rank_experts", union_source=pl.col("routing_source"),
         uniform_bound=pl.col("k").map_elements(
