@@ -302,21 +302,6 @@ def report_prediction(sweep: Path, calibration: Path, scratch: Path, k0_sync: Pa
     return prediction
 
 
-def async_off_growth(baseline: Path, sync: Path) -> dict[str, float]:
-    """Per concurrency: how much longer a k = 0 decode step took with async scheduling off (ms, start to start,
-    from the two traces), the part of an n-gram step's growth that is vLLM turning async scheduling off."""
-    import polars as pl
-
-    from moetrace.analysis.acceptance import decode_step_periods
-    from moetrace.reader import open_trace
-    from moetrace.report.summary import MIN_BASELINE_STEPS
-
-    on, off = (decode_step_periods(open_trace(path).steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
-               for path in (baseline, sync))
-    joined = on.join(off, on="batch", suffix="_off")
-    return {str(row["batch"]): row["period_ms_off"] - row["period_ms"] for row in joined.to_dicts()}
-
-
 def compare(args: argparse.Namespace) -> None:
     """Predicted and measured speedup per (model, drafter, concurrency, k): throughput with the hooks paused, and
     the report's own check against the recorded decode steps (with the per-step time the prediction leaves out)."""
@@ -336,14 +321,12 @@ def compare(args: argparse.Namespace) -> None:
                 print(f"{model}: no k=0 engine or no {calibration.name}: skipped")
                 continue
             sync = next((e for e in engines if e["method"] == "sync"), None)
-            async_off_ms = None if sync is None else async_off_growth(runs / baseline["trace"], runs / sync["trace"])
             models[model] = {
                 "device": doc["device"], "vllm_version": doc["vllm_version"], "tp": doc.get("tp", 1),
                 "command": doc["command"], "calibration": calibration.name,
                 "failed_engines": [f"{e['method']} k={e['k']}: {e['error']}" for e in doc["engines"] if "error" in e],
                 "async_off_k0": None if sync is None else {
                     c: ratio_ci95(sync["tok_s"][c], baseline["tok_s"][c])[0] for c in sync["tok_s"]},
-                "async_off_step_growth_ms": async_off_ms,
             }
             for method in dict.fromkeys(e["method"] for e in engines if e["k"] > 0 and e["method"] != "sync"):
                 sweep = (runs / next(e["trace"] for e in engines if e["method"] == method)).parent
@@ -381,8 +364,7 @@ def compare(args: argparse.Namespace) -> None:
                             "trace_forward_growth_ms": trace.get("forward_growth_ms"),
                             "trace_sampling_growth_ms": trace.get("sampling_growth_ms"),
                             "trace_drafting_ms": trace.get("drafting_ms"),
-                            "async_off_growth_ms": (async_off_ms or {}).get(str(concurrency))
-                            if method != "mtp" else None,  # vLLM keeps async scheduling on under MTP
+                            "async_off_growth_ms": row.get("scheduling_ms") if row else None,  # --k0-sync's term
                             "command": doc["command"],
                         })
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]

@@ -29,7 +29,14 @@ from moetrace.analysis.cost import (
     tokens_per_step,
     uniform_routing,
 )
-from moetrace.analysis.decision import DEFAULT_BATCHES, PHASE_COLUMNS, against_trace, recommended_k, speedup_per_batch
+from moetrace.analysis.decision import (
+    DEFAULT_BATCHES,
+    PHASE_COLUMNS,
+    against_trace,
+    growth_over_k0,
+    recommended_k,
+    speedup_per_batch,
+)
 from moetrace.analysis.growth import (
     COUNTERFACTUAL,
     MEASURED,
@@ -44,7 +51,7 @@ from moetrace.analysis.load import expert_load
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import best_window_estimate, step_bytes
 from moetrace.errors import UserError
-from moetrace.reader import SWEEP_MODEL_KEYS, first_difference, open_trace
+from moetrace.reader import SWEEP_MODEL_KEYS, Trace, first_difference, open_trace
 from moetrace.report.inputs import PredictionPreset, Run, expert_placement, model_shape, parallel_size
 
 RANDOM_WEIGHTS_NOTE = "routing of a random-weight model: says nothing about a trained model's routing"
@@ -204,9 +211,14 @@ def recorded_steps(run: Run) -> pl.DataFrame:
     """Every trace's decode steps per concurrency (``analysis.acceptance.decode_step_periods``, with k), where at
     least ``MIN_BASELINE_STEPS`` step pairs measured them, with what those steps spent in vLLM's calls
     (``recorded_phases``): the baseline and the check of --profile measured."""
-    per_trace = [decode_step_periods(t.steps()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
-    return (pl.concat(per_trace).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
-            .join(recorded_phases(run), on=["k", "batch"], how="left"))
+    per_trace = [decode_periods(t).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
+    return pl.concat(per_trace).join(recorded_phases(run), on=["k", "batch"], how="left")
+
+
+def decode_periods(trace: Trace) -> pl.DataFrame:
+    """``analysis.acceptance.decode_step_periods`` of ``trace`` at the concurrencies with at least
+    ``MIN_BASELINE_STEPS`` step pairs (fewer measure no step time worth predicting from)."""
+    return decode_step_periods(trace.steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
 
 
 def recorded_phases(run: Run) -> pl.DataFrame:
@@ -260,8 +272,7 @@ def scheduling_costs(run: Run, path: Path, baselines: dict[int, float]) -> dict[
     drafting = [t for t in run.traces if t.k > 0 and t.manifest.get("capture", {}).get("async_scheduling") is True]
     if drafting:
         raise UserError(f"{path}: --k0-sync, but {drafting[0].path} drafted with async scheduling on")
-    periods = decode_step_periods(trace.steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
-    found = {int(row["batch"]): float(row["period_ms"]) for row in periods.to_dicts()}
+    found = {int(row["batch"]): float(row["period_ms"]) for row in decode_periods(trace).to_dicts()}
     missing = [batch for batch in baselines if batch not in found]
     if missing:
         raise UserError(f"{path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency {missing[0]} "
@@ -284,14 +295,6 @@ def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max
         out[batch] = per_k_from_nearest(dict(zip(at["k"].to_list(), at[column].to_list())), range(max_k + 1),
                                         scale_with_k)
     return out
-
-
-def sampling_growth(steps: pl.DataFrame) -> pl.DataFrame:
-    """``recorded_steps`` with sampling_growth_ms: how much longer vLLM's sampling took than at k = 0 at the same
-    concurrency (the rejection sampler's work over plain sampling)."""
-    k0 = steps.filter(pl.col("k") == 0).select("batch", sampling_k0="sampling_ms")
-    return steps.join(k0, on="batch", how="left").with_columns(
-        sampling_growth_ms=pl.col("sampling_ms") - pl.col("sampling_k0")).drop("sampling_k0")
 
 
 def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, by_position: pl.DataFrame,
@@ -325,7 +328,7 @@ def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, b
     if steps is not None and baselines:
         method = str(run.primary.manifest["spec"].get("method"))
         drafting = measured_per_k(steps, "drafting_ms", list(baselines), options.max_k, method in MODEL_DRAFTERS)
-        sampling = measured_per_k(sampling_growth(steps), "sampling_growth_ms", list(baselines), options.max_k,
+        sampling = measured_per_k(growth_over_k0(steps), "sampling_growth_ms", list(baselines), options.max_k,
                                   scale_with_k=False)
     scheduling = scheduling_costs(run, options.k0_sync, baselines) if options.k0_sync and baselines else None
     try:
