@@ -72,6 +72,17 @@ def timed_generate(llm: Any, requests: list[Any], concurrency: int, max_tokens: 
     return generated / (time.perf_counter() - started)
 
 
+def slice_model_dir(model: str, out: Path) -> Path:
+    """``<out>/<model>-model``: the config of a Kimi-K2 slice (``kimi-k2-tp8``, ``kimi-k2-tp4``), dummy weights."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_recording_overhead import kimi_k2_slice
+
+    model_dir = out / f"{model}-model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(kimi_k2_slice(int(model.removeprefix("kimi-k2-tp")))))
+    return model_dir
+
+
 def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, trace_dir: Path,
                    max_tokens: int, eager: bool, tp: int) -> dict[str, Any]:
     """Engine settings of one recorded engine (``moetrace.record.engine_settings``) for the default model or a
@@ -80,17 +91,11 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
     from moetrace.default_model import encode_text
     from moetrace.record import RecordRequest, engine_settings, resolve_model
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_recording_overhead import kimi_k2_slice
-
     prompts = distinct_prompts()
     engine_args: dict[str, Any] = {}
     model_path: str | None = None
     if model.startswith("kimi-k2-tp"):
-        model_dir = out / f"{model}-model"
-        model_dir.mkdir(parents=True, exist_ok=True)
-        (model_dir / "config.json").write_text(json.dumps(kimi_k2_slice(int(model.removeprefix("kimi-k2-tp")))))
-        model_path = str(model_dir)
+        model_path = str(slice_model_dir(model, out))
         engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 1024}
     # Every round does the same work: no prefix cache hits on prompts an earlier round sent.
     engine_args["enable_prefix_caching"] = False
@@ -419,8 +424,14 @@ def main() -> None:
     check = commands.add_parser("compare", help="predicted against measured speedup from a measure directory")
     check.add_argument("runs", type=Path)
     check.add_argument("--json", type=Path, help="also write the table here")
+    slice_dir = commands.add_parser("model-dir", help="write a Kimi-K2 slice's model directory (for calibrate)")
+    slice_dir.add_argument("--model", choices=("kimi-k2-tp8", "kimi-k2-tp4"), required=True)
+    slice_dir.add_argument("--out", type=Path, default=Path("speedup-runs"))
     args = parser.parse_args()
-    measure(args) if args.command == "measure" else compare(args)
+    if args.command == "model-dir":
+        print(slice_model_dir(args.model, args.out))
+    else:
+        measure(args) if args.command == "measure" else compare(args)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,41 @@
 """Graph capture records the truth: eager against compiled (CUDA graphs) on a GPU vLLM, and both against a
 float32 reference routing computed from the same router logits; with ``--tp 2``, a tensor-parallel run against
-a one-GPU run the same way.
+a one-GPU run the same way; with ``--dp 2``, a data-parallel ``vllm serve`` with expert parallelism the same way,
+and against the server's own counters and its client's tokens.
 
     python benchmarks/gpu_vllm_capture.py --json benchmarks/results/gpu-vllm-capture.json
     python benchmarks/gpu_vllm_capture.py --tp 2 --json benchmarks/results/gpu-vllm-tp2.json   # 2 GPUs
+    python benchmarks/gpu_vllm_capture.py --dp 2 --num-prompts 10 --json benchmarks/results/gpu-vllm-dp2-ep.json
 
-Records the embedded default model twice with ``moetrace record`` (bf16 on the GPU, n-gram k=3, top-16
-candidates): eager, and ``--compiled`` (vLLM's torch.compile with FULL_AND_PIECEWISE CUDA graphs); with ``--tp N``,
-compiled on one GPU and compiled at TP=N (rank 0 records; its all-reduces change the sums' rounding). Compares
-the in-sequence rows up to where greedy decoding diverges; every row whose expert set differs must be a near-tie
-(the swapped experts' selection scores within 2 bf16 ulps of the K-th score, in both runs). Then checks every row
-of both runs against the top-8 of its own float32 selection scores. Exits 1 on any unexplained row.
+Records the embedded default model twice (bf16 on the GPU, n-gram k=3, top-16 candidates), with
+``moetrace record``: eager, and ``--compiled`` (vLLM's torch.compile with FULL_AND_PIECEWISE CUDA graphs); with
+``--tp N``, compiled on one GPU and compiled at TP=N (rank 0 records; its all-reduces change the sums' rounding);
+with ``--dp N``, compiled on one GPU and ``vllm serve --data-parallel-size N --enable-expert-parallel`` (compiled,
+every DP rank records into ``dp<r>/``; the routers of an all-gather dispatch see every rank's tokens) with the same
+prompts sent by an HTTP client at concurrency N × batch size. Compares the in-sequence rows up to where greedy
+decoding diverges; every row whose expert set differs must be a near-tie (the swapped experts' selection scores
+within 2 bf16 ulps of the K-th score, in both runs). Then checks every row of both runs against the top-8 of its
+own float32 selection scores. Exits 1 on any unexplained row, or (``--dp``) when the trace's drafts, accepted
+tokens, prompt rows or fed tokens differ from what the server counted and the client received.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import polars as pl
 
 
 def record(out: Path, args: argparse.Namespace, extra: list[str]) -> Path:
@@ -35,14 +49,115 @@ def record(out: Path, args: argparse.Namespace, extra: list[str]) -> Path:
     return trace
 
 
-def counters_equal(trace_dir: Path) -> bool:
-    """The trace's drafts and accepted tokens equal vLLM's own spec-decode counters for the run."""
-    import polars as pl
+def serve_recording(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    """The same prompts through ``vllm serve`` at DP=``args.dp`` with expert parallelism, recorded by every DP rank.
+    The client's tokens go to the trace's ``outputs.jsonl`` under the trace's request ids (matched on prompts);
+    returns the trace and what the server counted and the client received."""
+    from moetrace.default_model import encode_text, ensure_default_model
+    from moetrace.engine import served_spec_decode_counters, speculative_config
+    from moetrace.prompts import BUILTIN_PROMPTS
 
+    prompts = [encode_text(BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)]) for i in range(args.num_prompts)]
+    if len({tuple(p) for p in prompts}) < len(prompts):
+        sys.exit(f"--dp matches requests on their prompts: --num-prompts must be at most {len(BUILTIN_PROMPTS)}")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        base = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    longest = max(map(len, prompts)) + args.max_tokens + args.k + 16
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ensure_default_model()),
+        "--served-model-name", "default", "--skip-tokenizer-init", "--dtype", "bfloat16",
+        "--max-model-len", str((longest + 255) // 256 * 256), "--max-num-seqs", str(args.batch_size),
+        "--no-enable-prefix-caching", "--seed", "0", "--port", base.rsplit(":", 1)[1],
+        "--speculative-config", json.dumps(speculative_config("ngram", args.k, None, {})),
+        "--data-parallel-size", str(args.dp), "--enable-expert-parallel",
+    ]
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0",
+           "MOETRACE_RECORD": json.dumps({"out": str(out), "candidates": args.candidates})}
+    with open(out.parent / "serve.log", "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"vllm serve did not come up: {(out.parent / 'serve.log').read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(2)
+
+        def complete(prompt: list[int]) -> dict[str, Any]:
+            body = {"model": "default", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True}
+            request = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            choice = json.loads(urllib.request.urlopen(request, timeout=600).read())["choices"][0]
+            return {"prompt_token_ids": prompt, "output_token_ids": choice["token_ids"]}
+
+        with ThreadPoolExecutor(args.dp * args.batch_size) as pool:
+            outputs = list(pool.map(complete, prompts))
+        counters = served_spec_decode_counters(urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode())
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGINT)  # Ctrl-C: the recorders close their traces
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+    return out, {"outputs": outputs, "counters": counters}
+
+
+def match_client_outputs(trace_dir: Path, outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write the client's outputs as ``outputs.jsonl`` under the trace's request ids, matched on the prompt tokens
+    the trace recorded, and check the trace against the client: every prompt row recorded once, and every
+    in-sequence token the one the client received (up to the last, which is sampled and never fed; tokens past
+    it were accepted drafts that vLLM cut at ``max_tokens``)."""
     from moetrace.reader import open_trace
 
     trace = open_trace(trace_dir)
-    counters = trace.manifest["vllm_counters"]
+    first_layer = int(trace.manifest["model"]["moe_layers"][0])
+    fed = (trace.routing().filter((pl.col("layer") == first_layer) & (pl.col("accepted").is_null() | pl.col("accepted")))
+           .sort("request", "position").group_by("request", maintain_order=True)
+           .agg("position", "token", prompt=(pl.col("phase") == "prefill").sum()).collect())
+    by_prompt = {tuple(o["prompt_token_ids"]): o for o in outputs}
+    ids = trace.request_ids()
+    lines, tokens_equal, prompts_equal = [], True, True
+    for row in fed.iter_rows(named=True):
+        output = by_prompt.pop(tuple(row["token"][: row["prompt"]]), None)
+        if output is None:
+            prompts_equal = False
+            continue
+        expected = output["prompt_token_ids"] + output["output_token_ids"]
+        prompts_equal &= row["prompt"] == len(output["prompt_token_ids"])
+        fed_count = len(row["token"])  # drafts the sampler accepted past max_tokens were fed, then cut
+        tokens_equal &= (row["position"] == list(range(fed_count)) and len(expected) - 1 <= fed_count
+                         and row["token"][: len(expected)] == expected[:fed_count])
+        lines.append(json.dumps({"request_id": ids[row["request"]].rsplit("-", 1)[0], **output}) + "\n")
+    (trace_dir / "outputs.jsonl").write_text("".join(lines))
+    return {"requests_matched": len(lines), "requests_sent": len(outputs),
+            "prompt_rows_equal_client": prompts_equal and not by_prompt, "fed_tokens_equal_client": tokens_equal}
+
+
+def rows_equal_scheduled_tokens(trace_dir: Path) -> bool:
+    """Every rank's routing rows are its scheduled tokens (the steps table) in every recorded layer."""
+    from moetrace.reader import open_trace
+
+    trace = open_trace(trace_dir)
+    layers = len(trace.manifest["model"]["moe_layers"])
+    scheduled = int(trace.steps().select(pl.col("num_tokens").sum()).collect().item())
+    rows = int(trace.routing().select(pl.len()).collect().item())
+    return rows == scheduled * layers == int(trace.manifest["counts"]["tokens"]) * layers
+
+
+def counters_equal(trace_dir: Path, counters: dict[str, float] | None = None) -> bool:
+    """The trace's drafts and accepted tokens equal vLLM's own spec-decode counters for the run (the manifest's,
+    unless given: a server's)."""
+    from moetrace.reader import open_trace
+
+    trace = open_trace(trace_dir)
+    counters = counters or trace.manifest["vllm_counters"]
     verified = trace.steps().filter(pl.col("num_drafts") > 0).collect()
     return bool(verified.height == counters["num_drafts"]
                 and verified["num_drafts"].sum() == counters["num_draft_tokens"]
@@ -57,19 +172,31 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--candidates", type=int, default=16)
     parser.add_argument("--tp", type=int, default=1, help="compare compiled at this TP against compiled on one GPU")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="compare vllm serve at this DP with expert parallelism against compiled on one GPU")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    if args.tp > 1 and args.dp > 1:
+        sys.exit("--tp and --dp are separate checks: give one of them")
 
     from moetrace.compare import compare_runs, reference_check
     from moetrace.hooks.vllm_api import vllm_version
     from moetrace.host import gpu_inventory
+    from moetrace.reader import open_trace
 
     with tempfile.TemporaryDirectory(prefix="moetrace-capture-") as scratch:
         # run A, the reference, then run B against it
-        a_name, b_name = ("compiled", f"tp{args.tp}") if args.tp > 1 else ("eager", "compiled")
-        runs = {a_name: record(Path(scratch) / a_name, args, [] if args.tp == 1 else ["--compiled"]),
-                b_name: record(Path(scratch) / b_name, args, ["--compiled", "--tp", str(args.tp)])}
-        manifests = {name: json.loads((d / "manifest.json").read_text()) for name, d in runs.items()}
+        a_name, b_name = ("compiled", f"tp{args.tp}") if args.tp > 1 else ("compiled", f"dp{args.dp}-ep") \
+            if args.dp > 1 else ("eager", "compiled")
+        runs = {a_name: record(Path(scratch) / a_name, args, [] if a_name == "eager" else ["--compiled"])}
+        served: dict[str, Any] = {}
+        if args.dp > 1:
+            (Path(scratch) / b_name).mkdir()
+            runs[b_name], served = serve_recording(Path(scratch) / b_name / "trace", args)
+            served["client"] = match_client_outputs(runs[b_name], served.pop("outputs"))
+        else:
+            runs[b_name] = record(Path(scratch) / b_name, args, ["--compiled", "--tp", str(args.tp)])
+        manifests = {name: open_trace(d).manifest for name, d in runs.items()}
         result: dict[str, Any] = {
             "vllm_version": vllm_version(),
             "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
@@ -79,17 +206,31 @@ def main() -> None:
             "capture_mechanisms": {name: m.get("capture_mechanisms") for name, m in manifests.items()},
             "tp": {name: m["parallel"]["tp"] for name, m in manifests.items()},
             "dtype": manifests[b_name]["model"]["dtype"],
-            "complete": {name: m["complete"] for name, m in manifests.items()},
-            "acceptance_equals_vllm_counters": {name: counters_equal(d) for name, d in runs.items()},
+            "complete": {name: open_trace(d).complete for name, d in runs.items()},
+            "acceptance_equals_vllm_counters": {name: counters_equal(d, served.get("counters") if name == b_name
+                                                                     else None) for name, d in runs.items()},
+            "rows_equal_scheduled_tokens": {name: rows_equal_scheduled_tokens(d) for name, d in runs.items()},
             "command": "python benchmarks/gpu_vllm_capture.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         }
+        if args.dp > 1:
+            ranks = open_trace(runs[b_name]).ranks
+            result["data_parallel"] = {
+                **served,
+                "dp_ranks": manifests[b_name]["parallel"]["dp_ranks"],
+                "requests_per_rank": [len(rank.request_ids()) for rank in ranks],
+                "parallel": [rank.manifest["parallel"] for rank in ranks],
+                "capture_mechanisms": [rank.manifest.get("capture_mechanisms") for rank in ranks],
+            }
     print(json.dumps(result, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     unexplained = result["rows_unexplained"] + sum(r["rows_reference_unexplained"]
                                                    for r in result["reference"].values())
-    agreed = all(result["acceptance_equals_vllm_counters"].values())
+    agreed = all(result["acceptance_equals_vllm_counters"].values()) and all(
+        result["rows_equal_scheduled_tokens"].values())
+    client = result.get("data_parallel", {}).get("client", {})
+    agreed &= all(client.get(key, True) for key in ("prompt_rows_equal_client", "fed_tokens_equal_client"))
     sys.exit(1 if unexplained or not result["rows_compared"] or not agreed else 0)
 
 

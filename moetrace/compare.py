@@ -39,8 +39,7 @@ def bf16_tie_tolerance(kth_score: float, ulps: int = 2) -> float:
 
 def load_outputs(trace_dir: Path) -> dict[int, dict[str, Any]]:
     """vLLM's outputs keyed by the trace's request index (worker ids are "<external id>-<suffix>")."""
-    requests = json.loads((trace_dir / MANIFEST_NAME).read_text())["requests"]
-    index = {rid.rsplit("-", 1)[0]: i for i, rid in enumerate(requests)}
+    index = {rid.rsplit("-", 1)[0]: i for i, rid in open_trace(trace_dir).request_ids().items()}
     outputs = [json.loads(line) for line in (trace_dir / "outputs.jsonl").read_text().splitlines()]
     return {index[o["request_id"]]: o for o in outputs}
 

@@ -149,5 +149,18 @@ def spec_decode_counters(llm: Any) -> dict[str, float]:
     }
 
 
+
+def served_spec_decode_counters(metrics_text: str) -> dict[str, float]:
+    """The same counters from a ``vllm serve`` ``/metrics`` page (Prometheus text), summed over the server's
+    engines (one per data-parallel rank)."""
+    counters: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        name, _, rest = line.partition("{")
+        for counter in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            if name == f"vllm:spec_decode_{counter}_total":
+                counters[counter] = counters.get(counter, 0.0) + float(rest.rsplit(" ", 1)[1])
+    return counters
+
+
 if __name__ == "__main__":
     sys.exit(run(json.loads(Path(sys.argv[1]).read_text())))

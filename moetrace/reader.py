@@ -52,6 +52,14 @@ class Trace:
     def complete(self) -> bool:
         return bool(self.manifest.get("complete"))
 
+    def request_ids(self) -> dict[int, str]:
+        """vLLM's id of each request index that ``routing()`` and ``steps()`` use (merged indices for DP ranks)."""
+        if self.ranks:
+            size = len(self.ranks)
+            return {request * size + index: rid for index, rank in enumerate(self.ranks)
+                    for request, rid in rank.request_ids().items()}
+        return dict(enumerate(self.manifest.get("requests") or []))
+
     def routing(self) -> pl.LazyFrame:
         if self.ranks:
             return self._merged([rank.routing() for rank in self.ranks])

@@ -1,7 +1,7 @@
 """On a GPU vLLM: graph capture (torch.compile + FULL_AND_PIECEWISE CUDA graphs) records what eager capture
-records, and a TP=2 run what a one-GPU run records, up to near-ties, and every row equals the float32 reference
-routing of its own router logits. Skipped without CUDA (the TP test without 2 GPUs); the first passed on an H200
-with vLLM 0.26 (benchmarks/results/gpu-vllm-capture.json)."""
+records, and a TP=2 run and a DP=2 expert-parallel `vllm serve` what a one-GPU run records, up to near-ties, and
+every row equals the float32 reference routing of its own router logits. Skipped without CUDA (the TP and DP tests
+without 2 GPUs); the first passed on an H200 with vLLM 0.26 (benchmarks/results/gpu-vllm-capture.json)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def assert_rows_agree(result: dict[str, Any], done: subprocess.CompletedProcess[
     runs = list(result["complete"])
     assert result["complete"] == dict.fromkeys(runs, True)
     assert result["acceptance_equals_vllm_counters"] == dict.fromkeys(runs, True)
+    assert result["rows_equal_scheduled_tokens"] == dict.fromkeys(runs, True)
     assert result["rows_compared"] == result["rows_in_a"] > 0 and result["tokens_equal"]
     assert result["decoded_rows_compared"] > 0
     assert result["rows_unexplained"] == 0
@@ -51,3 +52,14 @@ def test_tensor_parallel_rows_equal_one_gpu_rows_up_to_near_ties(tmp_path: Path)
     result, done = capture(tmp_path, "--tp", "2")
     assert result["tp"] == {"compiled": 1, "tp2": 2}
     assert_rows_agree(result, done)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_data_parallel_expert_parallel_serve_rows_equal_one_gpu_rows_and_the_servers_counts(tmp_path: Path) -> None:
+    result, done = capture(tmp_path, "--dp", "2", "--num-prompts", "10")
+    dp = result["data_parallel"]
+    assert dp["dp_ranks"] == [0, 1] and min(dp["requests_per_rank"]) > 0, "both ranks served requests"
+    assert dp["client"] == {"requests_matched": 10, "requests_sent": 10, "prompt_rows_equal_client": True,
+                            "fed_tokens_equal_client": True}
+    assert_rows_agree(result, done)
+

@@ -20,6 +20,7 @@ import polars as pl
 import pytest
 
 from moetrace.default_model import encode_text, ensure_default_model
+from moetrace.engine import served_spec_decode_counters
 from moetrace.prompts import BUILTIN_PROMPTS
 from moetrace.reader import open_trace, open_traces
 
@@ -88,13 +89,24 @@ def send_traffic(base: str, requests: int, concurrency: int) -> None:
 
 def spec_decode_counters(base: str) -> dict[str, float]:
     """``vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`` from the server's /metrics."""
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
-    counters = {}
-    for line in text.splitlines():
-        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            if line.startswith(f"vllm:spec_decode_{name}_total{{"):
-                counters[name] = float(line.rsplit(" ", 1)[1])
-    return counters
+    return served_spec_decode_counters(urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode())
+
+
+def test_served_counters_are_summed_over_the_servers_engines() -> None:
+    """A DP=2 server reports each counter once per engine; other metrics and help lines are ignored."""
+    page = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="tiny"} 12.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="tiny"} 30.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="tiny"} 36.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="tiny"} 90.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="tiny"} 7.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="tiny"} 41.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"} 5.0
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 999.0
+"""
+    assert served_spec_decode_counters(page) == {"num_drafts": 42.0, "num_draft_tokens": 126.0,
+                                                 "num_accepted_tokens": 48.0}
 
 
 def finished_manifest(trace_dir: Path, timeout: float = 60) -> dict[str, Any]:

@@ -275,6 +275,20 @@ def test_a_data_parallel_recording_reads_as_one_trace_with_each_ranks_requests_a
     assert trace.k == 2 and trace.complete
 
 
+def test_a_data_parallel_recordings_request_ids_follow_its_merged_request_indices(tmp_path: Path) -> None:
+    root = _dp_recording(tmp_path / "run")
+    for rank in (0, 1):
+        manifest = json.loads((root / f"dp{rank}" / "manifest.json").read_text())
+        manifest["requests"] = [f"rank{rank}-req{i}-x" for i in range(2)]
+        (root / f"dp{rank}" / "manifest.json").write_text(json.dumps(manifest))
+    (trace,) = open_traces(root)
+    assert trace.request_ids() == {0: "rank0-req0-x", 1: "rank1-req0-x", 2: "rank0-req1-x", 3: "rank1-req1-x"}
+    # every merged request index in the rows has its id, and the rank that recorded it
+    rows = trace.steps().select("request", "dp_rank").unique().collect()
+    for request, rank in rows.iter_rows():
+        assert trace.request_ids()[request].startswith(f"rank{rank}-")
+
+
 def test_data_parallel_ranks_of_different_recordings_are_refused(tmp_path: Path) -> None:
     root = _dp_recording(tmp_path / "run", ks=(2, 3))
     with pytest.raises(UserError, match="not one recording"):
