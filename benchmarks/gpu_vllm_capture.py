@@ -42,7 +42,9 @@ def record(out: Path, args: argparse.Namespace, extra: list[str]) -> Path:
     command = [sys.executable, "-m", "moetrace", "record", "--k", str(args.k), "--max-tokens", str(args.max_tokens),
                "--num-prompts", str(args.num_prompts), "--batch-size", str(args.batch_size),
                "--candidates", str(args.candidates), "--out", str(out)]
-    done = subprocess.run(command + extra, capture_output=True, text=True)
+    # Run outside the source tree: `python -m` puts the working directory first on sys.path, and the source tree's
+    # moetrace/ lacks the folders the installed package maps in (moetrace.analysis, moetrace.hooks).
+    done = subprocess.run(command + extra, capture_output=True, text=True, cwd=out.parent)
     if done.returncode != 0:
         sys.exit(f"recording failed ({out.name}): {done.stderr.strip()[-2000:]}")
     (trace,) = [p for p in out.iterdir() if p.is_dir()]
@@ -75,7 +77,8 @@ def serve_recording(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str
     env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0",
            "MOETRACE_RECORD": json.dumps({"out": str(out), "candidates": args.candidates})}
     with open(out.parent / "serve.log", "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                  cwd=out.parent)  # outside the source tree, as in `record`
     try:
         deadline = time.monotonic() + 900
         while True:
