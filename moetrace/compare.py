@@ -30,6 +30,7 @@ from moetrace.schema import MANIFEST_NAME
 # Float32 reference against the router's own kernel on the same logits: both compute sigmoid + bias in float32,
 # so only summation order can differ.
 REFERENCE_TOLERANCE = 1e-4
+MAX_ROWS_LISTED = 100  # unexplained rows listed one by one in a comparison
 
 
 def bf16_tie_tolerance(kth_score: float, ulps: int = 2) -> float:
@@ -96,6 +97,7 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
     identical = near_tie = within_ulps = 0
     movements: list[float] = []
     differing_movements: list[float] = []
+    unexplained: list[dict[str, Any]] = []
     for row in joined.iter_rows(named=True):
         movement = (score_movement(row["cand_experts"], row["cand_scores"], row["cand_experts_a"],
                                    row["cand_scores_a"]) if has_candidates else 0.0)
@@ -113,6 +115,11 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
         if all(_swapped_within(row[f"experts{s}"], row[f"experts{o}"], row[f"cand_experts{s}"],
                                row[f"cand_scores{s}"], top_k, ulps, movement) for s, o in pairs):
             near_tie += 1
+        elif len(unexplained) < MAX_ROWS_LISTED:
+            unexplained.append({
+                "request": row["request"], "position": row["position"], "layer": row["layer"],
+                "experts_swapped": len(set(row["experts"]) - set(row["experts_a"])), "movement": movement,
+                "common_candidates": len(set(row["cand_experts"]) & set(row["cand_experts_a"]))})
     return {
         "rows_in_a": a.height,
         "rows_compared": joined.height,
@@ -124,9 +131,22 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
         "rows_unexplained": joined.height - identical - near_tie,
         "tie_tolerance": f"{ulps} bfloat16 ulps of the K-th selection score, or twice the row's score movement "
                          "between the runs where that is larger",
-        "score_movement": {"all_rows": _quantiles(movements), "differing_rows": _quantiles(differing_movements)}
+        "score_movement": {"all_rows": _quantiles(movements), "differing_rows": _quantiles(differing_movements),
+                           "next_token_in_a": _quantiles(next_token_movements(a)) if has_candidates else None}
         if has_candidates else None,
+        "unexplained_rows": unexplained,
     }
+
+
+def next_token_movements(rows: pl.DataFrame, limit: int = 20_000) -> list[float]:
+    """The score movement a row recorded from the wrong token would show: each row against the next position's
+    row of the same request and layer (common candidates, and their score changes)."""
+    ordered = rows.sort("request", "layer", "position").head(limit + 1)
+    same = ordered.select((pl.col("request") == pl.col("request").shift(-1))
+                          & (pl.col("layer") == pl.col("layer").shift(-1))).to_series().to_list()
+    cands, scores = ordered["cand_experts"].to_list(), ordered["cand_scores"].to_list()
+    return [score_movement(cands[i], scores[i], cands[i + 1], scores[i + 1])
+            for i in range(len(same) - 1) if same[i] and set(cands[i]) & set(cands[i + 1])]
 
 
 def reference_check(trace_dir: Path) -> dict[str, Any]:

@@ -69,3 +69,7 @@ def test_a_row_recorded_from_another_token_is_unexplained(tmp_path: Path) -> Non
     b.cand_scores[stale] = a.cand_scores[0] if a.cand_scores is not None else b.cand_scores[stale]
     result = compare_runs(write_run(tmp_path / "a", a), write_run(tmp_path / "b", b))
     assert result["rows_unexplained"] == 1 and result["rows_near_tie"] == 0
+    (listed,) = result["unexplained_rows"]  # listed with what tells a misattributed row from a moved one
+    assert (listed["request"], listed["position"]) == (int(a.request[stale]), int(a.position[stale]))
+    assert listed["common_candidates"] == 0 and listed["experts_swapped"] == 2  # shares nothing with its token's row
+    assert result["score_movement"]["next_token_in_a"]["median"] > 0
