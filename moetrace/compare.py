@@ -11,7 +11,10 @@ kernels: eager and compiled fuse differently), twice the row's own movement, the
 score between the runs (a swap takes a gap that the two experts' changes close). Each run choosing the top-k of
 its own scores is what ``reference_check`` proves; the movement statistics say how far the scores moved: rounding
 moves them by a few ulps, a row recorded from the wrong token or a stale buffer by the scores' whole spread. Any
-other difference is *unexplained*.
+other difference is *unexplained*; each is listed, with how many of its top-C candidates it shares with the other
+run's row: a row whose hidden state really moved (deep layers, where a run's different rounding has accumulated)
+keeps most of them, a row recorded from another token shares few (``next_token_common_candidates_in_a``: each row
+of run A against the next position's, measured in the same comparison).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from moetrace.schema import MANIFEST_NAME
 # Float32 reference against the router's own kernel on the same logits: both compute sigmoid + bias in float32,
 # so only summation order can differ.
 REFERENCE_TOLERANCE = 1e-4
-MAX_ROWS_LISTED = 100  # unexplained rows listed one by one in a comparison
+MAX_ROWS_LISTED = 1000  # unexplained rows listed one by one in a comparison
 
 
 def bf16_tie_tolerance(kth_score: float, ulps: int = 2) -> float:
@@ -94,10 +97,11 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
     joined = in_sequence_rows(b_dir).join(a, on=["request", "position", "layer"], suffix="_a")
     top_k = int(json.loads((a_dir / MANIFEST_NAME).read_text())["model"]["top_k"])
     has_candidates = "cand_experts" in joined.columns
-    identical = near_tie = within_ulps = 0
+    identical = near_tie = within_ulps = sharing_most = 0
     movements: list[float] = []
     differing_movements: list[float] = []
     unexplained: list[dict[str, Any]] = []
+    next_movements, next_common = next_token_rows(a) if has_candidates else ([], [])
     for row in joined.iter_rows(named=True):
         movement = (score_movement(row["cand_experts"], row["cand_scores"], row["cand_experts_a"],
                                    row["cand_scores_a"]) if has_candidates else 0.0)
@@ -115,11 +119,15 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
         if all(_swapped_within(row[f"experts{s}"], row[f"experts{o}"], row[f"cand_experts{s}"],
                                row[f"cand_scores{s}"], top_k, ulps, movement) for s, o in pairs):
             near_tie += 1
-        elif len(unexplained) < MAX_ROWS_LISTED:
-            unexplained.append({
-                "request": row["request"], "position": row["position"], "layer": row["layer"],
-                "experts_swapped": len(set(row["experts"]) - set(row["experts_a"])), "movement": movement,
-                "common_candidates": len(set(row["cand_experts"]) & set(row["cand_experts_a"]))})
+        else:
+            common = len(set(row["cand_experts"]) & set(row["cand_experts_a"]))
+            # A row moved by rounding keeps most of its candidates; one recorded from another token shares few
+            sharing_most += 2 * common > len(row["cand_experts"])
+            if len(unexplained) < MAX_ROWS_LISTED:
+                unexplained.append({
+                    "request": row["request"], "position": row["position"], "layer": row["layer"],
+                    "experts_swapped": len(set(row["experts"]) - set(row["experts_a"])), "movement": movement,
+                    "common_candidates": common})
     return {
         "rows_in_a": a.height,
         "rows_compared": joined.height,
@@ -132,21 +140,24 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
         "tie_tolerance": f"{ulps} bfloat16 ulps of the K-th selection score, or twice the row's score movement "
                          "between the runs where that is larger",
         "score_movement": {"all_rows": _quantiles(movements), "differing_rows": _quantiles(differing_movements),
-                           "next_token_in_a": _quantiles(next_token_movements(a)) if has_candidates else None}
-        if has_candidates else None,
+                           "next_token_in_a": _quantiles(next_movements)} if has_candidates else None,
+        "next_token_common_candidates_in_a": _quantiles([float(c) for c in next_common]) if has_candidates else None,
+        "rows_unexplained_sharing_most_candidates": sharing_most,
         "unexplained_rows": unexplained,
     }
 
 
-def next_token_movements(rows: pl.DataFrame, limit: int = 20_000) -> list[float]:
-    """The score movement a row recorded from the wrong token would show: each row against the next position's
-    row of the same request and layer (common candidates, and their score changes)."""
+def next_token_rows(rows: pl.DataFrame, limit: int = 20_000) -> tuple[list[float], list[int]]:
+    """What a row recorded from the wrong token would show: each row against the next position's row of the same
+    request and layer, its score movement (over the candidates they share) and how many candidates they share."""
     ordered = rows.sort("request", "layer", "position").head(limit + 1)
     same = ordered.select((pl.col("request") == pl.col("request").shift(-1))
                           & (pl.col("layer") == pl.col("layer").shift(-1))).to_series().to_list()
     cands, scores = ordered["cand_experts"].to_list(), ordered["cand_scores"].to_list()
-    return [score_movement(cands[i], scores[i], cands[i + 1], scores[i + 1])
-            for i in range(len(same) - 1) if same[i] and set(cands[i]) & set(cands[i + 1])]
+    pairs = [i for i in range(len(same) - 1) if same[i]]
+    return ([score_movement(cands[i], scores[i], cands[i + 1], scores[i + 1]) for i in pairs
+             if set(cands[i]) & set(cands[i + 1])],
+            [len(set(cands[i]) & set(cands[i + 1])) for i in pairs])
 
 
 def reference_check(trace_dir: Path) -> dict[str, Any]:

@@ -72,4 +72,5 @@ def test_a_row_recorded_from_another_token_is_unexplained(tmp_path: Path) -> Non
     (listed,) = result["unexplained_rows"]  # listed with what tells a misattributed row from a moved one
     assert (listed["request"], listed["position"]) == (int(a.request[stale]), int(a.position[stale]))
     assert listed["common_candidates"] == 0 and listed["experts_swapped"] == 2  # shares nothing with its token's row
+    assert result["rows_unexplained_sharing_most_candidates"] == 0
     assert result["score_movement"]["next_token_in_a"]["median"] > 0
