@@ -5,7 +5,7 @@
     python benchmarks/bench_speedup_validation.py measure --model kimi-k2-tp8 --methods ngram --out runs
     moetrace calibrate --model default --tp 1 --ep 1 --formats bf16 --no-allreduce -o runs/calibration-default.json
     moetrace calibrate --model runs/kimi-k2-tp8-model --tp 1 --ep 1 --formats bf16 --no-allreduce \\
-        -o runs/calibration-kimi-k2-tp8.json
+        -o runs/calibration-kimi-k2-tp8.json   # (model-dir --model kimi-k2-tp8 --out runs writes that folder alone)
     # anywhere: predict from the traces and calibrations, set beside the measurements
     python benchmarks/bench_speedup_validation.py compare runs --json benchmarks/results/speedup-validation.json
 
