@@ -160,7 +160,7 @@ def counters_equal(trace_dir: Path, counters: dict[str, float] | None = None) ->
     from moetrace.reader import open_trace
 
     trace = open_trace(trace_dir)
-    counters = counters or trace.manifest["vllm_counters"]
+    counters = trace.manifest["vllm_counters"] if counters is None else counters
     verified = trace.steps().filter(pl.col("num_drafts") > 0).collect()
     return bool(verified.height == counters["num_drafts"]
                 and verified["num_drafts"].sum() == counters["num_draft_tokens"]
@@ -189,8 +189,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="moetrace-capture-") as scratch:
         # run A, the reference, then run B against it
-        a_name, b_name = ("compiled", f"tp{args.tp}") if args.tp > 1 else ("compiled", f"dp{args.dp}-ep") \
-            if args.dp > 1 else ("eager", "compiled")
+        a_name, b_name = ("eager", "compiled")
+        if args.tp > 1 or args.dp > 1:
+            a_name, b_name = "compiled", f"tp{args.tp}" if args.tp > 1 else f"dp{args.dp}-ep"
         runs = {a_name: record(Path(scratch) / a_name, args, [] if a_name == "eager" else ["--compiled"])}
         served: dict[str, Any] = {}
         if args.dp > 1:
@@ -199,7 +200,7 @@ def main() -> None:
             served["client"] = match_client_outputs(runs[b_name], served.pop("outputs"))
         else:
             runs[b_name] = record(Path(scratch) / b_name, args, ["--compiled", "--tp", str(args.tp)])
-        manifests = {name: open_trace(d).manifest for name, d in runs.items()}
+        manifests = {name: open_trace(d).manifest for name, d in runs.items()}  # DP ranks: merged
         result: dict[str, Any] = {
             "vllm_version": vllm_version(),
             "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
@@ -209,7 +210,7 @@ def main() -> None:
             "capture_mechanisms": {name: m.get("capture_mechanisms") for name, m in manifests.items()},
             "tp": {name: m["parallel"]["tp"] for name, m in manifests.items()},
             "dtype": manifests[b_name]["model"]["dtype"],
-            "complete": {name: open_trace(d).complete for name, d in runs.items()},
+            "complete": {name: m["complete"] for name, m in manifests.items()},
             "acceptance_equals_vllm_counters": {name: counters_equal(d, served.get("counters") if name == b_name
                                                                      else None) for name, d in runs.items()},
             "rows_equal_scheduled_tokens": {name: rows_equal_scheduled_tokens(d) for name, d in runs.items()},
