@@ -9,6 +9,10 @@ as vLLM built them; under CUDA graphs the captured graphs hold no moetrace kerne
 n-gram k=3, rounds alternating off/on so that drift hits both sides alike; each round gives one paired on/off
 ratio, and the result is their median with a bootstrap 95% interval.
 
+``--profile`` then runs one more round per batch with recording on under cProfile in the engine's thread, and
+prints where the recorder's own time goes (its functions by total time: cProfile slows Python several-fold, so
+read the shares, not the µs).
+
 ``--model kimi-k2-tp8`` is a dummy-weight model of Kimi-K2's per-GPU shape under TP=8 (hidden 7168, MLA with 8
 of 64 heads, 384 routed experts of width 2048/8 plus one shared expert, top-8, sigmoid + selection bias, 16 MoE
 layers after one dense layer, bf16, ``load_format=dummy``): the step a Kimi deployment's rank runs.
@@ -66,6 +70,25 @@ def writer_discards(worker: Any, discard: bool) -> None:
         vars(writer).pop("submit", None)
 
 
+def engine_profile(worker: Any, start: bool) -> str | None:
+    """In the worker (through ``collective_rpc``, which runs on the engine's thread): start cProfile on this thread,
+    or stop it and return moetrace's functions by total time."""
+    import cProfile
+    import io
+    import pstats
+
+    if start:
+        worker._moetrace_profile = cProfile.Profile()
+        worker._moetrace_profile.enable()
+        return None
+    profile = worker._moetrace_profile
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats("moetrace|numpy|torch", 30)
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats("moetrace", 25)
+    return text.getvalue()
+
+
 def median_ci95(ratios: list[float], resamples: int = 10_000) -> tuple[float, list[float]]:
     """Median of paired ratios and its bootstrap percentile 95% interval."""
     rng = random.Random(0)
@@ -105,11 +128,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--profile", action="store_true",
+                        help="then one round per batch, recording on, under cProfile in the engine thread")
     parser.add_argument("--writer-off", action="store_true",
                         help="also measure a third mode: hooks on, writer discarding every step")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    if args.writer_off:  # collective_rpc with a function from this script
+    if args.writer_off or args.profile:  # collective_rpc with a function from this script
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
     from moetrace.engine import build_llm, engine_prompts
@@ -136,6 +161,14 @@ def main() -> None:
                             llm.collective_rpc(writer_discards, args=(mode == "writer-off",))
                         results.setdefault((batch, mode), []).append(
                             timed_generate(llm, prompts, batch, args.max_tokens))
+            profiles = {}
+            if args.profile:
+                llm.collective_rpc("moetrace_resume")
+                for batch in batches:
+                    count = 8 if batch == 1 else 2 * batch
+                    llm.collective_rpc(engine_profile, args=(True,))
+                    timed_generate(llm, [base[i % len(base)] for i in range(count)], batch, args.max_tokens)
+                    profiles[batch] = llm.collective_rpc(engine_profile, args=(False,))[0]
             closed = llm.collective_rpc("moetrace_close")
         finally:
             llm.llm_engine.engine_core.shutdown()
@@ -168,6 +201,9 @@ def main() -> None:
         print(f"{batch:>5} {statistics.median(off):>10.1f} {statistics.median(on):>10.1f} {median:>7.3f} "
               f"{ci[0]:>7.3f}-{ci[1]:<7.3f} {100 * (1 - median):>8.1f}%")
     print("recorder's own time on the engine thread, µs per recorded step:", report["engine_thread_us_per_step"])
+    for batch, profile in profiles.items():
+        print(f"--- batch {batch}: the engine thread under cProfile, recording on ---\n{profile}")
+        report[str(batch)]["profile"] = profile
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -1,9 +1,13 @@
 """Graph capture records the truth: eager against compiled (CUDA graphs) on a GPU vLLM, and both against a
-float32 reference routing computed from the same router logits; with ``--tp 2``, a tensor-parallel run against
-a one-GPU run the same way; with ``--dp 2``, a data-parallel ``vllm serve`` with expert parallelism the same way,
-and against the server's own counters and its client's tokens.
+float32 reference routing computed from the same router logits; with ``--graphs-only``, eager against CUDA graphs
+without torch.compile (the same kernels: only the capture differs); with ``--v2``, Model Runner V1 against V2
+(both compiled); with ``--tp 2``, a tensor-parallel run against a one-GPU run the same way; with ``--dp 2``, a
+data-parallel ``vllm serve`` with expert parallelism the same way, and against the server's own counters and its
+client's tokens.
 
-    python benchmarks/gpu_vllm_capture.py --json benchmarks/results/gpu-vllm-capture.json
+    python benchmarks/gpu_vllm_capture.py --candidates 384 --json benchmarks/results/gpu-vllm-capture.json
+    python benchmarks/gpu_vllm_capture.py --graphs-only --candidates 384 --json benchmarks/results/gpu-vllm-graphs.json
+    python benchmarks/gpu_vllm_capture.py --v2 --method mtp --json benchmarks/results/gpu-vllm-runner-v2.json
     python benchmarks/gpu_vllm_capture.py --tp 2 --json benchmarks/results/gpu-vllm-tp2.json   # 2 GPUs
     python benchmarks/gpu_vllm_capture.py --dp 2 --num-prompts 10 --json benchmarks/results/gpu-vllm-dp2-ep.json
 
@@ -38,13 +42,23 @@ from typing import Any
 import polars as pl
 
 
-def record(out: Path, args: argparse.Namespace, extra: list[str]) -> Path:
+# The compared runs: `moetrace record` options and Model Runner (V1 unless a run says V2).
+RUNS: dict[str, tuple[list[str], str]] = {
+    "eager": ([], "0"),
+    "compiled": (["--compiled"], "0"),
+    "graphs-only": (["--compiled", "--engine-arg", 'compilation_config={"mode": 0, "cudagraph_mode": "FULL"}'], "0"),
+    "compiled-v2": (["--compiled"], "1"),
+}
+
+
+def record(out: Path, args: argparse.Namespace, extra: list[str], runner_v2: str = "0") -> Path:
     command = [sys.executable, "-m", "moetrace", "record", "--k", str(args.k), "--max-tokens", str(args.max_tokens),
                "--num-prompts", str(args.num_prompts), "--batch-size", str(args.batch_size),
-               "--candidates", str(args.candidates), "--out", str(out)]
+               "--candidates", str(args.candidates), "--method", args.method, "--out", str(out)]
     # Run outside the source tree: `python -m` puts the working directory first on sys.path, and the source tree's
     # moetrace/ lacks the folders the installed package maps in (moetrace.analysis, moetrace.hooks).
-    done = subprocess.run(command + extra, capture_output=True, text=True, cwd=out.parent)
+    done = subprocess.run(command + extra, capture_output=True, text=True, cwd=out.parent,
+                          env={**os.environ, "VLLM_USE_V2_MODEL_RUNNER": runner_v2})
     if done.returncode != 0:
         sys.exit(f"recording failed ({out.name}): {done.stderr.strip()[-2000:]}")
     (trace,) = [p for p in out.iterdir() if p.is_dir()]
@@ -174,13 +188,17 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--candidates", type=int, default=16)
+    parser.add_argument("--method", default="ngram", help="drafter of every run (Model Runner V2 in 0.26: mtp)")
+    parser.add_argument("--graphs-only", action="store_true",
+                        help="compare CUDA graphs without torch.compile (FULL) against eager")
+    parser.add_argument("--v2", action="store_true", help="compare Model Runner V2 against V1, both compiled")
     parser.add_argument("--tp", type=int, default=1, help="compare compiled at this TP against compiled on one GPU")
     parser.add_argument("--dp", type=int, default=1,
                         help="compare vllm serve at this DP with expert parallelism against compiled on one GPU")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    if args.tp > 1 and args.dp > 1:
-        sys.exit("--tp and --dp are separate checks: give one of them")
+    if (args.tp > 1) + (args.dp > 1) + args.graphs_only + args.v2 > 1:
+        sys.exit("--tp, --dp, --graphs-only and --v2 are separate checks: give one of them")
 
     from moetrace.compare import compare_runs, reference_check
     from moetrace.hooks.vllm_api import vllm_version
@@ -189,17 +207,20 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="moetrace-capture-") as scratch:
         # run A, the reference, then run B against it
-        a_name, b_name = ("eager", "compiled")
-        if args.tp > 1 or args.dp > 1:
-            a_name, b_name = "compiled", f"tp{args.tp}" if args.tp > 1 else f"dp{args.dp}-ep"
-        runs = {a_name: record(Path(scratch) / a_name, args, [] if a_name == "eager" else ["--compiled"])}
+        a_name, b_name = ("eager", "graphs-only" if args.graphs_only else "compiled")
+        if args.tp > 1 or args.dp > 1 or args.v2:
+            a_name = "compiled"
+            b_name = f"tp{args.tp}" if args.tp > 1 else f"dp{args.dp}-ep" if args.dp > 1 else "compiled-v2"
+        runs = {a_name: record(Path(scratch) / a_name, args, *RUNS[a_name])}
         served: dict[str, Any] = {}
         if args.dp > 1:
             (Path(scratch) / b_name).mkdir()
             runs[b_name], served = serve_recording(Path(scratch) / b_name / "trace", args)
             served["client"] = match_client_outputs(runs[b_name], served.pop("outputs"))
-        else:
+        elif args.tp > 1:
             runs[b_name] = record(Path(scratch) / b_name, args, ["--compiled", "--tp", str(args.tp)])
+        else:
+            runs[b_name] = record(Path(scratch) / b_name, args, *RUNS[b_name])
         manifests = {name: open_trace(d).manifest for name, d in runs.items()}  # DP ranks: merged
         result: dict[str, Any] = {
             "vllm_version": vllm_version(),
@@ -209,13 +230,17 @@ def main() -> None:
             "reference": {name: reference_check(d) for name, d in runs.items()},
             "capture_mechanisms": {name: m.get("capture_mechanisms") for name, m in manifests.items()},
             "tp": {name: m["parallel"]["tp"] for name, m in manifests.items()},
+            "model_runner": {name: m["capture"]["model_runner"] for name, m in manifests.items()},
+            "phases": {name: m.get("phases") for name, m in manifests.items()},
+            "engine_thread_us_per_step": {name: m.get("engine_thread_us_per_step") for name, m in manifests.items()},
             "dtype": manifests[b_name]["model"]["dtype"],
             "complete": {name: m["complete"] for name, m in manifests.items()},
             "acceptance_equals_vllm_counters": {name: counters_equal(d, served.get("counters") if name == b_name
                                                                      else None) for name, d in runs.items()},
             "rows_equal_scheduled_tokens": {name: rows_equal_scheduled_tokens(d) for name, d in runs.items()},
             "command": "python benchmarks/gpu_vllm_capture.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+                f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                for k, v in vars(args).items() if v is not None and v is not False),
         }
         if args.dp > 1:
             ranks = open_trace(runs[b_name]).ranks

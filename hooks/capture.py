@@ -121,6 +121,11 @@ class RoutingCapture:
         else:
             self.step[slot] = kept
 
+    def name_captured(self, key: Hashable) -> None:
+        """File the routing kept during a capture whose graph had no name then (key None) under ``key``."""
+        if None in self.graphs:
+            self.graphs[key] = self.graphs.pop(None)
+
     def begin_step(self) -> None:
         """Call before each recorded forward: forget the previous forward's references."""
         self.step = [None] * self.num_layers

@@ -2,11 +2,11 @@
 
 # T tokens in the step, R requests in the batch, L recorded MoE layers, K top-k, d_i drafts of request i
 
-Model Runner V1 (the CPU runner, and the GPU runner when ``VLLM_USE_V2_MODEL_RUNNER=0``) is supported: its
-``execute_model`` runs the target forward, ``_sample`` runs the rejection sampler, and the drafter runs after
-both. Each of the three is timed per step (the manifest's ``phases``: host time, and on CUDA the device time between
-events around it, per batch size), so a trace says where its steps' time went. Model Runner V2 is refused with a
-clear message.
+Both of vLLM's model runners are recorded (``vllm_api.RunnerV1`` and ``RunnerV2`` say which calls are wrapped
+and where a step's batch lives): ``execute_model`` runs the target forward, a sampling call runs the rejection
+sampler, and the drafter runs after both. Each of the three is timed per step (the manifest's ``phases``: host
+time, and on CUDA the device time between events around it, per batch size), so a trace says where its steps'
+time went.
 
 The engine thread only enqueues: what lives on the host (request order, query starts, drafts per request) is
 copied at once because the runner reuses those arrays; what lives on the device (routing rows, positions, token
@@ -21,6 +21,7 @@ hook cost.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -43,11 +44,12 @@ from moetrace.hooks.capture import (
     wrap_router,
 )
 from moetrace.hooks.manifest import worker_manifest
-from moetrace.hooks.vllm_api import WorkerApi, require_fields
+from moetrace.hooks.vllm_api import HookPoint, WorkerApi, require_fields
 from moetrace.hooks.rows import PackedLayout, StepRecord
 from moetrace.writer import TraceWriter
 
 log = logging.getLogger("moetrace")
+_HOOK_MARK = "_moetrace_hook"
 
 
 class UnsupportedRunner(RuntimeError):
@@ -58,11 +60,10 @@ class Recorder:
     """Records one worker's target-model routing into one trace directory."""
 
     def __init__(self, api: WorkerApi, runner: Any, vllm_config: Any, settings: dict[str, Any]) -> None:
-        if type(runner).__module__.startswith("vllm.v1.worker.gpu."):
-            raise UnsupportedRunner(
-                "moetrace records from vLLM's Model Runner V1 only; set VLLM_USE_V2_MODEL_RUNNER=0"
-            )
-        api.check_runner(runner)
+        self.model_runner = api.model_runner(runner)
+        if self.model_runner.name == "v2" and int(vllm_config.parallel_config.data_parallel_size) > 1:
+            raise UnsupportedRunner("moetrace records Model Runner V2 without data parallelism only "
+                                    "(set VLLM_USE_V2_MODEL_RUNNER=0)")
         self.api = api
         self.runner = runner
         self.runners = api.target_moe_runners(runner.model)
@@ -85,7 +86,7 @@ class Recorder:
         )
         self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
-        self.sampled_on_host = api.sampled_on_host(runner)
+        self.sampled_on_host = self.model_runner.sampled_on_host()
         self._staging: torch.Tensor | None = None
         if self.capture.cuda and self.sampled_on_host:
             self._staging = torch.empty((int(runner.max_num_tokens), self.layout.width), dtype=torch.int32,
@@ -96,6 +97,7 @@ class Recorder:
         manifest = worker_manifest(vllm_config, infos, settings)
         manifest["capture"]["recomputed_from_logits"] = any(entry is not None for entry in self.entries)
         manifest["capture"]["async_scheduling"] = not self.sampled_on_host  # vLLM turns it off for some drafters
+        manifest["capture"]["model_runner"] = self.model_runner.name
         self.writer = TraceWriter(
             Path(settings["out"]),
             manifest,
@@ -114,17 +116,16 @@ class Recorder:
         self._closed: dict[str, Any] | None = None
         self._pending: PendingStep | None = None
         self.own_ns = {"execute_model": 0, "model_forward": 0, "sample": 0, "sample_tokens": 0, "phase_timing": 0}
-        self._original_execute = runner.execute_model
-        self._original_sample = runner._sample
-        self._original_model_forward = runner._model_forward
-        self._original_sample_tokens = runner.sample_tokens
-        self._original_propose = runner.propose_draft_token_ids
         self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in PHASES}
         self._batch = 0  # requests scheduled in the step under way
+        self._roles: dict[str, Callable[..., Any]] = {
+            "execute_model": self.execute_model, "sample": self.sample, "sample_tokens": self.sample_tokens,
+            "drafting": self.propose_draft_tokens, "capture_model": self.capture_model}
+        self._installed: list[tuple[HookPoint, Any]] = []  # each hook, and the instance attribute it replaced
         self.install()
 
     def install(self) -> None:
-        """Wrap the routers and the runner's step methods; installing twice, or after close, changes nothing."""
+        """Wrap the routers and the runner's step calls; installing twice, or after close, changes nothing."""
         if self._closed is not None:
             return
         for slot, (moe, entry) in enumerate(zip(self.runners, self.entries)):
@@ -132,11 +133,16 @@ class Recorder:
                 wrap_router(moe.router, slot, self.capture)
             else:
                 wrap_logits_entry(entry[0], entry[1], moe.router, slot, self.capture)
-        self.runner.execute_model = self.execute_model
-        self.runner._sample = self.sample
-        self.runner._model_forward = self.model_forward
-        self.runner.sample_tokens = self.sample_tokens
-        self.runner.propose_draft_token_ids = self.propose_draft_token_ids
+        for point in self.model_runner.hook_points():
+            replaced = vars(point.owner).get(point.name)
+            if getattr(replaced, _HOOK_MARK, False):
+                continue
+            original = getattr(point.owner, point.name)
+            hook = (functools.partial(self.graph_forward, original, point.graph_key) if point.graph_key is not None
+                    else functools.partial(self._roles[point.role], original))
+            setattr(hook, _HOOK_MARK, True)
+            setattr(point.owner, point.name, hook)
+            self._installed.append((point, replaced))
 
     def uninstall(self) -> None:
         """Restore the runner and routers as they were; the writer stays open until ``close``."""
@@ -144,8 +150,12 @@ class Recorder:
             unwrap_router(moe.router)
             if entry is not None:
                 unwrap_logits_entry(entry[0])
-        for name in ("execute_model", "_sample", "_model_forward", "sample_tokens", "propose_draft_token_ids"):
-            vars(self.runner).pop(name, None)
+        for point, replaced in reversed(self._installed):
+            if replaced is None:
+                vars(point.owner).pop(point.name, None)  # the class's method shows through again
+            else:
+                setattr(point.owner, point.name, replaced)
+        self._installed = []
         self._pending = None
 
     def close(self) -> dict[str, Any]:
@@ -167,19 +177,21 @@ class Recorder:
 
     # -- engine-thread hooks: never raise into the engine ------------------------------------------------------
 
-    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+    def execute_model(self, original: Callable[..., Any], scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if self.writer.failed is not None:
-            return self._original_execute(scheduler_output, *args, **kwargs)
+            return original(scheduler_output, *args, **kwargs)
         began = time.perf_counter_ns()
         t_start = time.time_ns()
         self.capture.begin_step()
         self._replayed = self._tokens_across_dp = None
-        self._batch = len(scheduler_output.num_scheduled_tokens)
+        # V2 runs its dummy batches (profiling, warm-up, idle DP ranks) through execute_model too: no request's.
+        dummy = bool(kwargs.get("dummy_run", False))
+        self._batch = 0 if dummy else len(scheduler_output.num_scheduled_tokens)
         before = time.perf_counter_ns() - began
-        result = self._timed("forward", self._original_execute, scheduler_output, *args, **kwargs)
+        result = self._timed("forward", original, scheduler_output, *args, **kwargs)
         resumed = time.perf_counter_ns()
         self._pending = None
-        if scheduler_output.total_num_scheduled_tokens:
+        if scheduler_output.total_num_scheduled_tokens and not dummy:
             try:
                 self._pending = self._layout(t_start)
             except Exception as exc:
@@ -187,38 +199,48 @@ class Recorder:
         self.own_ns["execute_model"] += before + time.perf_counter_ns() - resumed
         return result
 
-    def model_forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Note which CUDA graph (if any) the forward replays; vLLM's forward context says so only inside."""
+    def graph_forward(self, original: Callable[..., Any], graph_key: Callable[..., Hashable | None], *args: Any,
+                      **kwargs: Any) -> Any:
+        """Note which CUDA graph (if any) the forward replays: vLLM says so only in this call (its arguments, or
+        its forward context, set only inside)."""
         if self.writer.failed is None:
             began = time.perf_counter_ns()
             try:
-                self._replayed = self.api.graph_key()
+                self._replayed = graph_key(*args, **kwargs)
                 self._tokens_across_dp = self.api.tokens_across_dp()
             except Exception as exc:
                 self._stop(exc)
             self.own_ns["model_forward"] += time.perf_counter_ns() - began
-        return self._original_model_forward(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    def sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
+    def capture_model(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Model Runner V2 builds its CUDA-graph manager after load: hook it now, before its graphs are captured."""
+        try:
+            self.install()
+            self.model_runner.name_full_graphs(self.capture.name_captured)
+        except Exception as exc:
+            self._stop(exc)
+        return original(*args, **kwargs)
+
+    def sample(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Runs inside ``sample_tokens``: closes the step's timing; with async scheduling also counts the tokens
         each request kept (accepted drafts + 1) on the device, copied without blocking."""
-        sampler_output = self._timed("sampling", self._original_sample, logits, spec_decode_metadata)
+        sampled = self._timed("sampling", original, *args, **kwargs)
         began = time.perf_counter_ns()
         pending = self._pending
         if pending is not None and self.writer.failed is None:
             try:
                 if not self.sampled_on_host:
-                    kept = (sampler_output.sampled_token_ids != -1).sum(dim=1, dtype=torch.int32)
-                    pending.kept = to_host(kept)
+                    pending.kept = to_host(self.model_runner.kept_on_device(sampled)[: len(pending.requests)])
                     pending.copied = copied_event()  # now after both copies
                 pending.t_end = time.time_ns()
             except Exception as exc:
                 self._stop(exc)
         self.own_ns["sample"] += time.perf_counter_ns() - began
-        return sampler_output
+        return sampled
 
-    def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed("drafting", self._original_propose, *args, **kwargs)
+    def propose_draft_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._timed("drafting", original, *args, **kwargs)
 
     def _timed(self, phase: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``call``, timed as ``phase`` of the step under way (none when no request was scheduled): never
@@ -243,11 +265,11 @@ class Recorder:
                     self._stop(exc)
             self.own_ns["phase_timing"] += called - began + time.perf_counter_ns() - returned
 
-    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+    def sample_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """vLLM has synced by the time this returns (sync scheduling), and its output holds each request's sampled
         tokens on the host: take the kept counts from there and hand the step over now (one pickle, one pipe
         write), so that an engine stopped while idle (``vllm serve`` kills its workers) holds no step back."""
-        output = self._original_sample_tokens(*args, **kwargs)
+        output = original(*args, **kwargs)
         began = time.perf_counter_ns()
         for timing in self.phases.values():
             timing.read_done()
@@ -257,7 +279,7 @@ class Recorder:
         else:
             try:
                 if pending.kept is None:
-                    counts = self.api.sampled_counts(output)
+                    counts = self.model_runner.kept_on_host(output)
                     if counts is None:
                         raise RuntimeError("vLLM's sample_tokens returned no host lists of sampled tokens")
                     pending.kept = np.asarray(counts, dtype=np.int64)
@@ -289,29 +311,23 @@ class Recorder:
         """Copy what this step's rows need before the runner's arrays are reused by the next step."""
         if self.capture.failed is not None:
             raise RuntimeError(self.capture.failed)
-        runner = self.runner
-        state = runner.execute_model_state
-        batch = runner.input_batch
-        num_reqs = int(batch.num_reqs)
-        query_start = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
-        num_tokens = int(query_start[-1])
-        spec = state.spec_decode_metadata if state is not None else None
-        drafts = np.asarray(spec.num_draft_tokens, dtype=np.int64) if spec is not None else np.zeros(num_reqs, np.int64)
+        inputs = self.model_runner.step_inputs()
+        num_tokens = int(inputs.query_start[-1])
         mechanism, routing = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp, self.dp_rank)
         self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
         # One int32 [T, W] block (floats by their bits), so one copy brings the whole step to the host.
         columns = [routing[name].view(torch.int32).reshape(num_tokens, -1) for name in FIELDS if name in routing]
-        columns.append(runner.positions[:num_tokens].to(torch.int32).unsqueeze(1))
+        columns.append(inputs.positions.to(torch.int32).unsqueeze(1))
         if self.token_ids:
-            columns.append(runner.input_ids.gpu[:num_tokens].to(torch.int32).unsqueeze(1))
+            columns.append(inputs.input_ids.to(torch.int32).unsqueeze(1))
         return PendingStep(
             step=self._next_step(),
             t_start=t_start,
-            requests=np.array([self.request_index.setdefault(r, len(self.request_index))
-                               for r in batch.req_ids[:num_reqs]], dtype=np.uint32),
-            query_start=query_start,
-            num_prompt_tokens=np.asarray(batch.num_prompt_tokens[:num_reqs], dtype=np.int64),
-            drafts=drafts,
+            requests=np.array([self.request_index.setdefault(r, len(self.request_index)) for r in inputs.req_ids],
+                              dtype=np.uint32),
+            query_start=inputs.query_start,
+            num_prompt_tokens=inputs.num_prompt_tokens,
+            drafts=inputs.drafts,
             packed=self._to_host(torch.cat(columns, dim=1)),
             layout=self.layout,
             copied=copied_event() if self.capture.cuda else None,

@@ -1,20 +1,31 @@
 """Every vLLM internal moetrace touches, in one place, resolved once when recording starts.
 
+# T tokens in a step, R requests in the batch
+
 vLLM's worker internals (runner classes and their fields, the MoE runner and router, the forward context) change
 between releases. Nothing else in moetrace imports them: it asks this module, which resolves each symbol when a
 worker starts recording and, where one is missing, says in one line which symbol, which vLLM was found and which
-releases are supported. Supported: 0.26 (tested on an H200) and 0.32 (tested on the CPU build).
+releases are supported. Supported: 0.26 (tested on an H200, Model Runner V1 and V2) and 0.32 (tested on the CPU
+build, Model Runner V1; its V2 is read from the same fields, untested).
+
+Two model runners: V1 (``vllm.v1.worker.gpu_model_runner``, and the CPU runner that subclasses it) and V2
+(``vllm.v1.worker.gpu.model_runner``, vLLM's default on GPUs from 0.3x). ``RunnerV1`` and ``RunnerV2`` say, for
+each, which calls the recorder wraps (``HookPoint``) and where a step's batch layout lives (``StepInputs``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
 
 SUPPORTED = ("0.26", "0.32")
 
@@ -23,6 +34,13 @@ SUPPORTED = ("0.26", "0.32")
 RUNNER_FIELDS = ("model", "max_num_tokens", "input_batch", "query_start_loc", "positions", "input_ids",
                  "execute_model", "_sample", "_model_forward", "sample_tokens", "propose_draft_token_ids")
 INPUT_BATCH_FIELDS = ("num_reqs", "req_ids", "num_prompt_tokens")
+# ... on Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``); its batch is a per-step
+# ``InputBatch`` left in ``execute_model_state``, its CUDA graphs are run by a ``cudagraph_manager``.
+RUNNER_V2_FIELDS = ("model", "max_num_tokens", "req_states", "execute_model", "sample", "sample_tokens",
+                    "capture_model", "speculator", "cudagraph_manager")
+INPUT_BATCH_V2_FIELDS = ("req_ids", "num_reqs", "num_tokens", "query_start_loc_np", "idx_mapping_np",
+                         "num_draft_tokens_per_req", "positions", "input_ids")
+GRAPH_MANAGER_V2_FIELDS = ("graphs", "run_fullgraph", "run_pw_graph")
 ROUTER_FIELDS = ("_compute_routing", "global_num_experts", "top_k")
 MOE_RUNNER_FIELDS = ("router", "layer_id", "layer_name", "is_monolithic")
 
@@ -119,24 +137,11 @@ class WorkerApi:
         counts = getattr(metadata, "num_tokens_across_dp_cpu", None)
         return None if counts is None else [int(n) for n in counts.tolist()]
 
-    def check_runner(self, runner: Any) -> None:
-        require_fields(runner, RUNNER_FIELDS, "model runner")
-        require_fields(runner.input_batch, INPUT_BATCH_FIELDS, "input batch")
-        require_fields(runner.query_start_loc, ("np",), "model runner.query_start_loc")
-        require_fields(runner.input_ids, ("gpu",), "model runner.input_ids")
-
-    @staticmethod
-    def sampled_on_host(runner: Any) -> bool:
-        """Whether the runner hands back each request's sampled tokens as host lists (sync scheduling: its
-        ``ModelRunnerOutput.sampled_token_ids``); with async scheduling they stay on the device."""
-        return not bool(getattr(runner, "use_async_scheduling", False))
-
-    @staticmethod
-    def sampled_counts(output: Any) -> list[int] | None:
-        """Tokens each request kept this step (accepted drafts + 1, 0 when nothing was sampled), in batch order,
-        from the host lists of ``sample_tokens``' output; None when the output holds none (async scheduling)."""
-        sampled = getattr(output, "sampled_token_ids", None)
-        return [len(tokens) for tokens in sampled] if isinstance(sampled, list) else None
+    def model_runner(self, runner: Any) -> RunnerV1 | RunnerV2:
+        """The recorder's view of ``runner``: V2 by its module, else V1; a missing field raises ``VllmApiError``."""
+        if type(runner).__module__.startswith("vllm.v1.worker.gpu."):
+            return RunnerV2(self, runner)
+        return RunnerV1(self, runner)
 
     def target_moe_runners(self, model: Any) -> list[Any]:
         """The MoE runners of the target model, in layer order. Draft models are separate modules, never walked."""
@@ -145,6 +150,169 @@ class WorkerApi:
             require_fields(runner, MOE_RUNNER_FIELDS, "MoE runner")
             require_fields(runner.router, ROUTER_FIELDS, "MoE router")
         return sorted(runners, key=lambda r: int(r.layer_id))
+
+
+@dataclass(frozen=True)
+class HookPoint:
+    """One call the recorder wraps: ``owner.name``, in the role it plays in a step (``execute_model``, ``sample``,
+    ``sample_tokens``, ``drafting``, ``capture_model``, or ``graph``: a call that runs the target forward and
+    knows which CUDA graph it replays, ``graph_key`` of its arguments)."""
+
+    role: str
+    owner: Any
+    name: str
+    graph_key: Callable[..., Hashable | None] | None = None
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What a step's rows need from the runner, read right after its forward: host arrays (copied, the runner
+    reuses them), positions and token ids where the runner keeps them (device or host)."""
+
+    req_ids: Sequence[str]  # [R] in batch order
+    query_start: npt.NDArray[np.int64]  # [R + 1]
+    num_prompt_tokens: npt.NDArray[np.int64]  # [R]
+    drafts: npt.NDArray[np.int64]  # [R]
+    positions: torch.Tensor  # [T]
+    input_ids: torch.Tensor  # [T]
+
+
+class RunnerV1:
+    """Model Runner V1: ``execute_model`` runs the target forward (``_model_forward`` inside vLLM's forward context,
+    which names the CUDA graph replayed), ``_sample`` the rejection sampler, ``propose_draft_token_ids`` the
+    drafter; the batch lives in the runner's persistent buffers."""
+
+    name = "v1"
+
+    def __init__(self, api: WorkerApi, runner: Any) -> None:
+        require_fields(runner, RUNNER_FIELDS, "model runner")
+        require_fields(runner.input_batch, INPUT_BATCH_FIELDS, "input batch")
+        require_fields(runner.query_start_loc, ("np",), "model runner.query_start_loc")
+        require_fields(runner.input_ids, ("gpu",), "model runner.input_ids")
+        self.api, self.runner = api, runner
+
+    def hook_points(self) -> list[HookPoint]:
+        runner = self.runner
+        return [HookPoint("execute_model", runner, "execute_model"), HookPoint("sample", runner, "_sample"),
+                HookPoint("sample_tokens", runner, "sample_tokens"),
+                HookPoint("drafting", runner, "propose_draft_token_ids"),
+                HookPoint("graph", runner, "_model_forward", lambda *args, **kwargs: self.api.graph_key())]
+
+    def sampled_on_host(self) -> bool:
+        """Whether ``sample_tokens`` hands back each request's sampled tokens as host lists (sync scheduling);
+        with async scheduling they stay on the device."""
+        return not bool(getattr(self.runner, "use_async_scheduling", False))
+
+    def step_inputs(self) -> StepInputs:
+        runner = self.runner
+        batch = runner.input_batch
+        num_reqs = int(batch.num_reqs)
+        query_start = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
+        num_tokens = int(query_start[-1])
+        state = runner.execute_model_state
+        spec = state.spec_decode_metadata if state is not None else None
+        return StepInputs(
+            req_ids=batch.req_ids[:num_reqs],
+            query_start=query_start,
+            num_prompt_tokens=np.asarray(batch.num_prompt_tokens[:num_reqs], dtype=np.int64),
+            drafts=np.asarray(spec.num_draft_tokens, dtype=np.int64) if spec is not None else np.zeros(num_reqs, np.int64),
+            positions=runner.positions[:num_tokens],
+            input_ids=runner.input_ids.gpu[:num_tokens],
+        )
+
+    @staticmethod
+    def kept_on_device(sampled: Any) -> torch.Tensor:
+        """Tokens each request kept (accepted drafts + 1), counted on the device from ``_sample``'s output."""
+        kept: torch.Tensor = (sampled.sampled_token_ids != -1).sum(dim=1, dtype=torch.int32)
+        return kept
+
+    @staticmethod
+    def kept_on_host(output: Any) -> list[int] | None:
+        """Tokens each request kept this step (accepted drafts + 1, 0 when nothing was sampled), in batch order,
+        from the host lists of ``sample_tokens``' output; None when it holds none (async scheduling)."""
+        sampled = getattr(output, "sampled_token_ids", None)
+        return [len(tokens) for tokens in sampled] if isinstance(sampled, list) else None
+
+    def name_full_graphs(self, name_captured: Callable[[Hashable], None]) -> None:
+        """V1 captures every graph inside a forward context that names it: nothing to do."""
+
+
+class RunnerV2:
+    """Model Runner V2: ``execute_model`` leaves the step's ``InputBatch`` (its own request order, decodes first)
+    in ``execute_model_state``; its ``cudagraph_manager`` replays FULL graphs with no forward context
+    (``run_fullgraph(desc)``) and PIECEWISE ones inside it (``run_pw_graph``); ``sample`` returns the tokens each
+    request kept on the device; the speculator's ``propose`` drafts. It always schedules asynchronously."""
+
+    name = "v2"
+
+    def __init__(self, api: WorkerApi, runner: Any) -> None:
+        require_fields(runner, RUNNER_V2_FIELDS, "model runner (V2)")
+        require_fields(runner.req_states, ("prompt_len",), "model runner (V2).req_states")
+        self.api, self.runner = api, runner
+
+    def hook_points(self) -> list[HookPoint]:
+        runner = self.runner
+        points = [HookPoint("execute_model", runner, "execute_model"), HookPoint("sample", runner, "sample"),
+                  HookPoint("sample_tokens", runner, "sample_tokens"),
+                  HookPoint("capture_model", runner, "capture_model")]
+        if runner.speculator is not None:
+            points.append(HookPoint("drafting", runner.speculator, "propose"))
+        manager = runner.cudagraph_manager  # built with the KV cache, after load: hooked when graphs are captured
+        if manager is not None:
+            require_fields(manager, GRAPH_MANAGER_V2_FIELDS, "CUDA graph manager (V2)")
+            points += [HookPoint("graph", manager, "run_fullgraph", lambda desc, *args, **kwargs: ("FULL", desc)),
+                       HookPoint("graph", manager, "run_pw_graph", lambda *args, **kwargs: self.api.graph_key())]
+        return points
+
+    def sampled_on_host(self) -> bool:
+        return False
+
+    def step_inputs(self) -> StepInputs:
+        batch = self.runner.execute_model_state.input_batch
+        require_fields(batch, INPUT_BATCH_V2_FIELDS, "input batch (V2)")
+        num_reqs, num_tokens = int(batch.num_reqs), int(batch.num_tokens)
+        slots = batch.idx_mapping_np[:num_reqs]  # batch index -> the request's row in the runner's states
+        drafts = batch.num_draft_tokens_per_req
+        return StepInputs(
+            req_ids=list(batch.req_ids[:num_reqs]),
+            query_start=batch.query_start_loc_np[: num_reqs + 1].astype(np.int64),
+            num_prompt_tokens=self.runner.req_states.prompt_len.np[slots].astype(np.int64),
+            drafts=np.zeros(num_reqs, np.int64) if drafts is None else drafts[:num_reqs].astype(np.int64),
+            positions=batch.positions[:num_tokens],
+            input_ids=batch.input_ids[:num_tokens],
+        )
+
+    @staticmethod
+    def kept_on_device(sampled: Any) -> torch.Tensor:
+        """``sample`` returns (sampler output, tokens kept [R], tokens rejected [R]); kept is 0 for a prefill chunk
+        that samples nothing."""
+        kept: torch.Tensor = sampled[1]
+        return kept
+
+    @staticmethod
+    def kept_on_host(output: Any) -> list[int] | None:
+        return None
+
+    def name_full_graphs(self, name_captured: Callable[[Hashable], None]) -> None:
+        """V2 captures a FULL graph inside a forward context whose mode says NONE, so routing kept during that
+        capture has no name (key None) until vLLM files the graph under its descriptor: make that filing name it
+        ``("FULL", desc)``, the key ``run_fullgraph(desc)`` reports at replay."""
+        manager = self.runner.cudagraph_manager
+        if manager is not None and not isinstance(manager.graphs, GraphsNamingCaptures):
+            manager.graphs = GraphsNamingCaptures(manager.graphs, name_captured)
+
+
+class GraphsNamingCaptures(dict[Any, Any]):
+    """A V2 graph manager's ``graphs`` while recording: filing a FULL graph also names the routing kept during its
+    capture."""
+
+    def __init__(self, graphs: dict[Any, Any], name_captured: Callable[[Hashable], None]) -> None:
+        super().__init__(graphs)
+        self.name_captured = name_captured
+
+    def __setitem__(self, desc: Any, graph: Any) -> None:
+        super().__setitem__(desc, graph)
+        self.name_captured(("FULL", desc))
 
 
 @cache

@@ -15,6 +15,12 @@ other difference is *unexplained*; each is listed, with how many of its top-C ca
 run's row: a row whose hidden state really moved (deep layers, where a run's different rounding has accumulated)
 keeps most of them, a row recorded from another token shares few (``next_token_common_candidates_in_a``: each row
 of run A against the next position's, measured in the same comparison).
+
+With every expert's score recorded (``--candidates`` = experts), the movement is the exact largest change of the
+row's score vector, and a run that picks the top-k of its own scores can only swap experts within twice that: every
+differing row is then a near-tie by construction, and what tells a moved row from a misattributed one is how far it
+moved: ``rows_moved_as_far_as_another_token`` counts differing rows whose movement reaches the 1st percentile of
+the movement between consecutive tokens of the same request (or that share no candidate with the other run's).
 """
 
 from __future__ import annotations
@@ -49,21 +55,30 @@ def load_outputs(trace_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 def agreeing_prefix(a_dir: Path, b_dir: Path) -> pl.DataFrame:
-    """Per request: how many leading tokens (prompt + output) the two runs share, and the prompt length."""
-    a_outputs, b_outputs = load_outputs(a_dir), load_outputs(b_dir)
+    """Per request (the caller's id): how many leading tokens (prompt + output) the two runs share, and the prompt
+    length. Runs are matched on the caller's ids, not on request indices: a trace numbers requests in the order its
+    runner first scheduled them, and Model Runner V2 orders each batch its own way."""
+    a_outputs, b_outputs = ({o["request_id"]: o for o in map(json.loads, (d / "outputs.jsonl").read_text().splitlines())}
+                            for d in (a_dir, b_dir))
     rows = []
-    for request, a in a_outputs.items():
+    for request_id, a in a_outputs.items():
         x = a["prompt_token_ids"] + a["output_token_ids"]
-        b = b_outputs[request]
+        b = b_outputs[request_id]
         y = b["prompt_token_ids"] + b["output_token_ids"]
         agree = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-        rows.append({"request": request, "agree": agree, "prompt": len(a["prompt_token_ids"])})
-    return pl.DataFrame(rows, schema={"request": pl.UInt32, "agree": pl.Int64, "prompt": pl.Int64})
+        rows.append({"request_id": request_id, "agree": agree, "prompt": len(a["prompt_token_ids"])})
+    return pl.DataFrame(rows, schema={"request_id": pl.String, "agree": pl.Int64, "prompt": pl.Int64})
 
 
 def in_sequence_rows(trace_dir: Path) -> pl.DataFrame:
-    """Rows of tokens in the final sequence: prompt, decoded, anchors and accepted drafts."""
-    return open_trace(trace_dir).routing().filter(pl.col("accepted").is_null() | pl.col("accepted")).collect()
+    """Rows of tokens in the final sequence (prompt, decoded, anchors and accepted drafts), with the caller's id of
+    each row's request (vLLM's worker ids are "<caller's id>-<suffix>")."""
+    trace = open_trace(trace_dir)
+    ids = trace.request_ids()
+    callers = pl.DataFrame({"request": list(ids), "request_id": [rid.rsplit("-", 1)[0] for rid in ids.values()]},
+                           schema={"request": pl.UInt32, "request_id": pl.String})
+    rows = trace.routing().filter(pl.col("accepted").is_null() | pl.col("accepted")).collect()
+    return rows.join(callers, on="request")
 
 
 def score_movement(cand_a: list[int], scores_a: list[float], cand_b: list[int], scores_b: list[float]) -> float:
@@ -93,8 +108,8 @@ def _quantiles(values: list[float]) -> dict[str, float] | None:
 def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
     """Rows of run B against run A on (request, position, layer), up to each request's divergence."""
     limits = agreeing_prefix(a_dir, b_dir)
-    a = in_sequence_rows(a_dir).join(limits, on="request").filter(pl.col("position") < pl.col("agree"))
-    joined = in_sequence_rows(b_dir).join(a, on=["request", "position", "layer"], suffix="_a")
+    a = in_sequence_rows(a_dir).join(limits, on="request_id").filter(pl.col("position") < pl.col("agree"))
+    joined = in_sequence_rows(b_dir).join(a, on=["request_id", "position", "layer"], suffix="_a")
     top_k = int(json.loads((a_dir / MANIFEST_NAME).read_text())["model"]["top_k"])
     has_candidates = "cand_experts" in joined.columns
     identical = near_tie = within_ulps = sharing_most = 0
@@ -102,6 +117,8 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
     differing_movements: list[float] = []
     unexplained: list[dict[str, Any]] = []
     next_movements, next_common = next_token_rows(a) if has_candidates else ([], [])
+    wrong_token_floor = float(np.quantile(next_movements, 0.01)) if next_movements else math.inf
+    moved_far = 0  # differing rows that moved as far as another token's would (or share no candidate at all)
     for row in joined.iter_rows(named=True):
         movement = (score_movement(row["cand_experts"], row["cand_scores"], row["cand_experts_a"],
                                    row["cand_scores_a"]) if has_candidates else 0.0)
@@ -112,6 +129,7 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
         differing_movements.append(movement)
         if not has_candidates:
             continue
+        moved_far += movement >= wrong_token_floor or not set(row["cand_experts"]) & set(row["cand_experts_a"])
         pairs = (("", "_a"), ("_a", ""))
         if all(_swapped_within(row[f"experts{s}"], row[f"experts{o}"], row[f"cand_experts{s}"],
                                row[f"cand_scores{s}"], top_k, ulps, 0.0) for s, o in pairs):
@@ -125,7 +143,7 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
             sharing_most += 2 * common > len(row["cand_experts"])
             if len(unexplained) < MAX_ROWS_LISTED:
                 unexplained.append({
-                    "request": row["request"], "position": row["position"], "layer": row["layer"],
+                    "request_id": row["request_id"], "position": row["position"], "layer": row["layer"],
                     "experts_swapped": len(set(row["experts"]) - set(row["experts_a"])), "movement": movement,
                     "common_candidates": common})
     return {
@@ -143,6 +161,8 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
                            "next_token_in_a": _quantiles(next_movements)} if has_candidates else None,
         "next_token_common_candidates_in_a": _quantiles([float(c) for c in next_common]) if has_candidates else None,
         "rows_unexplained_sharing_most_candidates": sharing_most,
+        "next_token_movement_p01_in_a": wrong_token_floor if has_candidates and next_movements else None,
+        "rows_moved_as_far_as_another_token": moved_far if has_candidates else None,
         "unexplained_rows": unexplained,
     }
 

@@ -53,7 +53,6 @@ def progress_to_file(path: Path, total: int) -> Any:
 def build_llm(settings: dict[str, Any]) -> Any:
     """vLLM's offline engine for ``settings`` (see ``moetrace.record.engine_settings``), recording switched on."""
     os.environ[ENV_VAR] = json.dumps(settings["recording"])
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # moetrace records from Model Runner V1
     from vllm import LLM
 
     from moetrace.default_model import runtime_dtype

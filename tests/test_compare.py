@@ -58,6 +58,7 @@ def test_a_swap_no_larger_than_the_rows_score_movement_is_a_near_tie(tmp_path: P
     assert (result["rows_identical"], result["rows_near_tie"], result["rows_unexplained"]) == (len(a.step) - 1, 1, 0)
     assert result["rows_near_tie_within_ulps"] == 0  # 0.01 is far more than 2 bf16 ulps at these scores
     assert result["score_movement"]["differing_rows"]["max"] < 0.02
+    assert result["rows_moved_as_far_as_another_token"] == 0  # consecutive tokens' scores differ far more
 
 
 def test_a_row_recorded_from_another_token_is_unexplained(tmp_path: Path) -> None:
@@ -70,7 +71,25 @@ def test_a_row_recorded_from_another_token_is_unexplained(tmp_path: Path) -> Non
     result = compare_runs(write_run(tmp_path / "a", a), write_run(tmp_path / "b", b))
     assert result["rows_unexplained"] == 1 and result["rows_near_tie"] == 0
     (listed,) = result["unexplained_rows"]  # listed with what tells a misattributed row from a moved one
-    assert (listed["request"], listed["position"]) == (int(a.request[stale]), int(a.position[stale]))
+    assert (listed["request_id"], listed["position"]) == (f"r{int(a.request[stale])}", int(a.position[stale]))
     assert listed["common_candidates"] == 0 and listed["experts_swapped"] == 2  # shares nothing with its token's row
     assert result["rows_unexplained_sharing_most_candidates"] == 0
+    assert result["rows_moved_as_far_as_another_token"] == 1
     assert result["score_movement"]["next_token_in_a"]["median"] > 0
+
+
+def test_runs_are_matched_on_the_callers_request_ids_not_on_request_indices(tmp_path: Path) -> None:
+    """Model Runner V2 orders its batches its own way, so a trace may number the same requests differently."""
+    a, b = runs(tmp_path)
+    renumbered = dataclasses.replace(b, request=(1 - b.request).astype(b.request.dtype))  # request 0 <-> 1
+    b_dir = write_run(tmp_path / "b", renumbered)
+    manifest = json.loads((b_dir / "manifest.json").read_text())
+    manifest["requests"] = ["r1-0", "r0-0"]  # index 0 is the caller's r1 now, index 1 its r0
+    (b_dir / "manifest.json").write_text(json.dumps(manifest))
+    lines = [json.loads(line) for line in (b_dir / "outputs.jsonl").read_text().splitlines()]
+    for line in lines:
+        line["request_id"] = {"r0": "r1", "r1": "r0"}[line["request_id"]]
+    (b_dir / "outputs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = compare_runs(write_run(tmp_path / "a", a), b_dir)
+    assert result["rows_compared"] == len(a.step) and result["rows_identical"] == len(a.step)
+    assert result["tokens_equal"]

@@ -1,7 +1,8 @@
-"""On a GPU vLLM: graph capture (torch.compile + FULL_AND_PIECEWISE CUDA graphs) records what eager capture
-records, and a TP=2 run and a DP=2 expert-parallel `vllm serve` what a one-GPU run records, up to near-ties, and
-every row equals the float32 reference routing of its own router logits. Skipped without CUDA (the TP and DP tests
-without 2 GPUs); the first passed on an H200 with vLLM 0.26 (benchmarks/results/gpu-vllm-capture.json)."""
+"""On a GPU vLLM: graph capture (torch.compile + FULL_AND_PIECEWISE CUDA graphs, and FULL graphs without compile)
+records what eager capture records, Model Runner V2 what V1 records, and a TP=2 run and a DP=2 expert-parallel
+`vllm serve` what a one-GPU run records, up to near-ties, and every row equals the float32 reference routing of its
+own router logits. Skipped without CUDA (the TP and DP tests without 2 GPUs); results of the runs on H200s with
+vLLM 0.26 are in benchmarks/results/gpu-vllm-*.json."""
 
 from __future__ import annotations
 
@@ -42,16 +43,31 @@ def assert_rows_agree(result: dict[str, Any], done: subprocess.CompletedProcess[
         assert result["rows_unexplained"] <= 0.01 * result["rows_compared"]
     else:
         assert result["rows_unexplained"] == 0
+        assert result["rows_moved_as_far_as_another_token"] == 0
     for run in runs:
         assert result["reference"][run]["rows_reference_unexplained"] == 0
     assert done.returncode == (1 if result["rows_unexplained"] else 0)
 
 
 def test_compiled_graph_capture_equals_eager_up_to_near_ties_and_the_float32_reference(tmp_path: Path) -> None:
-    result, done = capture(tmp_path)
+    result, done = capture(tmp_path, "--candidates", "384")  # every expert's score: a row's exact movement
     assert set(result["complete"]) == {"eager", "compiled"}
     assert result["capture_mechanisms"]["compiled"].get("graph", 0) > 0, "the compiled run replayed CUDA graphs"
     assert_rows_agree(result, done)
+
+
+def test_cuda_graphs_without_compile_record_what_eager_records(tmp_path: Path) -> None:
+    result, done = capture(tmp_path, "--graphs-only", "--candidates", "384")
+    assert set(result["complete"]) == {"eager", "graphs-only"}
+    assert result["capture_mechanisms"]["graphs-only"].get("graph", 0) > 0, "the run replayed CUDA graphs"
+    assert_rows_agree(result, done)
+
+
+def test_model_runner_v2_records_what_v1_records(tmp_path: Path) -> None:
+    result, done = capture(tmp_path, "--v2", "--method", "mtp")  # 0.26's V2 drafts with MTP, not n-gram
+    assert result["model_runner"] == {"compiled": "v1", "compiled-v2": "v2"}
+    assert result["capture_mechanisms"]["compiled-v2"].get("graph", 0) > 0, "V2 replayed CUDA graphs"
+    assert_rows_agree(result, done, moved=True)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -71,3 +71,39 @@ def test_the_expert_placement_recorded_is_vllms_own_for_every_rank(monkeypatch: 
     monkeypatch.setattr(vllm_api, "EXPERT_MAP_PATHS", ("vllm.no_such_module.determine_expert_map",))
     facts = manifest.placement_facts(10, 4, "round_robin")
     assert facts["expert_placement"] == "round_robin" and "no_such_module" in facts["expert_placement_note"]
+
+
+def test_model_runner_v2_fields_read_are_those_of_the_installed_vllm() -> None:
+    """vLLM's GPU default runner cannot run on this CPU: its fields are checked against the installed source."""
+    import dataclasses
+    import inspect
+
+    from vllm.v1.worker.gpu import cudagraph_utils, input_batch, model_runner
+
+    from moetrace.hooks.vllm_api import GRAPH_MANAGER_V2_FIELDS, INPUT_BATCH_V2_FIELDS, RUNNER_V2_FIELDS
+
+    runner_source = inspect.getsource(model_runner.GPUModelRunner)
+    for field in RUNNER_V2_FIELDS:
+        assert callable(getattr(model_runner.GPUModelRunner, field, None)) or f"self.{field} =" in runner_source \
+            or f"self.{field}:" in runner_source, field
+    assert set(INPUT_BATCH_V2_FIELDS) <= {f.name for f in dataclasses.fields(input_batch.InputBatch)}
+    manager_source = inspect.getsource(cudagraph_utils.CudaGraphManager)
+    for field in GRAPH_MANAGER_V2_FIELDS:
+        assert callable(getattr(cudagraph_utils.CudaGraphManager, field, None)) or f"self.{field}:" in manager_source
+    assert "self.graphs[desc] = graph" in manager_source, "V2 files each captured FULL graph under its descriptor"
+
+
+def test_a_v2_full_graph_filed_by_vllm_names_the_routing_kept_while_it_was_captured() -> None:
+    import torch
+
+    from moetrace.hooks.capture import Kept, RoutingCapture
+    from moetrace.hooks.vllm_api import GraphsNamingCaptures
+
+    capture = RoutingCapture(8, 1, 2, 0, torch.device("cpu"))
+    kept = Kept(torch.tensor([[3, 1]] * 4, dtype=torch.int32), torch.full((4, 2), 0.5), None, None)
+    capture.graphs[None] = [kept]  # kept during a capture whose forward context named no graph
+    graphs = GraphsNamingCaptures({}, capture.name_captured)
+    graphs["desc-4-tokens"] = "the graph"  # vLLM files the graph it captured
+    assert graphs == {"desc-4-tokens": "the graph"} and None not in capture.graphs
+    mechanism, rows = capture.collect(3, replayed=("FULL", "desc-4-tokens"))
+    assert mechanism == "graph" and rows["ids"].tolist() == [[[3, 1]]] * 3
