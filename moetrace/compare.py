@@ -18,9 +18,11 @@ of run A against the next position's, measured in the same comparison).
 
 With every expert's score recorded (``--candidates`` = experts), the movement is the exact largest change of the
 row's score vector, and a run that picks the top-k of its own scores can only swap experts within twice that: every
-differing row is then a near-tie by construction, and what tells a moved row from a misattributed one is how far it
-moved: ``rows_moved_as_far_as_another_token`` counts differing rows whose movement reaches the 1st percentile of
-the movement between consecutive tokens of the same request (or that share no candidate with the other run's).
+differing row is then a near-tie by construction, and what tells a moved row from a misattributed one is where it
+moved: ``rows_nearer_another_token`` counts differing rows of run B that are not nearer (in score movement) to their
+own token's row of run A than to the rows of the tokens around it (``NEIGHBOURS`` positions either side, same
+request and layer: where a stale buffer or a shifted batch layout would have taken them from), or that share no
+candidate with their own token's row.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from moetrace.schema import MANIFEST_NAME
 # so only summation order can differ.
 REFERENCE_TOLERANCE = 1e-4
 MAX_ROWS_LISTED = 1000  # unexplained rows listed one by one in a comparison
+NEIGHBOURS = 4  # positions either side that a differing row must be farther from than from its own token
 
 
 def bf16_tie_tolerance(kth_score: float, ulps: int = 2) -> float:
@@ -117,8 +120,10 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
     differing_movements: list[float] = []
     unexplained: list[dict[str, Any]] = []
     next_movements, next_common = next_token_rows(a) if has_candidates else ([], [])
-    wrong_token_floor = float(np.quantile(next_movements, 0.01)) if next_movements else math.inf
-    moved_far = 0  # differing rows that moved as far as another token's would (or share no candidate at all)
+    a_rows = {(r["request_id"], r["layer"], r["position"]): (r["cand_experts"], r["cand_scores"])
+              for r in a.select("request_id", "layer", "position", "cand_experts", "cand_scores").iter_rows(named=True)
+              } if has_candidates else {}
+    nearer_another = 0
     for row in joined.iter_rows(named=True):
         movement = (score_movement(row["cand_experts"], row["cand_scores"], row["cand_experts_a"],
                                    row["cand_scores_a"]) if has_candidates else 0.0)
@@ -129,7 +134,7 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
         differing_movements.append(movement)
         if not has_candidates:
             continue
-        moved_far += movement >= wrong_token_floor or not set(row["cand_experts"]) & set(row["cand_experts_a"])
+        nearer_another += not nearest_own_token(row, movement, a_rows)
         pairs = (("", "_a"), ("_a", ""))
         if all(_swapped_within(row[f"experts{s}"], row[f"experts{o}"], row[f"cand_experts{s}"],
                                row[f"cand_scores{s}"], top_k, ulps, 0.0) for s, o in pairs):
@@ -161,10 +166,24 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
                            "next_token_in_a": _quantiles(next_movements)} if has_candidates else None,
         "next_token_common_candidates_in_a": _quantiles([float(c) for c in next_common]) if has_candidates else None,
         "rows_unexplained_sharing_most_candidates": sharing_most,
-        "next_token_movement_p01_in_a": wrong_token_floor if has_candidates and next_movements else None,
-        "rows_moved_as_far_as_another_token": moved_far if has_candidates else None,
+        "rows_nearer_another_token": nearer_another if has_candidates else None,
         "unexplained_rows": unexplained,
     }
+
+
+def nearest_own_token(row: dict[str, Any], movement: float,
+                      a_rows: dict[tuple[str, int, int], tuple[list[int], list[float]]]) -> bool:
+    """Whether run B's ``row`` shares candidates with its own token's row of run A and moved less from it than from
+    the row of any token up to ``NEIGHBOURS`` positions away (same request and layer) that it shares candidates
+    with."""
+    if not set(row["cand_experts"]) & set(row["cand_experts_a"]):
+        return False
+    for offset in (*range(-NEIGHBOURS, 0), *range(1, NEIGHBOURS + 1)):
+        other = a_rows.get((row["request_id"], row["layer"], row["position"] + offset))
+        if other is not None and set(row["cand_experts"]) & set(other[0]) and score_movement(
+                row["cand_experts"], row["cand_scores"], *other) <= movement:
+            return False
+    return True
 
 
 def next_token_rows(rows: pl.DataFrame, limit: int = 20_000) -> tuple[list[float], list[int]]:

@@ -43,7 +43,7 @@ def assert_rows_agree(result: dict[str, Any], done: subprocess.CompletedProcess[
         assert result["rows_unexplained"] <= 0.01 * result["rows_compared"]
     else:
         assert result["rows_unexplained"] == 0
-        assert result["rows_moved_as_far_as_another_token"] == 0
+        assert result["rows_nearer_another_token"] == 0
     for run in runs:
         assert result["reference"][run]["rows_reference_unexplained"] == 0
     assert done.returncode == (1 if result["rows_unexplained"] else 0)
