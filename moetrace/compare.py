@@ -20,9 +20,11 @@ With every expert's score recorded (``--candidates`` = experts), the movement is
 row's score vector, and a run that picks the top-k of its own scores can only swap experts within twice that: every
 differing row is then a near-tie by construction, and what tells a moved row from a misattributed one is where it
 moved: ``rows_nearer_another_token`` counts differing rows of run B that are not nearer (in score movement) to their
-own token's row of run A than to the rows of the tokens around it (``NEIGHBOURS`` positions either side, same
+own token's row of run A than to the rows of the other tokens around it (``NEIGHBOURS`` positions either side, same
 request and layer: where a stale buffer or a shifted batch layout would have taken them from), or that share no
-candidate with their own token's row.
+candidate with their own token's row. A neighbour holding the same token id is no other token: in a small
+random-weight model its hidden state, and so its scores, can lie as near as rounding moves them (such rows are
+counted apart, ``rows_nearer_a_same_token_neighbour``). Every row counted is listed (``nearer_rows``).
 """
 
 from __future__ import annotations
@@ -120,10 +122,10 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
     differing_movements: list[float] = []
     unexplained: list[dict[str, Any]] = []
     next_movements, next_common = next_token_rows(a) if has_candidates else ([], [])
-    a_rows = {(r["request_id"], r["layer"], r["position"]): (r["cand_experts"], r["cand_scores"])
-              for r in a.select("request_id", "layer", "position", "cand_experts", "cand_scores").iter_rows(named=True)
-              } if has_candidates else {}
-    nearer_another = 0
+    a_rows = {(r["request_id"], r["layer"], r["position"]): (r["token"], r["cand_experts"], r["cand_scores"])
+              for r in a.select("request_id", "layer", "position", "token", "cand_experts", "cand_scores")
+              .iter_rows(named=True)} if has_candidates else {}
+    nearer: list[dict[str, Any]] = []
     for row in joined.iter_rows(named=True):
         movement = (score_movement(row["cand_experts"], row["cand_scores"], row["cand_experts_a"],
                                    row["cand_scores_a"]) if has_candidates else 0.0)
@@ -134,7 +136,9 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
         differing_movements.append(movement)
         if not has_candidates:
             continue
-        nearer_another += not nearest_own_token(row, movement, a_rows)
+        nearest = nearest_neighbour(row, movement, a_rows)
+        if nearest is not None:
+            nearer.append(nearest)
         pairs = (("", "_a"), ("_a", ""))
         if all(_swapped_within(row[f"experts{s}"], row[f"experts{o}"], row[f"cand_experts{s}"],
                                row[f"cand_scores{s}"], top_k, ulps, 0.0) for s, o in pairs):
@@ -166,24 +170,37 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
                            "next_token_in_a": _quantiles(next_movements)} if has_candidates else None,
         "next_token_common_candidates_in_a": _quantiles([float(c) for c in next_common]) if has_candidates else None,
         "rows_unexplained_sharing_most_candidates": sharing_most,
-        "rows_nearer_another_token": nearer_another if has_candidates else None,
+        "rows_nearer_another_token": sum(not n["same_token"] for n in nearer) if has_candidates else None,
+        "rows_nearer_a_same_token_neighbour": sum(n["same_token"] for n in nearer) if has_candidates else None,
+        "nearer_rows": nearer[:MAX_ROWS_LISTED],
         "unexplained_rows": unexplained,
     }
 
 
-def nearest_own_token(row: dict[str, Any], movement: float,
-                      a_rows: dict[tuple[str, int, int], tuple[list[int], list[float]]]) -> bool:
-    """Whether run B's ``row`` shares candidates with its own token's row of run A and moved less from it than from
-    the row of any token up to ``NEIGHBOURS`` positions away (same request and layer) that it shares candidates
-    with."""
+def nearest_neighbour(row: dict[str, Any], movement: float,
+                      a_rows: dict[tuple[str, int, int], tuple[int, list[int], list[float]]]) -> dict[str, Any] | None:
+    """None when run B's ``row`` shares candidates with its own token's row of run A and moved less from it than
+    from the row of any token up to ``NEIGHBOURS`` positions away (same request and layer) that it shares candidates
+    with; else the row, described: the nearest such neighbour (one holding another token id, if any does), its
+    offset and movement, and whether it holds the same token id (offset None: the row shares no candidate with its
+    own token's)."""
+    described = {"request_id": row["request_id"], "position": row["position"], "layer": row["layer"],
+                 "token": row["token"], "movement": movement, "offset": None, "neighbour_movement": None,
+                 "same_token": False}
     if not set(row["cand_experts"]) & set(row["cand_experts_a"]):
-        return False
+        return described
+    nearer: list[tuple[bool, float, int]] = []  # (same token, movement, offset) of each neighbour nearer
     for offset in (*range(-NEIGHBOURS, 0), *range(1, NEIGHBOURS + 1)):
         other = a_rows.get((row["request_id"], row["layer"], row["position"] + offset))
-        if other is not None and set(row["cand_experts"]) & set(other[0]) and score_movement(
-                row["cand_experts"], row["cand_scores"], *other) <= movement:
-            return False
-    return True
+        if other is None or not set(row["cand_experts"]) & set(other[1]):
+            continue
+        moved = score_movement(row["cand_experts"], row["cand_scores"], other[1], other[2])
+        if moved <= movement:
+            nearer.append((other[0] == row["token"], moved, offset))
+    if not nearer:
+        return None
+    same_token, moved, offset = min(nearer)
+    return {**described, "neighbour_movement": moved, "offset": offset, "same_token": same_token}
 
 
 def next_token_rows(rows: pl.DataFrame, limit: int = 20_000) -> tuple[list[float], list[int]]:

@@ -30,6 +30,7 @@ class Tokens:
     weights: npt.NDArray[np.float32]
     cand_experts: npt.NDArray[np.uint16] | None = None
     cand_scores: npt.NDArray[np.float32] | None = None
+    token: npt.NDArray[np.uint32] | None = None  # token ids (None: position % 256)
 
 
 @dataclass
@@ -149,7 +150,7 @@ def routing_table(tokens: Tokens, model: Model) -> pa.Table:
         "position": pa.array(per_row(tokens.position)),
         "phase": pa.DictionaryArray.from_arrays(pa.array(per_row(phase_index)), pa.array(PHASES)),
         "draft_pos": pa.array(per_row(tokens.draft_pos)),
-        "token": pa.array(per_row(tokens.position % 256).astype(np.uint32)),
+        "token": pa.array(per_row(tokens.position % 256 if tokens.token is None else tokens.token).astype(np.uint32)),
         "accepted": pa.array([a for a in tokens.accepted for _ in range(layers)], type=pa.bool_()),
         "layer": pa.array(np.tile(np.asarray(model.layers, dtype=np.uint16), len(tokens.step))),
         "experts": fixed(tokens.experts, pa.uint16()),
