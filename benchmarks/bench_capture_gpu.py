@@ -263,7 +263,11 @@ class Variant:
     def after(self, num_tokens: int, replayed: Any) -> Any:
         """Start the copy-out of rows [:T]; returns something whose .wait() gives {ids, weights} on the host."""
         if self.name.startswith("design"):
-            return self.capture.collect(num_tokens, replayed)
+            _, block = self.capture.collect(num_tokens, replayed)  # [T, L*K ids | L*K weights as int32]
+            layers, top_k = self.capture.num_layers, self.capture.top_k
+            ids, weights = block.split(layers * top_k, dim=1)
+            return Done({"ids": ids.reshape(num_tokens, layers, top_k),
+                         "weights": weights.view(torch.float32).reshape(num_tokens, layers, top_k)})
         if self.name == "obvious":
             self.ids_host[:num_tokens].copy_(self.ids_buf[:num_tokens], non_blocking=True)
             self.w_host[:num_tokens].copy_(self.w_buf[:num_tokens], non_blocking=True)

@@ -63,6 +63,7 @@ def uniform_random_trace(directory: Path, tokens: int, seed: int = 0) -> Path:
                         "num_accepted": np.zeros(batch, np.uint32), "batch_size": np.full(batch, batch, np.uint32),
                         "t_start_ns": np.zeros(batch, np.int64), "t_end_ns": np.zeros(batch, np.int64)},
         ))
+        writer.forward_ready()
     writer.close()
     return directory
 

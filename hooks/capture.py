@@ -16,8 +16,9 @@ The wrapper around ``router._compute_routing`` has one mechanism for each way th
   call that receives the logits and runs the router's own ``_compute_routing`` on them, recorded as above.
 
 After the forward, ``collect`` gathers rows [:T] from whichever mechanism ran (and says which: a forward that
-none of them wrote is refused, never recorded as zeros): one stack per field, left on the device for the recorder
-to copy out without blocking. The wrapper never raises into the forward: an error inside it is kept in ``RoutingCapture.failed`` and
+none of them wrote is refused, never recorded as zeros) into one int32 block, by one ``torch.cat`` of every layer's
+columns (views of the routers' own tensors, made once per CUDA graph), left on the device for the recorder to
+copy out without blocking. The wrapper never raises into the forward: an error inside it is kept in ``RoutingCapture.failed`` and
 the router's own result is returned untouched.
 """
 
@@ -110,6 +111,7 @@ class RoutingCapture:
         self.cuda = torch.device(device).type == "cuda"
         self.buffers = RoutingBuffers(max_tokens, num_layers, top_k, candidates, device)
         self.graphs: dict[Hashable, list[Kept | None]] = {}  # per captured graph: [L]
+        self._graph_columns: dict[Hashable, list[torch.Tensor]] = {}  # per graph replayed: its columns, as views
         self.step: list[Kept | None] = [None] * num_layers  # this forward's, when the router's Python ran
         self.traced = False  # Dynamo traced the wrapper: compiled forwards write the static buffers
         self.failed: str | None = None  # an error inside the forward, kept for the engine thread to report
@@ -117,7 +119,9 @@ class RoutingCapture:
     def keep(self, slot: int, kept: Kept) -> None:
         """Keep references to one layer's outputs: in the table of the graph being captured, or this step's."""
         if self.cuda and torch.cuda.is_current_stream_capturing():
-            self.graphs.setdefault(self.graph_key(), [None] * self.num_layers)[slot] = kept
+            key = self.graph_key()
+            self.graphs.setdefault(key, [None] * self.num_layers)[slot] = kept
+            self._graph_columns.pop(key, None)
         else:
             self.step[slot] = kept
 
@@ -125,27 +129,41 @@ class RoutingCapture:
         """File the routing kept during a capture whose graph had no name then (key None) under ``key``."""
         if None in self.graphs:
             self.graphs[key] = self.graphs.pop(None)
+            self._graph_columns.pop(key, None)
 
     def begin_step(self) -> None:
         """Call before each recorded forward: forget the previous forward's references."""
         self.step = [None] * self.num_layers
 
     def collect(self, num_tokens: int, replayed: Hashable | None = None, tokens_across_dp: list[int] | None = None,
-                dp_rank: int = 0) -> tuple[str, dict[str, torch.Tensor]]:
-        """This rank's T rows of this forward, still on the device, and the mechanism that wrote them (``eager``,
-        ``graph`` or ``traced``). ``replayed`` names the CUDA graph the forward replayed (None: no graph);
-        ``tokens_across_dp`` the tokens of every DP rank in this forward (None without DP). No kernel ran in the
-        forward, so the gather is here: one stack per field. Raises ``NothingCaptured`` when no mechanism wrote
-        this forward."""
-        mechanism, kept = self._kept(replayed)
+                dp_rank: int = 0) -> tuple[str, torch.Tensor]:
+        """This rank's T rows of this forward as one int32 block [T, L*K ids | L*K weights | L*C cand_ids | L*C
+        cand_scores] (floats by their bits, layers in slot order), still on the device, and the mechanism that
+        wrote them (``eager``, ``graph`` or ``traced``). ``replayed`` names the CUDA graph the forward replayed
+        (None: no graph); ``tokens_across_dp`` the tokens of every DP rank in this forward (None without DP). No
+        kernel ran in the forward, so the gather is here: one ``torch.cat``. Raises ``NothingCaptured`` when no
+        mechanism wrote this forward."""
+        mechanism, columns = self._columns(replayed, num_tokens)
         self.step = [None] * self.num_layers
+        block = torch.cat(columns, dim=1)
+        start = own_rows_start(block.shape[0], num_tokens, tokens_across_dp, dp_rank) if mechanism != "traced" else 0
+        return mechanism, block[start : start + num_tokens]
+
+    def _columns(self, replayed: Hashable | None, num_tokens: int) -> tuple[str, list[torch.Tensor]]:
+        """Which mechanism wrote this forward, and its int32 columns: each layer's [N, K or C] per field (N: the
+        forward's padded length), or the static buffers' [T, L*K or L*C] per field (traced). A graph's columns are
+        views of tensors that every replay rewrites in place: made once, at its first replay."""
+        if replayed is not None and replayed in self._graph_columns and not any(k is not None for k in self.step):
+            return "graph", self._graph_columns[replayed]
+        mechanism, kept = self._kept(replayed)
         if kept is None:  # traced forward: the static buffers hold it
-            rows = {name: b[:num_tokens] for name, b in self.buffers.fields.items()}
-        else:  # every layer's tensor has the forward's (padded) length: stack, then cut once
-            start = own_rows_start(int(kept[0].ids.shape[0]), num_tokens, tokens_across_dp, dp_rank)
-            rows = {name: torch.stack([getattr(k, name) for k in kept], dim=1)[start : start + num_tokens]
-                    for name in self.buffers.fields}
-        return mechanism, {name: r.to(_DTYPES[name]) for name, r in rows.items()}
+            return mechanism, [int32_columns(b[:num_tokens].reshape(num_tokens, -1))
+                               for b in self.buffers.fields.values()]
+        fields = [(name, getattr(k, name)) for name in self.buffers.fields for k in kept]
+        columns = [int32_columns(tensor.to(_DTYPES[name])) for name, tensor in fields]
+        if mechanism == "graph" and all(tensor.dtype == _DTYPES[name] for name, tensor in fields):
+            self._graph_columns[replayed] = columns  # views of the graph's own outputs: valid at every replay
+        return mechanism, columns
 
     def _kept(self, replayed: Hashable | None) -> tuple[str, list[Kept] | None]:
         """Which mechanism wrote this forward, with the references it left (None: the static buffers)."""
@@ -164,6 +182,11 @@ class RoutingCapture:
             missing = "captured without the wrapper" if replayed is not None else "partly recorded"
             raise NothingCaptured(f"routing of this forward is incomplete (graph {replayed!r} {missing})")
         return mechanism, kept  # type: ignore[return-value]
+
+
+def int32_columns(tensor: torch.Tensor) -> torch.Tensor:
+    """A 32-bit tensor [N, w] seen as int32 (floats by their bits), a view: one block holds every field."""
+    return tensor if tensor.dtype == torch.int32 else tensor.view(torch.int32)
 
 
 def selection_scores(router: Any, router_logits: torch.Tensor) -> torch.Tensor:

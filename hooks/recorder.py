@@ -10,13 +10,14 @@ time went.
 
 The engine thread only enqueues: what lives on the host (request order, query starts, drafts per request) is
 copied at once because the runner reuses those arrays; what lives on the device (routing rows, positions, token
-ids) is packed into one block and copied without blocking. How many tokens each request kept comes from the
-sampled-token lists vLLM itself brings to the host (sync scheduling; with async scheduling it is counted on the
-device and copied without blocking). The step goes to the writer process as soon as its event has completed
-(``PendingStep.ready``, normally right after vLLM's own sync, in one pipe write), and the writer process assembles
-and encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, and no thread in the engine
-process competes with the engine loop for the GIL. The manifest's ``engine_thread_us_per_step`` says what each
-hook cost.
+ids) is packed into one block (one ``torch.cat`` of views) and copied without blocking. How many tokens each
+request kept comes from the sampled-token lists vLLM itself brings to the host (sync scheduling: vLLM has synced
+the stream by then, so the step's copies have landed too); with async scheduling vLLM's own device count is
+copied without blocking, fenced by an event. The step is handed to the writer process (one pickle, one pipe
+write) right after the next step's forward is launched, while the GPU is busy with it, and the writer process
+assembles and encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, puts nothing
+after vLLM's sync but a count of lists, and no thread in the engine process competes with the engine loop for the
+GIL while steps flow. The manifest's ``engine_thread_us_per_step`` says what each hook cost.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import numpy.typing as npt
 import torch
 
 from moetrace.hooks.capture import (
-    FIELDS,
     RoutingCapture,
     router_info,
     unwrap_logits_entry,
@@ -115,7 +115,8 @@ class Recorder:
         self._close_lock = threading.Lock()
         self._closed: dict[str, Any] | None = None
         self._pending: PendingStep | None = None
-        self.own_ns = {"execute_model": 0, "model_forward": 0, "sample": 0, "sample_tokens": 0, "phase_timing": 0}
+        self.own_ns = {"execute_model": 0, "hand_over": 0, "model_forward": 0, "sample": 0, "sample_tokens": 0,
+                       "phase_timing": 0}
         self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in PHASES}
         self._batch = 0  # requests scheduled in the step under way
         self._roles: dict[str, Callable[..., Any]] = {
@@ -184,19 +185,26 @@ class Recorder:
         t_start = time.time_ns()
         self.capture.begin_step()
         self._replayed = self._tokens_across_dp = None
-        # V2 runs its dummy batches (profiling, warm-up, idle DP ranks) through execute_model too: no request's.
-        dummy = bool(kwargs.get("dummy_run", False))
-        self._batch = 0 if dummy else len(scheduler_output.num_scheduled_tokens)
+        # V2 runs its dummy batches (profiling, idle DP ranks) through execute_model too, and warms its kernels up
+        # with batches of requests of its own: none of them a request's.
+        recorded = bool(scheduler_output.total_num_scheduled_tokens) and not kwargs.get("dummy_run", False) and (
+            not self.model_runner.is_warmup(scheduler_output))
+        self._batch = len(scheduler_output.num_scheduled_tokens) if recorded else 0
         before = time.perf_counter_ns() - began
         result = self._timed("forward", original, scheduler_output, *args, **kwargs)
         resumed = time.perf_counter_ns()
+        # The GPU runs this step's forward now: hand the last step over (before this step's copy is queued into
+        # the staging buffer that the last step's bytes are pickled from).
+        self.writer.forward_ready()
+        handed = time.perf_counter_ns()
         self._pending = None
-        if scheduler_output.total_num_scheduled_tokens and not dummy:
+        if recorded:
             try:
                 self._pending = self._layout(t_start)
             except Exception as exc:
                 self._stop(exc)
-        self.own_ns["execute_model"] += before + time.perf_counter_ns() - resumed
+        self.own_ns["hand_over"] += handed - resumed
+        self.own_ns["execute_model"] += before + time.perf_counter_ns() - handed
         return result
 
     def graph_forward(self, original: Callable[..., Any], graph_key: Callable[..., Hashable | None], *args: Any,
@@ -267,23 +275,21 @@ class Recorder:
 
     def sample_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """vLLM has synced by the time this returns (sync scheduling), and its output holds each request's sampled
-        tokens on the host: take the kept counts from there and hand the step over now (one pickle, one pipe
-        write), so that an engine stopped while idle (``vllm serve`` kills its workers) holds no step back."""
+        tokens on the host: take the kept counts from there and queue the step (handed over after the next
+        forward's launch, or by the writer's idle forwarder)."""
         output = original(*args, **kwargs)
         began = time.perf_counter_ns()
         for timing in self.phases.values():
             timing.read_done()
         pending, self._pending = self._pending, None
-        if pending is None or not pending.t_end or self.writer.failed is not None:
-            self.writer.forward_ready()  # nothing sampled for a recorded step: forward what became ready
-        else:
+        if pending is not None and pending.t_end and self.writer.failed is None:
             try:
                 if pending.kept is None:
                     counts = self.model_runner.kept_on_host(output)
                     if counts is None:
                         raise RuntimeError("vLLM's sample_tokens returned no host lists of sampled tokens")
                     pending.kept = np.asarray(counts, dtype=np.int64)
-                    pending.t_end = time.time_ns()  # vLLM has synced: the step's GPU work is done
+                    pending.t_end = time.time_ns()  # vLLM has synced: the step's GPU work (our copy too) is done
                 self.writer.submit(pending)
                 if self._window_over():  # the engine runs on unhooked; the trace is closed beside it
                     self.uninstall()
@@ -316,10 +322,9 @@ class Recorder:
         mechanism, routing = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp, self.dp_rank)
         self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
         # One int32 [T, W] block (floats by their bits), so one copy brings the whole step to the host.
-        columns = [routing[name].view(torch.int32).reshape(num_tokens, -1) for name in FIELDS if name in routing]
-        columns.append(inputs.positions.to(torch.int32).unsqueeze(1))
+        columns = [routing, int32_column(inputs.positions)]
         if self.token_ids:
-            columns.append(inputs.input_ids.to(torch.int32).unsqueeze(1))
+            columns.append(int32_column(inputs.input_ids))
         return PendingStep(
             step=self._next_step(),
             t_start=t_start,
@@ -330,13 +335,12 @@ class Recorder:
             drafts=inputs.drafts,
             packed=self._to_host(torch.cat(columns, dim=1)),
             layout=self.layout,
-            copied=copied_event() if self.capture.cuda else None,
         )
 
     def _to_host(self, packed: torch.Tensor) -> torch.Tensor:
         """The step's block copied to the host without blocking: under sync scheduling into one pinned buffer
         allocated once (the step is handed over, its bytes pickled, before the next step's copy is queued); under
-        async scheduling, where steps wait, into fresh pinned memory."""
+        async scheduling, where steps wait for their events, into fresh pinned memory."""
         if self._staging is None:
             return to_host(packed)
         host = self._staging[: packed.shape[0]]
@@ -357,7 +361,7 @@ class PhaseTiming:
     engine thread microseconds), read once they have completed (never waited for inside a step). Medians: the first
     calls carry one-off costs (the n-gram proposer's JIT compile takes a second)."""
 
-    DEVICE_EVERY = 4
+    DEVICE_EVERY = 16
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
@@ -406,6 +410,14 @@ def logits_entry(moe: Any) -> tuple[Any, str]:
     return (moe.routed_experts, "forward_monolithic") if moe.is_monolithic else (moe.router, "select_experts")
 
 
+def int32_column(values: torch.Tensor) -> torch.Tensor:
+    """Non-negative values below 2**31 [T] as an int32 column [T, 1]: a view where they are int32 or int64 (its low
+    words: little-endian), so packing positions costs no kernel."""
+    if values.dtype == torch.int64 and values.is_contiguous():
+        return values.view(torch.int32).view(-1, 2)[:, :1]
+    return values.to(torch.int32).unsqueeze(1)
+
+
 def copied_event() -> torch.cuda.Event:
     """Recorded after a step's device-to-host copies: done once they have landed (no timing: cheaper)."""
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -425,9 +437,10 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PendingStep:
-    """One step as the engine thread left it: host arrays copied, device copies in flight, ready once the event
-    recorded after the last of them has completed (at once on the CPU). Under sync scheduling that is already so
-    when vLLM's ``sample_tokens`` returns (its own sync follows the copies on the same stream)."""
+    """One step as the engine thread left it: host arrays copied, device copies in flight. Under async scheduling
+    it is ready once the event recorded after the last copy has completed; without an event (sync scheduling, and
+    the CPU) it is submitted only once vLLM's ``sample_tokens`` has returned host lists, that is after vLLM synced
+    the stream that the copies were queued on."""
 
     step: int
     t_start: int

@@ -31,10 +31,23 @@ class PackedLayout:
     token_ids: bool
 
     @property
+    def routing_width(self) -> int:
+        return self.layers * 2 * (self.top_k + self.candidates)
+
+    @property
     def width(self) -> int:
-        return self.layers * 2 * (self.top_k + self.candidates) + 1 + int(self.token_ids)
+        return self.routing_width + 1 + int(self.token_ids)
 
     def unpack(self, packed: npt.NDArray[np.int32]) -> dict[str, npt.NDArray[np.generic]]:
+        host = self.unpack_routing(packed)
+        host["positions"] = packed[:, self.routing_width]
+        if self.token_ids:
+            host["tokens"] = packed[:, self.routing_width + 1]
+        return host
+
+    def unpack_routing(self, packed: npt.NDArray[np.int32]) -> dict[str, npt.NDArray[np.generic]]:
+        """The routing fields [T, L, K or C] of a block's first ``routing_width`` columns (``RoutingCapture.collect``'s
+        block)."""
         num_tokens = packed.shape[0]
         widths = {"ids": self.top_k, "weights": self.top_k, "cand_ids": self.candidates,
                   "cand_scores": self.candidates}
@@ -46,9 +59,6 @@ class PackedLayout:
                 block = block.view(np.float32) if name in ("weights", "cand_scores") else block
                 host[name] = block.reshape(num_tokens, self.layers, width)
                 start += self.layers * width
-        host["positions"] = packed[:, start]
-        if self.token_ids:
-            host["tokens"] = packed[:, start + 1]
         return host
 
 

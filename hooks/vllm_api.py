@@ -41,6 +41,9 @@ RUNNER_V2_FIELDS = ("model", "max_num_tokens", "req_states", "execute_model", "s
 INPUT_BATCH_V2_FIELDS = ("req_ids", "num_reqs", "num_tokens", "query_start_loc_np", "idx_mapping_np",
                          "num_draft_tokens_per_req", "positions", "input_ids")
 GRAPH_MANAGER_V2_FIELDS = ("graphs", "run_fullgraph", "run_pw_graph")
+# V2 warms its kernels up at start-up (``vllm/v1/worker/gpu/warmup.py``) by running batches of requests of its own
+# through execute_model and sample_tokens: their ids start so.
+WARMUP_REQUEST_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
 ROUTER_FIELDS = ("_compute_routing", "global_num_experts", "top_k")
 MOE_RUNNER_FIELDS = ("router", "layer_id", "layer_name", "is_monolithic")
 
@@ -203,6 +206,11 @@ class RunnerV1:
         with async scheduling they stay on the device."""
         return not bool(getattr(self.runner, "use_async_scheduling", False))
 
+    @staticmethod
+    def is_warmup(scheduler_output: Any) -> bool:
+        """V1 warms up through dummy runs, never through ``execute_model``."""
+        return False
+
     def step_inputs(self) -> StepInputs:
         runner = self.runner
         batch = runner.input_batch
@@ -249,6 +257,7 @@ class RunnerV2:
         require_fields(runner, RUNNER_V2_FIELDS, "model runner (V2)")
         require_fields(runner.req_states, ("prompt_len",), "model runner (V2).req_states")
         self.api, self.runner = api, runner
+        self._batch_checked = False  # the per-step InputBatch's fields, checked at the first step
 
     def hook_points(self) -> list[HookPoint]:
         runner = self.runner
@@ -267,9 +276,17 @@ class RunnerV2:
     def sampled_on_host(self) -> bool:
         return False
 
+    @staticmethod
+    def is_warmup(scheduler_output: Any) -> bool:
+        """Whether the step is V2's kernel warm-up (its batches hold only requests of its own)."""
+        first = next(iter(scheduler_output.num_scheduled_tokens), "")
+        return isinstance(first, str) and first.startswith(WARMUP_REQUEST_PREFIXES)
+
     def step_inputs(self) -> StepInputs:
         batch = self.runner.execute_model_state.input_batch
-        require_fields(batch, INPUT_BATCH_V2_FIELDS, "input batch (V2)")
+        if not self._batch_checked:
+            require_fields(batch, INPUT_BATCH_V2_FIELDS, "input batch (V2)")
+            self._batch_checked = True
         num_reqs, num_tokens = int(batch.num_reqs), int(batch.num_tokens)
         slots = batch.idx_mapping_np[:num_reqs]  # batch index -> the request's row in the runner's states
         drafts = batch.num_draft_tokens_per_req

@@ -1,7 +1,8 @@
 """Trace writer: per-step routing captures into rotated Parquet files, encoded in a process of its own.
 
-The engine thread only hands over (``TraceWriter.submit``): steps whose device copies have landed go, pickled,
-down a non-blocking pipe to the writer process (``python -m moetrace.writer``), where assembling rows, building
+The engine thread only hands over: ``TraceWriter.submit`` queues a step, and ``forward_ready`` (called where the GPU
+is busy with the next forward) sends the steps whose device copies have landed, pickled, down a non-blocking pipe
+to the writer process (``python -m moetrace.writer``), where assembling rows, building
 Arrow tables, compressing and writing happen. Done by a thread of the engine process, that work took the GIL from
 the engine loop at high step rates (measured on an H200: 4-5% of throughput). A file being written is named
 ``*.parquet.inprogress`` and renamed when closed, so a killed recording leaves every rotated file readable and
@@ -164,6 +165,7 @@ WRITER_NICENESS = 10
 CPU_PINNING_VARIABLES = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")
 # Bytes of steps the engine may hold while the writer process catches up; past it recording stops, said out loud.
 MAX_BACKLOG_BYTES = 256 << 20
+IDLE_FORWARD_SECONDS = 0.1  # how long queued steps wait for the engine thread before the idle forwarder sends them
 PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = 1031  # Linux fcntl: grow a pipe's buffer
 
@@ -186,9 +188,12 @@ class Pending(Protocol):
 class TraceWriter:
     """The engine side of one trace directory: steps go down a pipe to the writer process.
 
-    There is no thread on the engine side to take the GIL from the engine loop: each ``submit`` (once per step, on
-    the engine thread) forwards the steps whose copies have landed, pickled, through a non-blocking pipe; what the
-    pipe cannot take yet waits in memory for the next step."""
+    No thread on the engine side takes the GIL from the engine loop while steps flow: ``submit`` (once per step, on
+    the engine thread) only queues a step, and ``forward_ready`` (once per step, where the engine thread would
+    otherwise wait for the GPU) sends the steps whose copies have landed, pickled, through a non-blocking pipe;
+    what the pipe cannot take yet waits in memory for the next step. Once the engine has gone quiet for
+    ``IDLE_FORWARD_SECONDS``, a thread forwards what is left (an engine stopped while idle, as ``vllm serve`` kills
+    its workers, holds no step back)."""
 
     def __init__(
         self,
@@ -234,41 +239,43 @@ class TraceWriter:
                   "candidates": candidates, "rotate_rows": rotate_rows, "rotate_seconds": rotate_seconds,
                   "row_group_rows": row_group_rows, "batch_seconds": batch_seconds}
         self._backlog += pickle.dumps(("init", config), protocol=pickle.HIGHEST_PROTOCOL)
+        self._lock = threading.Lock()  # the engine thread, the idle forwarder and close take turns
+        self._last_forward = time.monotonic()
+        self._closing = threading.Event()
         self._reader = threading.Thread(target=self._read, name="moetrace-writer-status", daemon=True)
         self._reader.start()
+        self._idle = threading.Thread(target=self._forward_when_idle, name="moetrace-writer-idle", daemon=True)
+        self._idle.start()
 
     def submit(self, step: StepCapture | Pending) -> None:
-        """Hand one step to the writer and forward what is ready; never blocks the engine and never raises."""
-        if self.failed is not None:
-            return
-        try:
+        """Queue one step for the writer (sent by the next ``forward_ready``); never blocks and never raises."""
+        if self.failed is None:
             self._waiting.append(step)
             self._submitted += 1
-            self._forward(wait=False)
-        except Exception as exc:
-            self._fail(f"{type(exc).__name__}: {exc}")
 
     def forward_ready(self) -> None:
-        """Forward the steps that became ready since they were submitted (call where vLLM has just synced), so
-        that an engine killed while idle holds no step back; never blocks and never raises."""
+        """Send the queued steps that are ready (their copies have landed); never blocks and never raises."""
         if self.failed is not None or not self._waiting:
             return
-        try:
-            self._forward(wait=False)
-        except Exception as exc:
-            self._fail(f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            try:
+                self._forward(wait=False)
+            except Exception as exc:
+                self._fail(f"{type(exc).__name__}: {exc}")
 
     def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Flush everything, rename the open files and rewrite the manifest as complete (or say why not)."""
         extra = dict(extra or {})
-        try:
-            if self.failed is None:
-                self._forward(wait=True)
-            self._backlog += pickle.dumps(("close", extra, self.failed), protocol=pickle.HIGHEST_PROTOCOL)
-            self._drain(wait=True)
-            os.close(self._to_child)
-        except Exception as exc:
-            self._fail(f"the writer process is gone ({type(exc).__name__}: {exc})")
+        self._closing.set()
+        with self._lock:
+            try:
+                if self.failed is None:
+                    self._forward(wait=True)
+                self._backlog += pickle.dumps(("close", extra, self.failed), protocol=pickle.HIGHEST_PROTOCOL)
+                self._drain(wait=True)
+                os.close(self._to_child)
+            except Exception as exc:
+                self._fail(f"the writer process is gone ({type(exc).__name__}: {exc})")
         self._reader.join(timeout=120)  # the writer process reports "closed", then exits
         if self._final is None:  # the writer process died: say so in the manifest it could not finish
             manifest = json.loads((self.root / MANIFEST_NAME).read_text())
@@ -279,8 +286,16 @@ class TraceWriter:
             self.failed = str(self._final["error"])
         return self._final
 
+    def _forward_when_idle(self) -> None:
+        """Thread: forwards what is queued once no step has been forwarded for ``IDLE_FORWARD_SECONDS``; while
+        steps flow it only wakes to find the engine thread has done it."""
+        while not self._closing.wait(IDLE_FORWARD_SECONDS):
+            if self._waiting and time.monotonic() - self._last_forward >= IDLE_FORWARD_SECONDS:
+                self.forward_ready()
+
     def _forward(self, wait: bool) -> None:
         """Pickle the leading steps that are ready (all of them when ``wait``) into the backlog, then drain it."""
+        self._last_forward = time.monotonic()
         while self._waiting:
             step = self._waiting[0]
             if isinstance(step, StepCapture):

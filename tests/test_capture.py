@@ -16,6 +16,7 @@ from moetrace.hooks.capture import (
     unwrap_router,
     wrap_router,
 )
+from moetrace.hooks.rows import PackedLayout
 
 E, K, L, C = 32, 4, 3, 6  # experts, top-k, layers, candidates
 SIZES = (1, 2, 4, 8)
@@ -80,9 +81,17 @@ def setup(candidates: int = 0, device: str = "cpu") -> tuple[list[BiasRouter], R
 def collected(capture: RoutingCapture, num_tokens: int, replayed: Any = None, mechanism: str | None = None
               ) -> dict[str, torch.Tensor]:
     """Rows of the forward just run, on the host."""
-    used, rows = capture.collect(num_tokens, replayed)
+    used, block = capture.collect(num_tokens, replayed)
     assert mechanism is None or used == mechanism
-    return {name: t.cpu() for name, t in rows.items()}
+    return unpacked(capture, block)
+
+
+def unpacked(capture: RoutingCapture, block: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The collected int32 block, split into its fields [T, L, K or C]."""
+    assert block.dtype == torch.int32
+    layout = PackedLayout(capture.num_layers, capture.top_k, capture.candidates, token_ids=False)
+    assert block.shape[1] == layout.routing_width
+    return {name: torch.from_numpy(a) for name, a in layout.unpack_routing(block.cpu().numpy()).items()}
 
 
 def assert_rows_equal(rows: dict[str, torch.Tensor], routers: list[BiasRouter], logits: torch.Tensor) -> None:
@@ -115,9 +124,9 @@ def test_a_router_that_sees_every_dp_ranks_tokens_records_only_this_ranks_rows()
     for rank, own in enumerate(across):
         capture.begin_step()
         forward(routers, logits)
-        used, rows = capture.collect(own, None, across, rank)
+        used, block = capture.collect(own, None, across, rank)
         start = sum(across[:rank])
-        assert_rows_equal({n: t.cpu() for n, t in rows.items()}, routers, logits[start : start + own])
+        assert_rows_equal(unpacked(capture, block), routers, logits[start : start + own])
     # a dispatch that routes before gathering: the first rows are this rank's, padding after them
     assert own_rows_start(4, 3, across, 1) == 0 and own_rows_start(6, 1, None, 0) == 0
     with pytest.raises(ValueError, match="routers saw 2 rows for 3 tokens"):

@@ -105,5 +105,23 @@ def test_a_v2_full_graph_filed_by_vllm_names_the_routing_kept_while_it_was_captu
     graphs = GraphsNamingCaptures({}, capture.name_captured)
     graphs["desc-4-tokens"] = "the graph"  # vLLM files the graph it captured
     assert graphs == {"desc-4-tokens": "the graph"} and None not in capture.graphs
-    mechanism, rows = capture.collect(3, replayed=("FULL", "desc-4-tokens"))
-    assert mechanism == "graph" and rows["ids"].tolist() == [[[3, 1]]] * 3
+    mechanism, block = capture.collect(3, replayed=("FULL", "desc-4-tokens"))  # ids | weights, one layer
+    assert mechanism == "graph" and block[:, :2].tolist() == [[3, 1]] * 3
+
+
+def test_model_runner_v2_kernel_warm_up_batches_are_told_from_requests_by_the_ids_vllm_gives_them() -> None:
+    """V2 warms its kernels up through execute_model with requests of its own: none of them may become rows."""
+    import inspect
+    import re
+
+    from vllm.v1.worker.gpu import warmup
+
+    from moetrace.hooks.vllm_api import WARMUP_REQUEST_PREFIXES, RunnerV2
+
+    # every request id that vLLM's warm-up builds, as its source spells them
+    spelled = re.findall(r'(?:req_ids = \[f|req_id_prefix: str = )"([^"{]+)', inspect.getsource(warmup))
+    assert len(spelled) == 2 and all(s.startswith(WARMUP_REQUEST_PREFIXES) for s in spelled)
+    warm_up = SimpleNamespace(num_scheduled_tokens={"_warmup_0_": 4, "_warmup_1_": 4})
+    mixed = SimpleNamespace(num_scheduled_tokens={"_v2_mixed_warmup_decode_": 1})
+    served = SimpleNamespace(num_scheduled_tokens={"cmpl-7f3a-0": 4, "_warmup_0_": 1})
+    assert RunnerV2.is_warmup(warm_up) and RunnerV2.is_warmup(mixed) and not RunnerV2.is_warmup(served)

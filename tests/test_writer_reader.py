@@ -63,9 +63,11 @@ def verify_step(step: int, rng: np.random.Generator, requests: int = 2, drafts: 
 
 
 def submit_and_wait(writer: TraceWriter, capture: StepCapture) -> None:
-    """Submit one step and wait until the writer thread has written it (so each step is its own batch)."""
+    """Submit and forward one step and wait until the writer process has written it (so each step is its own
+    batch)."""
     before = writer.steps
     writer.submit(capture)
+    writer.forward_ready()
     deadline = time.monotonic() + 10
     while writer.steps == before and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -172,11 +174,15 @@ def test_the_engine_side_never_waits_for_a_step_and_sends_it_once_ready_in_order
     rng = np.random.default_rng(4)
     writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K)
     slow = NotReadyYet(verify_step(0, rng), polls=2)
-    writer.submit(slow)  # not ready: stays on the engine side
-    writer.submit(verify_step(1, rng))  # ready, but behind step 0: order is kept
-    assert len(writer._waiting) == 2
-    writer.submit(verify_step(2, rng))  # step 0 became ready on this poll: all three go
-    assert not writer._waiting
+    with writer._lock:  # the idle forwarder stays out of the way
+        writer.submit(slow)
+        writer._forward(wait=False)  # not ready: stays on the engine side
+        writer.submit(verify_step(1, rng))
+        writer._forward(wait=False)  # ready, but behind step 0: order is kept
+        assert len(writer._waiting) == 2
+        writer.submit(verify_step(2, rng))
+        writer._forward(wait=False)  # step 0 became ready on this poll: all three go
+        assert not writer._waiting
     final = writer.close()
     assert final["complete"] and final["counts"]["steps"] == 3
     steps = open_trace(tmp_path).steps().collect()["step"].unique().sort().to_list()
@@ -293,3 +299,14 @@ def test_data_parallel_ranks_of_different_recordings_are_refused(tmp_path: Path)
     root = _dp_recording(tmp_path / "run", ks=(2, 3))
     with pytest.raises(UserError, match="not one recording"):
         open_traces(root)
+
+
+def test_steps_the_engine_thread_left_queued_are_forwarded_once_it_goes_quiet(tmp_path: Path) -> None:
+    """An engine that stops stepping (idle, then killed by ``vllm serve``) holds no queued step back."""
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K)
+    writer.submit(verify_step(0, np.random.default_rng(6)))  # queued, and no forward_ready follows
+    deadline = time.monotonic() + 10
+    while writer.steps < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert writer.steps == 1 and not writer._waiting
+    writer.close()
