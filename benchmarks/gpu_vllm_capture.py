@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -170,12 +171,15 @@ def rows_equal_scheduled_tokens(trace_dir: Path) -> bool:
 
 def counters_equal(trace_dir: Path, counters: dict[str, float] | None = None) -> bool:
     """The trace's drafts and accepted tokens equal vLLM's own spec-decode counters for the run (the manifest's,
-    unless given: a server's)."""
+    unless given: a server's), leaving out the windows vLLM ran for requests already finished (async scheduling),
+    which it does not count."""
+    from moetrace.compare import windows_after_finish
     from moetrace.reader import open_trace
 
     trace = open_trace(trace_dir)
     counters = trace.manifest["vllm_counters"] if counters is None else counters
-    verified = trace.steps().filter(pl.col("num_drafts") > 0).collect()
+    verified = (trace.steps().filter(pl.col("num_drafts") > 0).collect()
+                .join(windows_after_finish(trace_dir), on=["step", "request"], how="anti"))
     return bool(verified.height == counters["num_drafts"]
                 and verified["num_drafts"].sum() == counters["num_draft_tokens"]
                 and verified["num_accepted"].sum() == counters["num_accepted_tokens"])
@@ -196,11 +200,12 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1,
                         help="compare vllm serve at this DP with expert parallelism against compiled on one GPU")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--keep-traces", type=Path, help="also copy both runs' traces into this folder")
     args = parser.parse_args()
     if (args.tp > 1) + (args.dp > 1) + args.graphs_only + args.v2 > 1:
         sys.exit("--tp, --dp, --graphs-only and --v2 are separate checks: give one of them")
 
-    from moetrace.compare import compare_runs, reference_check
+    from moetrace.compare import compare_runs, reference_check, windows_after_finish
     from moetrace.hooks.vllm_api import vllm_version
     from moetrace.host import gpu_inventory
     from moetrace.reader import open_trace
@@ -238,10 +243,14 @@ def main() -> None:
             "acceptance_equals_vllm_counters": {name: counters_equal(d, served.get("counters") if name == b_name
                                                                      else None) for name, d in runs.items()},
             "rows_equal_scheduled_tokens": {name: rows_equal_scheduled_tokens(d) for name, d in runs.items()},
+            "windows_after_finish": {name: windows_after_finish(d).height for name, d in runs.items()},
             "command": "python benchmarks/gpu_vllm_capture.py " + " ".join(
                 f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-                for k, v in vars(args).items() if v is not None and v is not False),
+                for k, v in vars(args).items() if v is not None and v is not False and k != "keep_traces"),
         }
+        if args.keep_traces is not None:
+            for name, trace_dir in runs.items():
+                shutil.copytree(trace_dir, args.keep_traces / name, dirs_exist_ok=True)
         if args.dp > 1:
             ranks = open_trace(runs[b_name]).ranks
             result["data_parallel"] = {

@@ -59,6 +59,24 @@ def load_outputs(trace_dir: Path) -> dict[int, dict[str, Any]]:
     return {index[o["request_id"]]: o for o in outputs}
 
 
+def windows_after_finish(trace_dir: Path) -> pl.DataFrame:
+    """(step, request) of the verification windows that vLLM ran for a request it had already finished, as the
+    caller's outputs (``outputs.jsonl``) show: their anchor lies at or past the final sequence's last token. Async
+    scheduling schedules each step before the last one's tokens are known, so a request that has just reached its
+    last token is verified once more; vLLM discards that window's tokens and counts none of its drafts. The rows are
+    kept (the GPU did route them); a comparison with vLLM's counters leaves these windows out."""
+    trace = open_trace(trace_dir)
+    final_length = pl.DataFrame(
+        [(index, len(o["prompt_token_ids"]) + len(o["output_token_ids"])) for index, o in load_outputs(trace_dir).items()],
+        schema={"request": pl.UInt32, "final_length": pl.Int64}, orient="row")
+    layer = int(trace.manifest["model"]["moe_layers"][0])
+    anchors = (trace.routing().filter(pl.col("layer") == layer)
+               .group_by("step", "request").agg(anchor=pl.col("position").min().cast(pl.Int64)).collect())
+    verified = trace.steps().filter(pl.col("num_drafts") > 0).select("step", "request").collect()
+    return (verified.join(anchors, on=["step", "request"]).join(final_length, on="request")
+            .filter(pl.col("anchor") >= pl.col("final_length") - 1).select("step", "request").sort("step", "request"))
+
+
 def agreeing_prefix(a_dir: Path, b_dir: Path) -> pl.DataFrame:
     """Per request (the caller's id): how many leading tokens (prompt + output) the two runs share, and the prompt
     length. Runs are matched on the caller's ids, not on request indices: a trace numbers requests in the order its

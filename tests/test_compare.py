@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrace.compare import compare_runs
-from trace_builder import Model, Tokens, decode_tokens, write_trace
+from moetrace.compare import compare_runs, windows_after_finish
+from trace_builder import Model, Tokens, decode_tokens, verify_tokens, write_trace
 
 MODEL = Model(num_experts=32, top_k=2, layers=(1,))
 
@@ -137,3 +137,21 @@ def test_a_row_nearer_a_neighbour_holding_the_same_token_id_is_counted_apart(tmp
     (listed,) = result["nearer_rows"]
     assert (listed["position"], listed["offset"], listed["same_token"]) == (int(a.position[row]), -1, True)
     assert listed["neighbour_movement"] == 0.0 < listed["movement"]
+
+
+def test_a_window_verified_after_its_request_finished_is_found_from_the_final_lengths(tmp_path: Path) -> None:
+    """Async scheduling verifies a request once more after its last token: vLLM discards that window and counts
+    none of its drafts, so a comparison with its counters must leave it out."""
+    tokens = verify_tokens(np.random.default_rng(1), MODEL, requests=2, steps=5, k=3, accept_prob=0.5)
+    write_trace(tmp_path, tokens, MODEL, k=3)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["requests"] = ["r0-0", "r1-0"]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    last_anchor = {r: max(int(p) for p, q, d in zip(tokens.position, tokens.request, tokens.draft_pos)
+                          if q == r and d == 0) for r in (0, 1)}
+    # r0 ended at its last window's anchor (that window came after its finish); r1 kept what its last window gave
+    final = {0: last_anchor[0] + 1, 1: last_anchor[1] + 2}
+    (tmp_path / "outputs.jsonl").write_text("".join(
+        json.dumps({"request_id": f"r{r}", "prompt_token_ids": [0] * 4, "output_token_ids": [0] * (n - 4)}) + "\n"
+        for r, n in final.items()))
+    assert windows_after_finish(tmp_path).rows() == [(5, 0)]
