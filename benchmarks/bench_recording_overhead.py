@@ -183,6 +183,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "recording_complete": [c["complete"] for c in closed if c is not None],
         "engine_thread_us_per_step": [c.get("engine_thread_us_per_step") for c in closed if c is not None],
+        "phases": [c.get("phases") for c in closed if c is not None],  # host and device ms per call, per batch
         "command": "python benchmarks/bench_recording_overhead.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
             for k, v in vars(args).items() if v not in (None, False)),

@@ -94,6 +94,7 @@ class Recorder:
         self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
         self._tokens_across_dp: list[int] | None = None  # every DP rank's tokens in the last forward
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
+        self.data_parallel = int(vllm_config.parallel_config.data_parallel_size) > 1
         manifest = worker_manifest(vllm_config, infos, settings)
         manifest["capture"]["recomputed_from_logits"] = any(entry is not None for entry in self.entries)
         manifest["capture"]["async_scheduling"] = not self.sampled_on_host  # vLLM turns it off for some drafters
@@ -215,7 +216,7 @@ class Recorder:
             began = time.perf_counter_ns()
             try:
                 self._replayed = graph_key(*args, **kwargs)
-                self._tokens_across_dp = self.api.tokens_across_dp()
+                self._tokens_across_dp = self.api.tokens_across_dp() if self.data_parallel else None
             except Exception as exc:
                 self._stop(exc)
             self.own_ns["model_forward"] += time.perf_counter_ns() - began
