@@ -19,8 +19,10 @@ every DP rank records into ``dp<r>/``; the routers of an all-gather dispatch see
 prompts sent by an HTTP client at concurrency N × batch size. Compares the in-sequence rows up to where greedy
 decoding diverges; every row whose expert set differs must be a near-tie (the swapped experts' selection scores
 within 2 bf16 ulps of the K-th score, in both runs). Then checks every row of both runs against the top-8 of its
-own float32 selection scores. Exits 1 on any unexplained row, or (``--dp``) when the trace's drafts, accepted
-tokens, prompt rows or fed tokens differ from what the server counted and the client received.
+own float32 selection scores. Exits 1 on any unexplained row, when a trace's drafts or accepted tokens differ from
+vLLM's counters (leaving out the windows that async scheduling verified after a request's last token, which vLLM
+discards: ``windows_after_finish``), or (``--dp``) when prompt rows or fed tokens differ from what the client sent
+and received. ``--keep-traces DIR`` keeps both runs' traces.
 """
 
 from __future__ import annotations

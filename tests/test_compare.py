@@ -95,21 +95,26 @@ def test_runs_are_matched_on_the_callers_request_ids_not_on_request_indices(tmp_
     assert result["tokens_equal"]
 
 
+def previous_tokens_routing_in_b(a: Tokens, b: Tokens) -> tuple[int, int]:
+    """A stale buffer: run B's row (``row``) holds the previous position's (``before``) routing of run A, where the
+    previous token ranks this token's 2nd and 3rd candidates the other way round. Returns (row, before)."""
+    assert a.cand_experts is not None and a.cand_scores is not None
+    rows = {(int(r), int(p)): i for i, (r, p) in enumerate(zip(a.request, a.position))}
+    row, before = next((i, rows[(r, p - 1)]) for (r, p), i in rows.items() if (r, p - 1) in rows)
+    a.cand_experts[before, 0] = a.cand_experts[row, 0][[0, 2, 1, 3]]
+    a.cand_scores[before, 0] = a.cand_scores[row, 0]
+    a.experts[before, 0] = a.cand_experts[before, 0][:2]
+    for name in ("experts", "cand_experts", "cand_scores"):
+        getattr(b, name)[row] = getattr(a, name)[before]
+        getattr(b, name)[before] = getattr(a, name)[before]
+    return row, before
+
+
 def test_a_row_holding_the_previous_tokens_routing_is_nearer_that_token_though_a_near_tie(tmp_path: Path) -> None:
     """A stale buffer hands a row the previous position's routing: with every score recorded such a swap is always
     within the row's movement, so what gives it away is that it sits nearer the previous token's row."""
     a, b = runs(tmp_path)
-    assert a.cand_experts is not None and a.cand_scores is not None
-    assert b.cand_experts is not None and b.cand_scores is not None
-    rows = {(int(r), int(p)): i for i, (r, p) in enumerate(zip(a.request, a.position))}
-    row, before = next((i, rows[(r, p - 1)]) for (r, p), i in rows.items() if (r, p - 1) in rows)
-    # the previous token ranks this token's 2nd and 3rd candidates the other way round
-    a.cand_experts[before, 0] = a.cand_experts[row, 0][[0, 2, 1, 3]]
-    a.cand_scores[before, 0] = a.cand_scores[row, 0]
-    a.experts[before, 0] = a.cand_experts[before, 0][:2]
-    for name in ("experts", "cand_experts", "cand_scores"):  # run B's row holds the previous token's routing
-        getattr(b, name)[row] = getattr(a, name)[before]
-        getattr(b, name)[before] = getattr(a, name)[before]
+    previous_tokens_routing_in_b(a, b)
     result = compare_runs(write_run(tmp_path / "a", a), write_run(tmp_path / "b", b))
     assert result["rows_unexplained"] == 0 and result["rows_near_tie"] == 1
     assert result["rows_nearer_another_token"] == 1
@@ -119,16 +124,7 @@ def test_a_row_nearer_a_neighbour_holding_the_same_token_id_is_counted_apart(tmp
     """A repeated token id (the same embedding, a similar context) can route as the row's own token does: a row
     nearer such a neighbour is listed, but not counted as nearer another token."""
     a, b = runs(tmp_path)
-    assert a.cand_experts is not None and a.cand_scores is not None
-    assert b.cand_experts is not None and b.cand_scores is not None
-    rows = {(int(r), int(p)): i for i, (r, p) in enumerate(zip(a.request, a.position))}
-    row, before = next((i, rows[(r, p - 1)]) for (r, p), i in rows.items() if (r, p - 1) in rows)
-    a.cand_experts[before, 0] = a.cand_experts[row, 0][[0, 2, 1, 3]]
-    a.cand_scores[before, 0] = a.cand_scores[row, 0]
-    a.experts[before, 0] = a.cand_experts[before, 0][:2]
-    for name in ("experts", "cand_experts", "cand_scores"):
-        getattr(b, name)[row] = getattr(a, name)[before]
-        getattr(b, name)[before] = getattr(a, name)[before]
+    row, before = previous_tokens_routing_in_b(a, b)
     same_token = (a.position % 256).astype(np.uint32)
     same_token[before] = same_token[row]  # the previous position holds the same token id
     a, b = dataclasses.replace(a, token=same_token), dataclasses.replace(b, token=same_token)
