@@ -157,10 +157,10 @@ class RoutingCapture:
             return "graph", self._graph_columns[replayed]
         mechanism, kept = self._kept(replayed)
         if kept is None:  # traced forward: the static buffers hold it
-            return mechanism, [int32_columns(b[:num_tokens].reshape(num_tokens, -1))
+            return mechanism, [b[:num_tokens].reshape(num_tokens, -1).view(torch.int32)
                                for b in self.buffers.fields.values()]
         fields = [(name, getattr(k, name)) for name in self.buffers.fields for k in kept]
-        columns = [int32_columns(tensor.to(_DTYPES[name])) for name, tensor in fields]
+        columns = [tensor.to(_DTYPES[name]).view(torch.int32) for name, tensor in fields]  # floats by their bits
         if mechanism == "graph" and all(tensor.dtype == _DTYPES[name] for name, tensor in fields):
             self._graph_columns[replayed] = columns  # views of the graph's own outputs: valid at every replay
         return mechanism, columns
@@ -182,11 +182,6 @@ class RoutingCapture:
             missing = "captured without the wrapper" if replayed is not None else "partly recorded"
             raise NothingCaptured(f"routing of this forward is incomplete (graph {replayed!r} {missing})")
         return mechanism, kept  # type: ignore[return-value]
-
-
-def int32_columns(tensor: torch.Tensor) -> torch.Tensor:
-    """A 32-bit tensor [N, w] seen as int32 (floats by their bits), a view: one block holds every field."""
-    return tensor if tensor.dtype == torch.int32 else tensor.view(torch.int32)
 
 
 def selection_scores(router: Any, router_logits: torch.Tensor) -> torch.Tensor:
