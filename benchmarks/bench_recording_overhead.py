@@ -47,17 +47,24 @@ def kimi_k2_slice(tp: int) -> dict[str, Any]:
     }
 
 
-def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) -> float:
-    """Generated tokens per second, ``batch`` requests at a time."""
+def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) -> tuple[float, dict[str, float]]:
+    """Generated tokens per second, ``batch`` requests at a time, and the drafts and accepted tokens vLLM counted
+    meanwhile (greedy and deterministic: equal in every round unless the kernels are not)."""
     from vllm import SamplingParams
 
+    from moetrace.engine import spec_decode_counters
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = spec_decode_counters(llm)
     started = time.perf_counter()
     generated = 0
     for first in range(0, len(prompts), batch):
         outputs = llm.generate(prompts[first : first + batch], params, use_tqdm=False)
         generated += sum(len(o.outputs[0].token_ids) for o in outputs)
-    return generated / (time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    after = spec_decode_counters(llm)
+    return generated / elapsed, {name: after[name] - before.get(name, 0.0) for name in
+                                 ("num_drafts", "num_accepted_tokens") if name in after}
 
 
 def writer_discards(worker: Any, discard: bool) -> None:
@@ -150,6 +157,7 @@ def main() -> None:
         try:
             timed_generate(llm, base, len(base), 16)  # warm-up
             results: dict[tuple[int, str], list[float]] = {}
+            workload: dict[tuple[int, str], list[dict[str, float]]] = {}  # vLLM's counters, per round
             modes = ("off", "on", "writer-off") if args.writer_off else ("off", "on")
             for round_index in range(args.rounds):
                 order = modes if round_index % 2 == 0 else modes[::-1]
@@ -161,8 +169,9 @@ def main() -> None:
                         llm.collective_rpc("moetrace_pause" if mode == "off" else "moetrace_resume")
                         if args.writer_off:
                             llm.collective_rpc(writer_discards, args=(mode == "writer-off",))
-                        results.setdefault((batch, mode), []).append(
-                            timed_generate(llm, prompts, batch, args.max_tokens))
+                        tok_s, counted = timed_generate(llm, prompts, batch, args.max_tokens)
+                        results.setdefault((batch, mode), []).append(tok_s)
+                        workload.setdefault((batch, mode), []).append(counted)
             profiles = {}
             if args.profile:
                 llm.collective_rpc("moetrace_resume")
@@ -195,14 +204,22 @@ def main() -> None:
         median, ci = median_ci95(ratios)
         report[str(batch)] = {"on_off_median": median, "on_off_ci95": ci, "rounds": args.rounds,
                               "off_tok_s": statistics.median(off), "on_tok_s": statistics.median(on),
-                              "ratios": ratios}
+                              "ratios": ratios,
+                              # on and off verified the same drafts and accepted the same tokens: the rounds did
+                              # the same work, so their ratio is the recorder's cost and noise alone
+                              "rounds_same_work": sum(a == b for a, b in zip(workload[(batch, "on")],
+                                                                             workload[(batch, "off")])),
+                              "drafts_accepted_per_round": {mode: [(w.get("num_drafts"), w.get("num_accepted_tokens"))
+                                                                   for w in workload[(batch, mode)]]
+                                                            for mode in ("off", "on")}}
         if args.writer_off:
             quiet = [a / b for a, b in zip(results[(batch, "writer-off")], off)]
             report[str(batch)]["writer_off_over_off_median"], report[str(batch)]["writer_off_ci95"] = (
                 median_ci95(quiet))
             print(f"{batch:>5} hooks on, writer discarding: on/off {report[str(batch)]['writer_off_over_off_median']:.3f}")
         print(f"{batch:>5} {statistics.median(off):>10.1f} {statistics.median(on):>10.1f} {median:>7.3f} "
-              f"{ci[0]:>7.3f}-{ci[1]:<7.3f} {100 * (1 - median):>8.1f}%")
+              f"{ci[0]:>7.3f}-{ci[1]:<7.3f} {100 * (1 - median):>8.1f}%   "
+              f"same work on and off in {report[str(batch)]['rounds_same_work']}/{args.rounds} rounds")
     print("recorder's own time on the engine thread, µs per recorded step:", report["engine_thread_us_per_step"])
     for batch, profile in profiles.items():
         print(f"--- batch {batch}: the engine thread under cProfile, recording on ---\n{profile}")

@@ -132,7 +132,8 @@ class RoutingCapture:
             self._graph_columns.pop(key, None)
 
     def begin_step(self) -> None:
-        """Call before each recorded forward: forget the previous forward's references."""
+        """Call before each forward: forget the previous forward's references (kept until then: a copy queued on
+        another stream may still read them)."""
         self.step = [None] * self.num_layers
 
     def collect(self, num_tokens: int, replayed: Hashable | None = None, tokens_across_dp: list[int] | None = None,
@@ -144,7 +145,6 @@ class RoutingCapture:
         kernel ran in the forward, so the gather is here: one ``torch.cat``. Raises ``NothingCaptured`` when no
         mechanism wrote this forward."""
         mechanism, columns = self._columns(replayed, num_tokens)
-        self.step = [None] * self.num_layers
         block = torch.cat(columns, dim=1)
         start = own_rows_start(block.shape[0], num_tokens, tokens_across_dp, dp_rank) if mechanism != "traced" else 0
         return mechanism, block[start : start + num_tokens]

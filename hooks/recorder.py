@@ -4,29 +4,32 @@
 
 Both of vLLM's model runners are recorded (``vllm_api.RunnerV1`` and ``RunnerV2`` say which calls are wrapped
 and where a step's batch lives): ``execute_model`` runs the target forward, a sampling call runs the rejection
-sampler, and the drafter runs after both. Each of the three is timed per step (the manifest's ``phases``: host
-time, and on CUDA the device time between events around it, per batch size), so a trace says where its steps'
-time went.
+sampler, and the drafter runs after both. Each of the three is timed (the manifest's ``phases``: host time, and on
+CUDA the device time between events around it, per batch size) on every step on the CPU and one step in
+``TIMED_STEP_EVERY_ON_CUDA`` on a GPU, so a trace says where its steps' time went.
 
-The engine thread only enqueues: what lives on the host (request order, query starts, drafts per request) is
-copied at once because the runner reuses those arrays; what lives on the device (routing rows, positions, token
-ids) is packed into one block (one ``torch.cat`` of views) and copied without blocking. How many tokens each
-request kept comes from the sampled-token lists vLLM itself brings to the host (sync scheduling: vLLM has synced
-the stream by then, so the step's copies have landed too); with async scheduling vLLM's own device count is
-copied without blocking, fenced by an event. The step is handed to the writer process (one pickle, one pipe
-write) right after the next step's forward is launched, while the GPU is busy with it, and the writer process
-assembles and encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, puts nothing
-after vLLM's sync but a count of lists, and no thread in the engine process competes with the engine loop for the
-GIL while steps flow. The manifest's ``engine_thread_us_per_step`` says what each hook cost.
+Under sync scheduling the GPU idles from vLLM's sync after sampling until the next forward is launched, so
+whatever a hook does there slows every step; everything else runs while the GPU is busy. Before the launch the
+hooks only note the step; after vLLM's sync they count the host lists of sampled tokens and queue the step. The
+rest happens once the forward is launched: what lives on the host (request order, query starts, drafts per
+request) is copied because the runner reuses those arrays; what lives on the device (routing rows, positions, token
+ids) is packed into one block (``torch.cat`` of views) and copied without blocking, on a stream of its own
+(``StepCopier``) that vLLM's stream is made to wait for before its sync, so that sync covers the copy. With async
+scheduling vLLM's own device count of kept tokens is copied too, fenced by an event. The step is handed to the
+writer process (one pickle, one pipe write) right after the next step's forward is launched, and the writer
+process assembles and encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, and no
+thread in the engine process competes with the engine loop for the GIL while steps flow. The manifest's
+``engine_thread_us_per_step`` says what each hook cost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,10 +90,8 @@ class Recorder:
         self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
         self.sampled_on_host = self.model_runner.sampled_on_host()
-        self._staging: torch.Tensor | None = None
-        if self.capture.cuda and self.sampled_on_host:
-            self._staging = torch.empty((int(runner.max_num_tokens), self.layout.width), dtype=torch.int32,
-                                        pin_memory=True)
+        self.copier = StepCopier(device, (int(runner.max_num_tokens), self.layout.width) if self.sampled_on_host
+                                 else None)
         self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
         self._tokens_across_dp: list[int] | None = None  # every DP rank's tokens in the last forward
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
@@ -119,6 +120,9 @@ class Recorder:
         self.own_ns = {"execute_model": 0, "hand_over": 0, "model_forward": 0, "sample": 0, "sample_tokens": 0,
                        "phase_timing": 0}
         self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in PHASES}
+        self.timing_every = TIMED_STEP_EVERY_ON_CUDA if self.capture.cuda else 1
+        self._recorded_forwards = 0
+        self._timing = False  # whether the step under way is timed (its phases and the hooks' own time)
         self._batch = 0  # requests scheduled in the step under way
         self._roles: dict[str, Callable[..., Any]] = {
             "execute_model": self.execute_model, "sample": self.sample, "sample_tokens": self.sample_tokens,
@@ -182,8 +186,9 @@ class Recorder:
     def execute_model(self, original: Callable[..., Any], scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if self.writer.failed is not None:
             return original(scheduler_output, *args, **kwargs)
-        began = time.perf_counter_ns()
+        # Before the launch: only what the forward needs (under sync scheduling the GPU idles until it is launched).
         t_start = time.time_ns()
+        self.copier.fence()  # the last step's copy has read the buffers this step's inputs overwrite
         self.capture.begin_step()
         self._replayed = self._tokens_across_dp = None
         # V2 runs its dummy batches (profiling, idle DP ranks) through execute_model too, and warms its kernels up
@@ -191,36 +196,42 @@ class Recorder:
         recorded = bool(scheduler_output.total_num_scheduled_tokens) and not kwargs.get("dummy_run", False) and (
             not self.model_runner.is_warmup(scheduler_output))
         self._batch = len(scheduler_output.num_scheduled_tokens) if recorded else 0
-        before = time.perf_counter_ns() - began
+        self._timing = recorded and self._recorded_forwards % self.timing_every == 0
+        self._recorded_forwards += recorded
         result = self._timed("forward", original, scheduler_output, *args, **kwargs)
-        resumed = time.perf_counter_ns()
         # The GPU runs this step's forward now: hand the last step over (before this step's copy is queued into
-        # the staging buffer that the last step's bytes are pickled from).
+        # the staging buffer that the last step's bytes are pickled from), then queue this step's copy.
+        resumed = time.perf_counter_ns() if self._timing else 0
         self.writer.forward_ready()
-        handed = time.perf_counter_ns()
+        for timing in self.phases.values():
+            timing.read_done()
+        handed = time.perf_counter_ns() if self._timing else 0
         self._pending = None
         if recorded:
             try:
                 self._pending = self._layout(t_start)
             except Exception as exc:
                 self._stop(exc)
-        self.own_ns["hand_over"] += handed - resumed
-        self.own_ns["execute_model"] += before + time.perf_counter_ns() - handed
+        if self._timing:
+            self.own_ns["hand_over"] += handed - resumed
+            self.own_ns["execute_model"] += time.perf_counter_ns() - handed
         return result
 
     def graph_forward(self, original: Callable[..., Any], graph_key: Callable[..., Hashable | None], *args: Any,
                       **kwargs: Any) -> Any:
-        """Note which CUDA graph (if any) the forward replays: vLLM says so only in this call (its arguments, or
-        its forward context, set only inside)."""
+        """Note which CUDA graph (if any) the forward replayed: vLLM says so only in this call (its arguments, or
+        its forward context, set only inside). Read once the forward is launched."""
+        result = original(*args, **kwargs)
         if self.writer.failed is None:
-            began = time.perf_counter_ns()
+            began = time.perf_counter_ns() if self._timing else 0
             try:
                 self._replayed = graph_key(*args, **kwargs)
                 self._tokens_across_dp = self.api.tokens_across_dp() if self.data_parallel else None
             except Exception as exc:
                 self._stop(exc)
-            self.own_ns["model_forward"] += time.perf_counter_ns() - began
-        return original(*args, **kwargs)
+            if self._timing:
+                self.own_ns["model_forward"] += time.perf_counter_ns() - began
+        return result
 
     def capture_model(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Model Runner V2 builds its CUDA-graph manager after load: hook it now, before its graphs are captured."""
@@ -232,32 +243,37 @@ class Recorder:
         return original(*args, **kwargs)
 
     def sample(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Runs inside ``sample_tokens``: closes the step's timing; with async scheduling also counts the tokens
-        each request kept (accepted drafts + 1) on the device, copied without blocking."""
+        """Runs inside ``sample_tokens``, while the GPU still runs the forward: orders vLLM's stream after the step's
+        copy (so vLLM's own sync covers it), and with async scheduling also counts the tokens each request kept
+        (accepted drafts + 1) on the device, copied without blocking."""
         sampled = self._timed("sampling", original, *args, **kwargs)
-        began = time.perf_counter_ns()
+        began = time.perf_counter_ns() if self._timing else 0
         pending = self._pending
         if pending is not None and self.writer.failed is None:
             try:
+                self.copier.fence()
                 if not self.sampled_on_host:
                     pending.kept = to_host(self.model_runner.kept_on_device(sampled)[: len(pending.requests)])
                     pending.copied = copied_event()  # now after both copies
                 pending.t_end = time.time_ns()
             except Exception as exc:
                 self._stop(exc)
-        self.own_ns["sample"] += time.perf_counter_ns() - began
+        if self._timing:
+            self.own_ns["sample"] += time.perf_counter_ns() - began
         return sampled
 
     def propose_draft_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return self._timed("drafting", original, *args, **kwargs)
 
     def _timed(self, phase: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``call``, timed as ``phase`` of the step under way (none when no request was scheduled): never
+        """vLLM's ``call``, timed as ``phase`` when the step under way is a timed one (``timing_every``): never
         raises into the engine."""
+        if not self._timing:
+            return call(*args, **kwargs)
         timing = self.phases[phase]
         began = time.perf_counter_ns()
         events = None
-        if self.writer.failed is None and self._batch:
+        if self.writer.failed is None:
             try:
                 events = timing.start()
             except Exception as exc:
@@ -276,20 +292,18 @@ class Recorder:
 
     def sample_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """vLLM has synced by the time this returns (sync scheduling), and its output holds each request's sampled
-        tokens on the host: take the kept counts from there and queue the step (handed over after the next
-        forward's launch, or by the writer's idle forwarder)."""
+        tokens on the host: count the kept tokens there (the scheduler trims those lists later) and queue the step
+        (handed over after the next forward's launch, or by the writer's idle forwarder). The GPU idles from vLLM's
+        sync to the next launch, so nothing else is done here."""
         output = original(*args, **kwargs)
-        began = time.perf_counter_ns()
-        for timing in self.phases.values():
-            timing.read_done()
+        began = time.perf_counter_ns() if self._timing else 0
         pending, self._pending = self._pending, None
         if pending is not None and pending.t_end and self.writer.failed is None:
             try:
                 if pending.kept is None:
-                    counts = self.model_runner.kept_on_host(output)
-                    if counts is None:
+                    pending.kept = self.model_runner.kept_on_host(output)
+                    if pending.kept is None:
                         raise RuntimeError("vLLM's sample_tokens returned no host lists of sampled tokens")
-                    pending.kept = np.asarray(counts, dtype=np.int64)
                     pending.t_end = time.time_ns()  # vLLM has synced: the step's GPU work (our copy too) is done
                 self.writer.submit(pending)
                 if self._window_over():  # the engine runs on unhooked; the trace is closed beside it
@@ -297,12 +311,14 @@ class Recorder:
                     threading.Thread(target=self.close, name="moetrace-close").start()
             except Exception as exc:
                 self._stop(exc)
-        self.own_ns["sample_tokens"] += time.perf_counter_ns() - began
+        if self._timing:
+            self.own_ns["sample_tokens"] += time.perf_counter_ns() - began
         return output
 
     def engine_thread_us_per_step(self) -> dict[str, float]:
-        """What each hook added to the engine thread, in µs per recorded step (its own work, vLLM's excluded)."""
-        steps = max(self.step, 1)
+        """What each hook added to the engine thread, in µs per recorded step (its own work, vLLM's excluded),
+        measured on the timed steps."""
+        steps = max(self.phases["forward"].calls, 1)
         return {name: round(ns / steps / 1e3, 2) for name, ns in self.own_ns.items()}
 
     def _stop(self, exc: BaseException | str) -> None:
@@ -320,12 +336,15 @@ class Recorder:
             raise RuntimeError(self.capture.failed)
         inputs = self.model_runner.step_inputs()
         num_tokens = int(inputs.query_start[-1])
-        mechanism, routing = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp, self.dp_rank)
+        with self.copier.packing():
+            mechanism, routing = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp,
+                                                      self.dp_rank)
+            # One int32 [T, W] block (floats by their bits), so one copy brings the whole step to the host.
+            columns = [routing, int32_column(inputs.positions)]
+            if self.token_ids:
+                columns.append(int32_column(inputs.input_ids))
+            packed = self.copier.to_host(torch.cat(columns, dim=1))
         self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
-        # One int32 [T, W] block (floats by their bits), so one copy brings the whole step to the host.
-        columns = [routing, int32_column(inputs.positions)]
-        if self.token_ids:
-            columns.append(int32_column(inputs.input_ids))
         return PendingStep(
             step=self._next_step(),
             t_start=t_start,
@@ -334,19 +353,9 @@ class Recorder:
             query_start=inputs.query_start,
             num_prompt_tokens=inputs.num_prompt_tokens,
             drafts=inputs.drafts,
-            packed=self._to_host(torch.cat(columns, dim=1)),
+            packed=packed,
             layout=self.layout,
         )
-
-    def _to_host(self, packed: torch.Tensor) -> torch.Tensor:
-        """The step's block copied to the host without blocking: under sync scheduling into one pinned buffer
-        allocated once (the step is handed over, its bytes pickled, before the next step's copy is queued); under
-        async scheduling, where steps wait for their events, into fresh pinned memory."""
-        if self._staging is None:
-            return to_host(packed)
-        host = self._staging[: packed.shape[0]]
-        host.copy_(packed, non_blocking=True)
-        return host
 
     def _next_step(self) -> int:
         self.step += 1
@@ -354,15 +363,14 @@ class Recorder:
 
 
 PHASES = ("forward", "sampling", "drafting")  # execute_model, _sample, propose_draft_token_ids
+TIMED_STEP_EVERY_ON_CUDA = 8  # a GPU step of a few ms is timed one in eight: clocks and events cost it µs
 
 
 class PhaseTiming:
     """What one runner call costs per step, per batch size (requests scheduled): host time of the call and, on CUDA,
-    the device time between two events recorded around every ``DEVICE_EVERY``-th call (a sample: events cost the
-    engine thread microseconds), read once they have completed (never waited for inside a step). Medians: the first
-    calls carry one-off costs (the n-gram proposer's JIT compile takes a second)."""
-
-    DEVICE_EVERY = 16
+    the device time between two events recorded around it, read once they have completed (never waited for inside
+    a step). Only the recorder's timed steps are timed. Medians: the first calls carry one-off costs (the n-gram
+    proposer's JIT compile takes a second)."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
@@ -373,7 +381,7 @@ class PhaseTiming:
 
     def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()]:
         self.calls += 1
-        if not self.cuda or self.calls % self.DEVICE_EVERY:
+        if not self.cuda:
             return ()
         timing = {"enable_timing": True}
         events = (torch.cuda.Event(**timing), torch.cuda.Event(**timing))  # type: ignore[no-untyped-call]
@@ -419,6 +427,56 @@ def int32_column(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.int32).unsqueeze(1)
 
 
+class StepCopier:
+    """Brings each step's block to the host without blocking. On CUDA the block is packed and copied on a stream of
+    its own, after the forward and beside vLLM's sampler: on vLLM's stream those kernels would sit between the
+    forward and the sampler, delaying the sync that the next step waits for. ``fence`` makes vLLM's stream wait
+    for the copy before anything of a later step can overwrite what it reads (the runner's input buffers, a CUDA
+    graph's outputs, router outputs once freed), and so vLLM's own sync covers the copy. Under sync scheduling the
+    block lands in one pinned buffer allocated once (a step is handed over, its bytes pickled, before the next
+    step's copy is queued); under async scheduling, where steps wait for their events, in fresh pinned memory."""
+
+    def __init__(self, device: torch.device, staging_shape: tuple[int, int] | None) -> None:
+        self.cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+        self._forward_done = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        self._unfenced = False  # a copy was queued that vLLM's stream has not been made to wait for
+        self._staging = None
+        if self.cuda and staging_shape is not None:
+            self._staging = torch.empty(staging_shape, dtype=torch.int32, pin_memory=True)
+
+    @contextlib.contextmanager
+    def packing(self) -> Iterator[None]:
+        """Device work inside runs on the copier's stream, after everything queued on vLLM's stream so far."""
+        if self._stream is None or self._forward_done is None:
+            yield
+            return
+        self._forward_done.record()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(self._forward_done)
+            yield
+
+    def to_host(self, packed: torch.Tensor) -> torch.Tensor:
+        """``packed``'s copy on the host (a host tensor is returned as it is)."""
+        if self._copied is None:
+            return packed
+        if self._staging is None:
+            host = to_host(packed)
+        else:
+            host = self._staging[: packed.shape[0]]
+            host.copy_(packed, non_blocking=True)
+        self._copied.record()
+        self._unfenced = True
+        return host
+
+    def fence(self) -> None:
+        """Make vLLM's stream wait for the last copy (once per copy)."""
+        if self._unfenced and self._copied is not None:
+            torch.cuda.current_stream().wait_event(self._copied)
+            self._unfenced = False
+
+
 def copied_event() -> torch.cuda.Event:
     """Recorded after a step's device-to-host copies: done once they have landed (no timing: cheaper)."""
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -452,7 +510,7 @@ class PendingStep:
     packed: torch.Tensor  # [T, W] int32, see PackedLayout
     layout: PackedLayout
     copied: torch.cuda.Event | None = None
-    kept: torch.Tensor | npt.NDArray[np.int64] | None = None  # [R] accepted drafts + 1 (host, or copy in flight)
+    kept: torch.Tensor | list[int] | None = None  # [R] accepted drafts + 1 (host lists, or a copy in flight)
     t_end: int = 0
 
     def is_ready(self) -> bool:

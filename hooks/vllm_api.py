@@ -239,7 +239,7 @@ class RunnerV1:
         """Tokens each request kept this step (accepted drafts + 1, 0 when nothing was sampled), in batch order,
         from the host lists of ``sample_tokens``' output; None when it holds none (async scheduling)."""
         sampled = getattr(output, "sampled_token_ids", None)
-        return [len(tokens) for tokens in sampled] if isinstance(sampled, list) else None
+        return list(map(len, sampled)) if isinstance(sampled, list) else None
 
     def name_full_graphs(self, name_captured: Callable[[Hashable], None]) -> None:
         """V1 captures every graph inside a forward context that names it: nothing to do."""

@@ -308,6 +308,34 @@ def test_cuda_graph_replays_record_what_eager_routing_computes() -> None:
         assert_rows_equal(rows, routers, logits)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("staging", [True, False], ids=["sync-scheduling-staging", "async-scheduling-fresh"])
+def test_a_step_copied_on_its_own_stream_holds_what_the_forward_wrote_once_vllms_stream_is_fenced(
+        staging: bool) -> None:
+    """The copier's stream starts after the forward (a slow kernel, then the step's values, on vLLM's stream), and
+    vLLM's stream overwrites the inputs only after ``fence``: a sync of vLLM's stream alone then finds the copy
+    landed and untouched."""
+    from moetrace.hooks.recorder import StepCopier
+
+    copier = StepCopier(torch.device("cuda"), (64, 8) if staging else None)
+    slow = torch.randn(4096, 4096, device="cuda")
+    inputs = torch.zeros(64, 8, dtype=torch.int32, device="cuda")  # the runner's persistent input buffer
+    gen = torch.Generator().manual_seed(7)
+    for rows in (64, 1, 33, 7, 64):
+        expected = torch.randint(0, 2**31 - 1, (rows, 8), generator=gen, dtype=torch.int32)
+        staged = expected.pin_memory()
+        for _ in range(4):
+            slow = slow @ slow / 64  # the forward: long enough that an unordered copy would read stale values
+        inputs[:rows].copy_(staged, non_blocking=True)
+        with copier.packing():
+            host = copier.to_host(torch.cat([inputs[:rows, :5], inputs[:rows, 5:]], dim=1))
+        copier.fence()
+        inputs.fill_(-1)  # the next step's inputs
+        torch.cuda.current_stream().synchronize()  # what vLLM's sync waits for
+        assert torch.equal(host, expected)
+        assert host.is_pinned() and not host.is_cuda
+
+
 def test_the_engine_side_never_imports_the_analysis_stack() -> None:
     """Hooks and the writer run inside vLLM's workers: polars, plotly, rich and click stay out of them."""
     import subprocess
