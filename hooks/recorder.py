@@ -363,7 +363,7 @@ class Recorder:
 
 
 PHASES = ("forward", "sampling", "drafting")  # execute_model, _sample, propose_draft_token_ids
-TIMED_STEP_EVERY_ON_CUDA = 8  # a GPU step of a few ms is timed one in eight: clocks and events cost it µs
+TIMED_STEP_EVERY_ON_CUDA = 16  # a GPU step of a few ms is timed one in 16: each CUDA event record costs it µs
 
 
 class PhaseTiming:
@@ -378,13 +378,15 @@ class PhaseTiming:
         self.host_ms: dict[int, list[float]] = {}
         self.device_ms: dict[int, list[float]] = {}
         self._in_flight: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._free: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # read pairs, reused: creating one costs
 
     def start(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()]:
         self.calls += 1
         if not self.cuda:
             return ()
         timing = {"enable_timing": True}
-        events = (torch.cuda.Event(**timing), torch.cuda.Event(**timing))  # type: ignore[no-untyped-call]
+        events = self._free.pop() if self._free else (
+            torch.cuda.Event(**timing), torch.cuda.Event(**timing))  # type: ignore[no-untyped-call]
         events[0].record()
         return events
 
@@ -400,6 +402,7 @@ class PhaseTiming:
             batch, first, last = self._in_flight.pop(0)
             last.synchronize()
             self.device_ms.setdefault(batch, []).append(first.elapsed_time(last))
+            self._free.append((first, last))
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per batch size: calls, and the host and device medians in ms (device: None off CUDA)."""
