@@ -209,9 +209,9 @@ def main() -> None:
                               # the same work, so their ratio is the recorder's cost and noise alone
                               "rounds_same_work": sum(a == b for a, b in zip(workload[(batch, "on")],
                                                                              workload[(batch, "off")])),
-                              "drafts_accepted_per_round": {mode: [(w.get("num_drafts"), w.get("num_accepted_tokens"))
-                                                                   for w in workload[(batch, mode)]]
-                                                            for mode in ("off", "on")}}
+                              "rounds_other_work": [  # round, (drafts, accepted) off, the same on
+                                  [i, list(a.values()), list(b.values())] for i, (a, b) in
+                                  enumerate(zip(workload[(batch, "off")], workload[(batch, "on")])) if a != b]}
         if args.writer_off:
             quiet = [a / b for a, b in zip(results[(batch, "writer-off")], off)]
             report[str(batch)]["writer_off_over_off_median"], report[str(batch)]["writer_off_ci95"] = (
