@@ -9,6 +9,13 @@ as vLLM built them; under CUDA graphs the captured graphs hold no moetrace kerne
 n-gram k=3, rounds alternating off/on so that drift hits both sides alike; each round gives one paired on/off
 ratio, and the result is their median with a bootstrap 95% interval.
 
+Beside throughput, each round measures the host time in which the GPU idles (sync scheduling, Model Runner V1):
+stamps at class level beneath moetrace's hooks, alike in both modes (``idle_window_probe``), give per step the time
+from vLLM's sync to the end of ``sample_tokens`` (drafting), from there to the next ``execute_model`` (the engine
+loop, the scheduler, the recorder's hooks around both) and from there to the forward's launch (vLLM's input
+preparation): medians over thousands of steps, far less noisy than a round's throughput, so what recording adds to
+the GPU's idle time is read directly.
+
 ``--profile`` then runs one more round per batch with recording on under cProfile in the engine's thread, and
 prints where the recorder's own time goes (its functions by total time: cProfile slows Python several-fold, so
 read the shares, not the µs).
@@ -65,6 +72,65 @@ def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) ->
     after = spec_decode_counters(llm)
     return generated / elapsed, {name: after[name] - before.get(name, 0.0) for name in
                                  ("num_drafts", "num_accepted_tokens") if name in after}
+
+
+# Model Runner V1's calls from vLLM's sync to the next forward's launch, stamped on return (True) or on entry, and
+# the parts between them
+IDLE_WINDOW = (("_bookkeeping_sync", True), ("sample_tokens", True), ("execute_model", False),
+               ("_model_forward", False))
+IDLE_PARTS = ("drafting_us", "between_steps_us", "prep_us")
+
+
+def idle_window_probe(worker: Any, read: bool) -> dict[str, float] | None:
+    """In the worker (through ``collective_rpc``): install (once) stamps on V1's runner at class level, so they run
+    beneath the recorder's hooks whether those are installed or not: on return from ``_bookkeeping_sync`` (vLLM has
+    synced; the GPU idles from here) and ``sample_tokens``, on entry to ``execute_model`` and ``_model_forward`` (the
+    forward's launch). With ``read``: the medians in µs of the steps since the last read (``IDLE_PARTS`` and
+    ``step_us``, sync to sync), and forget them. None where the runner lacks one of the four (Model Runner V2)."""
+    import bisect
+
+    runner_class = type(worker.model_runner)
+    if not all(hasattr(runner_class, name) for name, _ in IDLE_WINDOW):
+        return None
+    stamps: list[list[int]] | None = getattr(runner_class, "_bench_idle_stamps", None)
+    if stamps is None:
+        stamps = [[] for _ in IDLE_WINDOW]
+        runner_class._bench_idle_stamps = stamps
+        for (name, on_return), times in zip(IDLE_WINDOW, stamps):
+            setattr(runner_class, name, stamping(getattr(runner_class, name), times, on_return))
+    if not read:
+        return None
+    parts: dict[str, list[int]] = {part: [] for part in (*IDLE_PARTS, "step_us")}
+    syncs = stamps[0]
+    for index, sync in enumerate(syncs):
+        chain = [sync]
+        for times in stamps[1:]:
+            at = bisect.bisect(times, chain[-1])
+            if at == len(times):
+                break
+            chain.append(times[at])
+        if len(chain) < len(IDLE_WINDOW) or chain[-1] - sync > 20_000_000:  # the last step, or the engine idled
+            continue
+        for part, start, end in zip(IDLE_PARTS, chain, chain[1:]):
+            parts[part].append(end - start)
+        if index + 1 < len(syncs) and syncs[index + 1] - sync < 100_000_000:
+            parts["step_us"].append(syncs[index + 1] - sync)
+    for times in stamps:
+        times.clear()
+    medians = {part: statistics.median(values) / 1e3 if values else float("nan") for part, values in parts.items()}
+    return {**medians, "steps": len(parts["prep_us"])}
+
+
+def stamping(method: Any, times: list[int], on_return: bool) -> Any:
+    """``method``, appending ``perf_counter_ns`` to ``times`` on entry, or ``on_return``."""
+    def stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not on_return:
+            times.append(time.perf_counter_ns())
+            return method(self, *args, **kwargs)
+        result = method(self, *args, **kwargs)
+        times.append(time.perf_counter_ns())
+        return result
+    return stamped
 
 
 def writer_discards(worker: Any, discard: bool) -> None:
@@ -143,8 +209,7 @@ def main() -> None:
                         help="also measure a third mode: hooks on, writer discarding every step")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    if args.writer_off or args.profile:  # collective_rpc with a function from this script
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with functions from this script
 
     from moetrace.engine import build_llm, engine_prompts
     from moetrace.hooks.vllm_api import vllm_version
@@ -156,6 +221,8 @@ def main() -> None:
         base = engine_prompts(settings)
         try:
             timed_generate(llm, base, len(base), 16)  # warm-up
+            llm.collective_rpc(idle_window_probe, args=(False,))  # hooks reinstalled at each round wrap it
+            idle: dict[tuple[int, str], list[dict[str, float]]] = {}  # per round: the idle window's medians
             results: dict[tuple[int, str], list[float]] = {}
             workload: dict[tuple[int, str], list[dict[str, float]]] = {}  # vLLM's counters, per round
             modes = ("off", "on", "writer-off") if args.writer_off else ("off", "on")
@@ -172,6 +239,9 @@ def main() -> None:
                         tok_s, counted = timed_generate(llm, prompts, batch, args.max_tokens)
                         results.setdefault((batch, mode), []).append(tok_s)
                         workload.setdefault((batch, mode), []).append(counted)
+                        window = llm.collective_rpc(idle_window_probe, args=(True,))[0]
+                        if window is not None:
+                            idle.setdefault((batch, mode), []).append(window)
             profiles = {}
             if args.profile:
                 llm.collective_rpc("moetrace_resume")
@@ -212,6 +282,13 @@ def main() -> None:
                               "rounds_other_work": [  # round, (drafts, accepted) off, the same on
                                   [i, list(a.values()), list(b.values())] for i, (a, b) in
                                   enumerate(zip(workload[(batch, "off")], workload[(batch, "on")])) if a != b]}
+        if idle.get((batch, "on")) and idle.get((batch, "off")):
+            parts = (*IDLE_PARTS, "step_us")
+            report[str(batch)]["idle_window_added_us"] = {  # on minus off, per round: median, 95% interval
+                part: median_ci95([a[part] - b[part] for a, b in zip(idle[(batch, "on")], idle[(batch, "off")])])
+                for part in parts}
+            report[str(batch)]["idle_window_off_us"] = {
+                part: statistics.median(r[part] for r in idle[(batch, "off")]) for part in parts}
         if args.writer_off:
             quiet = [a / b for a, b in zip(results[(batch, "writer-off")], off)]
             report[str(batch)]["writer_off_over_off_median"], report[str(batch)]["writer_off_ci95"] = (
@@ -220,6 +297,11 @@ def main() -> None:
         print(f"{batch:>5} {statistics.median(off):>10.1f} {statistics.median(on):>10.1f} {median:>7.3f} "
               f"{ci[0]:>7.3f}-{ci[1]:<7.3f} {100 * (1 - median):>8.1f}%   "
               f"same work on and off in {report[str(batch)]['rounds_same_work']}/{args.rounds} rounds")
+        if "idle_window_added_us" in report[str(batch)]:
+            added, off_us = report[str(batch)]["idle_window_added_us"], report[str(batch)]["idle_window_off_us"]
+            print(f"{batch:>5} per step, on minus off (median of rounds, 95% interval), of off's: " + "; ".join(
+                f"{part.removesuffix('_us')} {added[part][0]:+.1f} µs ({added[part][1][0]:+.1f} to "
+                f"{added[part][1][1]:+.1f}) of {off_us[part]:.0f}" for part in added))
     print("recorder's own time on the engine thread, µs per recorded step:", report["engine_thread_us_per_step"])
     for batch, profile in profiles.items():
         print(f"--- batch {batch}: the engine thread under cProfile, recording on ---\n{profile}")
