@@ -100,6 +100,9 @@ class Recorder:
         manifest["capture"]["recomputed_from_logits"] = any(entry is not None for entry in self.entries)
         manifest["capture"]["async_scheduling"] = not self.sampled_on_host  # vLLM turns it off for some drafters
         manifest["capture"]["model_runner"] = self.model_runner.name
+        self.timing_every = int(settings.get("time_phases_every") or (
+            TIMED_STEP_EVERY_ON_CUDA if self.capture.cuda else 1))
+        manifest["capture"]["phases_timed_every"] = self.timing_every
         self.writer = TraceWriter(
             Path(settings["out"]),
             manifest,
@@ -120,7 +123,6 @@ class Recorder:
         self.own_ns = {"execute_model": 0, "hand_over": 0, "model_forward": 0, "sample": 0, "sample_tokens": 0,
                        "phase_timing": 0}
         self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in PHASES}
-        self.timing_every = TIMED_STEP_EVERY_ON_CUDA if self.capture.cuda else 1
         self._recorded_forwards = 0
         self._timing = False  # whether the step under way is timed (its phases and the hooks' own time)
         self._batch = 0  # requests scheduled in the step under way

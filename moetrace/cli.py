@@ -70,13 +70,15 @@ def main() -> None:
 @click.option("--spec-arg", "spec_args", multiple=True, metavar="KEY=VALUE", help="Extra speculative_config entry (repeatable).")
 @click.option("--compiled", is_flag=True, help="Let vLLM compile (and capture CUDA graphs on GPU) instead of running eager.")
 @click.option("--recompute-from-logits", is_flag=True, help="Record every layer by recomputing its routing from the router logits (the path taken where the MoE kernel fuses routing), to check that path.")
+@click.option("--time-phases-every", type=int, metavar="N", help="Time the forward, sampling and drafting on one recorded step in N (the manifest's phases). Default: every step on the CPU, one in 16 on a GPU, where each timer costs the step microseconds.")
 @click.option("--rotate-seconds", default=10.0, show_default=True, help="Close the open Parquet file this often: the most a crash can lose.")
 @click.option("--force", is_flag=True, help="Overwrite an existing run directory.")
 @click.option("--verbose", is_flag=True, help="Keep vLLM's INFO logs in engine.log.")
 def record(model: str | None, ks: str, method: str, drafter: str | None, prompts_file: Path | None,
            num_prompts: int | None, max_tokens: int, batch_size: int, tp: int, candidates: int, no_token_ids: bool,
            out: Path, engine_args: tuple[str, ...], spec_args: tuple[str, ...], compiled: bool,
-           recompute_from_logits: bool, rotate_seconds: float, force: bool, verbose: bool) -> None:
+           recompute_from_logits: bool, time_phases_every: int | None, rotate_seconds: float, force: bool,
+           verbose: bool) -> None:
     """Record expert routing from vLLM while it generates with speculative decoding.
 
     MODEL is a checkpoint directory (or a name in the local Hugging Face cache); without it, the embedded tiny
@@ -89,7 +91,8 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
         num_prompts=num_prompts, max_tokens=max_tokens, batch_size=batch_size, tp=tp, candidates=candidates,
         token_ids=not no_token_ids, out=out, engine_args=parse_key_values(engine_args, "--engine-arg"),
         spec_args=parse_key_values(spec_args, "--spec-arg"), eager=not compiled,
-        recompute_from_logits=recompute_from_logits, rotate_seconds=rotate_seconds, force=force, verbose=verbose,
+        recompute_from_logits=recompute_from_logits, time_phases_every=time_phases_every,
+        rotate_seconds=rotate_seconds, force=force, verbose=verbose,
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=False) as bar:

@@ -50,6 +50,7 @@ class RecordRequest:
     spec_args: dict[str, Any] = field(default_factory=dict)
     eager: bool = True
     recompute_from_logits: bool = False
+    time_phases_every: int | None = None  # None: the recorder's default for the device
     rotate_seconds: float = 10.0
     force: bool = False
     verbose: bool = False
@@ -198,6 +199,7 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
             "candidates": request.candidates,
             "token_ids": request.token_ids,
             "recompute_from_logits": request.recompute_from_logits,
+            "time_phases_every": request.time_phases_every,
             "rotate_seconds": request.rotate_seconds,
             "random_weights": engine_args.get("load_format") == "dummy",
             "model_name": model.name,
@@ -278,6 +280,8 @@ def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[Rec
     _check_drafter(request.method, request.drafter)
     if request.candidates < 0:
         raise UserError("--candidates must be >= 0")
+    if request.time_phases_every is not None and request.time_phases_every < 1:
+        raise UserError("--time-phases-every must be >= 1")
     prompts = load_prompts(request.prompts_file)
     if request.num_prompts is not None:
         if request.num_prompts < 1:

@@ -103,6 +103,10 @@ def test_candidates_outside_top_k_to_experts_are_refused(candidates: str, tmp_pa
     assert f"--candidates {candidates}: must be more than top-8 and at most the model's 384 experts" in line
 
 
+def test_a_phase_timing_rate_below_one_step_in_one_is_refused(tmp_path: Path) -> None:
+    assert "--time-phases-every must be >= 1" in refuse(["record", "--time-phases-every", "0", "--out", str(tmp_path)])
+
+
 @pytest.mark.parametrize("engine_args, random", [({}, False), ({"load_format": "dummy"}, True)])
 def test_manifest_says_random_weights_exactly_when_vllm_loads_dummy_weights(
         engine_args: dict[str, str], random: bool, tmp_path: Path) -> None:

@@ -254,10 +254,15 @@ def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Pat
     """With vLLM compiling the model (Dynamo traces through the router wrapper), the static-buffer writes are
     part of the compiled graph and record the same routing as eager mode. Compiled kernels round differently, so
     greedy decoding may leave eager's text at some token: rows are compared up to there."""
-    compiled = open_trace(record_like_the_fixture(tmp_path, "--compiled"))
+    compiled = open_trace(record_like_the_fixture(tmp_path, "--compiled", "--time-phases-every", "3"))
     assert compiled.manifest["capture"]["mode"] == "graph-safe"
     assert compiled.manifest["capture_mechanisms"].get("traced", 0) > 0, "Dynamo traced the router wrapper"
     assert_same_routing_up_to_divergence(recorded_trace, compiled.path)
+    # the steps left untimed are recorded all the same; the timed ones are the first of every three
+    steps = compiled.manifest["counts"]["steps"]
+    assert compiled.manifest["capture"]["phases_timed_every"] == 3
+    assert sum(t["calls"] for t in compiled.manifest["phases"]["forward"].values()) == -(-steps // 3)
+    assert open_trace(recorded_trace).manifest["capture"]["phases_timed_every"] == 1  # the CPU's default
 
 
 def test_routing_recomputed_from_router_logits_equals_the_wrapped_routers(recorded_trace: Path, tmp_path: Path) -> None:
