@@ -109,12 +109,14 @@ def idle_window_probe(worker: Any, read: bool) -> dict[str, float] | None:
             if at == len(times):
                 break
             chain.append(times[at])
-        if len(chain) < len(IDLE_WINDOW) or chain[-1] - sync > 20_000_000:  # the last step, or the engine idled
+        following = syncs[index + 1] if index + 1 < len(syncs) else None
+        if len(chain) < len(IDLE_WINDOW) or chain[-1] - sync > 20_000_000 or (
+                following is not None and chain[-1] > following):  # the last step, the engine idled, or no forward
             continue
         for part, start, end in zip(IDLE_PARTS, chain, chain[1:]):
             parts[part].append(end - start)
-        if index + 1 < len(syncs) and syncs[index + 1] - sync < 100_000_000:
-            parts["step_us"].append(syncs[index + 1] - sync)
+        if following is not None and following - sync < 100_000_000:
+            parts["step_us"].append(following - sync)
     for times in stamps:
         times.clear()
     medians = {part: statistics.median(values) / 1e3 if values else float("nan") for part, values in parts.items()}
@@ -285,10 +287,11 @@ def main() -> None:
         if idle.get((batch, "on")) and idle.get((batch, "off")):
             parts = (*IDLE_PARTS, "step_us")
             report[str(batch)]["idle_window_added_us"] = {  # on minus off, per round: median, 95% interval
-                part: median_ci95([a[part] - b[part] for a, b in zip(idle[(batch, "on")], idle[(batch, "off")])])
+                part: median_ci95([a[part] - b[part] for a, b in zip(idle[(batch, "on")], idle[(batch, "off")])
+                                   if a["steps"] and b["steps"]])
                 for part in parts}
             report[str(batch)]["idle_window_off_us"] = {
-                part: statistics.median(r[part] for r in idle[(batch, "off")]) for part in parts}
+                part: statistics.median(r[part] for r in idle[(batch, "off")] if r["steps"]) for part in parts}
         if args.writer_off:
             quiet = [a / b for a, b in zip(results[(batch, "writer-off")], off)]
             report[str(batch)]["writer_off_over_off_median"], report[str(batch)]["writer_off_ci95"] = (

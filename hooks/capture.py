@@ -15,10 +15,9 @@ The wrapper around ``router._compute_routing`` has one mechanism for each way th
 - **It never runs** (a MoE kernel that fuses routing takes the router logits): ``wrap_logits_entry`` wraps the
   call that receives the logits and runs the router's own ``_compute_routing`` on them, recorded as above.
 
-After the forward, ``collect`` gathers rows [:T] from whichever mechanism ran (and says which: a forward that
-none of them wrote is refused, never recorded as zeros) into one int32 block, by one ``torch.cat`` of every layer's
-columns (views of the routers' own tensors, made once per CUDA graph), left on the device for the recorder to
-copy out without blocking. The wrapper never raises into the forward: an error inside it is kept in ``RoutingCapture.failed`` and
+After the forward, ``collect`` names rows [:T] of whichever mechanism ran (and says which: a forward that none
+of them wrote is refused, never recorded as zeros) as int32 columns: views of the routers' own tensors (made once
+per CUDA graph), left on the device for the recorder to pack and copy out without blocking. The wrapper never raises into the forward: an error inside it is kept in ``RoutingCapture.failed`` and
 the router's own result is returned untouched.
 """
 
@@ -137,17 +136,18 @@ class RoutingCapture:
         self.step = [None] * self.num_layers
 
     def collect(self, num_tokens: int, replayed: Hashable | None = None, tokens_across_dp: list[int] | None = None,
-                dp_rank: int = 0) -> tuple[str, torch.Tensor]:
-        """This rank's T rows of this forward as one int32 block [T, L*K ids | L*K weights | L*C cand_ids | L*C
-        cand_scores] (floats by their bits, layers in slot order), still on the device, and the mechanism that
-        wrote them (``eager``, ``graph`` or ``traced``). ``replayed`` names the CUDA graph the forward replayed
-        (None: no graph); ``tokens_across_dp`` the tokens of every DP rank in this forward (None without DP). No
-        kernel ran in the forward, so the gather is here: one ``torch.cat``. Raises ``NothingCaptured`` when no
+                dp_rank: int = 0) -> tuple[str, list[torch.Tensor]]:
+        """This rank's T rows of this forward as int32 columns [T, w] (floats by their bits), views on the device:
+        side by side they are the block [T, L*K ids | L*K weights | L*C cand_ids | L*C cand_scores] (layers in slot
+        order); and the mechanism that wrote them (``eager``, ``graph`` or ``traced``). ``replayed`` names the CUDA
+        graph the forward replayed (None: no graph); ``tokens_across_dp`` the tokens of every DP rank in this forward
+        (None without DP). No kernel ran in the forward, and none runs here. Raises ``NothingCaptured`` when no
         mechanism wrote this forward."""
         mechanism, columns = self._columns(replayed, num_tokens)
-        block = torch.cat(columns, dim=1)
-        start = own_rows_start(block.shape[0], num_tokens, tokens_across_dp, dp_rank) if mechanism != "traced" else 0
-        return mechanism, block[start : start + num_tokens]
+        if mechanism == "traced":
+            return mechanism, columns
+        start = own_rows_start(columns[0].shape[0], num_tokens, tokens_across_dp, dp_rank)
+        return mechanism, [column[start : start + num_tokens] for column in columns]
 
     def _columns(self, replayed: Hashable | None, num_tokens: int) -> tuple[str, list[torch.Tensor]]:
         """Which mechanism wrote this forward, and its int32 columns: each layer's [N, K or C] per field (N: the

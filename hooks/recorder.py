@@ -6,7 +6,9 @@ Both of vLLM's model runners are recorded (``vllm_api.RunnerV1`` and ``RunnerV2`
 and where a step's batch lives): ``execute_model`` runs the target forward, a sampling call runs the rejection
 sampler, and the drafter runs after both. Each of the three is timed (the manifest's ``phases``: host time, and on
 CUDA the device time between events around it, per batch size) on every step on the CPU and one step in
-``TIMED_STEP_EVERY_ON_CUDA`` on a GPU, so a trace says where its steps' time went.
+``TIMED_STEP_EVERY_ON_CUDA`` on a GPU (``--time-phases-every``), so a trace says where its steps' time went. The
+timed steps follow a Weyl sequence: spread evenly, never in step with a periodic workload (a fixed every-Nth step
+would time nothing but prefills when requests last N steps).
 
 Under sync scheduling the GPU idles from vLLM's sync after sampling until the next forward is launched, so
 whatever a hook does there slows every step; everything else runs while the GPU is busy. Before the launch the
@@ -24,12 +26,11 @@ thread in the engine process competes with the engine loop for the GIL while ste
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,8 +91,7 @@ class Recorder:
         self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
         self.sampled_on_host = self.model_runner.sampled_on_host()
-        self.copier = StepCopier(device, (int(runner.max_num_tokens), self.layout.width) if self.sampled_on_host
-                                 else None)
+        self.copier = StepCopier(device, int(runner.max_num_tokens), self.layout.width, staged=self.sampled_on_host)
         self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
         self._tokens_across_dp: list[int] | None = None  # every DP rank's tokens in the last forward
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
@@ -123,7 +123,7 @@ class Recorder:
         self.own_ns = {"execute_model": 0, "hand_over": 0, "model_forward": 0, "sample": 0, "sample_tokens": 0,
                        "phase_timing": 0}
         self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in PHASES}
-        self._recorded_forwards = 0
+        self._timing_phase = 0.0  # a Weyl sequence: steps timed evenly, never in step with a periodic workload
         self._timing = False  # whether the step under way is timed (its phases and the hooks' own time)
         self._batch = 0  # requests scheduled in the step under way
         self._roles: dict[str, Callable[..., Any]] = {
@@ -165,6 +165,7 @@ class Recorder:
                 setattr(point.owner, point.name, replaced)
         self._installed = []
         self._pending = None
+        self.capture.begin_step()  # the last forward's router outputs are not held while unhooked
 
     def close(self) -> dict[str, Any]:
         """Unhook and close the trace; idempotent, and safe from any thread."""
@@ -186,30 +187,43 @@ class Recorder:
     # -- engine-thread hooks: never raise into the engine ------------------------------------------------------
 
     def execute_model(self, original: Callable[..., Any], scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        self._timing = False
         if self.writer.failed is not None:
             return original(scheduler_output, *args, **kwargs)
-        # Before the launch: only what the forward needs (under sync scheduling the GPU idles until it is launched).
+        # Before the launch only what the forward needs: under sync scheduling the GPU idles until it is launched.
+        began = time.perf_counter_ns()
         t_start = time.time_ns()
-        self.copier.fence()  # the last step's copy has read the buffers this step's inputs overwrite
-        self.capture.begin_step()
-        self._replayed = self._tokens_across_dp = None
-        # V2 runs its dummy batches (profiling, idle DP ranks) through execute_model too, and warms its kernels up
-        # with batches of requests of its own: none of them a request's.
-        recorded = bool(scheduler_output.total_num_scheduled_tokens) and not kwargs.get("dummy_run", False) and (
-            not self.model_runner.is_warmup(scheduler_output))
-        self._batch = len(scheduler_output.num_scheduled_tokens) if recorded else 0
-        self._timing = recorded and self._recorded_forwards % self.timing_every == 0
-        self._recorded_forwards += recorded
+        recorded = False
+        try:
+            self.copier.fence()  # the last step's copy has read the buffers this step's inputs overwrite
+            self.capture.begin_step()
+            self._replayed = self._tokens_across_dp = None
+            # V2 runs its dummy batches (profiling, idle DP ranks) through execute_model too, and warms its kernels
+            # up with batches of requests of its own: none of them a request's.
+            recorded = bool(scheduler_output.total_num_scheduled_tokens) and not kwargs.get("dummy_run", False) and (
+                not self.model_runner.is_warmup(scheduler_output))
+            self._batch = len(scheduler_output.num_scheduled_tokens) if recorded else 0
+            if recorded:
+                self._timing_phase = (self._timing_phase + GOLDEN_RATIO_CONJUGATE) % 1.0
+                self._timing = self._timing_phase * self.timing_every < 1.0
+        except Exception as exc:
+            self._stop(exc)
+            self._timing = False
+        if self._timing:
+            self.own_ns["execute_model"] += time.perf_counter_ns() - began
         result = self._timed("forward", original, scheduler_output, *args, **kwargs)
         # The GPU runs this step's forward now: hand the last step over (before this step's copy is queued into
         # the staging buffer that the last step's bytes are pickled from), then queue this step's copy.
         resumed = time.perf_counter_ns() if self._timing else 0
         self.writer.forward_ready()
-        for timing in self.phases.values():
-            timing.read_done()
+        try:
+            for timing in self.phases.values():
+                timing.read_done()
+        except Exception as exc:
+            self._stop(exc)
         handed = time.perf_counter_ns() if self._timing else 0
         self._pending = None
-        if recorded:
+        if recorded and self.writer.failed is None:
             try:
                 self._pending = self._layout(t_start)
             except Exception as exc:
@@ -338,14 +352,12 @@ class Recorder:
             raise RuntimeError(self.capture.failed)
         inputs = self.model_runner.step_inputs()
         num_tokens = int(inputs.query_start[-1])
-        with self.copier.packing():
-            mechanism, routing = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp,
-                                                      self.dp_rank)
-            # One int32 [T, W] block (floats by their bits), so one copy brings the whole step to the host.
-            columns = [routing, int32_column(inputs.positions)]
-            if self.token_ids:
-                columns.append(int32_column(inputs.input_ids))
-            packed = self.copier.to_host(torch.cat(columns, dim=1))
+        mechanism, columns = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp, self.dp_rank)
+        # One int32 [T, W] block (floats by their bits), so one copy brings the whole step to the host.
+        columns.append(int32_column(inputs.positions))
+        if self.token_ids:
+            columns.append(int32_column(inputs.input_ids))
+        packed = self.copier.copy(columns)
         self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
         return PendingStep(
             step=self._next_step(),
@@ -366,6 +378,7 @@ class Recorder:
 
 PHASES = ("forward", "sampling", "drafting")  # execute_model, _sample, propose_draft_token_ids
 TIMED_STEP_EVERY_ON_CUDA = 16  # a GPU step of a few ms is timed one in 16: each CUDA event record costs it µs
+GOLDEN_RATIO_CONJUGATE = 0.6180339887498949
 
 
 class PhaseTiming:
@@ -433,52 +446,50 @@ def int32_column(values: torch.Tensor) -> torch.Tensor:
 
 
 class StepCopier:
-    """Brings each step's block to the host without blocking. On CUDA the block is packed and copied on a stream of
-    its own, after the forward and beside vLLM's sampler: on vLLM's stream those kernels would sit between the
-    forward and the sampler, delaying the sync that the next step waits for. ``fence`` makes vLLM's stream wait
-    for the copy before anything of a later step can overwrite what it reads (the runner's input buffers, a CUDA
-    graph's outputs, router outputs once freed), and so vLLM's own sync covers the copy. Under sync scheduling the
+    """Brings each step's columns to the host as one int32 block [T, W], without blocking. On CUDA they are packed
+    into a device buffer allocated once (at load, so vLLM's memory profiling counts it) and copied on a stream of
+    their own, after the forward and beside vLLM's sampler: on vLLM's stream those kernels would sit between the
+    forward and the sampler, delaying the sync that the next step waits for. ``fence`` makes vLLM's stream wait for
+    the copy before anything of a later step can overwrite what it reads (the runner's input buffers, a CUDA graph's
+    outputs, router outputs once freed), and so vLLM's own sync covers the copy. ``staged`` (sync scheduling): the
     block lands in one pinned buffer allocated once (a step is handed over, its bytes pickled, before the next
-    step's copy is queued); under async scheduling, where steps wait for their events, in fresh pinned memory."""
+    step's copy is queued); else (async scheduling, where steps wait for their events) in fresh pinned memory."""
 
-    def __init__(self, device: torch.device, staging_shape: tuple[int, int] | None) -> None:
+    def __init__(self, device: torch.device, max_rows: int, width: int, staged: bool) -> None:
         self.cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
-        self._forward_done = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
-        self._copied = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
         self._unfenced = False  # a copy was queued that vLLM's stream has not been made to wait for
-        self._staging = None
-        if self.cuda and staging_shape is not None:
-            self._staging = torch.empty(staging_shape, dtype=torch.int32, pin_memory=True)
+        self._device: tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event, torch.Tensor] | None = None
+        self._staging: torch.Tensor | None = None
+        if self.cuda:
+            self._device = (torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
+                            torch.cuda.Event(), torch.cuda.Event(),  # type: ignore[no-untyped-call]
+                            torch.empty((max_rows, width), dtype=torch.int32, device=device))
+            if staged:
+                self._staging = torch.empty((max_rows, width), dtype=torch.int32, pin_memory=True)
 
-    @contextlib.contextmanager
-    def packing(self) -> Iterator[None]:
-        """Device work inside runs on the copier's stream, after everything queued on vLLM's stream so far."""
-        if self._stream is None or self._forward_done is None:
-            yield
-            return
-        self._forward_done.record()
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(self._forward_done)
-            yield
-
-    def to_host(self, packed: torch.Tensor) -> torch.Tensor:
-        """``packed``'s copy on the host (a host tensor is returned as it is)."""
-        if self._copied is None:
-            return packed
-        if self._staging is None:
-            host = to_host(packed)
-        else:
-            host = self._staging[: packed.shape[0]]
-            host.copy_(packed, non_blocking=True)
-        self._copied.record()
+    def copy(self, columns: list[torch.Tensor]) -> torch.Tensor:
+        """``columns`` [T, w_i] side by side, on the host: their concatenation itself off CUDA."""
+        if self._device is None:
+            return torch.cat(columns, dim=1)
+        stream, forward_done, copied, block = self._device
+        rows = columns[0].shape[0]
+        forward_done.record()
+        with torch.cuda.stream(stream):
+            stream.wait_event(forward_done)
+            packed = torch.cat(columns, dim=1, out=block[:rows])
+            if self._staging is None:
+                host = to_host(packed)
+            else:
+                host = self._staging[:rows]
+                host.copy_(packed, non_blocking=True)
+            copied.record()
         self._unfenced = True
         return host
 
     def fence(self) -> None:
         """Make vLLM's stream wait for the last copy (once per copy)."""
-        if self._unfenced and self._copied is not None:
-            torch.cuda.current_stream().wait_event(self._copied)
+        if self._unfenced and self._device is not None:
+            torch.cuda.current_stream().wait_event(self._device[2])
             self._unfenced = False
 
 

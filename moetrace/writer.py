@@ -304,9 +304,11 @@ class TraceWriter:
                 message = step.ready()
             else:
                 break
-            self._waiting.popleft()
             # With each step, how many have been submitted: the writer process knows what a killed engine held.
             self._backlog += pickle.dumps(("step", message, self._submitted), protocol=pickle.HIGHEST_PROTOCOL)
+            # Taken off the queue only once its bytes are pickled: until then the engine thread's forward_ready
+            # sees it queued and waits for the lock instead of queueing the next copy into the same staging rows.
+            self._waiting.popleft()
         if self._waiting:  # steps held here: say how many were submitted, in case this process dies holding them
             self._backlog += pickle.dumps(("held", self._submitted), protocol=pickle.HIGHEST_PROTOCOL)
         self._drain(wait)

@@ -80,10 +80,10 @@ def setup(candidates: int = 0, device: str = "cpu") -> tuple[list[BiasRouter], R
 
 def collected(capture: RoutingCapture, num_tokens: int, replayed: Any = None, mechanism: str | None = None
               ) -> dict[str, torch.Tensor]:
-    """Rows of the forward just run, on the host."""
-    used, block = capture.collect(num_tokens, replayed)
+    """Rows of the forward just run, on the host, packed side by side as the recorder packs them."""
+    used, columns = capture.collect(num_tokens, replayed)
     assert mechanism is None or used == mechanism
-    return unpacked(capture, block)
+    return unpacked(capture, torch.cat(columns, dim=1))
 
 
 def unpacked(capture: RoutingCapture, block: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -124,9 +124,9 @@ def test_a_router_that_sees_every_dp_ranks_tokens_records_only_this_ranks_rows()
     for rank, own in enumerate(across):
         capture.begin_step()
         forward(routers, logits)
-        used, block = capture.collect(own, None, across, rank)
+        used, columns = capture.collect(own, None, across, rank)
         start = sum(across[:rank])
-        assert_rows_equal(unpacked(capture, block), routers, logits[start : start + own])
+        assert_rows_equal(unpacked(capture, torch.cat(columns, dim=1)), routers, logits[start : start + own])
     # a dispatch that routes before gathering: the first rows are this rank's, padding after them
     assert own_rows_start(4, 3, across, 1) == 0 and own_rows_start(6, 1, None, 0) == 0
     with pytest.raises(ValueError, match="routers saw 2 rows for 3 tokens"):
@@ -317,7 +317,7 @@ def test_a_step_copied_on_its_own_stream_holds_what_the_forward_wrote_once_vllms
     landed and untouched."""
     from moetrace.hooks.recorder import StepCopier
 
-    copier = StepCopier(torch.device("cuda"), (64, 8) if staging else None)
+    copier = StepCopier(torch.device("cuda"), 64, 8, staged=staging)
     slow = torch.randn(4096, 4096, device="cuda")
     inputs = torch.zeros(64, 8, dtype=torch.int32, device="cuda")  # the runner's persistent input buffer
     gen = torch.Generator().manual_seed(7)
@@ -327,8 +327,7 @@ def test_a_step_copied_on_its_own_stream_holds_what_the_forward_wrote_once_vllms
         for _ in range(4):
             slow = slow @ slow / 64  # the forward: long enough that an unordered copy would read stale values
         inputs[:rows].copy_(staged, non_blocking=True)
-        with copier.packing():
-            host = copier.to_host(torch.cat([inputs[:rows, :5], inputs[:rows, 5:]], dim=1))
+        host = copier.copy([inputs[:rows, :5], inputs[:rows, 5:]])
         copier.fence()
         inputs.fill_(-1)  # the next step's inputs
         torch.cuda.current_stream().synchronize()  # what vLLM's sync waits for

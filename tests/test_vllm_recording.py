@@ -258,10 +258,11 @@ def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Pat
     assert compiled.manifest["capture"]["mode"] == "graph-safe"
     assert compiled.manifest["capture_mechanisms"].get("traced", 0) > 0, "Dynamo traced the router wrapper"
     assert_same_routing_up_to_divergence(recorded_trace, compiled.path)
-    # the steps left untimed are recorded all the same; the timed ones are the first of every three
+    # the steps left untimed are recorded all the same; one in three is timed, spread evenly (a Weyl sequence:
+    # never in step with the workload's period, within 3 of a third over any number of steps)
     steps = compiled.manifest["counts"]["steps"]
     assert compiled.manifest["capture"]["phases_timed_every"] == 3
-    assert sum(t["calls"] for t in compiled.manifest["phases"]["forward"].values()) == -(-steps // 3)
+    assert abs(sum(t["calls"] for t in compiled.manifest["phases"]["forward"].values()) - steps / 3) <= 3
     assert open_trace(recorded_trace).manifest["capture"]["phases_timed_every"] == 1  # the CPU's default
 
 
