@@ -173,7 +173,8 @@ def median_ci95(ratios: list[float], resamples: int = 10_000) -> tuple[float, li
     return statistics.median(ratios), [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
 
 
-def engine_settings_for(model: str, scratch: Path, batch: int, max_tokens: int, compiled: bool) -> dict[str, Any]:
+def engine_settings_for(model: str, scratch: Path, batch: int, max_tokens: int, compiled: bool,
+                        time_phases_every: int | None) -> dict[str, Any]:
     from moetrace.default_model import encode_text
     from moetrace.prompts import BUILTIN_PROMPTS
     from moetrace.record import RecordRequest, engine_settings, resolve_model
@@ -181,14 +182,14 @@ def engine_settings_for(model: str, scratch: Path, batch: int, max_tokens: int, 
     prompts = list(BUILTIN_PROMPTS)
     if model == "default":
         request = RecordRequest(model=None, ks=[3], batch_size=batch, max_tokens=max_tokens, out=scratch,
-                                eager=not compiled)
+                                eager=not compiled, time_phases_every=time_phases_every)
         return engine_settings(request, resolve_model(None), 3, scratch / "trace", prompts, scratch / "progress")
     model_dir = scratch / "kimi-k2-tp8"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(kimi_k2_slice(8)))
     request = RecordRequest(model=str(model_dir), ks=[3], batch_size=batch, max_tokens=max_tokens, out=scratch,
-                            eager=not compiled, engine_args={"load_format": "dummy", "skip_tokenizer_init": True,
-                                                             "max_model_len": 1024})
+                            eager=not compiled, time_phases_every=time_phases_every,
+                            engine_args={"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 1024})
     settings = engine_settings(request, resolve_model(str(model_dir)), 3, scratch / "trace", prompts,
                                scratch / "progress")
     # No tokenizer: the built-in prompts as byte ids, which lie inside the model's vocabulary.
@@ -207,6 +208,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--profile", action="store_true",
                         help="then one round per batch, recording on, under cProfile in the engine thread")
+    parser.add_argument("--time-phases-every", type=int, help="as moetrace record's (default: the recorder's)")
     parser.add_argument("--writer-off", action="store_true",
                         help="also measure a third mode: hooks on, writer discarding every step")
     args = parser.parse_args()
@@ -218,7 +220,8 @@ def main() -> None:
     from moetrace.host import gpu_inventory
 
     with tempfile.TemporaryDirectory(prefix="moetrace-bench-") as scratch:
-        settings = engine_settings_for(args.model, Path(scratch), max(batches), args.max_tokens, args.compiled)
+        settings = engine_settings_for(args.model, Path(scratch), max(batches), args.max_tokens, args.compiled,
+                                       args.time_phases_every)
         llm = build_llm(settings)
         base = engine_prompts(settings)
         try:
@@ -284,14 +287,14 @@ def main() -> None:
                               "rounds_other_work": [  # round, (drafts, accepted) off, the same on
                                   [i, list(a.values()), list(b.values())] for i, (a, b) in
                                   enumerate(zip(workload[(batch, "off")], workload[(batch, "on")])) if a != b]}
-        if idle.get((batch, "on")) and idle.get((batch, "off")):
+        if idle.get((batch, "off")):
             parts = (*IDLE_PARTS, "step_us")
-            report[str(batch)]["idle_window_added_us"] = {  # on minus off, per round: median, 95% interval
-                part: median_ci95([a[part] - b[part] for a, b in zip(idle[(batch, "on")], idle[(batch, "off")])
-                                   if a["steps"] and b["steps"]])
-                for part in parts}
             report[str(batch)]["idle_window_off_us"] = {
                 part: statistics.median(r[part] for r in idle[(batch, "off")] if r["steps"]) for part in parts}
+            report[str(batch)]["idle_window_added_us"] = {  # per mode, minus off, per round: median, 95% interval
+                mode: {part: median_ci95([a[part] - b[part] for a, b in zip(idle[(batch, mode)], idle[(batch, "off")])
+                                          if a["steps"] and b["steps"]]) for part in parts}
+                for mode in modes[1:] if idle.get((batch, mode))}
         if args.writer_off:
             quiet = [a / b for a, b in zip(results[(batch, "writer-off")], off)]
             report[str(batch)]["writer_off_over_off_median"], report[str(batch)]["writer_off_ci95"] = (
@@ -300,9 +303,9 @@ def main() -> None:
         print(f"{batch:>5} {statistics.median(off):>10.1f} {statistics.median(on):>10.1f} {median:>7.3f} "
               f"{ci[0]:>7.3f}-{ci[1]:<7.3f} {100 * (1 - median):>8.1f}%   "
               f"same work on and off in {report[str(batch)]['rounds_same_work']}/{args.rounds} rounds")
-        if "idle_window_added_us" in report[str(batch)]:
-            added, off_us = report[str(batch)]["idle_window_added_us"], report[str(batch)]["idle_window_off_us"]
-            print(f"{batch:>5} per step, on minus off (median of rounds, 95% interval), of off's: " + "; ".join(
+        for mode, added in report[str(batch)].get("idle_window_added_us", {}).items():
+            off_us = report[str(batch)]["idle_window_off_us"]
+            print(f"{batch:>5} per step, {mode} minus off (median of rounds, 95% interval), of off's: " + "; ".join(
                 f"{part.removesuffix('_us')} {added[part][0]:+.1f} µs ({added[part][1][0]:+.1f} to "
                 f"{added[part][1][1]:+.1f}) of {off_us[part]:.0f}" for part in added))
     print("recorder's own time on the engine thread, µs per recorded step:", report["engine_thread_us_per_step"])
