@@ -399,9 +399,8 @@ class PhaseTiming:
         self.calls += 1
         if not self.cuda:
             return ()
-        timing = {"enable_timing": True}
         events = self._free.pop() if self._free else (
-            torch.cuda.Event(**timing), torch.cuda.Event(**timing))  # type: ignore[no-untyped-call]
+            torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
         events[0].record()
         return events
 
@@ -456,11 +455,11 @@ class StepCopier:
     step's copy is queued); else (async scheduling, where steps wait for their events) in fresh pinned memory."""
 
     def __init__(self, device: torch.device, max_rows: int, width: int, staged: bool) -> None:
-        self.cuda = device.type == "cuda"
         self._unfenced = False  # a copy was queued that vLLM's stream has not been made to wait for
+        # On CUDA: the copier's stream, the events after the forward and after the copy, the device block
         self._device: tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event, torch.Tensor] | None = None
         self._staging: torch.Tensor | None = None
-        if self.cuda:
+        if device.type == "cuda":
             self._device = (torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
                             torch.cuda.Event(), torch.cuda.Event(),  # type: ignore[no-untyped-call]
                             torch.empty((max_rows, width), dtype=torch.int32, device=device))
@@ -489,7 +488,8 @@ class StepCopier:
     def fence(self) -> None:
         """Make vLLM's stream wait for the last copy (once per copy)."""
         if self._unfenced and self._device is not None:
-            torch.cuda.current_stream().wait_event(self._device[2])
+            _, _, copied, _ = self._device
+            torch.cuda.current_stream().wait_event(copied)
             self._unfenced = False
 
 
