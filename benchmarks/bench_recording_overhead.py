@@ -79,14 +79,15 @@ def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) ->
 IDLE_WINDOW = (("_bookkeeping_sync", True), ("sample_tokens", True), ("execute_model", False),
                ("_model_forward", False))
 IDLE_PARTS = ("drafting_us", "between_steps_us", "prep_us")
+BUSY_PART = "launch_to_sync_us"  # the forward's launch to the next sync: the GPU's work, unless the host lags it
 
 
 def idle_window_probe(worker: Any, read: bool) -> dict[str, float] | None:
     """In the worker (through ``collective_rpc``): install (once) stamps on V1's runner at class level, so they run
     beneath the recorder's hooks whether those are installed or not: on return from ``_bookkeeping_sync`` (vLLM has
     synced; the GPU idles from here) and ``sample_tokens``, on entry to ``execute_model`` and ``_model_forward`` (the
-    forward's launch). With ``read``: the medians in µs of the steps since the last read (``IDLE_PARTS`` and
-    ``step_us``, sync to sync), and forget them. None where the runner lacks one of the four (Model Runner V2)."""
+    forward's launch). With ``read``: the medians in µs of the steps since the last read (``IDLE_PARTS``,
+    ``BUSY_PART`` and ``step_us``, sync to sync), and forget them. None where the runner lacks one of the four (Model Runner V2)."""
     import bisect
 
     runner_class = type(worker.model_runner)
@@ -100,7 +101,7 @@ def idle_window_probe(worker: Any, read: bool) -> dict[str, float] | None:
             setattr(runner_class, name, stamping(getattr(runner_class, name), times, on_return))
     if not read:
         return None
-    parts: dict[str, list[int]] = {part: [] for part in (*IDLE_PARTS, "step_us")}
+    parts: dict[str, list[int]] = {part: [] for part in (*IDLE_PARTS, BUSY_PART, "step_us")}
     syncs = stamps[0]
     for index, sync in enumerate(syncs):
         chain = [sync]
@@ -116,6 +117,7 @@ def idle_window_probe(worker: Any, read: bool) -> dict[str, float] | None:
         for part, start, end in zip(IDLE_PARTS, chain, chain[1:]):
             parts[part].append(end - start)
         if following is not None and following - sync < 100_000_000:
+            parts[BUSY_PART].append(following - chain[-1])
             parts["step_us"].append(following - sync)
     for times in stamps:
         times.clear()
@@ -135,14 +137,25 @@ def stamping(method: Any, times: list[int], on_return: bool) -> Any:
     return stamped
 
 
-def writer_discards(worker: Any, discard: bool) -> None:
-    """In the worker (through ``collective_rpc``): the hooks keep running, but the writer drops every step
-    unassembled, so the difference to "on" is what the writer thread costs the engine (GIL, CPU)."""
-    writer = worker._moetrace_recorder.writer
-    if discard:
-        writer.submit = lambda item: None
+# What each mode changes with recording on (through ``collective_rpc``, in the worker): "writer-off" keeps the hooks
+# but drops every step before the hand-over (the difference to "on" is the writer process's share: pickling, pipe,
+# CPU); "untimed" times no step's phases (the difference is the CUDA events' share).
+MODES = ("off", "on", "writer-off", "untimed")
+
+
+def set_mode(worker: Any, mode: str) -> None:
+    """In the worker: recording as ``mode`` asks (one of ``MODES``)."""
+    if mode == "off":
+        worker.moetrace_pause()
+        return
+    worker.moetrace_resume()
+    recorder = worker._moetrace_recorder
+    if mode == "writer-off":
+        recorder.writer.submit = lambda item: None
     else:
-        vars(writer).pop("submit", None)
+        vars(recorder.writer).pop("submit", None)
+    timing_every = vars(worker).setdefault("_bench_timing_every", recorder.timing_every)  # the recorder's own
+    recorder.timing_every = 1 << 60 if mode == "untimed" else timing_every
 
 
 def engine_profile(worker: Any, start: bool) -> str | None:
@@ -209,10 +222,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="then one round per batch, recording on, under cProfile in the engine thread")
     parser.add_argument("--time-phases-every", type=int, help="as moetrace record's (default: the recorder's)")
-    parser.add_argument("--writer-off", action="store_true",
-                        help="also measure a third mode: hooks on, writer discarding every step")
+    parser.add_argument("--modes", default="off,on",
+                        help=f"modes to alternate, 'off' and 'on' first, then any of {', '.join(MODES[2:])}")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    modes = tuple(args.modes.split(","))
+    if modes[:2] != ("off", "on") or not set(modes) <= set(MODES) or len(set(modes)) < len(modes):
+        parser.error(f"--modes: 'off,on' first, then any of {', '.join(MODES[2:])} (got {args.modes!r})")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with functions from this script
 
     from moetrace.engine import build_llm, engine_prompts
@@ -230,7 +246,6 @@ def main() -> None:
             idle: dict[tuple[int, str], list[dict[str, float]]] = {}  # per round: the idle window's medians
             results: dict[tuple[int, str], list[float]] = {}
             workload: dict[tuple[int, str], list[dict[str, float]]] = {}  # vLLM's counters, per round
-            modes = ("off", "on", "writer-off") if args.writer_off else ("off", "on")
             for round_index in range(args.rounds):
                 order = modes if round_index % 2 == 0 else modes[::-1]
                 for batch in batches:
@@ -238,9 +253,7 @@ def main() -> None:
                     count = 8 if batch == 1 else 2 * batch
                     prompts = [base[i % len(base)] for i in range(count)]
                     for mode in order:
-                        llm.collective_rpc("moetrace_pause" if mode == "off" else "moetrace_resume")
-                        if args.writer_off:
-                            llm.collective_rpc(writer_discards, args=(mode == "writer-off",))
+                        llm.collective_rpc(set_mode, args=(mode,))
                         tok_s, counted = timed_generate(llm, prompts, batch, args.max_tokens)
                         results.setdefault((batch, mode), []).append(tok_s)
                         workload.setdefault((batch, mode), []).append(counted)
@@ -267,6 +280,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "recording_complete": [c["complete"] for c in closed if c is not None],
         "engine_thread_us_per_step": [c.get("engine_thread_us_per_step") for c in closed if c is not None],
+        "capture_mechanisms": [c.get("capture_mechanisms") for c in closed if c is not None],  # forwards per mechanism
         "phases": [c.get("phases") for c in closed if c is not None],  # host and device ms per call, per batch
         "command": "python benchmarks/bench_recording_overhead.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
@@ -288,18 +302,17 @@ def main() -> None:
                                   [i, list(a.values()), list(b.values())] for i, (a, b) in
                                   enumerate(zip(workload[(batch, "off")], workload[(batch, "on")])) if a != b]}
         if idle.get((batch, "off")):
-            parts = (*IDLE_PARTS, "step_us")
+            parts = (*IDLE_PARTS, BUSY_PART, "step_us")
             report[str(batch)]["idle_window_off_us"] = {
                 part: statistics.median(r[part] for r in idle[(batch, "off")] if r["steps"]) for part in parts}
             report[str(batch)]["idle_window_added_us"] = {  # per mode, minus off, per round: median, 95% interval
                 mode: {part: median_ci95([a[part] - b[part] for a, b in zip(idle[(batch, mode)], idle[(batch, "off")])
                                           if a["steps"] and b["steps"]]) for part in parts}
                 for mode in modes[1:] if idle.get((batch, mode))}
-        if args.writer_off:
-            quiet = [a / b for a, b in zip(results[(batch, "writer-off")], off)]
-            report[str(batch)]["writer_off_over_off_median"], report[str(batch)]["writer_off_ci95"] = (
-                median_ci95(quiet))
-            print(f"{batch:>5} hooks on, writer discarding: on/off {report[str(batch)]['writer_off_over_off_median']:.3f}")
+        for mode in modes[2:]:
+            mode_median, mode_ci = median_ci95([a / b for a, b in zip(results[(batch, mode)], off)])
+            report[str(batch)][f"{mode}_over_off"] = {"median": mode_median, "ci95": mode_ci}
+            print(f"{batch:>5} {mode}: over off {mode_median:.3f} ({mode_ci[0]:.3f}-{mode_ci[1]:.3f})")
         print(f"{batch:>5} {statistics.median(off):>10.1f} {statistics.median(on):>10.1f} {median:>7.3f} "
               f"{ci[0]:>7.3f}-{ci[1]:<7.3f} {100 * (1 - median):>8.1f}%   "
               f"same work on and off in {report[str(batch)]['rounds_same_work']}/{args.rounds} rounds")
