@@ -54,9 +54,9 @@ def kimi_k2_slice(tp: int) -> dict[str, Any]:
     }
 
 
-def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) -> tuple[float, dict[str, float]]:
-    """Generated tokens per second, ``batch`` requests at a time, and the drafts and accepted tokens vLLM counted
-    meanwhile (greedy and deterministic: equal in every round unless the kernels are not)."""
+def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) -> tuple[float, float, dict[str, float]]:
+    """Generated tokens per second, ``batch`` requests at a time, the seconds it took, and the drafts and accepted
+    tokens vLLM counted meanwhile (greedy and deterministic: equal in every round unless the kernels are not)."""
     from vllm import SamplingParams
 
     from moetrace.engine import spec_decode_counters
@@ -70,7 +70,7 @@ def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) ->
         generated += sum(len(o.outputs[0].token_ids) for o in outputs)
     elapsed = time.perf_counter() - started
     after = spec_decode_counters(llm)
-    return generated / elapsed, {name: after[name] - before.get(name, 0.0) for name in
+    return generated / elapsed, elapsed, {name: after[name] - before.get(name, 0.0) for name in
                                  ("num_drafts", "num_accepted_tokens") if name in after}
 
 
@@ -87,7 +87,8 @@ def idle_window_probe(worker: Any, read: bool) -> dict[str, float] | None:
     beneath the recorder's hooks whether those are installed or not: on return from ``_bookkeeping_sync`` (vLLM has
     synced; the GPU idles from here) and ``sample_tokens``, on entry to ``execute_model`` and ``_model_forward`` (the
     forward's launch). With ``read``: the medians in µs of the steps since the last read (``IDLE_PARTS``,
-    ``BUSY_PART`` and ``step_us``, sync to sync), and forget them. None where the runner lacks one of the four (Model Runner V2)."""
+    ``BUSY_PART`` and ``step_us``, sync to sync), the steps' mean and their sum (``steps_ms``: a median hides what
+    only some steps pay, such as prefills or timed steps), and forget them. None where the runner lacks one of the four (Model Runner V2)."""
     import bisect
 
     runner_class = type(worker.model_runner)
@@ -122,7 +123,16 @@ def idle_window_probe(worker: Any, read: bool) -> dict[str, float] | None:
     for times in stamps:
         times.clear()
     medians = {part: statistics.median(values) / 1e3 if values else float("nan") for part, values in parts.items()}
-    return {**medians, "steps": len(parts["prep_us"])}
+    steps = parts["step_us"]
+    return {**medians, "step_mean_us": sum(steps) / len(steps) / 1e3 if steps else float("nan"),
+            "steps_ms": sum(steps) / 1e6, "steps": len(parts["prep_us"]), "all_steps_us": [t // 1000 for t in steps]}
+
+
+def step_quantiles(steps_us: list[int]) -> dict[str, float]:
+    """Steps' count, mean and percentiles (µs)."""
+    cuts = statistics.quantiles(steps_us, n=100) if len(steps_us) > 1 else [float("nan")] * 99
+    return {"steps": len(steps_us), "mean": statistics.fmean(steps_us) if steps_us else float("nan"),
+            **{f"p{q}": cuts[q - 1] for q in (10, 50, 90, 95, 99)}}
 
 
 def stamping(method: Any, times: list[int], on_return: bool) -> Any:
@@ -254,11 +264,13 @@ def main() -> None:
                     prompts = [base[i % len(base)] for i in range(count)]
                     for mode in order:
                         llm.collective_rpc(set_mode, args=(mode,))
-                        tok_s, counted = timed_generate(llm, prompts, batch, args.max_tokens)
+                        tok_s, elapsed, counted = timed_generate(llm, prompts, batch, args.max_tokens)
                         results.setdefault((batch, mode), []).append(tok_s)
                         workload.setdefault((batch, mode), []).append(counted)
                         window = llm.collective_rpc(idle_window_probe, args=(True,))[0]
                         if window is not None:
+                            # the round's time beside its steps': engine idle between requests, steps left out
+                            window["outside_steps_ms"] = elapsed * 1e3 - window["steps_ms"]
                             idle.setdefault((batch, mode), []).append(window)
             profiles = {}
             if args.profile:
@@ -302,10 +314,13 @@ def main() -> None:
                                   [i, list(a.values()), list(b.values())] for i, (a, b) in
                                   enumerate(zip(workload[(batch, "off")], workload[(batch, "on")])) if a != b]}
         if idle.get((batch, "off")):
-            parts = (*IDLE_PARTS, BUSY_PART, "step_us")
-            report[str(batch)]["idle_window_off_us"] = {
+            parts = (*IDLE_PARTS, BUSY_PART, "step_us", "step_mean_us", "steps_ms", "outside_steps_ms")
+            # every step of every round, pooled per mode: where in the distribution recording adds its time
+            report[str(batch)]["step_quantiles_us"] = {
+                mode: step_quantiles([t for r in idle[(batch, mode)] for t in r["all_steps_us"]]) for mode in modes}
+            report[str(batch)]["idle_window_off"] = {
                 part: statistics.median(r[part] for r in idle[(batch, "off")] if r["steps"]) for part in parts}
-            report[str(batch)]["idle_window_added_us"] = {  # per mode, minus off, per round: median, 95% interval
+            report[str(batch)]["idle_window_added"] = {  # per mode, minus off, per round: median, 95% interval
                 mode: {part: median_ci95([a[part] - b[part] for a, b in zip(idle[(batch, mode)], idle[(batch, "off")])
                                           if a["steps"] and b["steps"]]) for part in parts}
                 for mode in modes[1:] if idle.get((batch, mode))}
@@ -316,11 +331,13 @@ def main() -> None:
         print(f"{batch:>5} {statistics.median(off):>10.1f} {statistics.median(on):>10.1f} {median:>7.3f} "
               f"{ci[0]:>7.3f}-{ci[1]:<7.3f} {100 * (1 - median):>8.1f}%   "
               f"same work on and off in {report[str(batch)]['rounds_same_work']}/{args.rounds} rounds")
-        for mode, added in report[str(batch)].get("idle_window_added_us", {}).items():
-            off_us = report[str(batch)]["idle_window_off_us"]
-            print(f"{batch:>5} per step, {mode} minus off (median of rounds, 95% interval), of off's: " + "; ".join(
-                f"{part.removesuffix('_us')} {added[part][0]:+.1f} µs ({added[part][1][0]:+.1f} to "
-                f"{added[part][1][1]:+.1f}) of {off_us[part]:.0f}" for part in added))
+        for mode, added in report[str(batch)].get("idle_window_added", {}).items():
+            off_us = report[str(batch)]["idle_window_off"]
+            print(f"{batch:>5} {mode} minus off (median of rounds, 95% interval), of off's: " + "; ".join(
+                f"{part} {added[part][0]:+.1f} ({added[part][1][0]:+.1f} to {added[part][1][1]:+.1f}) of "
+                f"{off_us[part]:.0f}" for part in added))
+        for mode, quantiles in report[str(batch)].get("step_quantiles_us", {}).items():
+            print(f"{batch:>5} {mode} steps pooled, µs: " + ", ".join(f"{k} {v:.0f}" for k, v in quantiles.items()))
     print("recorder's own time on the engine thread, µs per recorded step:", report["engine_thread_us_per_step"])
     for batch, profile in profiles.items():
         print(f"--- batch {batch}: the engine thread under cProfile, recording on ---\n{profile}")

@@ -202,8 +202,10 @@ def record(capture: RoutingCapture, slot: int, router: Any, weights: torch.Tenso
         cand_ids = cand_scores = None
         if capture.candidates:
             cand_scores, cand_ids = selection_scores(router, router_logits).topk(capture.candidates, dim=-1)
-        # Slice to top_k: fused shared experts append extra columns with ids >= E.
-        kept = Kept(ids[:, : capture.top_k], weights[:, : capture.top_k], cand_ids, cand_scores)
+        # Slice to top_k where fused shared experts append extra columns (ids >= E); a view costs µs, so only then.
+        if ids.shape[1] > capture.top_k:
+            ids, weights = ids[:, : capture.top_k], weights[:, : capture.top_k]
+        kept = Kept(ids, weights, cand_ids, cand_scores)
         if torch.compiler.is_compiling():
             capture.traced = True  # runs at trace time: the compiled forward will write the buffers
             capture.buffers.write(slot, kept)  # traced: only tensor writes survive

@@ -70,7 +70,7 @@ def main() -> None:
 @click.option("--spec-arg", "spec_args", multiple=True, metavar="KEY=VALUE", help="Extra speculative_config entry (repeatable).")
 @click.option("--compiled", is_flag=True, help="Let vLLM compile (and capture CUDA graphs on GPU) instead of running eager.")
 @click.option("--recompute-from-logits", is_flag=True, help="Record every layer by recomputing its routing from the router logits (the path taken where the MoE kernel fuses routing), to check that path.")
-@click.option("--time-phases-every", type=int, metavar="N", help="Time the forward, sampling and drafting on one recorded step in N (the manifest's phases). Default: every step on the CPU, one in 16 on a GPU, where each timer costs the step microseconds.")
+@click.option("--time-phases-every", type=int, metavar="N", help="Time the forward, sampling and drafting on one recorded step in N (the manifest's phases). Default: every step on the CPU, one in 64 on a GPU, where each timer costs the step microseconds.")
 @click.option("--rotate-seconds", default=10.0, show_default=True, help="Close the open Parquet file this often: the most a crash can lose.")
 @click.option("--force", is_flag=True, help="Overwrite an existing run directory.")
 @click.option("--verbose", is_flag=True, help="Keep vLLM's INFO logs in engine.log.")
