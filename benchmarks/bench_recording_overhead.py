@@ -28,7 +28,6 @@ layers after one dense layer, bf16, ``load_format=dummy``): the step a Kimi depl
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import random
@@ -150,10 +149,8 @@ def stamping(method: Any, times: list[int], on_return: bool) -> Any:
 
 # What each mode changes with recording on (through ``collective_rpc``, in the worker): "writer-off" keeps the hooks
 # but drops every step before the hand-over (the difference to "on" is the writer process's share: pickling, pipe,
-# CPU); "untimed" times no step's phases (the difference is the CUDA events' share); "vllm-stream" packs and copies
-# each step on vLLM's own stream (no stream of its own, no events, no fence: less host work after the launch, a few µs
-# more of GPU work before the sync), to weigh the two.
-MODES = ("off", "on", "writer-off", "untimed", "vllm-stream")
+# CPU); "untimed" times no step's phases (the difference is the CUDA events' share).
+MODES = ("off", "on", "writer-off", "untimed")
 
 
 def set_mode(worker: Any, mode: str) -> None:
@@ -169,27 +166,6 @@ def set_mode(worker: Any, mode: str) -> None:
         vars(recorder.writer).pop("submit", None)
     timing_every = vars(worker).setdefault("_bench_timing_every", recorder.timing_every)  # the recorder's own
     recorder.timing_every = 1 << 60 if mode == "untimed" else timing_every
-    copier = recorder.copier
-    if mode == "vllm-stream" and copier._device is not None and copier._staging is not None:
-        copier.fence()
-        copier.copy = functools.partial(copy_on_vllm_stream, copier)
-        copier.fence = lambda: None
-    else:
-        vars(copier).pop("copy", None)
-        vars(copier).pop("fence", None)
-
-
-def copy_on_vllm_stream(copier: Any, columns: list[Any]) -> Any:
-    """``StepCopier.copy`` (sync scheduling, staged) on vLLM's current stream: stream order alone keeps later
-    steps from overwriting what it reads, and vLLM's sync covers it."""
-    import torch
-
-    block = copier._device[3]
-    rows = columns[0].shape[0]
-    packed = torch.cat(columns, dim=1, out=block[:rows])
-    host = copier._staging[:rows]
-    host.copy_(packed, non_blocking=True)
-    return host
 
 
 def engine_profile(worker: Any, start: bool) -> str | None:

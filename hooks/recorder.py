@@ -11,13 +11,14 @@ timed steps follow a Weyl sequence: spread evenly, never in step with a periodic
 would time nothing but prefills when requests last N steps).
 
 Under sync scheduling the GPU idles from vLLM's sync after sampling until the next forward is launched, so
-whatever a hook does there slows every step; everything else runs while the GPU is busy. Before the launch the
-hooks only note the step; after vLLM's sync they count the host lists of sampled tokens and queue the step. The
-rest happens once the forward is launched: what lives on the host (request order, query starts, drafts per
-request) is copied because the runner reuses those arrays; what lives on the device (routing rows, positions, token
-ids) is packed into one block (``torch.cat`` of views) and copied without blocking, on a stream of its own
-(``StepCopier``) that vLLM's stream is made to wait for before its sync, so that sync covers the copy. With async
-scheduling vLLM's own device count of kept tokens is copied too, fenced by an event. The step is handed to the
+whatever a hook does there slows every step; everything else runs while the GPU is busy (and is hidden, but in
+steps whose host work outlasts the GPU's: prefills, forwards outside CUDA graphs). Before the launch the hooks only
+note the step; after vLLM's sync they count the host lists of sampled tokens and queue the step. The rest happens
+once the forward is launched: what lives on the host (request order, query starts, drafts per request) is copied
+because the runner reuses those arrays; what lives on the device (routing rows, positions, token ids) is packed
+into one block (``torch.cat`` of views) and copied without blocking on vLLM's stream (``StepCopier``), so vLLM's
+own sync covers the copy. With async scheduling vLLM's own device count of kept tokens is copied too, and an event
+after it says when the step is ready. The step is handed to the
 writer process (one pickle, one pipe write) right after the next step's forward is launched, and the writer
 process assembles and encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, and no
 thread in the engine process competes with the engine loop for the GIL while steps flow. The manifest's
@@ -196,7 +197,6 @@ class Recorder:
         t_start = time.time_ns()
         recorded = False
         try:
-            self.copier.fence()  # the last step's copy has read the buffers this step's inputs overwrite
             self.capture.begin_step()
             self._replayed = self._tokens_across_dp = None
             # V2 runs its dummy batches (profiling, idle DP ranks) through execute_model too, and warms its kernels
@@ -261,15 +261,14 @@ class Recorder:
         return original(*args, **kwargs)
 
     def sample(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Runs inside ``sample_tokens``, while the GPU still runs the forward: orders vLLM's stream after the step's
-        copy (so vLLM's own sync covers it), and with async scheduling also counts the tokens each request kept
-        (accepted drafts + 1) on the device, copied without blocking."""
+        """Runs inside ``sample_tokens``, while the GPU still runs the forward: notes when the step ended, and with
+        async scheduling also counts the tokens each request kept (accepted drafts + 1) on the device, copied
+        without blocking."""
         sampled = self._timed("sampling", original, *args, **kwargs)
         began = time.perf_counter_ns() if self._timing else 0
         pending = self._pending
         if pending is not None and self.writer.failed is None:
             try:
-                self.copier.fence()
                 if not self.sampled_on_host:
                     pending.kept = to_host(self.model_runner.kept_on_device(sampled)[: len(pending.requests)])
                     pending.copied = copied_event()  # now after both copies
@@ -452,51 +451,34 @@ def int32_column(values: torch.Tensor) -> torch.Tensor:
 
 class StepCopier:
     """Brings each step's columns to the host as one int32 block [T, W], without blocking. On CUDA they are packed
-    into a device buffer allocated once (at load, so vLLM's memory profiling counts it) and copied on a stream of
-    their own, after the forward and beside vLLM's sampler: on vLLM's stream those kernels would sit between the
-    forward and the sampler, delaying the sync that the next step waits for. ``fence`` makes vLLM's stream wait for
-    the copy before anything of a later step can overwrite what it reads (the runner's input buffers, a CUDA graph's
-    outputs, router outputs once freed), and so vLLM's own sync covers the copy. ``staged`` (sync scheduling): the
-    block lands in one pinned buffer allocated once (a step is handed over, its bytes pickled, before the next
-    step's copy is queued); else (async scheduling, where steps wait for their events) in fresh pinned memory."""
+    (one ``torch.cat``) into a device buffer allocated once (at load, so vLLM's memory profiling counts it) and
+    copied on vLLM's own stream, right after the forward: stream order keeps a later step from overwriting what the
+    copy reads (the runner's input buffers, a CUDA graph's outputs, router outputs once freed), and vLLM's own sync
+    after sampling covers it. A stream of its own (with an event after the forward, another after the copy, and
+    vLLM's stream made to wait for it) spared the GPU about 4 µs per step but cost the engine thread about three
+    times the host time, measured on an H200: time that steps whose host work outlasts the GPU's pay in full.
+    ``staged`` (sync scheduling): the block lands in one pinned buffer allocated once (a step is handed over, its
+    bytes pickled, before the next step's copy is queued); else (async scheduling, where steps wait for their
+    events) in fresh pinned memory."""
 
     def __init__(self, device: torch.device, max_rows: int, width: int, staged: bool) -> None:
-        self._unfenced = False  # a copy was queued that vLLM's stream has not been made to wait for
-        # On CUDA: the copier's stream, the events after the forward and after the copy, the device block
-        self._device: tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event, torch.Tensor] | None = None
+        self._block: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None
         if device.type == "cuda":
-            self._device = (torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
-                            torch.cuda.Event(), torch.cuda.Event(),  # type: ignore[no-untyped-call]
-                            torch.empty((max_rows, width), dtype=torch.int32, device=device))
+            self._block = torch.empty((max_rows, width), dtype=torch.int32, device=device)
             if staged:
                 self._staging = torch.empty((max_rows, width), dtype=torch.int32, pin_memory=True)
 
     def copy(self, columns: list[torch.Tensor]) -> torch.Tensor:
         """``columns`` [T, w_i] side by side, on the host: their concatenation itself off CUDA."""
-        if self._device is None:
+        if self._block is None:
             return torch.cat(columns, dim=1)
-        stream, forward_done, copied, block = self._device
-        rows = columns[0].shape[0]
-        forward_done.record()
-        with torch.cuda.stream(stream):
-            stream.wait_event(forward_done)
-            packed = torch.cat(columns, dim=1, out=block[:rows])
-            if self._staging is None:
-                host = to_host(packed)
-            else:
-                host = self._staging[:rows]
-                host.copy_(packed, non_blocking=True)
-            copied.record()
-        self._unfenced = True
+        packed = torch.cat(columns, dim=1, out=self._block[: columns[0].shape[0]])
+        if self._staging is None:
+            return to_host(packed)
+        host = self._staging[: packed.shape[0]]
+        host.copy_(packed, non_blocking=True)
         return host
-
-    def fence(self) -> None:
-        """Make vLLM's stream wait for the last copy (once per copy)."""
-        if self._unfenced and self._device is not None:
-            _, _, copied, _ = self._device
-            torch.cuda.current_stream().wait_event(copied)
-            self._unfenced = False
 
 
 def copied_event() -> torch.cuda.Event:

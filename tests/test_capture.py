@@ -310,11 +310,10 @@ def test_cuda_graph_replays_record_what_eager_routing_computes() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("staging", [True, False], ids=["sync-scheduling-staging", "async-scheduling-fresh"])
-def test_a_step_copied_on_its_own_stream_holds_what_the_forward_wrote_once_vllms_stream_is_fenced(
+def test_a_step_copied_after_the_forward_holds_what_it_wrote_after_the_next_step_overwrites_the_inputs(
         staging: bool) -> None:
-    """The copier's stream starts after the forward (a slow kernel, then the step's values, on vLLM's stream), and
-    vLLM's stream overwrites the inputs only after ``fence``: a sync of vLLM's stream alone then finds the copy
-    landed and untouched."""
+    """The copy is queued after the forward (a slow kernel, then the step's values, on vLLM's stream) and before the
+    next step's inputs overwrite the buffers: a sync of vLLM's stream then finds the copy landed and untouched."""
     from moetrace.hooks.recorder import StepCopier
 
     copier = StepCopier(torch.device("cuda"), 64, 8, staged=staging)
@@ -328,7 +327,6 @@ def test_a_step_copied_on_its_own_stream_holds_what_the_forward_wrote_once_vllms
             slow = slow @ slow / 64  # the forward: long enough that an unordered copy would read stale values
         inputs[:rows].copy_(staged, non_blocking=True)
         host = copier.copy([inputs[:rows, :5], inputs[:rows, 5:]])
-        copier.fence()
         inputs.fill_(-1)  # the next step's inputs
         torch.cuda.current_stream().synchronize()  # what vLLM's sync waits for
         assert torch.equal(host, expected)
