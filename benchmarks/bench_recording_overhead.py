@@ -82,7 +82,7 @@ IDLE_PARTS = ("drafting_us", "between_steps_us", "prep_us")
 BUSY_PART = "launch_to_sync_us"  # the forward's launch to the next sync: the GPU's work, unless the host lags it
 
 
-def idle_window_probe(worker: Any, read: bool) -> dict[str, float] | None:
+def idle_window_probe(worker: Any, read: bool) -> dict[str, Any] | None:
     """In the worker (through ``collective_rpc``): install (once) stamps on V1's runner at class level, so they run
     beneath the recorder's hooks whether those are installed or not: on return from ``_bookkeeping_sync`` (vLLM has
     synced; the GPU idles from here) and ``sample_tokens``, on entry to ``execute_model`` and ``_model_forward`` (the
@@ -125,7 +125,7 @@ def idle_window_probe(worker: Any, read: bool) -> dict[str, float] | None:
     medians = {part: statistics.median(values) / 1e3 if values else float("nan") for part, values in parts.items()}
     steps = parts["step_us"]
     return {**medians, "step_mean_us": sum(steps) / len(steps) / 1e3 if steps else float("nan"),
-            "steps_ms": sum(steps) / 1e6, "steps": len(parts["prep_us"]), "all_steps_us": [t // 1000 for t in steps]}
+            "steps_ms": sum(steps) / 1e6, "steps": len(steps), "all_steps_us": [t // 1000 for t in steps]}
 
 
 def step_quantiles(steps_us: list[int]) -> dict[str, float]:
@@ -274,12 +274,13 @@ def main() -> None:
                             idle.setdefault((batch, mode), []).append(window)
             profiles = {}
             if args.profile:
-                llm.collective_rpc("moetrace_resume")
+                llm.collective_rpc(set_mode, args=("on",))
                 for batch in batches:
                     count = 8 if batch == 1 else 2 * batch
                     llm.collective_rpc(engine_profile, args=(True,))
                     timed_generate(llm, [base[i % len(base)] for i in range(count)], batch, args.max_tokens)
                     profiles[batch] = llm.collective_rpc(engine_profile, args=(False,))[0]
+            llm.collective_rpc(set_mode, args=("on",))  # the recorder as it was built, whatever mode ran last
             closed = llm.collective_rpc("moetrace_close")
         finally:
             llm.llm_engine.engine_core.shutdown()

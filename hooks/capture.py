@@ -131,8 +131,8 @@ class RoutingCapture:
             self._graph_columns.pop(key, None)
 
     def begin_step(self) -> None:
-        """Call before each forward: forget the previous forward's references (kept until then: a copy queued on
-        another stream may still read them)."""
+        """Call before each forward: forget the previous forward's references (the last step's copy, queued on
+        the same stream, has read them before anything can reuse their memory)."""
         self.step = [None] * self.num_layers
 
     def collect(self, num_tokens: int, replayed: Hashable | None = None, tokens_across_dp: list[int] | None = None,

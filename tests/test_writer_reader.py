@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,48 @@ def test_the_engine_side_never_waits_for_a_step_and_sends_it_once_ready_in_order
     assert final["complete"] and final["counts"]["steps"] == 3
     steps = open_trace(tmp_path).steps().collect()["step"].unique().sort().to_list()
     assert steps == [0, 1, 2]
+
+
+class PickledSlowly:
+    """A ready step whose hand-over takes a while to start (as pickling a large step does), on whichever thread."""
+
+    def __init__(self, capture: StepCapture):
+        self.capture, self.started, self.release = capture, threading.Event(), threading.Event()
+
+    def is_ready(self) -> bool:
+        return True
+
+    def ready(self) -> StepCapture:
+        self.started.set()
+        self.release.wait(10)
+        return self.capture
+
+
+def test_a_step_the_idle_forwarder_is_handing_over_is_pickled_before_the_engine_thread_reuses_its_buffer(
+        tmp_path: Path) -> None:
+    """Under sync scheduling a step's rows sit in one staging buffer that the next step's copy overwrites as soon as
+    ``forward_ready`` returns on the engine thread: it must not return while the idle forwarder still holds the
+    step unpickled."""
+    rng = np.random.default_rng(8)
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K)
+    capture = verify_step(0, rng)
+    expected = capture.experts.copy()
+    slow = PickledSlowly(capture)
+    writer.submit(slow)
+    assert slow.started.wait(5), "the idle forwarder took the quiet engine's step"
+    engine = threading.Thread(target=writer.forward_ready)
+    engine.start()
+    engine.join(0.3)
+    assert engine.is_alive(), "forward_ready returned while the step was still being handed over"
+    slow.release.set()
+    engine.join(5)
+    assert not engine.is_alive() and not writer._waiting
+    capture.experts[:] = 0  # the next step's copy lands in the same buffer
+    final = writer.close()
+    assert final["complete"] and final["counts"]["steps"] == 1
+    routing = open_trace(tmp_path).routing().sort(["request", "position", "layer"]).collect()
+    written = np.sort(np.stack(routing["experts"].to_list()), axis=1)  # the trace orders each top-k by weight
+    assert np.array_equal(written, np.sort(expected.reshape(-1, TOP_K), axis=1))
 
 
 ENGINE_THAT_DIES = """
