@@ -355,9 +355,10 @@ class Recorder:
             raise RuntimeError(self.capture.failed)
         inputs = self.model_runner.step_inputs()
         num_tokens = int(inputs.query_start[-1])
-        mechanism, columns = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp, self.dp_rank)
-        # One int32 [T, W] block (floats by their bits), so one copy brings the whole step to the host.
-        columns.append(int32_column(inputs.positions))
+        mechanism, routing = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp, self.dp_rank)
+        # One int32 [T, W] block (floats by their bits), so one copy brings the whole step to the host. A list of
+        # its own: the capture may hand out lists it keeps (a graph's columns are made once).
+        columns = [*routing, int32_column(inputs.positions)]
         if self.token_ids:
             columns.append(int32_column(inputs.input_ids))
         packed = self.copier.copy(columns)
