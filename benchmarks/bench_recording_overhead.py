@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 def kimi_k2_slice(tp: int) -> dict[str, Any]:
     """Kimi-K2's config with every per-GPU dimension divided by ``tp`` (what one rank of a TP=``tp`` deployment
@@ -189,6 +191,33 @@ def engine_profile(worker: Any, start: bool) -> str | None:
     return text.getvalue()
 
 
+def recurring_added(on_rounds: list[list[int]], off_rounds: list[list[int]], off_round_ms: list[float],
+                    resamples: int = 2_000) -> dict[str, Any]:
+    """What recording adds at the same step of every round. Rounds repeat the same work step for step (the same
+    prompts, greedy, ``rounds_same_work``), so step i of an on round pairs with step i of the off round beside it;
+    per step position, the median over rounds of on minus off is what recording costs there, free of the host's
+    random stalls (they land on random steps, the noise that spreads a round's throughput by several percent).
+    Summed over positions: the added ms per round, its bootstrap 95% interval over rounds, and the throughput ratio
+    it implies against the off rounds' median time; with the positions that add the most (µs: off's median there,
+    and the median added)."""
+    pairs = [(a, b) for a, b in zip(on_rounds, off_rounds) if len(a) == len(b) and a]
+    if len(pairs) < 2 or len({len(a) for a, _ in pairs}) > 1:
+        return {"rounds": len(pairs), "why_not": "the rounds' step counts differ"}
+    added = np.array([a for a, _ in pairs], dtype=np.float64) - np.array([b for _, b in pairs], dtype=np.float64)
+    off = np.median(np.array([b for _, b in pairs], dtype=np.float64), axis=0)
+    per_step = np.median(added, axis=0)
+    rng = np.random.default_rng(0)
+    sums = np.sort([np.median(added[rng.integers(0, len(pairs), len(pairs))], axis=0).sum() / 1e3
+                    for _ in range(resamples)])
+    ci = [float(sums[int(0.025 * resamples)]), float(sums[int(0.975 * resamples) - 1])]
+    round_ms = statistics.median(off_round_ms)
+    top = np.argsort(per_step)[::-1][:8]
+    return {"rounds": len(pairs), "steps_per_round": int(added.shape[1]),
+            "added_ms_per_round": [float(per_step.sum() / 1e3), ci], "off_round_ms": round_ms,
+            "on_off": [1 - per_step.sum() / 1e3 / round_ms, [1 - ci[1] / round_ms, 1 - ci[0] / round_ms]],
+            "most_added": [[int(i), float(off[i]), float(per_step[i])] for i in top]}
+
+
 def median_ci95(ratios: list[float], resamples: int = 10_000) -> tuple[float, list[float]]:
     """Median of paired ratios and its bootstrap percentile 95% interval."""
     rng = random.Random(0)
@@ -255,6 +284,7 @@ def main() -> None:
             llm.collective_rpc(idle_window_probe, args=(False,))  # hooks reinstalled at each round wrap it
             idle: dict[tuple[int, str], list[dict[str, float]]] = {}  # per round: the idle window's medians
             results: dict[tuple[int, str], list[float]] = {}
+            elapsed_ms: dict[tuple[int, str], list[float]] = {}
             workload: dict[tuple[int, str], list[dict[str, float]]] = {}  # vLLM's counters, per round
             for round_index in range(args.rounds):
                 order = modes if round_index % 2 == 0 else modes[::-1]
@@ -266,6 +296,7 @@ def main() -> None:
                         llm.collective_rpc(set_mode, args=(mode,))
                         tok_s, elapsed, counted = timed_generate(llm, prompts, batch, args.max_tokens)
                         results.setdefault((batch, mode), []).append(tok_s)
+                        elapsed_ms.setdefault((batch, mode), []).append(elapsed * 1e3)
                         workload.setdefault((batch, mode), []).append(counted)
                         window = llm.collective_rpc(idle_window_probe, args=(True,))[0]
                         if window is not None:
@@ -319,6 +350,10 @@ def main() -> None:
             # every step of every round, pooled per mode: where in the distribution recording adds its time
             report[str(batch)]["step_quantiles_us"] = {
                 mode: step_quantiles([t for r in idle[(batch, mode)] for t in r["all_steps_us"]]) for mode in modes}
+            report[str(batch)]["recurring"] = {  # per mode: what it adds at the same step of every round
+                mode: recurring_added([r["all_steps_us"] for r in idle[(batch, mode)]],
+                                      [r["all_steps_us"] for r in idle[(batch, "off")]], elapsed_ms[(batch, "off")])
+                for mode in modes[1:] if idle.get((batch, mode))}
             report[str(batch)]["idle_window_off"] = {
                 part: statistics.median(r[part] for r in idle[(batch, "off")] if r["steps"]) for part in parts}
             report[str(batch)]["idle_window_added"] = {  # per mode, minus off, per round: median, 95% interval
@@ -337,6 +372,12 @@ def main() -> None:
             print(f"{batch:>5} {mode} minus off (median of rounds, 95% interval), of off's: " + "; ".join(
                 f"{part} {added[part][0]:+.1f} ({added[part][1][0]:+.1f} to {added[part][1][1]:+.1f}) of "
                 f"{off_us[part]:.0f}" for part in added))
+        for mode, recurring in report[str(batch)].get("recurring", {}).items():
+            if "on_off" in recurring:
+                (ms, (ms_low, ms_high)), (ratio, (low, high)) = recurring["added_ms_per_round"], recurring["on_off"]
+                print(f"{batch:>5} {mode} minus off at the same step of each round, summed: {ms:+.2f} ms a round "
+                      f"({ms_low:+.2f} to {ms_high:+.2f}) of {recurring['off_round_ms']:.0f} ms: on/off {ratio:.4f} "
+                      f"({low:.4f}-{high:.4f}); most at steps [step, off µs, added µs] {recurring['most_added'][:4]}")
         for mode, quantiles in report[str(batch)].get("step_quantiles_us", {}).items():
             print(f"{batch:>5} {mode} steps pooled, µs: " + ", ".join(f"{k} {v:.0f}" for k, v in quantiles.items()))
     print("recorder's own time on the engine thread, µs per recorded step:", report["engine_thread_us_per_step"])
