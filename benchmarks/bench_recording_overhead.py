@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 
 def kimi_k2_slice(tp: int) -> dict[str, Any]:
@@ -100,14 +101,19 @@ def idle_window_probe(worker: Any, read: bool) -> dict[str, Any] | None:
     if stamps is None:
         stamps = [[] for _ in IDLE_WINDOW]
         runner_class._bench_idle_stamps = stamps
+        runner_class._bench_forward_kinds = []  # per forward launched: its CUDA-graph mode and token count
         for (name, on_return), times in zip(IDLE_WINDOW, stamps):
-            setattr(runner_class, name, stamping(getattr(runner_class, name), times, on_return))
+            kinds = runner_class._bench_forward_kinds if name == "_model_forward" else None
+            setattr(runner_class, name, stamping(getattr(runner_class, name), times, on_return, kinds))
     if not read:
         return None
+    kinds: list[str] = runner_class._bench_forward_kinds
     parts: dict[str, list[int]] = {part: [] for part in (*IDLE_PARTS, BUSY_PART, "step_us")}
+    every_step: list[tuple[int, list[int], str]] = []  # per step kept: sync to sync, its parts, the next forward
     syncs = stamps[0]
     for index, sync in enumerate(syncs):
         chain = [sync]
+        at = 0
         for times in stamps[1:]:
             at = bisect.bisect(times, chain[-1])
             if at == len(times):
@@ -117,17 +123,22 @@ def idle_window_probe(worker: Any, read: bool) -> dict[str, Any] | None:
         if len(chain) < len(IDLE_WINDOW) or chain[-1] - sync > 20_000_000 or (
                 following is not None and chain[-1] > following):  # the last step, the engine idled, or no forward
             continue
-        for part, start, end in zip(IDLE_PARTS, chain, chain[1:]):
-            parts[part].append(end - start)
+        step_parts = [end - start for start, end in zip(chain, chain[1:])]
+        for part, value in zip(IDLE_PARTS, step_parts):
+            parts[part].append(value)
         if following is not None and following - sync < 100_000_000:
             parts[BUSY_PART].append(following - chain[-1])
             parts["step_us"].append(following - sync)
-    for times in stamps:
+            every_step.append((following - sync, [*step_parts, following - chain[-1]],
+                               kinds[at] if at < len(kinds) else "?"))
+    for times in (*stamps, kinds):
         times.clear()
     medians = {part: statistics.median(values) / 1e3 if values else float("nan") for part, values in parts.items()}
     steps = parts["step_us"]
     return {**medians, "step_mean_us": sum(steps) / len(steps) / 1e3 if steps else float("nan"),
-            "steps_ms": sum(steps) / 1e6, "steps": len(steps), "all_steps_us": [t // 1000 for t in steps]}
+            "steps_ms": sum(steps) / 1e6, "steps": len(steps), "all_steps_us": [t // 1000 for t, _, _ in every_step],
+            "all_parts_us": [[t // 1000 for t in step_parts] for _, step_parts, _ in every_step],
+            "all_forwards": [kind for _, _, kind in every_step]}
 
 
 def step_quantiles(steps_us: list[int]) -> dict[str, float]:
@@ -137,9 +148,16 @@ def step_quantiles(steps_us: list[int]) -> dict[str, float]:
             **{f"p{q}": cuts[q - 1] for q in (10, 50, 90, 95, 99)}}
 
 
-def stamping(method: Any, times: list[int], on_return: bool) -> Any:
-    """``method``, appending ``perf_counter_ns`` to ``times`` on entry, or ``on_return``."""
+def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | None = None) -> Any:
+    """``method``, appending ``perf_counter_ns`` to ``times`` on entry, or ``on_return``; with ``kinds``, also the
+    forward's CUDA-graph mode and token count (vLLM's forward context is set by then)."""
     def stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kinds is not None:
+            from vllm.forward_context import get_forward_context
+
+            context = get_forward_context()
+            descriptor = context.batch_descriptor
+            kinds.append(f"{context.cudagraph_runtime_mode.name} {getattr(descriptor, 'num_tokens', '?')}")
         if not on_return:
             times.append(time.perf_counter_ns())
             return method(self, *args, **kwargs)
@@ -191,31 +209,42 @@ def engine_profile(worker: Any, start: bool) -> str | None:
     return text.getvalue()
 
 
-def recurring_added(on_rounds: list[list[int]], off_rounds: list[list[int]], off_round_ms: list[float],
+def recurring_added(on_rounds: list[dict[str, Any]], off_rounds: list[dict[str, Any]], off_round_ms: list[float],
                     resamples: int = 2_000) -> dict[str, Any]:
     """What recording adds at the same step of every round. Rounds repeat the same work step for step (the same
     prompts, greedy, ``rounds_same_work``), so step i of an on round pairs with step i of the off round beside it;
     per step position, the median over rounds of on minus off is what recording costs there, free of the host's
     random stalls (they land on random steps, the noise that spreads a round's throughput by several percent).
     Summed over positions: the added ms per round, its bootstrap 95% interval over rounds, and the throughput ratio
-    it implies against the off rounds' median time; with the positions that add the most (µs: off's median there,
-    and the median added)."""
-    pairs = [(a, b) for a, b in zip(on_rounds, off_rounds) if len(a) == len(b) and a]
-    if len(pairs) < 2 or len({len(a) for a, _ in pairs}) > 1:
+    it implies against the off rounds' median time; with the positions that add the most: the forward that ends
+    the step there (CUDA-graph mode, tokens), off's median µs, the median added µs, and that split into the
+    step's parts (``IDLE_PARTS``, ``BUSY_PART``)."""
+    pairs = [(a, b) for a, b in zip(on_rounds, off_rounds) if len(a["all_steps_us"]) == len(b["all_steps_us"])]
+    if len(pairs) < 2 or len({len(a["all_steps_us"]) for a, _ in pairs}) != 1 or not pairs[0][0]["all_steps_us"]:
         return {"rounds": len(pairs), "why_not": "the rounds' step counts differ"}
-    added = np.array([a for a, _ in pairs], dtype=np.float64) - np.array([b for _, b in pairs], dtype=np.float64)
-    off = np.median(np.array([b for _, b in pairs], dtype=np.float64), axis=0)
+
+    def stacked(key: str, side: int) -> npt.NDArray[np.float64]:
+        return np.array([pair[side][key] for pair in pairs], dtype=np.float64)
+
+    added = stacked("all_steps_us", 0) - stacked("all_steps_us", 1)  # [rounds, steps]
+    added_parts = np.median(stacked("all_parts_us", 0) - stacked("all_parts_us", 1), axis=0)  # [steps, parts]
+    off = np.median(stacked("all_steps_us", 1), axis=0)
     per_step = np.median(added, axis=0)
     rng = np.random.default_rng(0)
     sums = np.sort([np.median(added[rng.integers(0, len(pairs), len(pairs))], axis=0).sum() / 1e3
                     for _ in range(resamples)])
     ci = [float(sums[int(0.025 * resamples)]), float(sums[int(0.975 * resamples) - 1])]
     round_ms = statistics.median(off_round_ms)
-    top = np.argsort(per_step)[::-1][:8]
+    forwards = pairs[0][1]["all_forwards"]
     return {"rounds": len(pairs), "steps_per_round": int(added.shape[1]),
             "added_ms_per_round": [float(per_step.sum() / 1e3), ci], "off_round_ms": round_ms,
             "on_off": [1 - per_step.sum() / 1e3 / round_ms, [1 - ci[1] / round_ms, 1 - ci[0] / round_ms]],
-            "most_added": [[int(i), float(off[i]), float(per_step[i])] for i in top]}
+            "added_us_by_forward": {kind: float(per_step[[f == kind for f in forwards]].sum())
+                                    for kind in sorted(set(forwards))},
+            "most_added": [{"step": int(i), "forward": forwards[i], "off_us": float(off[i]),
+                            "added_us": float(per_step[i]),
+                            "added_parts_us": dict(zip((*IDLE_PARTS, BUSY_PART), added_parts[i].tolist()))}
+                           for i in np.argsort(per_step)[::-1][:8]]}
 
 
 def median_ci95(ratios: list[float], resamples: int = 10_000) -> tuple[float, list[float]]:
@@ -258,6 +287,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--steps-json", type=Path, help="write every round's steps (times, parts, forwards) here")
     parser.add_argument("--profile", action="store_true",
                         help="then one round per batch, recording on, under cProfile in the engine thread")
     parser.add_argument("--time-phases-every", type=int, help="as moetrace record's (default: the recorder's)")
@@ -351,8 +381,7 @@ def main() -> None:
             report[str(batch)]["step_quantiles_us"] = {
                 mode: step_quantiles([t for r in idle[(batch, mode)] for t in r["all_steps_us"]]) for mode in modes}
             report[str(batch)]["recurring"] = {  # per mode: what it adds at the same step of every round
-                mode: recurring_added([r["all_steps_us"] for r in idle[(batch, mode)]],
-                                      [r["all_steps_us"] for r in idle[(batch, "off")]], elapsed_ms[(batch, "off")])
+                mode: recurring_added(idle[(batch, mode)], idle[(batch, "off")], elapsed_ms[(batch, "off")])
                 for mode in modes[1:] if idle.get((batch, mode))}
             report[str(batch)]["idle_window_off"] = {
                 part: statistics.median(r[part] for r in idle[(batch, "off")] if r["steps"]) for part in parts}
@@ -377,7 +406,8 @@ def main() -> None:
                 (ms, (ms_low, ms_high)), (ratio, (low, high)) = recurring["added_ms_per_round"], recurring["on_off"]
                 print(f"{batch:>5} {mode} minus off at the same step of each round, summed: {ms:+.2f} ms a round "
                       f"({ms_low:+.2f} to {ms_high:+.2f}) of {recurring['off_round_ms']:.0f} ms: on/off {ratio:.4f} "
-                      f"({low:.4f}-{high:.4f}); most at steps [step, off µs, added µs] {recurring['most_added'][:4]}")
+                      f"({low:.4f}-{high:.4f}); by forward, µs: {recurring['added_us_by_forward']}; most at "
+                      f"{recurring['most_added'][:3]}")
         for mode, quantiles in report[str(batch)].get("step_quantiles_us", {}).items():
             print(f"{batch:>5} {mode} steps pooled, µs: " + ", ".join(f"{k} {v:.0f}" for k, v in quantiles.items()))
     print("recorder's own time on the engine thread, µs per recorded step:", report["engine_thread_us_per_step"])
@@ -386,6 +416,8 @@ def main() -> None:
         report[str(batch)]["profile"] = profile
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.steps_json is not None:
+        args.steps_json.write_text(json.dumps({f"{batch} {mode}": rounds for (batch, mode), rounds in idle.items()}))
 
 
 if __name__ == "__main__":
