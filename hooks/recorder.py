@@ -16,8 +16,8 @@ steps whose host work outlasts the GPU's: prefills, forwards outside CUDA graphs
 note the step; after vLLM's sync they count the host lists of sampled tokens and queue the step. The rest happens
 once the forward is launched: what lives on the host (request order, query starts, drafts per request) is copied
 because the runner reuses those arrays; what lives on the device (routing rows, positions, token ids) is packed
-into one block (``torch.cat`` of views) and copied without blocking on vLLM's stream (``StepCopier``), so vLLM's
-own sync covers the copy. With async scheduling vLLM's own device count of kept tokens is copied too, and an event
+into one block (``torch.cat`` of views) that lands in pinned host memory without blocking, on vLLM's stream
+(``StepCopier``), so vLLM's own sync covers it. With async scheduling vLLM's own device count of kept tokens is copied too, and an event
 after it says when the step is ready. The step is handed to the
 writer process (one pickle, one pipe write) right after the next step's forward is launched, and the writer
 process assembles and encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, and no
@@ -104,6 +104,7 @@ class Recorder:
         self.timing_every = int(settings.get("time_phases_every") or (
             TIMED_STEP_EVERY_ON_CUDA if self.capture.cuda else 1))
         manifest["capture"]["phases_timed_every"] = self.timing_every
+        manifest["capture"]["host_copy"] = self.copier.path
         self.writer = TraceWriter(
             Path(settings["out"]),
             manifest,
@@ -451,35 +452,77 @@ def int32_column(values: torch.Tensor) -> torch.Tensor:
 
 
 class StepCopier:
-    """Brings each step's columns to the host as one int32 block [T, W], without blocking. On CUDA they are packed
-    (one ``torch.cat``) into a device buffer allocated once (at load, so vLLM's memory profiling counts it) and
-    copied on vLLM's own stream, right after the forward: stream order keeps a later step from overwriting what the
-    copy reads (the runner's input buffers, a CUDA graph's outputs, router outputs once freed), and vLLM's own sync
-    after sampling covers it. A stream of its own (with an event after the forward, another after the copy, and
-    vLLM's stream made to wait for it) spared the GPU about 4 µs per step but cost the engine thread about three
-    times the host time, measured on an H200: time that steps whose host work outlasts the GPU's pay in full.
-    ``staged`` (sync scheduling): the block lands in one pinned buffer allocated once (a step is handed over, its
-    bytes pickled, before the next step's copy is queued); else (async scheduling, where steps wait for their
-    events) in fresh pinned memory."""
+    """Brings each step's columns to the host as one int32 block [T, W], without blocking, in as few CUDA calls as
+    can be: each one costs the engine thread tens of µs on some hosts (gVisor), paid in full by steps whose host
+    work outlasts the GPU's (prefills, PIECEWISE graphs). ``staged`` (sync scheduling: a step is handed over, its
+    bytes pickled, before the next step's copy is queued): the columns are packed (one ``torch.cat``) straight into
+    one pinned host buffer allocated once, which the GPU writes across the bus (pinned memory is mapped into the
+    device's address space): one kernel, no copy, no event; where that mapping is refused, packed into a device
+    buffer allocated once and copied into the pinned one. Else (async scheduling, where steps wait for their
+    events) packed on the device and copied into fresh pinned memory. Everything runs on vLLM's own stream, right
+    after the forward: stream order keeps a later step from overwriting what the pack reads (the runner's input
+    buffers, a CUDA graph's outputs, router outputs once freed), and vLLM's own sync after sampling covers it. (A
+    stream of its own, with events to order it, spared the GPU about 4 µs per step but cost the engine thread about
+    three times the host time, measured on an H200.)"""
 
     def __init__(self, device: torch.device, max_rows: int, width: int, staged: bool) -> None:
-        self._block: torch.Tensor | None = None
-        self._staging: torch.Tensor | None = None
-        if device.type == "cuda":
+        self._block: torch.Tensor | None = None  # the device buffer packed into before a copy
+        self._staging: torch.Tensor | None = None  # the pinned host buffer a staged step lands in
+        self._mapped: torch.Tensor | None = None  # the same memory as a CUDA tensor, written by the pack itself
+        if device.type != "cuda":
+            return
+        if staged:
+            self._staging = torch.empty((max_rows, width), dtype=torch.int32, pin_memory=True)
+            self._mapped = mapped_on_device(self._staging, device)
+        if self._mapped is None:
             self._block = torch.empty((max_rows, width), dtype=torch.int32, device=device)
-            if staged:
-                self._staging = torch.empty((max_rows, width), dtype=torch.int32, pin_memory=True)
+
+    @property
+    def path(self) -> str:
+        """How steps reach the host: ``mapped`` (packed straight into pinned memory), ``device-copy`` (packed on the
+        device, then copied) or ``host`` (no GPU)."""
+        return "mapped" if self._mapped is not None else "device-copy" if self._block is not None else "host"
 
     def copy(self, columns: list[torch.Tensor]) -> torch.Tensor:
         """``columns`` [T, w_i] side by side, on the host: their concatenation itself off CUDA."""
+        rows = columns[0].shape[0]
+        if self._mapped is not None and self._staging is not None:
+            torch.cat(columns, dim=1, out=self._mapped[:rows])
+            return self._staging[:rows]
         if self._block is None:
             return torch.cat(columns, dim=1)
-        packed = torch.cat(columns, dim=1, out=self._block[: columns[0].shape[0]])
+        packed = torch.cat(columns, dim=1, out=self._block[:rows])
         if self._staging is None:
             return to_host(packed)
-        host = self._staging[: packed.shape[0]]
+        host = self._staging[:rows]
         host.copy_(packed, non_blocking=True)
         return host
+
+
+class _CudaArray:
+    """A pinned host tensor's memory described as device memory (``__cuda_array_interface__``): under unified
+    addressing a pinned host pointer is also a device pointer."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host  # the view made from this keeps it, and so the memory, alive
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i4", "version": 2,
+                                         "data": (host.data_ptr(), False), "strides": None}
+
+
+def mapped_on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """``host`` (pinned, int32) as a CUDA tensor over the same memory, or None where that is not possible here (no
+    unified addressing, another allocator): checked once, at load, by a kernel writing a row and the host reading
+    it back."""
+    try:
+        mapped = torch.as_tensor(_CudaArray(host), device=device)
+        if mapped.data_ptr() != host.data_ptr() or mapped.device != device:
+            return None
+        row = torch.arange(1, host.shape[1] + 1, dtype=torch.int32, device=device).unsqueeze(0)
+        torch.cat([row[:, :1], row[:, 1:]], dim=1, out=mapped[:1])
+        torch.cuda.synchronize(device)
+        return mapped if torch.equal(host[:1], row.cpu()) else None
+    except (RuntimeError, TypeError, ValueError):
+        return None
 
 
 def copied_event() -> torch.cuda.Event:

@@ -317,6 +317,7 @@ def test_a_step_copied_after_the_forward_holds_what_it_wrote_after_the_next_step
     from moetrace.hooks.recorder import StepCopier
 
     copier = StepCopier(torch.device("cuda"), 64, 8, staged=staging)
+    assert copier.path == ("mapped" if staging else "device-copy")  # staged: the pack writes pinned memory itself
     slow = torch.randn(4096, 4096, device="cuda")
     inputs = torch.zeros(64, 8, dtype=torch.int32, device="cuda")  # the runner's persistent input buffer
     gen = torch.Generator().manual_seed(7)
