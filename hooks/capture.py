@@ -137,9 +137,11 @@ class RoutingCapture:
 
     def collect(self, num_tokens: int, replayed: Hashable | None = None, tokens_across_dp: list[int] | None = None,
                 dp_rank: int = 0) -> tuple[str, list[torch.Tensor]]:
-        """This rank's T rows of this forward as int32 columns [T, w] (floats by their bits), views on the device:
-        side by side they are the block [T, L*K ids | L*K weights | L*C cand_ids | L*C cand_scores] (layers in slot
-        order); and the mechanism that wrote them (``eager``, ``graph`` or ``traced``). ``replayed`` names the CUDA
+        """This rank's T rows of this forward as int32 columns [N, w] (floats by their bits), views on the device,
+        its T rows first (N > T where a CUDA graph padded the forward: the padding rows follow, left for the caller
+        to drop after packing, since slicing every column costs µs each): side by side they are the block
+        [N, L*K ids | L*K weights | L*C cand_ids | L*C cand_scores] (layers in slot order); and the mechanism that
+        wrote them (``eager``, ``graph`` or ``traced``). ``replayed`` names the CUDA
         graph the forward replayed (None: no graph); ``tokens_across_dp`` the tokens of every DP rank in this forward
         (None without DP). No kernel ran in the forward, and none runs here. Raises ``NothingCaptured`` when no
         mechanism wrote this forward."""
@@ -147,7 +149,7 @@ class RoutingCapture:
         if mechanism == "traced":
             return mechanism, columns
         start = own_rows_start(columns[0].shape[0], num_tokens, tokens_across_dp, dp_rank)
-        if start == 0 and columns[0].shape[0] == num_tokens:  # no padding: the columns as they are (µs per slice)
+        if start == 0:
             return mechanism, columns
         return mechanism, [column[start : start + num_tokens] for column in columns]
 

@@ -49,7 +49,7 @@ from moetrace.hooks.capture import (
     wrap_router,
 )
 from moetrace.hooks.manifest import worker_manifest
-from moetrace.hooks.vllm_api import HookPoint, WorkerApi, require_fields
+from moetrace.hooks.vllm_api import HookPoint, StepInputs, WorkerApi, require_fields
 from moetrace.hooks.rows import PackedLayout, StepRecord
 from moetrace.writer import TraceWriter
 
@@ -91,6 +91,7 @@ class Recorder:
         )
         self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
+        self.packing = PackingColumns(self.token_ids)
         self.sampled_on_host = self.model_runner.sampled_on_host()
         self.copier = StepCopier(device, int(runner.max_num_tokens), self.layout.width, staged=self.sampled_on_host)
         self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
@@ -357,12 +358,8 @@ class Recorder:
         inputs = self.model_runner.step_inputs()
         num_tokens = int(inputs.query_start[-1])
         mechanism, routing = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp, self.dp_rank)
-        # One int32 [T, W] block (floats by their bits), so one copy brings the whole step to the host. A list of
-        # its own: the capture may hand out lists it keeps (a graph's columns are made once).
-        columns = [*routing, int32_column(inputs.positions)]
-        if self.token_ids:
-            columns.append(int32_column(inputs.input_ids))
-        packed = self.copier.copy(columns)
+        columns = self.packing.columns(self._replayed if mechanism == "graph" else None, routing, inputs, num_tokens)
+        packed = self.copier.copy(columns)[:num_tokens]
         self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
         return PendingStep(
             step=self._next_step(),
@@ -451,6 +448,37 @@ def int32_column(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.int32).unsqueeze(1)
 
 
+class PackingColumns:
+    """Which columns a step is packed from, side by side, [N, w] each with the step's T rows first: routing,
+    positions, token ids (one int32 block, floats by their bits, so one kernel brings the whole step to the host).
+    Where a CUDA graph padded the forward (N > T), the padding rows are packed too and dropped from the host block:
+    slicing every column would cost µs per view (some hosts take 3-4 µs a tensor view). A CUDA graph's list is made
+    once and reused while the capture hands out the same columns and the runner the same buffers (Model Runner
+    V1's persistent ones); otherwise each step gets a list of its own (the capture's may be one it keeps)."""
+
+    def __init__(self, token_ids: bool) -> None:
+        self.token_ids = token_ids
+        self._kept: dict[Hashable, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
+
+    def columns(self, graph: Hashable | None, routing: list[torch.Tensor], inputs: StepInputs, num_tokens: int
+                ) -> list[torch.Tensor]:
+        """The columns of a step whose routing the capture collected (``routing``, [N, w] each), ``graph`` the CUDA
+        graph whose columns they are (None: the forward replayed none, or its routing was not the graph's)."""
+        kept = self._kept.get(graph) if graph is not None else None
+        if kept is not None and kept[0] is routing and kept[1] is inputs.positions and kept[2] is inputs.input_ids:
+            return kept[3]
+        rows = routing[0].shape[0]
+        padded = routing
+        if min(inputs.positions.shape[0], inputs.input_ids.shape[0]) < rows:  # the runner's arrays hold T rows
+            padded, rows = [column[:num_tokens] for column in routing], num_tokens
+        columns = [*padded, int32_column(inputs.positions[:rows])]
+        if self.token_ids:
+            columns.append(int32_column(inputs.input_ids[:rows]))
+        if graph is not None:
+            self._kept[graph] = (routing, inputs.positions, inputs.input_ids, columns)
+        return columns
+
+
 class StepCopier:
     """Brings each step's columns to the host as one int32 block [T, W], without blocking, in as few CUDA calls as
     can be: each one costs the engine thread tens of µs on some hosts (gVisor), paid in full by steps whose host
@@ -515,7 +543,7 @@ def mapped_on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor |
     it back."""
     try:
         mapped = torch.as_tensor(_CudaArray(host), device=device)
-        if mapped.data_ptr() != host.data_ptr() or mapped.device != device:
+        if mapped.data_ptr() != host.data_ptr() or not mapped.is_cuda:
             return None
         row = torch.arange(1, host.shape[1] + 1, dtype=torch.int32, device=device).unsqueeze(0)
         torch.cat([row[:, :1], row[:, 1:]], dim=1, out=mapped[:1])

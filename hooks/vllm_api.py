@@ -176,8 +176,8 @@ class StepInputs:
     query_start: npt.NDArray[np.int64]  # [R + 1]
     num_prompt_tokens: npt.NDArray[np.int64]  # [R]
     drafts: npt.NDArray[np.int64]  # [R]
-    positions: torch.Tensor  # [T]
-    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [>= T]: this step's T first (the runner's persistent buffer where it keeps one)
+    input_ids: torch.Tensor  # [>= T], likewise
 
 
 class RunnerV1:
@@ -224,8 +224,8 @@ class RunnerV1:
             query_start=query_start,
             num_prompt_tokens=np.asarray(batch.num_prompt_tokens[:num_reqs], dtype=np.int64),
             drafts=np.asarray(spec.num_draft_tokens, dtype=np.int64) if spec is not None else np.zeros(num_reqs, np.int64),
-            positions=runner.positions[:num_tokens],
-            input_ids=runner.input_ids.gpu[:num_tokens],
+            positions=runner.positions,  # the same tensors every step: what the recorder packs can be kept
+            input_ids=runner.input_ids.gpu,
         )
 
     @staticmethod

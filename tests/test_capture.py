@@ -17,6 +17,7 @@ from moetrace.hooks.capture import (
     wrap_router,
 )
 from moetrace.hooks.rows import PackedLayout
+from moetrace.hooks.vllm_api import StepInputs
 
 E, K, L, C = 32, 4, 3, 6  # experts, top-k, layers, candidates
 SIZES = (1, 2, 4, 8)
@@ -83,7 +84,8 @@ def collected(capture: RoutingCapture, num_tokens: int, replayed: Any = None, me
     """Rows of the forward just run, on the host, packed side by side as the recorder packs them."""
     used, columns = capture.collect(num_tokens, replayed)
     assert mechanism is None or used == mechanism
-    return unpacked(capture, torch.cat(columns, dim=1))
+    assert all(column.shape[0] >= num_tokens for column in columns)
+    return unpacked(capture, torch.cat(columns, dim=1)[:num_tokens])  # padding rows, if any, come last
 
 
 def unpacked(capture: RoutingCapture, block: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -126,7 +128,8 @@ def test_a_router_that_sees_every_dp_ranks_tokens_records_only_this_ranks_rows()
         forward(routers, logits)
         used, columns = capture.collect(own, None, across, rank)
         start = sum(across[:rank])
-        assert_rows_equal(unpacked(capture, torch.cat(columns, dim=1)), routers, logits[start : start + own])
+        own_first = torch.cat(columns, dim=1)[:own]  # this rank's rows first, the higher ranks' may follow
+        assert_rows_equal(unpacked(capture, own_first), routers, logits[start : start + own])
     # a dispatch that routes before gathering: the first rows are this rank's, padding after them
     assert own_rows_start(4, 3, across, 1) == 0 and own_rows_start(6, 1, None, 0) == 0
     with pytest.raises(ValueError, match="routers saw 2 rows for 3 tokens"):
@@ -306,6 +309,36 @@ def test_cuda_graph_replays_record_what_eager_routing_computes() -> None:
         graphs[size].replay()
         rows = collected(capture, num_tokens, replayed=size)
         assert_rows_equal(rows, routers, logits)
+
+
+def step_inputs(positions: torch.Tensor, input_ids: torch.Tensor, num_tokens: int) -> StepInputs:
+    return StepInputs(req_ids=["r"], query_start=np.array([0, num_tokens]), num_prompt_tokens=np.array([2]),
+                      drafts=np.array([num_tokens - 1]), positions=positions, input_ids=input_ids)
+
+
+def test_a_padded_graph_step_packs_its_rows_first_from_a_list_made_once_that_reads_each_steps_values() -> None:
+    """A CUDA graph padded to 4 rows, 3 of them this step's: the columns are the graph's own and the runner's
+    persistent buffers, listed once, so the next step's values (written in place) are what the next pack reads."""
+    from moetrace.hooks.recorder import PackingColumns, StepCopier
+
+    graph_ids = torch.tensor([[1, 2], [3, 4], [5, 6], [-7, -7]], dtype=torch.int32)  # row 4: padding
+    positions = torch.arange(16, dtype=torch.int64)  # the runner's buffers, longer than any step
+    input_ids = torch.arange(100, 116, dtype=torch.int32)
+    packing, copier = PackingColumns(token_ids=True), StepCopier(torch.device("cpu"), 16, 4, staged=True)
+    routing = [graph_ids]  # as the capture hands a graph's columns out: the same list at every replay
+    first = packing.columns(("FULL", 4), routing, step_inputs(positions, input_ids, 3), 3)
+    assert copier.copy(first)[:3].tolist() == [[1, 2, 0, 100], [3, 4, 1, 101], [5, 6, 2, 102]]
+    graph_ids[:3] += 10  # the next replay rewrites the graph's outputs, vLLM the buffers, in place
+    positions[:3] += 1
+    again = packing.columns(("FULL", 4), routing, step_inputs(positions, input_ids, 3), 3)
+    assert again is first
+    assert copier.copy(again)[:3].tolist() == [[11, 12, 1, 100], [13, 14, 2, 101], [15, 16, 3, 102]]
+    # a runner whose arrays hold this step's rows only (Model Runner V2's batch): the routing is cut to them
+    short = packing.columns(("FULL", 4), routing, step_inputs(positions[:3], input_ids[:3], 3), 3)
+    assert short is not first and [c.shape[0] for c in short] == [3, 3, 3]
+    # an eager forward (no graph): a list of its own each step, never kept
+    eager = packing.columns(None, [graph_ids[:3]], step_inputs(positions, input_ids, 3), 3)
+    assert eager is not packing.columns(None, [graph_ids[:3]], step_inputs(positions, input_ids, 3), 3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
