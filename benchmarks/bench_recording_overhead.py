@@ -16,6 +16,12 @@ loop, the scheduler, the recorder's hooks around both) and from there to the for
 preparation): medians over thousands of steps, far less noisy than a round's throughput, so what recording adds to
 the GPU's idle time is read directly.
 
+Rounds repeat the same work step for step (the same prompts, greedy), so per step position the median over paired
+rounds of on minus off is what recording costs at that step, free of the host's random stalls ("recurring"): summed
+with a bootstrap interval, and split by the CUDA-graph mode of the forward ending the step (stamped from vLLM's
+forward context) and by the step's parts. ``--hook-times`` also times, on every step, the recorder's work after
+each launch (layout and hand-over) and Python's collections on the engine thread, by the forward they follow.
+
 ``--profile`` then runs one more round per batch with recording on under cProfile in the engine's thread, and
 prints where the recorder's own time goes (its functions by total time: cProfile slows Python several-fold, so
 read the shares, not the µs).
@@ -28,11 +34,13 @@ layers after one dense layer, bf16, ``load_format=dummy``): the step a Kimi depl
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -169,8 +177,9 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 
 # What each mode changes with recording on (through ``collective_rpc``, in the worker): "writer-off" keeps the hooks
 # but drops every step before the hand-over (the difference to "on" is the writer process's share: pickling, pipe,
-# CPU); "untimed" times no step's phases (the difference is the CUDA events' share).
-MODES = ("off", "on", "writer-off", "untimed")
+# CPU); "untimed" times no step's phases (the difference is the CUDA events' share); "no-layout" keeps the hooks but
+# collects, packs and hands over nothing (the difference is the hooks' plumbing alone).
+MODES = ("off", "on", "writer-off", "untimed", "no-layout")
 
 
 def set_mode(worker: Any, mode: str) -> None:
@@ -184,8 +193,66 @@ def set_mode(worker: Any, mode: str) -> None:
         recorder.writer.submit = lambda item: None
     else:
         vars(recorder.writer).pop("submit", None)
+    if mode == "no-layout":
+        recorder._layout = lambda t_start: None  # no step pending: the later hooks find nothing to do
+    else:
+        vars(recorder).pop("_layout", None)
     timing_every = vars(worker).setdefault("_bench_timing_every", recorder.timing_every)  # the recorder's own
     recorder.timing_every = 1 << 60 if mode == "untimed" else timing_every
+
+
+# The recorder's work after each forward's launch, timed on every step by the forward it follows (``--hook-times``)
+HOOK_WORK = (("moetrace.hooks.recorder", "Recorder", "_layout"), ("moetrace.writer", "TraceWriter", "forward_ready"))
+
+
+def hook_times(worker: Any, read: bool) -> dict[str, list[int]] | None:
+    """In the worker: install (once) timers at class level around ``HOOK_WORK``, keyed by the function and the
+    forward the probe saw launched last (its CUDA-graph mode and tokens); with ``read``, return the µs of each call
+    since the last read, and forget them."""
+    import importlib
+
+    runner_class = type(worker.model_runner)
+    times: dict[str, list[int]] | None = getattr(runner_class, "_bench_hook_times", None)
+    if times is None:
+        times = runner_class._bench_hook_times = {}
+        kinds: list[str] = runner_class._bench_forward_kinds
+        for module, owner_name, name in HOOK_WORK:
+            owner = getattr(importlib.import_module(module), owner_name)
+            setattr(owner, name, timing(getattr(owner, name), f"{owner_name}.{name}", kinds, times))
+        gc.callbacks.append(collections_timer(kinds, times))
+    if not read:
+        return None
+    read_out = {key: values[:] for key, values in times.items()}
+    times.clear()
+    return read_out
+
+
+def collections_timer(kinds: list[str], times: dict[str, list[int]]) -> Any:
+    """A ``gc.callbacks`` entry: each of Python's collections in the engine thread, its generation and µs, by the
+    forward launched last (more objects alive across a step can make the collector run more often, or longer)."""
+    started: list[int] = []
+    engine_thread = threading.get_ident()  # installed through collective_rpc, which runs on the engine's thread
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if threading.get_ident() != engine_thread:
+            return
+        if phase == "start":
+            started[:] = [time.perf_counter_ns()]
+        elif started:
+            times.setdefault(f"gc gen{info['generation']} after {kinds[-1] if kinds else '?'}", []).append(
+                (time.perf_counter_ns() - started[0]) // 1000)
+    return on_collection
+
+
+def timing(method: Any, label: str, kinds: list[str], times: dict[str, list[int]]) -> Any:
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter_ns()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            times.setdefault(f"{label} after {kinds[-1] if kinds else '?'}", []).append(
+                (time.perf_counter_ns() - began) // 1000)
+    return timed
 
 
 def engine_profile(worker: Any, start: bool) -> str | None:
@@ -287,6 +354,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--hook-times", action="store_true",
+                        help="time the recorder's work after each launch on every step, by the forward it follows")
     parser.add_argument("--steps-json", type=Path, help="write every round's steps (times, parts, forwards) here")
     parser.add_argument("--profile", action="store_true",
                         help="then one round per batch, recording on, under cProfile in the engine thread")
@@ -312,6 +381,9 @@ def main() -> None:
         try:
             timed_generate(llm, base, len(base), 16)  # warm-up
             llm.collective_rpc(idle_window_probe, args=(False,))  # hooks reinstalled at each round wrap it
+            if args.hook_times:
+                llm.collective_rpc(hook_times, args=(False,))
+            hook_us: dict[tuple[int, str], dict[str, list[int]]] = {}  # --hook-times: per call, pooled
             idle: dict[tuple[int, str], list[dict[str, float]]] = {}  # per round: the idle window's medians
             results: dict[tuple[int, str], list[float]] = {}
             elapsed_ms: dict[tuple[int, str], list[float]] = {}
@@ -329,6 +401,9 @@ def main() -> None:
                         elapsed_ms.setdefault((batch, mode), []).append(elapsed * 1e3)
                         workload.setdefault((batch, mode), []).append(counted)
                         window = llm.collective_rpc(idle_window_probe, args=(True,))[0]
+                        if args.hook_times:
+                            for key, values in llm.collective_rpc(hook_times, args=(True,))[0].items():
+                                hook_us.setdefault((batch, mode), {}).setdefault(key, []).extend(values)
                         if window is not None:
                             # the round's time beside its steps': engine idle between requests, steps left out
                             window["outside_steps_ms"] = elapsed * 1e3 - window["steps_ms"]
@@ -355,6 +430,7 @@ def main() -> None:
         "recording_complete": [c["complete"] for c in closed if c is not None],
         "engine_thread_us_per_step": [c.get("engine_thread_us_per_step") for c in closed if c is not None],
         "capture_mechanisms": [c.get("capture_mechanisms") for c in closed if c is not None],  # forwards per mechanism
+        "host_copy": [c.get("capture", {}).get("host_copy") for c in closed if c is not None],
         "phases": [c.get("phases") for c in closed if c is not None],  # host and device ms per call, per batch
         "command": "python benchmarks/bench_recording_overhead.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
@@ -389,6 +465,14 @@ def main() -> None:
                 mode: {part: median_ci95([a[part] - b[part] for a, b in zip(idle[(batch, mode)], idle[(batch, "off")])
                                           if a["steps"] and b["steps"]]) for part in parts}
                 for mode in modes[1:] if idle.get((batch, mode))}
+        if hook_us:
+            report[str(batch)]["hook_us"] = {  # per mode, per function and forward kind: calls, median, mean µs
+                mode: {key: {"calls": len(v), "median": statistics.median(v), "mean": statistics.fmean(v)}
+                       for key, v in sorted(hook_us[(batch, mode)].items())}
+                for mode in modes[1:] if (batch, mode) in hook_us}
+            for mode, per_key in report[str(batch)]["hook_us"].items():
+                print(f"{batch:>5} {mode} recorder's work after launch, µs (calls, median, mean): " + "; ".join(
+                    f"{key} {v['calls']} {v['median']:.0f} {v['mean']:.0f}" for key, v in per_key.items()))
         for mode in modes[2:]:
             mode_median, mode_ci = median_ci95([a / b for a, b in zip(results[(batch, mode)], off)])
             report[str(batch)][f"{mode}_over_off"] = {"median": mode_median, "ci95": mode_ci}
