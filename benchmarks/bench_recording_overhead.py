@@ -430,7 +430,7 @@ def main() -> None:
         "recording_complete": [c["complete"] for c in closed if c is not None],
         "engine_thread_us_per_step": [c.get("engine_thread_us_per_step") for c in closed if c is not None],
         "capture_mechanisms": [c.get("capture_mechanisms") for c in closed if c is not None],  # forwards per mechanism
-        "host_copy": [c.get("capture", {}).get("host_copy") for c in closed if c is not None],
+        "host_copy": [c.get("host_copy") for c in closed if c is not None],  # how steps reached the host
         "phases": [c.get("phases") for c in closed if c is not None],  # host and device ms per call, per batch
         "command": "python benchmarks/bench_recording_overhead.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"

@@ -238,6 +238,7 @@ def main() -> None:
             "capture_mechanisms": {name: m.get("capture_mechanisms") for name, m in manifests.items()},
             "tp": {name: m["parallel"]["tp"] for name, m in manifests.items()},
             "model_runner": {name: m["capture"]["model_runner"] for name, m in manifests.items()},
+            "host_copy": {name: m["capture"].get("host_copy") for name, m in manifests.items()},
             "phases": {name: m.get("phases") for name, m in manifests.items()},
             "engine_thread_us_per_step": {name: m.get("engine_thread_us_per_step") for name, m in manifests.items()},
             "dtype": manifests[b_name]["model"]["dtype"],

@@ -118,7 +118,8 @@ def close_quietly(worker: Any) -> dict[str, Any] | None:
         # Only plain JSON travels back over vLLM's RPC.
         return {"complete": bool(manifest["complete"]), "counts": dict(manifest.get("counts") or {}),
                 "error": manifest.get("error"), "engine_thread_us_per_step": manifest.get("engine_thread_us_per_step"),
-                "phases": manifest.get("phases"), "capture_mechanisms": manifest.get("capture_mechanisms")}
+                "phases": manifest.get("phases"), "capture_mechanisms": manifest.get("capture_mechanisms"),
+                "host_copy": (manifest.get("capture") or {}).get("host_copy")}
     except Exception as exc:
         log.warning("moetrace: closing the trace failed: %s", exc)
         return None

@@ -53,6 +53,7 @@ def test_compiled_graph_capture_equals_eager_up_to_near_ties_and_the_float32_ref
     result, done = capture(tmp_path, "--candidates", "384")  # every expert's score: a row's exact movement
     assert set(result["complete"]) == {"eager", "compiled"}
     assert result["capture_mechanisms"]["compiled"].get("graph", 0) > 0, "the compiled run replayed CUDA graphs"
+    assert result["host_copy"]["compiled"] == "mapped", "under sync scheduling the GPU packs into pinned memory"
     assert_rows_agree(result, done)
 
 

@@ -309,6 +309,7 @@ def test_the_trace_says_where_each_step_spent_its_time(recorded_trace: Path) -> 
     trace = open_trace(recorded_trace)
     phases, counts = trace.manifest["phases"], trace.manifest["counts"]
     assert trace.manifest["capture"]["async_scheduling"] is False  # vLLM drafts n-gram with async scheduling off
+    assert trace.manifest["capture"]["host_copy"] == "host"  # no GPU: the packed block is the host's already
     assert set(phases) == {"forward", "sampling", "drafting"}
     steps = trace.steps().collect()
     durations = (steps.group_by("step").agg((pl.col("t_end_ns").first() - pl.col("t_start_ns").first()) / 1e6)
