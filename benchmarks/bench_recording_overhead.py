@@ -201,8 +201,10 @@ def set_mode(worker: Any, mode: str) -> None:
     recorder.timing_every = 1 << 60 if mode == "untimed" else timing_every
 
 
-# The recorder's work after each forward's launch, timed on every step by the forward it follows (``--hook-times``)
-HOOK_WORK = (("moetrace.hooks.recorder", "Recorder", "_layout"), ("moetrace.writer", "TraceWriter", "forward_ready"))
+# The recorder's work after each forward's launch, timed on every step by the forward it follows (``--hook-times``),
+# and the router wrapper's (``record``: it should run only in forwards outside CUDA graphs, and while they are captured)
+HOOK_WORK = (("moetrace.hooks.recorder", "Recorder", "_layout"), ("moetrace.writer", "TraceWriter", "forward_ready"),
+             ("moetrace.hooks.capture", None, "record"))
 
 
 def hook_times(worker: Any, read: bool) -> dict[str, list[int]] | None:
@@ -217,8 +219,10 @@ def hook_times(worker: Any, read: bool) -> dict[str, list[int]] | None:
         times = runner_class._bench_hook_times = {}
         kinds: list[str] = runner_class._bench_forward_kinds
         for module, owner_name, name in HOOK_WORK:
-            owner = getattr(importlib.import_module(module), owner_name)
-            setattr(owner, name, timing(getattr(owner, name), f"{owner_name}.{name}", kinds, times))
+            owner = importlib.import_module(module)
+            owner = owner if owner_name is None else getattr(owner, owner_name)
+            label = name if owner_name is None else f"{owner_name}.{name}"
+            setattr(owner, name, timing(getattr(owner, name), label, kinds, times))
         gc.callbacks.append(collections_timer(kinds, times))
     if not read:
         return None
