@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -466,16 +467,19 @@ class PackingColumns:
         graph whose columns they are (None: the forward replayed none, or its routing was not the graph's)."""
         kept = self._kept.get(graph) if graph is not None else None
         if kept is not None and kept[0] is routing and kept[1] is inputs.positions and kept[2] is inputs.input_ids:
-            return kept[3]
-        rows = routing[0].shape[0]
-        padded = routing
-        if min(inputs.positions.shape[0], inputs.input_ids.shape[0]) < rows:  # the runner's arrays hold T rows
-            padded, rows = [column[:num_tokens] for column in routing], num_tokens
-        columns = [*padded, int32_column(inputs.positions[:rows])]
-        if self.token_ids:
-            columns.append(int32_column(inputs.input_ids[:rows]))
-        if graph is not None:
-            self._kept[graph] = (routing, inputs.positions, inputs.input_ids, columns)
+            columns = kept[3]
+        else:
+            rows = routing[0].shape[0]
+            padded = routing
+            if min(inputs.positions.shape[0], inputs.input_ids.shape[0]) < rows:  # the runner's arrays hold T rows
+                padded, rows = [column[:num_tokens] for column in routing], num_tokens
+            columns = [*padded, int32_column(inputs.positions[:rows])]
+            if self.token_ids:
+                columns.append(int32_column(inputs.input_ids[:rows]))
+            if graph is not None and padded is routing:  # a list cut to this step's tokens is this step's only
+                self._kept[graph] = (routing, inputs.positions, inputs.input_ids, columns)
+        if columns[0].shape[0] < num_tokens:
+            raise RuntimeError(f"the routers saw {columns[0].shape[0]} rows for the step's {num_tokens} tokens")
         return columns
 
 
@@ -541,6 +545,11 @@ def mapped_on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor |
     """``host`` (pinned, int32) as a CUDA tensor over the same memory, or None where that is not possible here (no
     unified addressing, another allocator): checked once, at load, by a kernel writing a row and the host reading
     it back."""
+    # Memory that PyTorch pins by registering it (an allocator option) may not be usable at the same address on
+    # every GPU, and a kernel writing through a bad address would break the CUDA context: not tried there.
+    allocator = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", ""))
+    if torch.version.cuda is None or "pinned_use_cuda_host_register:true" in allocator.replace(" ", "").lower():
+        return None
     try:
         mapped = torch.as_tensor(_CudaArray(host), device=device)
         if mapped.data_ptr() != host.data_ptr() or not mapped.is_cuda:

@@ -333,12 +333,21 @@ def test_a_padded_graph_step_packs_its_rows_first_from_a_list_made_once_that_rea
     again = packing.columns(("FULL", 4), routing, step_inputs(positions, input_ids, 3), 3)
     assert again is first
     assert copier.copy(again)[:3].tolist() == [[11, 12, 1, 100], [13, 14, 2, 101], [15, 16, 3, 102]]
-    # a runner whose arrays hold this step's rows only (Model Runner V2's batch): the routing is cut to them
-    short = packing.columns(("FULL", 4), routing, step_inputs(positions[:3], input_ids[:3], 3), 3)
-    assert short is not first and [c.shape[0] for c in short] == [3, 3, 3]
+    # the capture handing out a new list for the graph (captured again): a new list packed from it
+    assert packing.columns(("FULL", 4), [graph_ids], step_inputs(positions, input_ids, 3), 3) is not first
+    # a runner whose arrays hold this step's rows only (Model Runner V2's batch): the routing is cut to them, and a
+    # list cut to one step's tokens is never reused for the next step's
+    short_buffers = (positions[:3], input_ids[:3])  # the same tensors at both steps
+    short = packing.columns(("FULL", 8), routing, step_inputs(*short_buffers, 3), 3)
+    assert [c.shape[0] for c in short] == [3, 3, 3]
+    assert [c.shape[0] for c in packing.columns(("FULL", 8), routing, step_inputs(*short_buffers, 2), 2)] == [2] * 3
     # an eager forward (no graph): a list of its own each step, never kept
-    eager = packing.columns(None, [graph_ids[:3]], step_inputs(positions, input_ids, 3), 3)
-    assert eager is not packing.columns(None, [graph_ids[:3]], step_inputs(positions, input_ids, 3), 3)
+    eager_routing = [graph_ids[:3]]
+    eager = packing.columns(None, eager_routing, step_inputs(positions, input_ids, 3), 3)
+    assert eager is not packing.columns(None, eager_routing, step_inputs(positions, input_ids, 3), 3)
+    # routers that saw fewer rows than the step has tokens: refused, never packed short
+    with pytest.raises(RuntimeError, match="the routers saw 2 rows for the step's 3 tokens"):
+        packing.columns(None, [graph_ids[:2]], step_inputs(positions, input_ids, 3), 3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
