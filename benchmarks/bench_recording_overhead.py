@@ -34,6 +34,7 @@ layers after one dense layer, bf16, ``load_format=dummy``): the step a Kimi depl
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -217,13 +218,16 @@ def hook_times(worker: Any, read: bool) -> dict[str, list[int]] | None:
     times: dict[str, list[int]] | None = getattr(runner_class, "_bench_hook_times", None)
     if times is None:
         times = runner_class._bench_hook_times = {}
+        if not hasattr(runner_class, "_bench_forward_kinds"):  # the probe stamps no forward (Model Runner V2)
+            runner_class._bench_forward_kinds = []
         kinds: list[str] = runner_class._bench_forward_kinds
+        engine_thread = threading.get_ident()  # installed through collective_rpc, which runs on the engine's thread
         for module, owner_name, name in HOOK_WORK:
             owner = importlib.import_module(module)
             owner = owner if owner_name is None else getattr(owner, owner_name)
             label = name if owner_name is None else f"{owner_name}.{name}"
-            setattr(owner, name, timing(getattr(owner, name), label, kinds, times))
-        gc.callbacks.append(collections_timer(kinds, times))
+            setattr(owner, name, timing(getattr(owner, name), label, kinds, times, engine_thread))
+        gc.callbacks.append(collections_timer(kinds, times, engine_thread))
     if not read:
         return None
     read_out = {key: values[:] for key, values in times.items()}
@@ -231,11 +235,10 @@ def hook_times(worker: Any, read: bool) -> dict[str, list[int]] | None:
     return read_out
 
 
-def collections_timer(kinds: list[str], times: dict[str, list[int]]) -> Any:
+def collections_timer(kinds: list[str], times: dict[str, list[int]], engine_thread: int) -> Any:
     """A ``gc.callbacks`` entry: each of Python's collections in the engine thread, its generation and µs, by the
     forward launched last (more objects alive across a step can make the collector run more often, or longer)."""
     started: list[int] = []
-    engine_thread = threading.get_ident()  # installed through collective_rpc, which runs on the engine's thread
 
     def on_collection(phase: str, info: dict[str, int]) -> None:
         if threading.get_ident() != engine_thread:
@@ -248,8 +251,12 @@ def collections_timer(kinds: list[str], times: dict[str, list[int]]) -> Any:
     return on_collection
 
 
-def timing(method: Any, label: str, kinds: list[str], times: dict[str, list[int]]) -> Any:
+def timing(method: Any, label: str, kinds: list[str], times: dict[str, list[int]], engine_thread: int) -> Any:
+    """``method``, its calls on the engine thread timed into ``times`` (other threads' calls, such as the writer's
+    idle forwarder, are not work after a launch)."""
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != engine_thread:
+            return method(self, *args, **kwargs)
         began = time.perf_counter_ns()
         try:
             return method(self, *args, **kwargs)
@@ -290,9 +297,14 @@ def recurring_added(on_rounds: list[dict[str, Any]], off_rounds: list[dict[str, 
     it implies against the off rounds' median time; with the positions that add the most: the forward that ends
     the step there (CUDA-graph mode, tokens), off's median µs, the median added µs, and that split into the
     step's parts (``IDLE_PARTS``, ``BUSY_PART``)."""
-    pairs = [(a, b) for a, b in zip(on_rounds, off_rounds) if len(a["all_steps_us"]) == len(b["all_steps_us"])]
-    if len(pairs) < 2 or len({len(a["all_steps_us"]) for a, _ in pairs}) != 1 or not pairs[0][0]["all_steps_us"]:
-        return {"rounds": len(pairs), "why_not": "the rounds' step counts differ"}
+    # Step i means the same step in every round only where the rounds ran the same forwards (none dropped, none
+    # scheduled otherwise): the pairs whose on and off rounds ran the sequence of forwards most pairs ran.
+    agreeing = [(a, b) for a, b in zip(on_rounds, off_rounds) if a["all_forwards"] == b["all_forwards"]]
+    common = collections.Counter(tuple(a["all_forwards"]) for a, _ in agreeing).most_common(1)
+    forwards = list(common[0][0]) if common else []
+    pairs = [(a, b) for a, b in agreeing if a["all_forwards"] == forwards]
+    if len(pairs) < 2 or not forwards:
+        return {"rounds": len(pairs), "why_not": "fewer than two pairs of rounds ran the same forwards"}
 
     def stacked(key: str, side: int) -> npt.NDArray[np.float64]:
         return np.array([pair[side][key] for pair in pairs], dtype=np.float64)
@@ -306,8 +318,7 @@ def recurring_added(on_rounds: list[dict[str, Any]], off_rounds: list[dict[str, 
                     for _ in range(resamples)])
     ci = [float(sums[int(0.025 * resamples)]), float(sums[int(0.975 * resamples) - 1])]
     round_ms = statistics.median(off_round_ms)
-    forwards = pairs[0][1]["all_forwards"]
-    return {"rounds": len(pairs), "steps_per_round": int(added.shape[1]),
+    return {"rounds": len(pairs), "rounds_left_out": len(off_rounds) - len(pairs), "steps_per_round": int(added.shape[1]),
             "added_ms_per_round": [float(per_step.sum() / 1e3), ci], "off_round_ms": round_ms,
             "on_off": [1 - per_step.sum() / 1e3 / round_ms, [1 - ci[1] / round_ms, 1 - ci[0] / round_ms]],
             "added_us_by_forward": {kind: float(per_step[[f == kind for f in forwards]].sum())
@@ -316,6 +327,25 @@ def recurring_added(on_rounds: list[dict[str, Any]], off_rounds: list[dict[str, 
                             "added_us": float(per_step[i]),
                             "added_parts_us": dict(zip((*IDLE_PARTS, BUSY_PART), added_parts[i].tolist()))}
                            for i in np.argsort(per_step)[::-1][:8]]}
+
+
+def added_by_forward(on_rounds: list[dict[str, Any]], off_rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per kind of forward ending a step (CUDA-graph mode, tokens), every round's steps pooled per mode: steps off
+    and on, off's median step and parts (µs), and on's medians minus off's. Needs no step-for-step alignment of the
+    rounds (at high concurrency their scheduling differs)."""
+    pooled: dict[str, dict[str, list[list[int]]]] = {"on": {}, "off": {}}
+    for mode, rounds in (("on", on_rounds), ("off", off_rounds)):
+        for window in rounds:
+            for kind, parts, step in zip(window["all_forwards"], window["all_parts_us"], window["all_steps_us"]):
+                pooled[mode].setdefault(kind, []).append([*parts, step])
+    names = (*IDLE_PARTS, BUSY_PART, "step_us")
+    by_kind = {}
+    for kind in sorted(set(pooled["off"]) & set(pooled["on"])):
+        off = np.median(np.array(pooled["off"][kind], dtype=np.float64), axis=0)
+        on = np.median(np.array(pooled["on"][kind], dtype=np.float64), axis=0)
+        by_kind[kind] = {"steps_off": len(pooled["off"][kind]), "steps_on": len(pooled["on"][kind]),
+                         "off_us": dict(zip(names, off.tolist())), "added_us": dict(zip(names, (on - off).tolist()))}
+    return by_kind
 
 
 def median_ci95(ratios: list[float], resamples: int = 10_000) -> tuple[float, list[float]]:
@@ -463,6 +493,9 @@ def main() -> None:
             report[str(batch)]["recurring"] = {  # per mode: what it adds at the same step of every round
                 mode: recurring_added(idle[(batch, mode)], idle[(batch, "off")], elapsed_ms[(batch, "off")])
                 for mode in modes[1:] if idle.get((batch, mode))}
+            report[str(batch)]["by_forward"] = {  # per mode: steps pooled by the kind of forward ending them
+                mode: added_by_forward(idle[(batch, mode)], idle[(batch, "off")]) for mode in modes[1:]
+                if idle.get((batch, mode))}
             report[str(batch)]["idle_window_off"] = {
                 part: statistics.median(r[part] for r in idle[(batch, "off")] if r["steps"]) for part in parts}
             report[str(batch)]["idle_window_added"] = {  # per mode, minus off, per round: median, 95% interval
@@ -489,6 +522,11 @@ def main() -> None:
             print(f"{batch:>5} {mode} minus off (median of rounds, 95% interval), of off's: " + "; ".join(
                 f"{part} {added[part][0]:+.1f} ({added[part][1][0]:+.1f} to {added[part][1][1]:+.1f}) of "
                 f"{off_us[part]:.0f}" for part in added))
+        for mode, by_kind in report[str(batch)].get("by_forward", {}).items():
+            print(f"{batch:>5} {mode} minus off by forward, steps pooled (steps off; off's median step µs; added to "
+                  f"the step, to launch-to-sync): " + "; ".join(
+                      f"{kind} {v['steps_off']} {v['off_us']['step_us']:.0f} {v['added_us']['step_us']:+.0f} "
+                      f"{v['added_us'][BUSY_PART]:+.0f}" for kind, v in by_kind.items() if v["steps_off"] >= 10))
         for mode, recurring in report[str(batch)].get("recurring", {}).items():
             if "on_off" in recurring:
                 (ms, (ms_low, ms_high)), (ratio, (low, high)) = recurring["added_ms_per_round"], recurring["on_off"]
