@@ -179,8 +179,9 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 # What each mode changes with recording on (through ``collective_rpc``, in the worker): "writer-off" keeps the hooks
 # but drops every step before the hand-over (the difference to "on" is the writer process's share: pickling, pipe,
 # CPU); "untimed" times no step's phases (the difference is the CUDA events' share); "no-layout" keeps the hooks but
-# collects, packs and hands over nothing (the difference is the hooks' plumbing alone).
-MODES = ("off", "on", "writer-off", "untimed", "no-layout")
+# collects, packs and hands over nothing (the difference is the hooks' plumbing alone); "no-copy" is writer-off whose
+# pack launches nothing on the GPU (beside writer-off: the share of the pack's CUDA calls).
+MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy")
 
 
 def set_mode(worker: Any, mode: str) -> None:
@@ -190,10 +191,17 @@ def set_mode(worker: Any, mode: str) -> None:
         return
     worker.moetrace_resume()
     recorder = worker._moetrace_recorder
-    if mode == "writer-off":
+    if mode in ("writer-off", "no-copy"):
         recorder.writer.submit = lambda item: None
     else:
         vars(recorder.writer).pop("submit", None)
+    if mode == "no-copy":  # a block as if packed (zeros), never handed over
+        import torch
+
+        zeros = torch.zeros((1, recorder.layout.width), dtype=torch.int32)
+        recorder.copier.copy = lambda columns: zeros.expand(columns[0].shape[0], -1)
+    else:
+        vars(recorder.copier).pop("copy", None)
     if mode == "no-layout":
         recorder._layout = lambda t_start: None  # no step pending: the later hooks find nothing to do
     else:
