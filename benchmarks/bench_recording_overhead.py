@@ -326,7 +326,8 @@ def recurring_added(on_rounds: list[dict[str, Any]], off_rounds: list[dict[str, 
                     for _ in range(resamples)])
     ci = [float(sums[int(0.025 * resamples)]), float(sums[int(0.975 * resamples) - 1])]
     round_ms = statistics.median(off_round_ms)
-    return {"rounds": len(pairs), "rounds_left_out": len(off_rounds) - len(pairs), "steps_per_round": int(added.shape[1]),
+    return {"rounds": len(pairs), "rounds_left_out": len(off_rounds) - len(pairs),
+            "steps_per_round": int(added.shape[1]),
             "added_ms_per_round": [float(per_step.sum() / 1e3), ci], "off_round_ms": round_ms,
             "on_off": [1 - per_step.sum() / 1e3 / round_ms, [1 - ci[1] / round_ms, 1 - ci[0] / round_ms]],
             "added_us_by_forward": {kind: float(per_step[[f == kind for f in forwards]].sum())
