@@ -20,7 +20,8 @@ Rounds repeat the same work step for step (the same prompts, greedy), so per ste
 rounds of on minus off is what recording costs at that step, free of the host's random stalls ("recurring"): summed
 with a bootstrap interval, and split by the CUDA-graph mode of the forward ending the step (stamped from vLLM's
 forward context) and by the step's parts. ``--hook-times`` also times, on every step, the recorder's work after
-each launch (layout and hand-over) and Python's collections on the engine thread, by the forward they follow.
+each launch (layout and hand-over), vLLM's forward launch, sampler, sync and drafter (in every mode, off included)
+and Python's collections on the engine thread, by the forward they follow.
 
 ``--profile`` then runs one more round per batch with recording on under cProfile in the engine's thread, and
 prints where the recorder's own time goes (its functions by total time: cProfile slows Python several-fold, so
@@ -214,6 +215,10 @@ def set_mode(worker: Any, mode: str) -> None:
 # and the router wrapper's (``record``: it should run only in forwards outside CUDA graphs, and while they are captured)
 HOOK_WORK = (("moetrace.hooks.recorder", "Recorder", "_layout"), ("moetrace.writer", "TraceWriter", "forward_ready"),
              ("moetrace.hooks.capture", None, "record"))
+# vLLM's own calls on Model Runner V1, timed beneath the hooks in every mode: the forward's launch, the rejection
+# sampler, and the sync (its wait says how long the GPU ran past the host), so "on" minus "off" says in which of
+# them a step got longer.
+RUNNER_WORK = ("_model_forward", "_sample", "_bookkeeping_sync", "propose_draft_token_ids")
 
 
 def hook_times(worker: Any, read: bool) -> dict[str, list[int]] | None:
@@ -230,10 +235,12 @@ def hook_times(worker: Any, read: bool) -> dict[str, list[int]] | None:
             runner_class._bench_forward_kinds = []
         kinds: list[str] = runner_class._bench_forward_kinds
         engine_thread = threading.get_ident()  # installed through collective_rpc, which runs on the engine's thread
+        targets = [(runner_class, name, f"vllm {name}") for name in RUNNER_WORK if hasattr(runner_class, name)]
         for module, owner_name, name in HOOK_WORK:
             owner = importlib.import_module(module)
             owner = owner if owner_name is None else getattr(owner, owner_name)
-            label = name if owner_name is None else f"{owner_name}.{name}"
+            targets.append((owner, name, name if owner_name is None else f"{owner_name}.{name}"))
+        for owner, name, label in targets:
             setattr(owner, name, timing(getattr(owner, name), label, kinds, times, engine_thread))
         gc.callbacks.append(collections_timer(kinds, times, engine_thread))
     if not read:
@@ -398,7 +405,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--hook-times", action="store_true",
-                        help="time the recorder's work after each launch on every step, by the forward it follows")
+                        help="time the recorder's work after each launch and vLLM's forward, sampler and sync on "
+                             "every step, by the forward they follow")
     parser.add_argument("--steps-json", type=Path, help="write every round's steps (times, parts, forwards) here")
     parser.add_argument("--profile", action="store_true",
                         help="then one round per batch, recording on, under cProfile in the engine thread")
@@ -515,10 +523,11 @@ def main() -> None:
             report[str(batch)]["hook_us"] = {  # per mode, per function and forward kind: calls, median, mean µs
                 mode: {key: {"calls": len(v), "median": statistics.median(v), "mean": statistics.fmean(v)}
                        for key, v in sorted(hook_us[(batch, mode)].items())}
-                for mode in modes[1:] if (batch, mode) in hook_us}
+                for mode in modes if (batch, mode) in hook_us}
             for mode, per_key in report[str(batch)]["hook_us"].items():
-                print(f"{batch:>5} {mode} recorder's work after launch, µs (calls, median, mean): " + "; ".join(
-                    f"{key} {v['calls']} {v['median']:.0f} {v['mean']:.0f}" for key, v in per_key.items()))
+                print(f"{batch:>5} {mode} timed calls by the forward they follow, µs (calls, median, mean): "
+                      + "; ".join(f"{key} {v['calls']} {v['median']:.0f} {v['mean']:.0f}"
+                                  for key, v in per_key.items()))
         for mode in modes[2:]:
             mode_median, mode_ci = median_ci95([a / b for a, b in zip(results[(batch, mode)], off)])
             report[str(batch)][f"{mode}_over_off"] = {"median": mode_median, "ci95": mode_ci}
