@@ -1,8 +1,8 @@
 """Trace writer: per-step routing captures into rotated Parquet files, encoded in a process of its own.
 
 The engine thread only hands over: ``TraceWriter.submit`` queues a step, and ``forward_ready`` (called where the GPU
-is busy with the next forward) sends the steps whose device copies have landed, pickled, down a non-blocking pipe
-to the writer process (``python -m moetrace.writer``), where assembling rows, building
+is busy with the next forward) pickles the steps whose device copies have landed and sends them, a few steps' worth
+at a time, down a non-blocking pipe to the writer process (``python -m moetrace.writer``), where assembling rows, building
 Arrow tables, compressing and writing happen. Done by a thread of the engine process, that work took the GIL from
 the engine loop at high step rates (measured on an H200: 4-5% of throughput). A file being written is named
 ``*.parquet.inprogress`` and renamed when closed, so a killed recording leaves every rotated file readable and
@@ -16,13 +16,16 @@ import collections
 import fcntl
 import json
 import logging
+import mmap
 import os
 import pickle
 import queue
 import select
 import signal
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -166,6 +169,14 @@ CPU_PINNING_VARIABLES = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PROC_BIND", "
 # Bytes of steps the engine may hold while the writer process catches up; past it recording stops, said out loud.
 MAX_BACKLOG_BYTES = 256 << 20
 IDLE_FORWARD_SECONDS = 0.1  # how long queued steps wait for the engine thread before the idle forwarder sends them
+# Pickled steps go down the pipe at most this often, or once this many bytes wait: a pipe write and the writer
+# process waking for it cost the engine tens of µs per step on some hosts (gVisor), paid in full by steps whose host
+# work outlasts the GPU's (PIECEWISE graphs, prefills).
+SEND_EVERY_SECONDS = 0.05
+SEND_BYTES = 512 << 10
+# Steps submitted so far, an int64 in memory the writer process shares: an engine killed with steps not yet sent
+# leaves their count behind, and the writer process says they are missing.
+SUBMITTED = struct.Struct("<q")
 PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = 1031  # Linux fcntl: grow a pipe's buffer
 
@@ -189,11 +200,12 @@ class TraceWriter:
     """The engine side of one trace directory: steps go down a pipe to the writer process.
 
     No thread on the engine side takes the GIL from the engine loop while steps flow: ``submit`` (once per step, on
-    the engine thread) only queues a step, and ``forward_ready`` (once per step, where the engine thread would
-    otherwise wait for the GPU) sends the steps whose copies have landed, pickled, through a non-blocking pipe;
-    what the pipe cannot take yet waits in memory for the next step. Once the engine has gone quiet for
-    ``IDLE_FORWARD_SECONDS``, a thread forwards what is left (an engine stopped while idle, as ``vllm serve`` kills
-    its workers, holds no step back)."""
+    the engine thread) only queues a step and counts it in memory shared with the writer process, and
+    ``forward_ready`` (once per step, where the engine thread would otherwise wait for the GPU) pickles the steps
+    whose copies have landed and writes what has gathered into a non-blocking pipe every ``SEND_EVERY_SECONDS``;
+    what the pipe cannot take yet waits in memory. Once the engine has gone quiet for ``IDLE_FORWARD_SECONDS``, a
+    thread forwards what is left (an engine stopped while idle, as ``vllm serve`` kills its workers, holds no step
+    back)."""
 
     def __init__(
         self,
@@ -214,6 +226,10 @@ class TraceWriter:
         self._waiting: collections.deque[StepCapture | Pending] = collections.deque()
         self._submitted = 0
         self._backlog = bytearray()
+        self._sent_at = 0.0  # when the backlog last went down the pipe
+        self._counter_file = tempfile.TemporaryFile()  # unlinked: it lives while a process maps it
+        self._counter_file.truncate(SUBMITTED.size)
+        self._shared_submitted = mmap.mmap(self._counter_file.fileno(), SUBMITTED.size)
         for table in (ROUTING_DIR, STEPS_DIR):
             (root / table).mkdir(parents=True, exist_ok=True)
         write_json_atomic(root / MANIFEST_NAME, manifest)  # a trace says what it is before its first row
@@ -227,9 +243,10 @@ class TraceWriter:
         # killing every process below its workers, and the writer must outlive them to close its files.
         # Nor may it inherit the engine's CPU pinning (vLLM's CPU worker sets GOMP_CPU_AFFINITY for its OpenMP team).
         unpinned = {key: value for key, value in os.environ.items() if key not in CPU_PINNING_VARIABLES}
+        fds = (to_child_r, from_child_w, self._counter_file.fileno())
         subprocess.run(
-            [sys.executable, "-c", LAUNCH_DETACHED, str(to_child_r), str(from_child_w)],
-            pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=unpinned, check=True,
+            [sys.executable, "-c", LAUNCH_DETACHED, *map(str, fds)], pass_fds=fds, stdin=subprocess.DEVNULL, env=unpinned,
+            check=True,
         )
         os.close(to_child_r)
         os.close(from_child_w)
@@ -252,10 +269,12 @@ class TraceWriter:
         if self.failed is None:
             self._waiting.append(step)
             self._submitted += 1
+            SUBMITTED.pack_into(self._shared_submitted, 0, self._submitted)
 
     def forward_ready(self) -> None:
-        """Send the queued steps that are ready (their copies have landed); never blocks and never raises."""
-        if self.failed is not None or not self._waiting:
+        """Pickle the queued steps that are ready (their copies have landed), and send what has gathered if it is time;
+        never blocks and never raises."""
+        if self.failed is not None or not (self._waiting or self._backlog):
             return
         with self._lock:
             try:
@@ -277,6 +296,8 @@ class TraceWriter:
             except Exception as exc:
                 self._fail(f"the writer process is gone ({type(exc).__name__}: {exc})")
         self._reader.join(timeout=120)  # the writer process reports "closed", then exits
+        self._shared_submitted.close()
+        self._counter_file.close()
         if self._final is None:  # the writer process died: say so in the manifest it could not finish
             manifest = json.loads((self.root / MANIFEST_NAME).read_text())
             manifest.update(extra, complete=False, error=self.failed or "the writer process ended unexpectedly")
@@ -290,12 +311,13 @@ class TraceWriter:
         """Thread: forwards what is queued once no step has been forwarded for ``IDLE_FORWARD_SECONDS``; while
         steps flow it only wakes to find the engine thread has done it."""
         while not self._closing.wait(IDLE_FORWARD_SECONDS):
-            if self._waiting and time.monotonic() - self._last_forward >= IDLE_FORWARD_SECONDS:
+            if (self._waiting or self._backlog) and time.monotonic() - self._last_forward >= IDLE_FORWARD_SECONDS:
                 self.forward_ready()
 
     def _forward(self, wait: bool) -> None:
-        """Pickle the leading steps that are ready (all of them when ``wait``) into the backlog, then drain it."""
-        self._last_forward = time.monotonic()
+        """Pickle the leading steps that are ready (all of them when ``wait``) into the backlog, and drain it when
+        ``wait``, when it has grown to ``SEND_BYTES`` or when ``SEND_EVERY_SECONDS`` have passed since it last was."""
+        self._last_forward = now = time.monotonic()
         while self._waiting:
             step = self._waiting[0]
             if isinstance(step, StepCapture):
@@ -304,14 +326,13 @@ class TraceWriter:
                 message = step.ready()
             else:
                 break
-            # With each step, how many have been submitted: the writer process knows what a killed engine held.
-            self._backlog += pickle.dumps(("step", message, self._submitted), protocol=pickle.HIGHEST_PROTOCOL)
+            self._backlog += pickle.dumps(("step", message), protocol=pickle.HIGHEST_PROTOCOL)
             # Taken off the queue only once its bytes are pickled: until then the engine thread's forward_ready
             # sees it queued and waits for the lock instead of queueing the next copy into the same staging rows.
             self._waiting.popleft()
-        if self._waiting:  # steps held here: say how many were submitted, in case this process dies holding them
-            self._backlog += pickle.dumps(("held", self._submitted), protocol=pickle.HIGHEST_PROTOCOL)
-        self._drain(wait)
+        if wait or len(self._backlog) >= SEND_BYTES or now - self._sent_at >= SEND_EVERY_SECONDS:
+            self._sent_at = now
+            self._drain(wait)
         if len(self._backlog) > MAX_BACKLOG_BYTES:
             raise RuntimeError(f"the writer process fell {len(self._backlog) >> 20} MiB behind the engine")
 
@@ -469,9 +490,10 @@ class TraceFiles:
         return pa.Table.from_pydict(columns, schema=self._routing.schema)
 
 
-def serve(inbox: Any, outbox: Any) -> None:
+def serve(inbox: Any, outbox: Any, submitted: mmap.mmap) -> None:
     """The writer process: read steps from ``inbox``, write them in batches every ``batch_seconds``, rotate files
-    on time even when idle, and report progress, failure and the final manifest to ``outbox``."""
+    on time even when idle, and report progress, failure and the final manifest to ``outbox``; ``submitted`` holds
+    how many steps the engine submitted (what a killed engine did not send is missing)."""
     for stop in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C reaches the whole process group: end at EOF instead
         signal.signal(stop, signal.SIG_IGN)
     received: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
@@ -498,7 +520,7 @@ def serve(inbox: Any, outbox: Any) -> None:
         report("failed", f"{type(exc).__name__}: {exc}")
         return
     threading.Thread(target=receive, daemon=True).start()
-    steps_received = steps_submitted = 0
+    steps_received = 0
     while True:
         pending: list[Any] = []
         closing: tuple[Any, ...] | None = None
@@ -509,13 +531,10 @@ def serve(inbox: Any, outbox: Any) -> None:
             except queue.Empty:
                 break
             if message is None:
-                closing = engine_ended(steps_submitted - steps_received)
+                closing = engine_ended(SUBMITTED.unpack_from(submitted)[0] - steps_received)
             elif message[0] == "step":
                 pending.append(message[1])
                 steps_received += 1
-                steps_submitted = message[2]
-            elif message[0] == "held":
-                steps_submitted = message[1]
             else:
                 closing = message
         if files.failed is None:
@@ -557,4 +576,5 @@ if __name__ == "__main__":
     # Run the importable module's serve, not this __main__ copy's: pickled steps name moetrace.writer's classes.
     from moetrace.writer import serve as serve_steps
 
-    serve_steps(os.fdopen(int(sys.argv[1]), "rb"), os.fdopen(int(sys.argv[2]), "wb"))
+    serve_steps(os.fdopen(int(sys.argv[1]), "rb"), os.fdopen(int(sys.argv[2]), "wb"),
+                mmap.mmap(int(sys.argv[3]), SUBMITTED.size))

@@ -238,6 +238,7 @@ from pathlib import Path
 import numpy as np
 sys.path.insert(0, {tests!r})
 from test_writer_reader import LAYERS, TOP_K, NotReadyYet, manifest, verify_step
+import moetrace.writer
 from moetrace.writer import TraceWriter
 writer = TraceWriter(Path({root!r}), manifest(), LAYERS, TOP_K, row_group_rows=10)
 rng = np.random.default_rng(5)
@@ -248,12 +249,18 @@ if {mid_step}:
 deadline = time.monotonic() + 30
 while writer.steps < 4 and time.monotonic() < deadline:
     time.sleep(0.05)
+if {unsent}:  # two more steps pickled by the engine thread, not yet time to send them
+    moetrace.writer.SEND_EVERY_SECONDS = 3600
+    for step in (5, 6):
+        writer.submit(verify_step(step, rng))
+    writer.forward_ready()
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def kill_engine_and_read_manifest(root: Path, mid_step: bool) -> dict[str, Any]:
-    script = ENGINE_THAT_DIES.format(tests=str(Path(__file__).parent), root=str(root), mid_step=mid_step)
+def kill_engine_and_read_manifest(root: Path, mid_step: bool, unsent: bool = False) -> dict[str, Any]:
+    script = ENGINE_THAT_DIES.format(tests=str(Path(__file__).parent), root=str(root), mid_step=mid_step,
+                                     unsent=unsent)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == -9, done.stderr[-2000:]
     deadline = time.monotonic() + 30
@@ -277,6 +284,13 @@ def test_an_engine_killed_while_idle_leaves_a_complete_trace(tmp_path: Path) -> 
 def test_an_engine_killed_mid_step_leaves_closed_files_and_says_what_is_missing(tmp_path: Path) -> None:
     final = kill_engine_and_read_manifest(tmp_path / "trace", mid_step=True)
     assert final["complete"] is False and "last 1 step(s) are missing" in final["error"]
+
+
+def test_steps_pickled_but_not_yet_sent_when_the_engine_is_killed_are_said_missing(tmp_path: Path) -> None:
+    """The engine thread sends its pickled steps a few at a time; those it still held when killed are counted in
+    memory it shares with the writer process, which says they are missing."""
+    final = kill_engine_and_read_manifest(tmp_path / "trace", mid_step=False, unsent=True)
+    assert final["complete"] is False and "last 2 step(s) are missing" in final["error"]
 
 
 def test_a_sweep_folder_with_two_traces_at_one_k_or_two_models_is_refused_in_one_line(tmp_path: Path) -> None:
