@@ -181,8 +181,11 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 # but drops every step before the hand-over (the difference to "on" is the writer process's share: pickling, pipe,
 # CPU); "untimed" times no step's phases (the difference is the CUDA events' share); "no-layout" keeps the hooks but
 # collects, packs and hands over nothing (the difference is the hooks' plumbing alone); "no-copy" is writer-off whose
-# pack launches nothing on the GPU (beside writer-off: the share of the pack's CUDA calls).
-MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy")
+# pack launches nothing on the GPU (beside writer-off: the share of the pack's CUDA calls); "device-only" is
+# writer-off whose pack lands in device memory and goes no further (beside no-copy: the pack kernel's share; beside
+# writer-off: the share of the GPU writing host memory); "device-copy" is "on" packing into device memory, then
+# copying into the pinned buffer (the copier's fallback where mapping is refused).
+MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-only", "device-copy")
 
 
 def set_mode(worker: Any, mode: str) -> None:
@@ -192,17 +195,31 @@ def set_mode(worker: Any, mode: str) -> None:
         return
     worker.moetrace_resume()
     recorder = worker._moetrace_recorder
-    if mode in ("writer-off", "no-copy"):
+    copier = recorder.copier
+    if mode in ("writer-off", "no-copy", "device-only"):
         recorder.writer.submit = lambda item: None
     else:
         vars(recorder.writer).pop("submit", None)
-    if mode == "no-copy":  # a block as if packed (zeros), never handed over
+    vars(copier).pop("copy", None)
+    mapped, block = vars(worker).setdefault("_bench_copier", (copier._mapped, copier._block))  # as it was built
+    copier._mapped, copier._block = mapped, block
+    if mode in ("no-copy", "device-only", "device-copy"):
         import torch
 
         zeros = torch.zeros((1, recorder.layout.width), dtype=torch.int32)
-        recorder.copier.copy = lambda columns: zeros.expand(columns[0].shape[0], -1)
-    else:
-        vars(recorder.copier).pop("copy", None)
+        if copier._staging is not None and "_bench_block" not in vars(worker):
+            worker._bench_block = torch.empty(copier._staging.shape, dtype=torch.int32, device="cuda")
+        device_block = getattr(worker, "_bench_block", None)
+        if mode == "no-copy":  # a block as if packed (zeros), never handed over
+            copier.copy = lambda columns: zeros.expand(columns[0].shape[0], -1)
+        elif mode == "device-only" and device_block is not None:
+            def pack_only(columns: list[Any]) -> Any:
+                rows = columns[0].shape[0]
+                torch.cat(columns, dim=1, out=device_block[:rows])
+                return zeros.expand(rows, -1)
+            copier.copy = pack_only
+        elif mode == "device-copy" and device_block is not None:
+            copier._mapped, copier._block = None, device_block
     if mode == "no-layout":
         recorder._layout = lambda t_start: None  # no step pending: the later hooks find nothing to do
     else:

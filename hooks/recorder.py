@@ -19,8 +19,8 @@ because the runner reuses those arrays; what lives on the device (routing rows, 
 into one block (``torch.cat`` of views) that lands in pinned host memory without blocking, on vLLM's stream
 (``StepCopier``), so vLLM's own sync covers it. With async scheduling vLLM's own device count of kept tokens is
 copied too, and an event after it says when the step is ready. The step is handed to the writer process (one
-pickle, one pipe write) right after the next step's forward is launched, and the writer process assembles and
-encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, and no
+pickle; a pipe write every few steps) right after the next step's forward is launched, and the writer process
+assembles and encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, and no
 thread in the engine process competes with the engine loop for the GIL while steps flow. The manifest's
 ``engine_thread_us_per_step`` says what each hook cost.
 """

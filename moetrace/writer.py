@@ -1,11 +1,11 @@
 """Trace writer: per-step routing captures into rotated Parquet files, encoded in a process of its own.
 
 The engine thread only hands over: ``TraceWriter.submit`` queues a step, and ``forward_ready`` (called where the GPU
-is busy with the next forward) pickles the steps whose device copies have landed and sends them, a few steps' worth
-at a time, down a non-blocking pipe to the writer process (``python -m moetrace.writer``), where assembling rows, building
-Arrow tables, compressing and writing happen. Done by a thread of the engine process, that work took the GIL from
-the engine loop at high step rates (measured on an H200: 4-5% of throughput). A file being written is named
-``*.parquet.inprogress`` and renamed when closed, so a killed recording leaves every rotated file readable and
+is busy with the next forward) pickles the steps whose device copies have landed and sends them, a few steps'
+worth at a time, down a non-blocking pipe to the writer process (``python -m moetrace.writer``), where assembling
+rows, building Arrow tables, compressing and writing happen. Done by a thread of the engine process, that work took
+the GIL from the engine loop at high step rates (measured on an H200: 4-5% of throughput). A file being written is
+named ``*.parquet.inprogress`` and renamed when closed, so a killed recording leaves every rotated file readable and
 marks the one it lost; if the engine process dies, the writer process still closes its files. Any error stops
 recording with a warning; it never propagates into the engine.
 """
@@ -245,8 +245,8 @@ class TraceWriter:
         unpinned = {key: value for key, value in os.environ.items() if key not in CPU_PINNING_VARIABLES}
         fds = (to_child_r, from_child_w, self._counter_file.fileno())
         subprocess.run(
-            [sys.executable, "-c", LAUNCH_DETACHED, *map(str, fds)], pass_fds=fds, stdin=subprocess.DEVNULL, env=unpinned,
-            check=True,
+            [sys.executable, "-c", LAUNCH_DETACHED, *map(str, fds)], pass_fds=fds, stdin=subprocess.DEVNULL,
+            env=unpinned, check=True,
         )
         os.close(to_child_r)
         os.close(from_child_w)
