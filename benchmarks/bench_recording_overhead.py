@@ -439,7 +439,7 @@ def main() -> None:
 
     from moetrace.engine import build_llm, engine_prompts
     from moetrace.hooks.vllm_api import vllm_version
-    from moetrace.host import gpu_inventory
+    from moetrace.host import gpu_inventory, host_facts
 
     with tempfile.TemporaryDirectory(prefix="moetrace-bench-") as scratch:
         settings = engine_settings_for(args.model, Path(scratch), max(batches), args.max_tokens, args.compiled,
@@ -491,6 +491,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "vllm_version": vllm_version(),
         "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
+        "host": host_facts(),  # the kernel release tells a gVisor sandbox (4.4.0) from a VM
         "model": args.model,
         "cuda_graphs": args.compiled,
         "spec": "ngram k=3",

@@ -23,4 +23,7 @@ def gpu_inventory() -> dict[str, Any]:
 
 
 def host_facts() -> dict[str, Any]:
-    return {"hostname": platform.node(), "machine": platform.machine(), "python": platform.python_version()}
+    """The host's name, architecture, Python and kernel release (a sandbox says what it is there: gVisor reports
+    4.4.0, and host-side costs such as CUDA calls differ between runtimes, which matters to any timing)."""
+    return {"hostname": platform.node(), "machine": platform.machine(), "python": platform.python_version(),
+            "kernel": platform.release()}
