@@ -184,8 +184,12 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 # pack launches nothing on the GPU (beside writer-off: the share of the pack's CUDA calls); "device-only" is
 # writer-off whose pack lands in device memory and goes no further (beside no-copy: the pack kernel's share; beside
 # writer-off: the share of the GPU writing host memory); "device-copy" is "on" packing into device memory, then
-# copying into the pinned buffer (the copier's fallback where mapping is refused).
-MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-only", "device-copy")
+# copying into the pinned buffer (the copier's fallback where mapping is refused); "batched-copy" is device-only
+# whose packs fill a device ring that is copied to the host in one copy every ``BATCHED_COPY_STEPS`` steps (beside
+# device-only and writer-off: whether fewer, larger transfers to the host spare vLLM's launches what per-step ones
+# cost them).
+MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-only", "device-copy", "batched-copy")
+BATCHED_COPY_STEPS = 16
 
 
 def set_mode(worker: Any, mode: str) -> None:
@@ -196,14 +200,14 @@ def set_mode(worker: Any, mode: str) -> None:
     worker.moetrace_resume()
     recorder = worker._moetrace_recorder
     copier = recorder.copier
-    if mode in ("writer-off", "no-copy", "device-only"):
+    if mode in ("writer-off", "no-copy", "device-only", "batched-copy"):
         recorder.writer.submit = lambda item: None
     else:
         vars(recorder.writer).pop("submit", None)
     vars(copier).pop("copy", None)
     mapped, block = vars(worker).setdefault("_bench_copier", (copier._mapped, copier._block))  # as it was built
     copier._mapped, copier._block = mapped, block
-    if mode in ("no-copy", "device-only", "device-copy"):
+    if mode in ("no-copy", "device-only", "device-copy", "batched-copy"):
         import torch
 
         zeros = torch.zeros((1, recorder.layout.width), dtype=torch.int32)
@@ -220,6 +224,21 @@ def set_mode(worker: Any, mode: str) -> None:
             copier.copy = pack_only
         elif mode == "device-copy" and device_block is not None:
             copier._mapped, copier._block = None, device_block
+        elif mode == "batched-copy" and device_block is not None and copier._staging is not None:
+            ring, staging, filled = device_block, copier._staging, [0, 0]  # rows packed, steps since the last copy
+
+            def pack_into_ring(columns: list[Any]) -> Any:
+                rows = columns[0].shape[0]
+                if filled[0] + rows > ring.shape[0]:
+                    filled[:] = [0, 0]
+                torch.cat(columns, dim=1, out=ring[filled[0] : filled[0] + rows])
+                filled[0] += rows
+                filled[1] += 1
+                if filled[1] == BATCHED_COPY_STEPS:
+                    staging[: filled[0]].copy_(ring[: filled[0]], non_blocking=True)
+                    filled[:] = [0, 0]
+                return zeros.expand(rows, -1)
+            copier.copy = pack_into_ring
     if mode == "no-layout":
         recorder._layout = lambda t_start: None  # no step pending: the later hooks find nothing to do
     else:
