@@ -174,11 +174,37 @@ IDLE_FORWARD_SECONDS = 0.1  # how long queued steps wait for the engine thread b
 # work outlasts the GPU's (PIECEWISE graphs, prefills).
 SEND_EVERY_SECONDS = 0.05
 SEND_BYTES = 512 << 10
-# Steps submitted so far, an int64 in memory the writer process shares: an engine killed with steps not yet sent
-# leaves their count behind, and the writer process says they are missing.
-SUBMITTED = struct.Struct("<q")
+SHARED_BYTES = 4096
 PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = 1031  # Linux fcntl: grow a pipe's buffer
+
+
+class EngineRecord:
+    """What the engine process leaves behind for the writer process, in memory both map: how many steps it
+    submitted, and why recording stopped if it did. An engine killed with steps not yet sent, or after recording
+    stopped, leaves that here, and the writer process says so in the manifest."""
+
+    _STEPS = struct.Struct("<q")  # steps submitted, at the start
+    _REASON = struct.Struct("<i")  # after it: bytes of the reason recording stopped (0: it did not); the text after
+    _TEXT_AT = _STEPS.size + _REASON.size
+
+    def __init__(self, memory: mmap.mmap) -> None:
+        self.memory = memory
+
+    def set_submitted(self, steps: int) -> None:
+        self._STEPS.pack_into(self.memory, 0, steps)
+
+    def set_failure(self, reason: str) -> None:
+        text = reason.encode()[: SHARED_BYTES - self._TEXT_AT]
+        self.memory[self._TEXT_AT : self._TEXT_AT + len(text)] = text
+        self._REASON.pack_into(self.memory, self._STEPS.size, len(text))  # last: the text is whole once counted
+
+    def read(self) -> tuple[int, str | None]:
+        """Steps submitted, and why recording stopped (None: it did not)."""
+        (steps,) = self._STEPS.unpack_from(self.memory)
+        (length,) = self._REASON.unpack_from(self.memory, self._STEPS.size)
+        reason = bytes(self.memory[self._TEXT_AT : self._TEXT_AT + length]).decode(errors="replace")
+        return steps, reason if length else None
 
 
 class Assemblable(Protocol):
@@ -202,8 +228,9 @@ class TraceWriter:
     No thread on the engine side takes the GIL from the engine loop while steps flow: ``submit`` (once per step, on
     the engine thread) only queues a step and counts it in memory shared with the writer process, and
     ``forward_ready`` (once per step, where the engine thread would otherwise wait for the GPU) pickles the steps
-    whose copies have landed and writes what has gathered into a non-blocking pipe every ``SEND_EVERY_SECONDS``;
-    what the pipe cannot take yet waits in memory. Once the engine has gone quiet for ``IDLE_FORWARD_SECONDS``, a
+    whose copies have landed and writes what has gathered into a non-blocking pipe every ``SEND_EVERY_SECONDS`` or
+    ``SEND_BYTES``; what the pipe cannot take yet waits in memory. Why recording stopped, if it did, is kept in the
+    shared memory too. Once the engine has gone quiet for ``IDLE_FORWARD_SECONDS``, a
     thread forwards what is left (an engine stopped while idle, as ``vllm serve`` kills its workers, holds no step
     back)."""
 
@@ -220,16 +247,16 @@ class TraceWriter:
         batch_seconds: float = 1.0,
     ) -> None:
         self.root = root
-        self.failed: str | None = None
+        self._failed: str | None = None
         self.steps = 0  # steps written so far, as the writer process last reported
         self._final: dict[str, Any] | None = None
         self._waiting: collections.deque[StepCapture | Pending] = collections.deque()
         self._submitted = 0
         self._backlog = bytearray()
         self._sent_at = 0.0  # when the backlog last went down the pipe
-        self._counter_file = tempfile.TemporaryFile()  # unlinked: it lives while a process maps it
-        self._counter_file.truncate(SUBMITTED.size)
-        self._shared_submitted = mmap.mmap(self._counter_file.fileno(), SUBMITTED.size)
+        self._shared_file = tempfile.TemporaryFile()  # unlinked: it lives while a process maps it
+        self._shared_file.truncate(SHARED_BYTES)
+        self._shared: EngineRecord | None = EngineRecord(mmap.mmap(self._shared_file.fileno(), SHARED_BYTES))
         for table in (ROUTING_DIR, STEPS_DIR):
             (root / table).mkdir(parents=True, exist_ok=True)
         write_json_atomic(root / MANIFEST_NAME, manifest)  # a trace says what it is before its first row
@@ -243,7 +270,7 @@ class TraceWriter:
         # killing every process below its workers, and the writer must outlive them to close its files.
         # Nor may it inherit the engine's CPU pinning (vLLM's CPU worker sets GOMP_CPU_AFFINITY for its OpenMP team).
         unpinned = {key: value for key, value in os.environ.items() if key not in CPU_PINNING_VARIABLES}
-        fds = (to_child_r, from_child_w, self._counter_file.fileno())
+        fds = (to_child_r, from_child_w, self._shared_file.fileno())
         subprocess.run(
             [sys.executable, "-c", LAUNCH_DETACHED, *map(str, fds)], pass_fds=fds, stdin=subprocess.DEVNULL,
             env=unpinned, check=True,
@@ -264,17 +291,28 @@ class TraceWriter:
         self._idle = threading.Thread(target=self._forward_when_idle, name="moetrace-writer-idle", daemon=True)
         self._idle.start()
 
+    @property
+    def failed(self) -> str | None:
+        """Why recording stopped (None while it goes on)."""
+        return self._failed
+
+    @failed.setter
+    def failed(self, reason: str | None) -> None:
+        self._failed = reason
+        if reason is not None and self._shared is not None:  # a killed engine's trace still says why it stopped
+            self._shared.set_failure(reason)
+
     def submit(self, step: StepCapture | Pending) -> None:
-        """Queue one step for the writer (sent by the next ``forward_ready``); never blocks and never raises."""
-        if self.failed is None:
-            self._waiting.append(step)
+        """Queue one step (pickled by the next ``forward_ready``); never blocks and never raises."""
+        if self.failed is None and self._shared is not None and not self._closing.is_set():
             self._submitted += 1
-            SUBMITTED.pack_into(self._shared_submitted, 0, self._submitted)
+            self._shared.set_submitted(self._submitted)  # counted before it can be sent: never fewer than received
+            self._waiting.append(step)
 
     def forward_ready(self) -> None:
         """Pickle the queued steps that are ready (their copies have landed), and send what has gathered if it is time;
         never blocks and never raises."""
-        if self.failed is not None or not (self._waiting or self._backlog):
+        if self.failed is not None or not (self._waiting or self._backlog) or self._closing.is_set():
             return
         with self._lock:
             try:
@@ -292,12 +330,11 @@ class TraceWriter:
                     self._forward(wait=True)
                 self._backlog += pickle.dumps(("close", extra, self.failed), protocol=pickle.HIGHEST_PROTOCOL)
                 self._drain(wait=True)
-                os.close(self._to_child)
             except Exception as exc:
                 self._fail(f"the writer process is gone ({type(exc).__name__}: {exc})")
+            finally:
+                os.close(self._to_child)  # the writer process sees the end either way, and closes its files
         self._reader.join(timeout=120)  # the writer process reports "closed", then exits
-        self._shared_submitted.close()
-        self._counter_file.close()
         if self._final is None:  # the writer process died: say so in the manifest it could not finish
             manifest = json.loads((self.root / MANIFEST_NAME).read_text())
             manifest.update(extra, complete=False, error=self.failed or "the writer process ended unexpectedly")
@@ -305,6 +342,10 @@ class TraceWriter:
             self._final = manifest
         if self._final.get("error") and self.failed is None:
             self.failed = str(self._final["error"])
+        if self._shared is not None:
+            self._shared.memory.close()
+            self._shared = None
+            self._shared_file.close()
         return self._final
 
     def _forward_when_idle(self) -> None:
@@ -337,8 +378,8 @@ class TraceWriter:
             raise RuntimeError(f"the writer process fell {len(self._backlog) >> 20} MiB behind the engine")
 
     def _drain(self, wait: bool) -> None:
-        """Write the backlog into the (non-blocking) pipe: one system call when it fits, as it does step after step;
-        when the pipe is full, the rest goes with a later step, or, when ``wait``, once the pipe has room."""
+        """Write the backlog into the (non-blocking) pipe: one system call when it fits, as it does send after send;
+        when the pipe is full, the rest goes with a later send, or, when ``wait``, once the pipe has room."""
         while self._backlog:
             try:
                 written = os.write(self._to_child, self._backlog)
@@ -490,10 +531,10 @@ class TraceFiles:
         return pa.Table.from_pydict(columns, schema=self._routing.schema)
 
 
-def serve(inbox: Any, outbox: Any, submitted: mmap.mmap) -> None:
+def serve(inbox: Any, outbox: Any, engine: EngineRecord) -> None:
     """The writer process: read steps from ``inbox``, write them in batches every ``batch_seconds``, rotate files
-    on time even when idle, and report progress, failure and the final manifest to ``outbox``; ``submitted`` holds
-    how many steps the engine submitted (what a killed engine did not send is missing)."""
+    on time even when idle, and report progress, failure and the final manifest to ``outbox``; ``engine`` says what
+    an engine that ended without closing had submitted, and why its recording stopped if it did."""
     for stop in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C reaches the whole process group: end at EOF instead
         signal.signal(stop, signal.SIG_IGN)
     received: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
@@ -531,7 +572,7 @@ def serve(inbox: Any, outbox: Any, submitted: mmap.mmap) -> None:
             except queue.Empty:
                 break
             if message is None:
-                closing = engine_ended(SUBMITTED.unpack_from(submitted)[0] - steps_received)
+                closing = engine_ended(*engine.read(), steps_received)
             elif message[0] == "step":
                 pending.append(message[1])
                 steps_received += 1
@@ -551,14 +592,15 @@ def serve(inbox: Any, outbox: Any, submitted: mmap.mmap) -> None:
             return
 
 
-def engine_ended(steps_lost: int) -> tuple[Any, ...]:
+def engine_ended(submitted: int, failure: str | None, received: int) -> tuple[Any, ...]:
     """The close message for an engine process that ended without closing its trace. `vllm serve` stops that way
     (it kills its workers); if the engine had handed over every step it recorded, nothing is missing."""
-    if steps_lost == 0:
+    stopped = f"; recording had stopped ({failure})" if failure else ""
+    if submitted == received and not failure:
         return ("close", {"end": "the engine process ended (killed or shut down) with every recorded step handed "
                                  "over"}, None)
-    return ("close", {}, f"the engine process ended without closing the trace; its last {steps_lost} step(s) "
-                         "are missing")
+    missing = f"; its last {submitted - received} step(s) are missing" if submitted != received else ""
+    return ("close", {}, f"the engine process ended without closing the trace{missing}{stopped}")
 
 LAUNCH_DETACHED = (
     "import os, subprocess, sys\n"
@@ -577,4 +619,4 @@ if __name__ == "__main__":
     from moetrace.writer import serve as serve_steps
 
     serve_steps(os.fdopen(int(sys.argv[1]), "rb"), os.fdopen(int(sys.argv[2]), "wb"),
-                mmap.mmap(int(sys.argv[3]), SUBMITTED.size))
+                EngineRecord(mmap.mmap(int(sys.argv[3]), SHARED_BYTES)))

@@ -254,13 +254,17 @@ if {unsent}:  # two more steps pickled by the engine thread, not yet time to sen
     for step in (5, 6):
         writer.submit(verify_step(step, rng))
     writer.forward_ready()
+    assert not writer._waiting and writer._backlog, "the two steps were pickled and held"
+if {stopped}:  # recording stops as the recorder stops it, and the engine serves on until killed
+    writer.failed = "a fault inside the forward"
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def kill_engine_and_read_manifest(root: Path, mid_step: bool, unsent: bool = False) -> dict[str, Any]:
+def kill_engine_and_read_manifest(root: Path, mid_step: bool, unsent: bool = False, stopped: bool = False
+                                  ) -> dict[str, Any]:
     script = ENGINE_THAT_DIES.format(tests=str(Path(__file__).parent), root=str(root), mid_step=mid_step,
-                                     unsent=unsent)
+                                     unsent=unsent, stopped=stopped)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == -9, done.stderr[-2000:]
     deadline = time.monotonic() + 30
@@ -291,6 +295,14 @@ def test_steps_pickled_but_not_yet_sent_when_the_engine_is_killed_are_said_missi
     memory it shares with the writer process, which says they are missing."""
     final = kill_engine_and_read_manifest(tmp_path / "trace", mid_step=False, unsent=True)
     assert final["complete"] is False and "last 2 step(s) are missing" in final["error"]
+
+
+def test_an_engine_killed_after_recording_stopped_leaves_a_trace_that_says_why(tmp_path: Path) -> None:
+    """Recording stops on a fault and the engine serves on; killed later, it never closed the trace, but the reason
+    lives in memory it shared with the writer process, so the trace is not taken for a complete one."""
+    final = kill_engine_and_read_manifest(tmp_path / "trace", mid_step=False, stopped=True)
+    assert final["complete"] is False and "recording had stopped (a fault inside the forward)" in final["error"]
+    assert "missing" not in final["error"]  # every step recorded before the fault was handed over
 
 
 def test_a_sweep_folder_with_two_traces_at_one_k_or_two_models_is_refused_in_one_line(tmp_path: Path) -> None:
