@@ -271,12 +271,20 @@ class TraceWriter:
         # Nor may it inherit the engine's CPU pinning (vLLM's CPU worker sets GOMP_CPU_AFFINITY for its OpenMP team).
         unpinned = {key: value for key, value in os.environ.items() if key not in CPU_PINNING_VARIABLES}
         fds = (to_child_r, from_child_w, self._shared_file.fileno())
-        subprocess.run(
-            [sys.executable, "-c", LAUNCH_DETACHED, *map(str, fds)], pass_fds=fds, stdin=subprocess.DEVNULL,
-            env=unpinned, check=True,
-        )
-        os.close(to_child_r)
-        os.close(from_child_w)
+        try:
+            subprocess.run(
+                [sys.executable, "-c", LAUNCH_DETACHED, *map(str, fds)], pass_fds=fds, stdin=subprocess.DEVNULL,
+                env=unpinned, check=True,
+            )
+        except BaseException:  # no writer process: nothing may stay open behind the error
+            for fd in (self._to_child, from_child_r):
+                os.close(fd)
+            self._shared.memory.close()
+            self._shared_file.close()
+            raise
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
         os.set_blocking(self._to_child, False)
         self._from_child = os.fdopen(from_child_r, "rb")
         config = {"root": root, "manifest": manifest, "moe_layers": moe_layers, "top_k": top_k,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -141,6 +142,15 @@ def test_reader_skips_a_corrupt_file_naming_it_and_reads_the_rest(tmp_path: Path
     trace = open_trace(tmp_path)
     assert any(str(files[0]) in w and "corrupt or truncated" in w for w in trace.warnings)
     assert trace.routing().collect().height == intact
+
+
+def test_a_writer_process_that_cannot_start_leaves_no_descriptor_open(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("moetrace.writer.sys.executable", str(tmp_path / "no-python"))
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(FileNotFoundError):
+        TraceWriter(tmp_path / "trace", manifest(), LAYERS, TOP_K)
+    assert set(os.listdir("/proc/self/fd")) == before
 
 
 def test_reader_refuses_unknown_schema_and_missing_manifest_in_one_line(tmp_path: Path) -> None:
