@@ -14,7 +14,9 @@ time and its ratio to the baseline's.
 Variants: ``none`` (baseline: no pack), ``mapped`` (the recorder's copier: one ``torch.cat`` straight into pinned
 host memory mapped into the GPU's address space), ``device-copy`` (the copier's fallback: pack into device memory,
 then copy into pinned memory), ``device-only`` (pack into device memory, nothing copied), ``batched`` (pack into a
-device ring, one copy to pinned memory every 16 steps).
+device ring, one copy to pinned memory every 16 steps), ``one-kernel`` (one plain copy of a step-sized device tensor
+into device memory: a kernel whose arguments are a few pointers, where the pack's ``torch.cat`` passes its inputs'
+table, some kilobytes, as arguments).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from moetrace.hooks.recorder import StepCopier, int32_column
 
-VARIANTS = ("none", "mapped", "device-copy", "device-only", "batched")
+VARIANTS = ("none", "mapped", "device-copy", "device-only", "batched", "one-kernel")
 BATCHED_STEPS = 16
 LAYERS, TOP_K = 17, 8
 
@@ -58,6 +60,7 @@ def packers(columns: list[torch.Tensor], max_rows: int, device: torch.device) ->
     staging = torch.empty(block.shape, dtype=torch.int32, pin_memory=True)
     rows = columns[0].shape[0]
     filled = [0]
+    packed = torch.cat(columns, dim=1)  # one contiguous step-sized block
 
     def batched() -> None:
         torch.cat(columns, dim=1, out=block[filled[0] : filled[0] + rows])
@@ -67,7 +70,8 @@ def packers(columns: list[torch.Tensor], max_rows: int, device: torch.device) ->
             filled[0] = 0
 
     return {"none": lambda: None, "mapped": lambda: mapped.copy(columns), "device-copy": lambda: fallback.copy(columns),
-            "device-only": lambda: torch.cat(columns, dim=1, out=block[:rows]), "batched": batched}
+            "device-only": lambda: torch.cat(columns, dim=1, out=block[:rows]), "batched": batched,
+            "one-kernel": lambda: block[:rows].copy_(packed)}
 
 
 def main() -> None:
