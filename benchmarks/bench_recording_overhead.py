@@ -192,6 +192,17 @@ MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-o
 BATCHED_COPY_STEPS = 16
 
 
+def pin_engine_thread(worker: Any) -> dict[str, int]:
+    """In the engine's thread (where collective_rpc runs the worker's calls): run on one CPU from now on, the last
+    one it may use (the first ones take most interrupts). Unpinned, the host work of whole rounds ran up to 25%
+    faster or slower by turns on an H200 VM (vLLM's input preparation, sampler and drafter alike, the GPU's time
+    unchanged), rounds of either mode alike: the thread resuming on another CPU after each round's idle gap. The
+    writer process and the recorder's threads started at load and keep the CPUs they had."""
+    allowed = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {allowed[-1]})  # 0: the calling thread (Linux)
+    return {"cpu": allowed[-1], "of_cpus": len(allowed)}
+
+
 def set_mode(worker: Any, mode: str) -> None:
     """In the worker: recording as ``mode`` asks (one of ``MODES``)."""
     if mode == "off":
@@ -250,7 +261,12 @@ def set_mode(worker: Any, mode: str) -> None:
 # The recorder's work after each forward's launch, timed on every step by the forward it follows (``--hook-times``),
 # and the router wrapper's (``record``: it should run only in forwards outside CUDA graphs, and while they are captured)
 HOOK_WORK = (("moetrace.hooks.recorder", "Recorder", "_layout"), ("moetrace.writer", "TraceWriter", "forward_ready"),
-             ("moetrace.hooks.capture", None, "record"))
+             ("moetrace.hooks.capture", None, "record"),
+             # the parts of the two above: inputs copied, routing found, columns made, packed, made ready, sent
+             ("moetrace.hooks.vllm_api", "RunnerV1", "step_inputs"), ("moetrace.hooks.capture", "RoutingCapture",
+                                                                     "collect"),
+             ("moetrace.hooks.recorder", "PackingColumns", "columns"), ("moetrace.hooks.recorder", "StepCopier", "copy"),
+             ("moetrace.hooks.recorder", "PendingStep", "ready"), ("moetrace.writer", "TraceWriter", "_drain"))
 # vLLM's own calls on Model Runner V1, timed beneath the hooks in every mode: the forward's launch, the rejection
 # sampler, and the sync (its wait says how long the GPU ran past the host), so "on" minus "off" says in which of
 # them a step got longer.
@@ -308,12 +324,15 @@ def timing(method: Any, label: str, kinds: list[str], times: dict[str, list[int]
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != engine_thread:
             return method(self, *args, **kwargs)
-        began = time.perf_counter_ns()
+        began, began_cpu = time.perf_counter_ns(), time.thread_time_ns()
         try:
             return method(self, *args, **kwargs)
         finally:
-            times.setdefault(f"{label} after {kinds[-1] if kinds else '?'}", []).append(
-                (time.perf_counter_ns() - began) // 1000)
+            wall, cpu = time.perf_counter_ns() - began, time.thread_time_ns() - began_cpu
+            after = kinds[-1] if kinds else "?"
+            times.setdefault(f"{label} after {after}", []).append(wall // 1000)
+            # wall time the thread did not run (waiting for the GIL, a lock, the kernel, or descheduled)
+            times.setdefault(f"{label} off-CPU after {after}", []).append(max(0, wall - cpu) // 1000)
     return timed
 
 
@@ -447,6 +466,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="then one round per batch, recording on, under cProfile in the engine thread")
     parser.add_argument("--time-phases-every", type=int, help="as moetrace record's (default: the recorder's)")
+    parser.add_argument("--pin-engine-thread", action="store_true",
+                        help="run the engine's thread on one CPU throughout (both modes alike)")
     parser.add_argument("--modes", default="off,on",
                         help=f"modes to alternate, 'off' and 'on' first, then any of {', '.join(MODES[2:])}")
     args = parser.parse_args()
@@ -466,6 +487,7 @@ def main() -> None:
         llm = build_llm(settings)
         base = engine_prompts(settings)
         try:
+            pinned = llm.collective_rpc(pin_engine_thread)[0] if args.pin_engine_thread else None
             timed_generate(llm, base, len(base), 16)  # warm-up
             llm.collective_rpc(idle_window_probe, args=(False,))  # hooks reinstalled at each round wrap it
             if args.hook_times:
@@ -511,6 +533,7 @@ def main() -> None:
         "vllm_version": vllm_version(),
         "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
         "host": host_facts(),  # the kernel release tells a gVisor sandbox (4.4.0) from a VM
+        "engine_thread_pinned": pinned,  # the CPU the engine's thread ran on, or None: wherever Linux put it
         "model": args.model,
         "cuda_graphs": args.compiled,
         "spec": "ngram k=3",
@@ -592,6 +615,7 @@ def main() -> None:
         for mode, quantiles in report[str(batch)].get("step_quantiles_us", {}).items():
             print(f"{batch:>5} {mode} steps pooled, µs: " + ", ".join(f"{k} {v:.0f}" for k, v in quantiles.items()))
     print("recorder's own time on the engine thread, µs per recorded step:", report["engine_thread_us_per_step"])
+    print("engine thread:", f"pinned to CPU {pinned['cpu']} of {pinned['of_cpus']}" if pinned else "not pinned")
     for batch, profile in profiles.items():
         print(f"--- batch {batch}: the engine thread under cProfile, recording on ---\n{profile}")
         report[str(batch)]["profile"] = profile
