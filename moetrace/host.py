@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+from pathlib import Path
 from typing import Any
 
 
@@ -23,7 +25,20 @@ def gpu_inventory() -> dict[str, Any]:
 
 
 def host_facts() -> dict[str, Any]:
-    """The host's name, architecture, Python and kernel release (a sandbox says what it is there: gVisor reports
-    4.4.0, and host-side costs such as CUDA calls differ between runtimes, which matters to any timing)."""
+    """The host's name, architecture, Python, kernel release, CPU model and logical CPUs (a sandbox says what it is
+    there: gVisor reports 4.4.0; host-side costs such as CUDA calls differ between runtimes and CPUs, which matters
+    to any timing)."""
     return {"hostname": platform.node(), "machine": platform.machine(), "python": platform.python_version(),
-            "kernel": platform.release()}
+            "kernel": platform.release(), "cpu": cpu_model(), "cpus": os.cpu_count()}
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name as Linux reports it, else what Python knows (often only the architecture)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

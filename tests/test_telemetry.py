@@ -1,4 +1,5 @@
-"""NVML telemetry during a recording, on a machine with NVIDIA GPUs (skipped where NVML sees none)."""
+"""Host facts (CPU model), and NVML telemetry during a recording on a machine with NVIDIA GPUs (skipped where NVML
+sees none)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from moetrace.host import gpu_inventory
+from moetrace.host import cpu_model, gpu_inventory
 from moetrace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION, TELEMETRY_SCHEMA
 from moetrace.telemetry import TelemetrySampler
 
@@ -18,6 +19,15 @@ GPUS = gpu_inventory()["gpus"]
 def test_without_gpus_the_inventory_says_why() -> None:
     inventory = gpu_inventory()
     assert (inventory["note"] is None) == bool(inventory["gpus"])
+
+
+def test_the_cpu_model_is_read_from_cpuinfo_else_from_python(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\n\n"
+                       "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Processor\n")
+    assert cpu_model(cpuinfo) == "Intel(R) Xeon(R) Processor"
+    fallback = cpu_model(tmp_path / "absent")
+    assert fallback and fallback != "Intel(R) Xeon(R) Processor"  # the architecture at least, never empty
 
 
 @pytest.mark.skipif(not GPUS, reason="no NVIDIA GPU visible to NVML")

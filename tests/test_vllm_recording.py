@@ -29,6 +29,7 @@ from vllm_fixtures import (  # noqa: F401 (fixture)
 from moetrace.cli import main
 from moetrace.compare import load_outputs
 from moetrace.default_model import default_model_dir
+from moetrace.host import cpu_model
 from moetrace.reader import open_trace
 
 pytestmark = pytest.mark.vllm
@@ -302,6 +303,7 @@ def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> N
 def test_the_trace_says_what_recording_cost_the_engine_thread_and_on_which_host(recorded_trace: Path) -> None:
     manifest = open_trace(recorded_trace).manifest
     assert manifest["host"]["kernel"] == platform.release()  # a sandbox (gVisor: 4.4.0) times differently
+    assert manifest["host"]["cpu"] == cpu_model() and manifest["host"]["cpus"] == os.cpu_count()
     cost = manifest["engine_thread_us_per_step"]
     assert set(cost) == {"execute_model", "hand_over", "model_forward", "sample", "sample_tokens", "phase_timing"}
     assert cost["execute_model"] > 0 and cost["hand_over"] > 0  # the layout and the hand-over take measurable time
