@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gc
 import json
 import os
@@ -187,8 +188,12 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 # copying into the pinned buffer (the copier's fallback where mapping is refused); "batched-copy" is device-only
 # whose packs fill a device ring that is copied to the host in one copy every ``BATCHED_COPY_STEPS`` steps (beside
 # device-only and writer-off: whether fewer, larger transfers to the host spare vLLM's launches what per-step ones
-# cost them).
-MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-only", "device-copy", "batched-copy")
+# cost them); "pack-late" is "on" whose layout and pack run once vLLM's sampler is launched instead of right after
+# the forward's launch (PIECEWISE steps, whose host work outlasts the GPU's, pay more than the recorder's own work
+# after their launch on some machines: whether it is where the pack sits in the stream, or that the GPU then idles
+# between the forward and the sampler).
+MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-only", "device-copy", "batched-copy",
+         "pack-late")
 BATCHED_COPY_STEPS = 16
 
 
@@ -196,7 +201,7 @@ def pin_engine_thread(worker: Any) -> dict[str, int]:
     """In the engine's thread (where collective_rpc runs the worker's calls): run on one CPU from now on, the last
     one it may use (the first ones take most interrupts). Unpinned, the host work of whole rounds ran up to 25%
     faster or slower by turns on an H200 VM (vLLM's input preparation, sampler and drafter alike, the GPU's time
-    unchanged), rounds of either mode alike: the thread resuming on another CPU after each round's idle gap. The
+    unchanged), rounds of either mode alike: presumably the thread resuming on another CPU after a round. The
     writer process and the recorder's threads started at load and keep the CPUs they had."""
     allowed = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {allowed[-1]})  # 0: the calling thread (Linux)
@@ -205,6 +210,7 @@ def pin_engine_thread(worker: Any) -> dict[str, int]:
 
 def set_mode(worker: Any, mode: str) -> None:
     """In the worker: recording as ``mode`` asks (one of ``MODES``)."""
+    vars(worker).pop("_bench_layout_at", None)
     if mode == "off":
         worker.moetrace_pause()
         return
@@ -252,10 +258,38 @@ def set_mode(worker: Any, mode: str) -> None:
             copier.copy = pack_into_ring
     if mode == "no-layout":
         recorder._layout = lambda t_start: None  # no step pending: the later hooks find nothing to do
+    elif mode == "pack-late":
+        recorder._layout = functools.partial(layout_after_sampler, worker)
     else:
         vars(recorder).pop("_layout", None)
     timing_every = vars(worker).setdefault("_bench_timing_every", recorder.timing_every)  # the recorder's own
     recorder.timing_every = 1 << 60 if mode == "untimed" else timing_every
+
+
+def layout_after_sampler(worker: Any, t_start: int) -> None:
+    """Mode pack-late, in place of the recorder's ``_layout`` right after the forward's launch: note the step for
+    ``sample_then_layout``."""
+    worker._bench_layout_at = t_start
+
+
+def sample_then_layout(worker: Any) -> None:
+    """For mode pack-late, before the rounds (every mode then runs through it; the recorder's hooks, reinstalled
+    after each "off", wrap it): vLLM's ``_sample`` wrapped at class level, so that a noted step is laid out and
+    packed as soon as the sampler's kernels are launched, before the recorder's hook around it looks for the
+    pending step."""
+    from moetrace.hooks.recorder import Recorder
+
+    runner_class = type(worker.model_runner)
+    sample = runner_class._sample
+
+    def sample_and_layout(runner: Any, *args: Any, **kwargs: Any) -> Any:
+        result = sample(runner, *args, **kwargs)
+        started = vars(worker).pop("_bench_layout_at", None)
+        if started is not None:
+            recorder = worker._moetrace_recorder
+            recorder._pending = Recorder._layout(recorder, started)
+        return result
+    runner_class._sample = sample_and_layout
 
 
 # The recorder's work after each forward's launch, timed on every step by the forward it follows (``--hook-times``),
@@ -488,6 +522,8 @@ def main() -> None:
         base = engine_prompts(settings)
         try:
             pinned = llm.collective_rpc(pin_engine_thread)[0] if args.pin_engine_thread else None
+            if "pack-late" in modes:
+                llm.collective_rpc(sample_then_layout)
             timed_generate(llm, base, len(base), 16)  # warm-up
             llm.collective_rpc(idle_window_probe, args=(False,))  # hooks reinstalled at each round wrap it
             if args.hook_times:
