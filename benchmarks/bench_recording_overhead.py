@@ -23,6 +23,10 @@ forward context) and by the step's parts. ``--hook-times`` also times, on every 
 each launch (layout and hand-over), vLLM's forward launch, sampler, sync and drafter (in every mode, off included)
 and Python's collections on the engine thread, by the forward they follow.
 
+Where NVML sees a GPU, each mode's rounds also get the GPU's SM clock, power and the share of time the driver
+marked it idle (``GpuClocks``, sampled every 5 ms from this process): a GPU that clocks down in the idle gaps of
+host-bound steps would make recording cost more than its host time.
+
 ``--profile`` then runs one more round per batch with recording on under cProfile in the engine's thread, and
 prints where the recorder's own time goes (its functions by total time: cProfile slows Python several-fold, so
 read the shares, not the µs).
@@ -86,6 +90,61 @@ def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) ->
     after = spec_decode_counters(llm)
     return generated / elapsed, elapsed, {name: after[name] - before.get(name, 0.0) for name in
                                  ("num_drafts", "num_accepted_tokens") if name in after}
+
+
+class GpuClocks:
+    """NVML samples of the engine's GPU (the first visible) every ``interval`` seconds, on a thread of this client
+    process (the engine's run in others): SM clock, power, and whether the driver says the GPU idled (its clocks
+    event reasons). Host-bound steps leave the GPU idle between launches; if recording lengthens those gaps, a GPU
+    that lowers its clocks while idle would run vLLM's next kernels slower, a cost no host timer sees. Without NVML
+    it samples nothing."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.samples: list[tuple[int, int, int, bool]] = []  # t_ns, SM MHz, power mW, idle reason set
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self, interval: float) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no driver, no library, no GPU: nothing to sample
+            return
+        reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons")
+        idle_bit = getattr(pynvml, "nvmlClocksEventReasonGpuIdle", 1)
+        try:
+            while not self._stop.wait(interval):
+                sm_mhz = pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
+                self.samples.append((time.perf_counter_ns(), sm_mhz, pynvml.nvmlDeviceGetPowerUsage(handle),
+                                     bool(reasons(handle) & idle_bit)))
+        finally:
+            pynvml.nvmlShutdown()
+
+    def summary(self, spans: list[tuple[int, int]]) -> dict[str, float] | None:
+        """The samples taken inside ``spans`` (perf_counter ns): median and 10th percentile SM MHz, mean power W,
+        and the share of samples the driver marked idle; None when there are none."""
+        import bisect
+
+        times = [sample[0] for sample in self.samples]  # in order: one thread appends them
+        inside = [sample for start, end in spans
+                  for sample in self.samples[bisect.bisect_left(times, start) : bisect.bisect_left(times, end)]]
+        if not inside:
+            return None
+        clocks = sorted(s[1] for s in inside)
+        return {"samples": len(inside), "sm_mhz_median": statistics.median(clocks),
+                "sm_mhz_p10": clocks[len(clocks) // 10], "power_w_mean": statistics.fmean(s[2] for s in inside) / 1e3,
+                "idle_share": sum(s[3] for s in inside) / len(inside)}
 
 
 # Model Runner V1's calls from vLLM's sync to the next forward's launch, stamped on return (True) or on entry, and
@@ -297,9 +356,10 @@ def sample_then_layout(worker: Any) -> None:
 HOOK_WORK = (("moetrace.hooks.recorder", "Recorder", "_layout"), ("moetrace.writer", "TraceWriter", "forward_ready"),
              ("moetrace.hooks.capture", None, "record"),
              # the parts of the two above: inputs copied, routing found, columns made, packed, made ready, sent
-             ("moetrace.hooks.vllm_api", "RunnerV1", "step_inputs"), ("moetrace.hooks.capture", "RoutingCapture",
-                                                                     "collect"),
-             ("moetrace.hooks.recorder", "PackingColumns", "columns"), ("moetrace.hooks.recorder", "StepCopier", "copy"),
+             ("moetrace.hooks.vllm_api", "RunnerV1", "step_inputs"),
+             ("moetrace.hooks.capture", "RoutingCapture", "collect"),
+             ("moetrace.hooks.recorder", "PackingColumns", "columns"),
+             ("moetrace.hooks.recorder", "StepCopier", "copy"),
              ("moetrace.hooks.recorder", "PendingStep", "ready"), ("moetrace.writer", "TraceWriter", "_drain"))
 # vLLM's own calls on Model Runner V1, timed beneath the hooks in every mode: the forward's launch, the rejection
 # sampler, and the sync (its wait says how long the GPU ran past the host), so "on" minus "off" says in which of
@@ -520,6 +580,7 @@ def main() -> None:
                                        args.time_phases_every)
         llm = build_llm(settings)
         base = engine_prompts(settings)
+        clocks = GpuClocks()
         try:
             pinned = llm.collective_rpc(pin_engine_thread)[0] if args.pin_engine_thread else None
             if "pack-late" in modes:
@@ -533,6 +594,8 @@ def main() -> None:
             results: dict[tuple[int, str], list[float]] = {}
             elapsed_ms: dict[tuple[int, str], list[float]] = {}
             workload: dict[tuple[int, str], list[dict[str, float]]] = {}  # vLLM's counters, per round
+            spans: dict[tuple[int, str], list[tuple[int, int]]] = {}  # per mode: when its rounds ran
+            clocks.start()
             for round_index in range(args.rounds):
                 order = modes if round_index % 2 == 0 else modes[::-1]
                 for batch in batches:
@@ -541,7 +604,9 @@ def main() -> None:
                     prompts = [base[i % len(base)] for i in range(count)]
                     for mode in order:
                         llm.collective_rpc(set_mode, args=(mode,))
+                        began = time.perf_counter_ns()
                         tok_s, elapsed, counted = timed_generate(llm, prompts, batch, args.max_tokens)
+                        spans.setdefault((batch, mode), []).append((began, time.perf_counter_ns()))
                         results.setdefault((batch, mode), []).append(tok_s)
                         elapsed_ms.setdefault((batch, mode), []).append(elapsed * 1e3)
                         workload.setdefault((batch, mode), []).append(counted)
@@ -553,6 +618,7 @@ def main() -> None:
                             # the round's time beside its steps': engine idle between requests, steps left out
                             window["outside_steps_ms"] = elapsed * 1e3 - window["steps_ms"]
                             idle.setdefault((batch, mode), []).append(window)
+            clocks.stop()
             profiles = {}
             if args.profile:
                 llm.collective_rpc(set_mode, args=("on",))
@@ -564,6 +630,7 @@ def main() -> None:
             llm.collective_rpc(set_mode, args=("on",))  # the recorder as it was built, whatever mode ran last
             closed = llm.collective_rpc("moetrace_close")
         finally:
+            clocks.stop()
             llm.llm_engine.engine_core.shutdown()
     report: dict[str, Any] = {
         "vllm_version": vllm_version(),
@@ -624,6 +691,12 @@ def main() -> None:
                 print(f"{batch:>5} {mode} timed calls by the forward they follow, µs (calls, median, mean): "
                       + "; ".join(f"{key} {v['calls']} {v['median']:.0f} {v['mean']:.0f}"
                                   for key, v in per_key.items()))
+        gpu_clocks = {mode: clocks.summary(spans[(batch, mode)]) for mode in modes}
+        if any(gpu_clocks.values()):
+            report[str(batch)]["gpu_clocks"] = gpu_clocks
+            print(f"{batch:>5} GPU while each mode ran (NVML every 5 ms): " + "; ".join(
+                f"{mode} SM {c['sm_mhz_median']:.0f} MHz (p10 {c['sm_mhz_p10']:.0f}), {c['power_w_mean']:.0f} W, "
+                f"idle {100 * c['idle_share']:.0f}% of {c['samples']}" for mode, c in gpu_clocks.items() if c))
         for mode in modes[2:]:
             mode_median, mode_ci = median_ci95([a / b for a, b in zip(results[(batch, mode)], off)])
             report[str(batch)][f"{mode}_over_off"] = {"median": mode_median, "ci95": mode_ci}
