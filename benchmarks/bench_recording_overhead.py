@@ -326,16 +326,17 @@ def set_mode(worker: Any, mode: str) -> None:
 
 
 def layout_after_sampler(worker: Any, t_start: int) -> None:
-    """Mode pack-late, in place of the recorder's ``_layout`` right after the forward's launch: note the step for
+    """Mode pack-late, in place of the recorder's ``_layout`` right after the forward's launch: copy the step's
+    host inputs now (``sample_tokens`` drops the runner's step state before it samples) and note the step for
     ``sample_then_layout``."""
-    worker._bench_layout_at = t_start
+    worker._bench_layout_at = (t_start, worker._moetrace_recorder.model_runner.step_inputs())
 
 
 def sample_then_layout(worker: Any) -> None:
     """For mode pack-late, before the rounds (every mode then runs through it; the recorder's hooks, reinstalled
     after each "off", wrap it): vLLM's ``_sample`` wrapped at class level, so that a noted step is laid out and
-    packed as soon as the sampler's kernels are launched, before the recorder's hook around it looks for the
-    pending step."""
+    packed, from the inputs copied at its launch, as soon as the sampler's kernels are launched, before the
+    recorder's hook around it looks for the pending step."""
     from moetrace.hooks.recorder import Recorder
 
     runner_class = type(worker.model_runner)
@@ -343,10 +344,14 @@ def sample_then_layout(worker: Any) -> None:
 
     def sample_and_layout(runner: Any, *args: Any, **kwargs: Any) -> Any:
         result = sample(runner, *args, **kwargs)
-        started = vars(worker).pop("_bench_layout_at", None)
-        if started is not None:
-            recorder = worker._moetrace_recorder
-            recorder._pending = Recorder._layout(recorder, started)
+        noted = vars(worker).pop("_bench_layout_at", None)
+        if noted is not None:
+            recorder, (t_start, inputs) = worker._moetrace_recorder, noted
+            recorder.model_runner.step_inputs = lambda: inputs
+            try:
+                recorder._pending = Recorder._layout(recorder, t_start)
+            finally:
+                del recorder.model_runner.step_inputs
         return result
     runner_class._sample = sample_and_layout
 
