@@ -11,9 +11,9 @@ synchronizes (vLLM's sync after sampling). Per step the host time of both launch
 alternating blocks of steps, so that drift hits them alike. Printed per variant: the median of each block's host
 time and its ratio to the baseline's.
 
-Variants: ``none`` (baseline: no pack), ``mapped`` (the recorder's copier: one ``torch.cat`` straight into pinned
-host memory mapped into the GPU's address space), ``device-copy`` (the copier's fallback: pack into device memory,
-then copy into pinned memory), ``device-only`` (pack into device memory, nothing copied), ``batched`` (pack into a
+Variants: ``none`` (baseline: no pack), ``mapped`` (the recorder's copier: one ``torch.cat`` straight into the
+ring of rows shared with the writer process, registered pinned memory that the GPU addresses), ``device-copy`` (the
+copier's fallback: pack into device memory, then copy into the ring), ``device-only`` (pack into device memory, nothing copied), ``batched`` (pack into a
 device ring, one copy to pinned memory every 16 steps), ``one-kernel`` (one plain copy of a step-sized device tensor
 into device memory: a kernel whose arguments are a few pointers, where the pack's ``torch.cat`` passes its inputs'
 table, some kilobytes, as arguments).
@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from moetrace.hooks.recorder import StepCopier, int32_column
+from moetrace.writer import RingRows, SharedRows
 
 VARIANTS = ("none", "mapped", "device-copy", "device-only", "batched", "one-kernel")
 BATCHED_STEPS = 16
@@ -50,10 +51,12 @@ def step_columns(rows: int, device: torch.device) -> list[torch.Tensor]:
 def packers(columns: list[torch.Tensor], max_rows: int, device: torch.device) -> dict[str, Callable[[], Any]]:
     """Per variant, the work the recorder would add after a forward's launch."""
     width = sum(column.shape[1] for column in columns)
-    mapped = StepCopier(device, max_rows, width, staged=True)
+    ring = SharedRows.create(max_rows, width)
+    where = RingRows(0, max_rows, 0)  # every step packed over the same rows: nothing reads them here
+    mapped = StepCopier(device, ring, max_rows)
     if mapped.path != "mapped":
-        raise SystemExit(f"pinned memory is not mapped here (copier path {mapped.path})")
-    fallback = StepCopier(device, max_rows, width, staged=True)
+        raise SystemExit(f"the shared ring is not mapped here (copier path {mapped.path})")
+    fallback = StepCopier(device, SharedRows.create(max_rows, width), max_rows)
     fallback._mapped = None
     fallback._block = torch.empty((max_rows, width), dtype=torch.int32, device=device)
     block = torch.empty((max_rows * BATCHED_STEPS, width), dtype=torch.int32, device=device)
@@ -69,7 +72,8 @@ def packers(columns: list[torch.Tensor], max_rows: int, device: torch.device) ->
             staging[: filled[0]].copy_(block[: filled[0]], non_blocking=True)
             filled[0] = 0
 
-    return {"none": lambda: None, "mapped": lambda: mapped.copy(columns), "device-copy": lambda: fallback.copy(columns),
+    return {"none": lambda: None, "mapped": lambda: mapped.copy(columns, where),
+            "device-copy": lambda: fallback.copy(columns, where),
             "device-only": lambda: torch.cat(columns, dim=1, out=block[:rows]), "batched": batched,
             "one-kernel": lambda: block[:rows].copy_(packed)}
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import gc
 import json
 import os
@@ -238,22 +237,14 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 
 
 # What each mode changes with recording on (through ``collective_rpc``, in the worker): "writer-off" keeps the hooks
-# but drops every step before the hand-over (the difference to "on" is the writer process's share: pickling, pipe,
-# CPU); "untimed" times no step's phases (the difference is the CUDA events' share); "no-layout" keeps the hooks but
-# collects, packs and hands over nothing (the difference is the hooks' plumbing alone); "no-copy" is writer-off whose
-# pack launches nothing on the GPU (beside writer-off: the share of the pack's CUDA calls); "device-only" is
-# writer-off whose pack lands in device memory and goes no further (beside no-copy: the pack kernel's share; beside
-# writer-off: the share of the GPU writing host memory); "device-copy" is "on" packing into device memory, then
-# copying into the pinned buffer (the copier's fallback where mapping is refused); "batched-copy" is device-only
-# whose packs fill a device ring that is copied to the host in one copy every ``BATCHED_COPY_STEPS`` steps (beside
-# device-only and writer-off: whether fewer, larger transfers to the host spare vLLM's launches what per-step ones
-# cost them); "pack-late" is "on" whose layout and pack run once vLLM's sampler is launched instead of right after
-# the forward's launch (PIECEWISE steps, whose host work outlasts the GPU's, pay more than the recorder's own work
-# after their launch on some machines: whether it is where the pack sits in the stream, or that the GPU then idles
-# between the forward and the sampler).
-MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-only", "device-copy", "batched-copy",
-         "pack-late")
-BATCHED_COPY_STEPS = 16
+# and the pack but drops every step before the hand-over, its rows packed over the ring's first rows again and again
+# (the difference to "on" is the writer process's share: pickling, pipe, CPU); "untimed" times no step's phases (the
+# difference is the CUDA events' share); "no-layout" keeps the hooks but collects, packs and hands over nothing (the
+# difference is the hooks' plumbing alone); "no-copy" is writer-off whose pack launches nothing on the GPU (beside
+# writer-off: the share of the pack's CUDA calls); "device-copy" is "on" packing into device memory, then copying
+# into the ring (the copier's fallback where the GPU cannot write the ring itself). (Modes device-only, batched-copy
+# and pack-late, measured on recorder 20597ad, are in the results' runs.)
+MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-copy")
 
 
 def pin_engine_thread(worker: Any) -> dict[str, int]:
@@ -269,91 +260,35 @@ def pin_engine_thread(worker: Any) -> dict[str, int]:
 
 def set_mode(worker: Any, mode: str) -> None:
     """In the worker: recording as ``mode`` asks (one of ``MODES``)."""
-    vars(worker).pop("_bench_layout_at", None)
     if mode == "off":
         worker.moetrace_pause()
         return
     worker.moetrace_resume()
     recorder = worker._moetrace_recorder
     copier = recorder.copier
-    if mode in ("writer-off", "no-copy", "device-only", "batched-copy"):
-        recorder.writer.submit = lambda item: None
-    else:
-        vars(recorder.writer).pop("submit", None)
-    vars(copier).pop("copy", None)
+    for patched, name in ((recorder.writer, "submit"), (recorder.ring, "reserve"), (copier, "copy"),
+                          (recorder, "_layout")):
+        vars(patched).pop(name, None)
     mapped, block = vars(worker).setdefault("_bench_copier", (copier._mapped, copier._block))  # as it was built
     copier._mapped, copier._block = mapped, block
-    if mode in ("no-copy", "device-only", "device-copy", "batched-copy"):
+    if mode in ("writer-off", "no-copy"):
+        from moetrace.writer import RingRows
+
+        recorder.writer.submit = lambda item: None
+        recorder.ring.reserve = lambda count: RingRows(0, count, 0)  # never released: the same rows each step
+    if mode == "no-copy":
+        copier.copy = lambda columns, where: None
+    elif mode == "device-copy" and mapped is not None:
         import torch
 
-        zeros = torch.zeros((1, recorder.layout.width), dtype=torch.int32)
-        if copier._staging is not None and "_bench_block" not in vars(worker):
-            worker._bench_block = torch.empty(copier._staging.shape, dtype=torch.int32, device="cuda")
-        device_block = getattr(worker, "_bench_block", None)
-        if mode == "no-copy":  # a block as if packed (zeros), never handed over
-            copier.copy = lambda columns: zeros.expand(columns[0].shape[0], -1)
-        elif mode == "device-only" and device_block is not None:
-            def pack_only(columns: list[Any]) -> Any:
-                rows = columns[0].shape[0]
-                torch.cat(columns, dim=1, out=device_block[:rows])
-                return zeros.expand(rows, -1)
-            copier.copy = pack_only
-        elif mode == "device-copy" and device_block is not None:
-            copier._mapped, copier._block = None, device_block
-        elif mode == "batched-copy" and device_block is not None and copier._staging is not None:
-            ring, staging, filled = device_block, copier._staging, [0, 0]  # rows packed, steps since the last copy
-
-            def pack_into_ring(columns: list[Any]) -> Any:
-                rows = columns[0].shape[0]
-                if filled[0] + rows > ring.shape[0]:
-                    filled[:] = [0, 0]
-                torch.cat(columns, dim=1, out=ring[filled[0] : filled[0] + rows])
-                filled[0] += rows
-                filled[1] += 1
-                if filled[1] == BATCHED_COPY_STEPS:
-                    staging[: filled[0]].copy_(ring[: filled[0]], non_blocking=True)
-                    filled[:] = [0, 0]
-                return zeros.expand(rows, -1)
-            copier.copy = pack_into_ring
-    if mode == "no-layout":
+        if "_bench_block" not in vars(worker):
+            worker._bench_block = torch.empty((int(recorder.runner.max_num_tokens), recorder.ring.width),
+                                              dtype=torch.int32, device="cuda")
+        copier._mapped, copier._block = None, worker._bench_block
+    elif mode == "no-layout":
         recorder._layout = lambda t_start: None  # no step pending: the later hooks find nothing to do
-    elif mode == "pack-late":
-        recorder._layout = functools.partial(layout_after_sampler, worker)
-    else:
-        vars(recorder).pop("_layout", None)
     timing_every = vars(worker).setdefault("_bench_timing_every", recorder.timing_every)  # the recorder's own
     recorder.timing_every = 1 << 60 if mode == "untimed" else timing_every
-
-
-def layout_after_sampler(worker: Any, t_start: int) -> None:
-    """Mode pack-late, in place of the recorder's ``_layout`` right after the forward's launch: copy the step's
-    host inputs now (``sample_tokens`` drops the runner's step state before it samples) and note the step for
-    ``sample_then_layout``."""
-    worker._bench_layout_at = (t_start, worker._moetrace_recorder.model_runner.step_inputs())
-
-
-def sample_then_layout(worker: Any) -> None:
-    """For mode pack-late, before the rounds (every mode then runs through it; the recorder's hooks, reinstalled
-    after each "off", wrap it): vLLM's ``_sample`` wrapped at class level, so that a noted step is laid out and
-    packed, from the inputs copied at its launch, as soon as the sampler's kernels are launched, before the
-    recorder's hook around it looks for the pending step."""
-    from moetrace.hooks.recorder import Recorder
-
-    runner_class = type(worker.model_runner)
-    sample = runner_class._sample
-
-    def sample_and_layout(runner: Any, *args: Any, **kwargs: Any) -> Any:
-        result = sample(runner, *args, **kwargs)
-        noted = vars(worker).pop("_bench_layout_at", None)
-        if noted is not None:
-            recorder, (t_start, inputs) = worker._moetrace_recorder, noted
-            recorder.model_runner.step_inputs = lambda: inputs
-            try:
-                recorder._pending = Recorder._layout(recorder, t_start)
-            finally:
-                del recorder.model_runner.step_inputs
-        return result
-    runner_class._sample = sample_and_layout
 
 
 # The recorder's work after each forward's launch, timed on every step by the forward it follows (``--hook-times``),
@@ -588,8 +523,6 @@ def main() -> None:
         clocks = GpuClocks()
         try:
             pinned = llm.collective_rpc(pin_engine_thread)[0] if args.pin_engine_thread else None
-            if "pack-late" in modes:
-                llm.collective_rpc(sample_then_layout)
             timed_generate(llm, base, len(base), 16)  # warm-up
             llm.collective_rpc(idle_window_probe, args=(False,))  # hooks reinstalled at each round wrap it
             if args.hook_times:

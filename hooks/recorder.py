@@ -16,17 +16,20 @@ steps whose host work outlasts the GPU's: prefills, forwards outside CUDA graphs
 note the step; after vLLM's sync they count the host lists of sampled tokens and queue the step. The rest happens
 once the forward is launched: what lives on the host (request order, query starts, drafts per request) is copied
 because the runner reuses those arrays; what lives on the device (routing rows, positions, token ids) is packed
-into one block (``torch.cat`` of views) that lands in pinned host memory without blocking, on vLLM's stream
-(``StepCopier``), so vLLM's own sync covers it. With async scheduling vLLM's own device count of kept tokens is
-copied too, and an event after it says when the step is ready. The step is handed to the writer process (one
-pickle; a pipe write every few steps) right after the next step's forward is launched, and the writer process
-assembles and encodes the rows (``StepRecord.assemble``): recording adds no host sync to a step, and no
-thread in the engine process competes with the engine loop for the GIL while steps flow. The manifest's
+into one block (``torch.cat`` of views) that the GPU writes, without blocking, on vLLM's stream, straight into a
+ring of pinned rows that the writer process maps too (``StepCopier``, ``SharedRows``), so vLLM's own sync covers
+it. With async scheduling vLLM's own device count of kept tokens is copied too, and an event after it says when
+the step is ready. Right after the next step's forward is launched the step is handed to the writer process: a
+pickle of its few host arrays and where its rows lie (a pipe write every few steps); the writer process copies
+the rows out of the ring and assembles and encodes them (``StepRecord.assemble``): recording adds no host sync
+to a step, the engine thread never touches the routing rows, and no thread in the engine process competes with
+the engine loop for the GIL while steps flow. The manifest's
 ``engine_thread_us_per_step`` says what each hook cost.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -52,7 +55,7 @@ from moetrace.hooks.capture import (
 from moetrace.hooks.manifest import worker_manifest
 from moetrace.hooks.vllm_api import HookPoint, StepInputs, WorkerApi, require_fields
 from moetrace.hooks.rows import PackedLayout, StepRecord
-from moetrace.writer import TraceWriter
+from moetrace.writer import RingRows, SharedRows, TraceWriter, ring_capacity
 
 log = logging.getLogger("moetrace")
 _HOOK_MARK = "_moetrace_hook"
@@ -94,7 +97,6 @@ class Recorder:
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
         self.packing = PackingColumns(self.token_ids)
         self.sampled_on_host = self.model_runner.sampled_on_host()
-        self.copier = StepCopier(device, int(runner.max_num_tokens), self.layout.width, staged=self.sampled_on_host)
         self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
         self._tokens_across_dp: list[int] | None = None  # every DP rank's tokens in the last forward
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
@@ -106,6 +108,8 @@ class Recorder:
         self.timing_every = int(settings.get("time_phases_every") or (
             TIMED_STEP_EVERY_ON_CUDA if self.capture.cuda else 1))
         manifest["capture"]["phases_timed_every"] = self.timing_every
+        self.ring = SharedRows.create(ring_capacity(self.layout.width, int(runner.max_num_tokens)), self.layout.width)
+        self.copier = StepCopier(device, self.ring, int(runner.max_num_tokens))
         manifest["capture"]["host_copy"] = self.copier.path
         self.writer = TraceWriter(
             Path(settings["out"]),
@@ -114,6 +118,7 @@ class Recorder:
             self.top_k,
             self.candidates,
             rotate_seconds=float(settings.get("rotate_seconds", 10.0)),
+            rows=self.ring,
         )
         self.request_index: dict[str, int] = {}
         self.step = 0
@@ -177,6 +182,7 @@ class Recorder:
         with self._close_lock:
             if self._closed is None:
                 self.uninstall()
+                self.copier.release()
                 self._closed = self.writer.close(
                     {"requests": list(self.request_index), "capture_mechanisms": self.mechanisms,
                      "engine_thread_us_per_step": self.engine_thread_us_per_step(),
@@ -216,8 +222,7 @@ class Recorder:
         if self._timing:
             self.own_ns["execute_model"] += time.perf_counter_ns() - began
         result = self._timed("forward", original, scheduler_output, *args, **kwargs)
-        # The GPU runs this step's forward now: hand the last step over (before this step's copy is queued into
-        # the staging buffer that the last step's bytes are pickled from), then queue this step's copy.
+        # The GPU runs this step's forward now: hand the last step over, then queue this step's copy.
         resumed = time.perf_counter_ns() if self._timing else 0
         self.writer.forward_ready()
         try:
@@ -360,7 +365,11 @@ class Recorder:
         num_tokens = int(inputs.query_start[-1])
         mechanism, routing = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp, self.dp_rank)
         columns = self.packing.columns(self._replayed if mechanism == "graph" else None, routing, inputs, num_tokens)
-        packed = self.copier.copy(columns)[:num_tokens]
+        where = self.ring.reserve(columns[0].shape[0])  # a padded forward's padding rows are packed too
+        if where is None:
+            raise RuntimeError(f"the writer process fell behind the engine: its ring of "
+                               f"{SharedRows.nbytes(self.ring.capacity, self.ring.width) >> 20} MiB is full")
+        self.copier.copy(columns, where)
         self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
         return PendingStep(
             step=self._next_step(),
@@ -370,7 +379,7 @@ class Recorder:
             query_start=inputs.query_start,
             num_prompt_tokens=inputs.num_prompt_tokens,
             drafts=inputs.drafts,
-            packed=packed,
+            packed=where._replace(rows=num_tokens),
             layout=self.layout,
         )
 
@@ -484,51 +493,66 @@ class PackingColumns:
 
 
 class StepCopier:
-    """Brings each step's columns to the host as one int32 block [T, W], without blocking, in as few CUDA calls as
+    """Brings each step's columns to the host as one int32 block [T, W], written where the recorder reserved rows
+    for it in the ring shared with the writer process (``SharedRows``), without blocking, in as few CUDA calls as
     can be: each one costs the engine thread tens of µs on some hosts (gVisor), paid in full by steps whose host
-    work outlasts the GPU's (prefills, PIECEWISE graphs). ``staged`` (sync scheduling: a step is handed over, its
-    bytes pickled, before the next step's copy is queued): the columns are packed (one ``torch.cat``) straight into
-    one pinned host buffer allocated once, which the GPU writes across the bus (pinned memory is mapped into the
-    device's address space): one kernel, no copy, no event; where that mapping is refused, packed into a device
-    buffer allocated once and copied into the pinned one. Else (async scheduling, where steps wait for their
-    events) packed on the device and copied into fresh pinned memory. Everything runs on vLLM's own stream, right
-    after the forward: stream order keeps a later step from overwriting what the pack reads (the runner's input
-    buffers, a CUDA graph's outputs, router outputs once freed), and vLLM's own sync after sampling covers it. (A
-    stream of its own, with events to order it, spared the GPU about 4 µs per step but cost the engine thread about
-    three times the host time, measured on an H200.)"""
+    work outlasts the GPU's (prefills, PIECEWISE graphs). On CUDA the ring is registered as pinned memory once, at
+    load, and, where the GPU can address it at the host's own address (unified addressing), the columns are packed
+    (one ``torch.cat``) straight into it: the GPU writes across the bus, one kernel, no copy. Else packed into a
+    device buffer allocated once and copied into the ring (``device-copy``), or, where the ring could not be
+    registered, copied with a wait (``pageable-copy``: correct, but a host sync per step). Everything runs on vLLM's
+    own stream, right after the forward: stream order keeps a later step from overwriting what the pack reads (the
+    runner's input buffers, a CUDA graph's outputs, router outputs once freed), and vLLM's own sync after sampling
+    covers it (with async scheduling an event after it says when the step is ready). (A stream of its own, with
+    events to order it, spared the GPU about 4 µs per step but cost the engine thread about three times the host
+    time, measured on an H200.)"""
 
-    def __init__(self, device: torch.device, max_rows: int, width: int, staged: bool) -> None:
+    def __init__(self, device: torch.device, ring: SharedRows, max_rows: int) -> None:
+        self.ring = ring
+        self._host = torch.from_numpy(ring.rows)  # [capacity, W] in the memory both processes map
         self._block: torch.Tensor | None = None  # the device buffer packed into before a copy
-        self._staging: torch.Tensor | None = None  # the pinned host buffer a staged step lands in
-        self._mapped: torch.Tensor | None = None  # the same memory as a CUDA tensor, written by the pack itself
+        self._mapped: torch.Tensor | None = None  # the ring as a CUDA tensor, written by the pack itself
+        self._registered = False
         if device.type != "cuda":
             return
-        if staged:
-            self._staging = torch.empty((max_rows, width), dtype=torch.int32, pin_memory=True)
-            self._mapped = mapped_on_device(self._staging, device)
+        self._registered = register_pinned(self._host)
+        self._mapped = mapped_on_device(self._host, device) if self._registered else None
         if self._mapped is None:
-            self._block = torch.empty((max_rows, width), dtype=torch.int32, device=device)
+            self._block = torch.empty((max_rows, ring.width), dtype=torch.int32, device=device)
 
     @property
     def path(self) -> str:
-        """How steps reach the host: ``mapped`` (packed straight into pinned memory), ``device-copy`` (packed on the
-        device, then copied) or ``host`` (no GPU)."""
-        return "mapped" if self._mapped is not None else "device-copy" if self._block is not None else "host"
+        """How steps reach the ring: ``mapped`` (packed straight into it), ``device-copy`` (packed on the device,
+        then copied without a wait), ``pageable-copy`` (copied with a wait) or ``host`` (no GPU)."""
+        if self._mapped is not None:
+            return "mapped"
+        return "host" if self._block is None else "device-copy" if self._registered else "pageable-copy"
 
-    def copy(self, columns: list[torch.Tensor]) -> torch.Tensor:
-        """``columns`` [T, w_i] side by side, on the host: their concatenation itself off CUDA."""
+    def copy(self, columns: list[torch.Tensor], where: RingRows) -> None:
+        """``columns`` [N, w_i] side by side into the ring's rows from ``where.offset`` (N rows reserved there)."""
         rows = columns[0].shape[0]
-        if self._mapped is not None and self._staging is not None:
-            torch.cat(columns, dim=1, out=self._mapped[:rows])
-            return self._staging[:rows]
-        if self._block is None:
-            return torch.cat(columns, dim=1)
-        packed = torch.cat(columns, dim=1, out=self._block[:rows])
-        if self._staging is None:
-            return to_host(packed)
-        host = self._staging[:rows]
-        host.copy_(packed, non_blocking=True)
-        return host
+        if self._mapped is not None:
+            torch.cat(columns, dim=1, out=self._mapped[where.offset : where.offset + rows])
+        elif self._block is None:
+            torch.cat(columns, dim=1, out=self._host[where.offset : where.offset + rows])
+        else:
+            packed = torch.cat(columns, dim=1, out=self._block[:rows])
+            self._host[where.offset : where.offset + rows].copy_(packed, non_blocking=self._registered)
+
+    def release(self) -> None:
+        """Unregister the ring (once no step can still be written into it): pinned memory is the host's to keep."""
+        if self._registered:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())  # type: ignore[no-untyped-call]
+            self._registered = False
+        self._mapped = self._block = None
+
+
+def register_pinned(host: torch.Tensor) -> bool:
+    """Page-lock ``host``'s memory for the GPU (``cudaHostRegister``); False where the driver refuses."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    error = cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
+    return bool(error == cudart.cudaError.success)
 
 
 class _CudaArray:
@@ -541,14 +565,24 @@ class _CudaArray:
                                          "data": (host.data_ptr(), False), "strides": None}
 
 
+def device_pointer(host_pointer: int) -> int | None:
+    """Where the GPU addresses registered host memory (the driver's ``cuMemHostGetDevicePointer``), None where
+    the driver cannot be asked."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        pointer = ctypes.c_uint64()
+        status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), ctypes.c_void_p(host_pointer), 0)
+    except (OSError, AttributeError):
+        return None
+    return int(pointer.value) if status == 0 else None
+
+
 def mapped_on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """``host`` (pinned, int32) as a CUDA tensor over the same memory, or None where that is not possible here (no
-    unified addressing, another allocator): checked once, at load, by a kernel writing a row and the host reading
-    it back."""
-    # Memory that PyTorch pins by registering it (an allocator option) may not be usable at the same address on
-    # every GPU, and a kernel writing through a bad address would break the CUDA context: not tried there.
-    allocator = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", ""))
-    if torch.version.cuda is None or "pinned_use_cuda_host_register:true" in allocator.replace(" ", "").lower():
+    """``host`` (registered pinned memory, int32) as a CUDA tensor over the same memory, or None where that is not
+    possible here: the GPU must address it at the host's own address (a kernel writing through another address
+    would break the CUDA context, so that is asked of the driver first), then checked once, at load, by a kernel
+    writing a row and the host reading it back."""
+    if torch.version.cuda is None or device_pointer(host.data_ptr()) != host.data_ptr():
         return None
     try:
         mapped = torch.as_tensor(_CudaArray(host), device=device)
@@ -592,7 +626,7 @@ class PendingStep:
     query_start: npt.NDArray[np.int64]  # [R + 1]
     num_prompt_tokens: npt.NDArray[np.int64]  # [R]
     drafts: npt.NDArray[np.int64]  # [R]
-    packed: torch.Tensor  # [T, W] int32, see PackedLayout
+    packed: RingRows  # where its [T, W] int32 block (see PackedLayout) lands in the ring shared with the writer
     layout: PackedLayout
     copied: torch.cuda.Event | None = None
     kept: torch.Tensor | list[int] | None = None  # [R] accepted drafts + 1 (host lists, or a copy in flight)
@@ -606,4 +640,4 @@ class PendingStep:
         if self.copied is not None:
             self.copied.synchronize()
         return StepRecord(self.step, self.t_start, self.t_end, self.requests, self.query_start, self.num_prompt_tokens,
-                          self.drafts, np.asarray(self.kept, dtype=np.int64), self.packed.numpy(), self.layout)
+                          self.drafts, np.asarray(self.kept, dtype=np.int64), self.packed, self.layout)

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetrace.schema import PHASES
-from moetrace.writer import StepCapture
+from moetrace.writer import RingRows, SharedRows, StepCapture
 
 PREFILL, DECODE, VERIFY = (np.int8(PHASES.index(p)) for p in ("prefill", "decode", "verify"))
 NOT_A_DRAFT = -1
@@ -74,21 +74,29 @@ class StepRecord:
     num_prompt_tokens: npt.NDArray[np.int64]  # [R]
     drafts: npt.NDArray[np.int64]  # [R] d_i
     kept: npt.NDArray[np.int64]  # [R] tokens each request kept: accepted drafts + 1 (0 when nothing sampled)
-    packed: npt.NDArray[np.int32]  # [T, W]
+    packed: npt.NDArray[np.int32] | RingRows  # [T, W], or where it lies in the ring shared with the writer process
     layout: PackedLayout
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickled as raw bytes (a few µs, against about 30 for numpy's own pickling of eight small arrays): this
-        runs on vLLM's engine thread once per step."""
-        layout = self.layout
+        runs on vLLM's engine thread once per step. Rows left in the shared ring go as where they lie."""
+        layout, packed = self.layout, self.packed
         return (_step_record, (self.step, self.t_start_ns, self.t_end_ns, self.requests.astype(np.uint32).tobytes(),
                                b"".join(a.astype(np.int64).tobytes() for a in (
                                    self.query_start, self.num_prompt_tokens, self.drafts, self.kept)),
-                               self.packed.astype(np.int32).tobytes(), self.packed.shape[1],
-                               (layout.layers, layout.top_k, layout.candidates, layout.token_ids)))
+                               packed if isinstance(packed, RingRows) else packed.astype(np.int32).tobytes(),
+                               layout.width, (layout.layers, layout.top_k, layout.candidates, layout.token_ids)))
+
+    def take_rows(self, ring: SharedRows | None) -> None:
+        """Writer process: copy the step's rows out of the shared ring (releasing them), if they lie there."""
+        if isinstance(self.packed, RingRows):
+            if ring is None:
+                raise RuntimeError("a step's rows lie in a ring that the writer process was not given")
+            self.packed = ring.take(self.packed)
 
     def assemble(self) -> StepCapture:
         """The step's rows: each request's last d_i + 1 tokens are its verification window (anchor, drafts)."""
+        assert not isinstance(self.packed, RingRows), "take_rows first"
         query_start, drafts, host = self.query_start, self.drafts, self.layout.unpack(self.packed)
         num_reqs = len(self.requests)
         num_tokens = int(query_start[-1])
@@ -131,14 +139,14 @@ class StepRecord:
         )
 
 
-def _step_record(step: int, t_start_ns: int, t_end_ns: int, requests: bytes, per_request: bytes, packed: bytes,
-                 width: int, layout: tuple[int, int, int, bool]) -> StepRecord:
+def _step_record(step: int, t_start_ns: int, t_end_ns: int, requests: bytes, per_request: bytes,
+                 packed: bytes | RingRows, width: int, layout: tuple[int, int, int, bool]) -> StepRecord:
     """``StepRecord.__reduce__``'s inverse: [R] uint32 requests; [R+1] query starts, then [R] prompt lengths, drafts
-    and kept counts, int64; the [T, width] int32 block."""
+    and kept counts, int64; the [T, width] int32 block, or where it lies in the shared ring."""
     num_reqs = len(requests) // 4
     values = np.frombuffer(per_request, dtype=np.int64)
     ends = np.cumsum([num_reqs + 1, num_reqs, num_reqs, num_reqs])
     query_start, num_prompt_tokens, drafts, kept = np.split(values, ends[:-1])
     return StepRecord(step, t_start_ns, t_end_ns, np.frombuffer(requests, dtype=np.uint32), query_start,
-                      num_prompt_tokens, drafts, kept, np.frombuffer(packed, dtype=np.int32).reshape(-1, width),
-                      PackedLayout(*layout))
+                      num_prompt_tokens, drafts, kept, packed if isinstance(packed, RingRows) else
+                      np.frombuffer(packed, dtype=np.int32).reshape(-1, width), PackedLayout(*layout))

@@ -1,9 +1,12 @@
 """Trace writer: per-step routing captures into rotated Parquet files, encoded in a process of its own.
 
-The engine thread only hands over: ``TraceWriter.submit`` queues a step, and ``forward_ready`` (called where the GPU
-is busy with the next forward) pickles the steps whose device copies have landed and sends them, a few steps'
-worth at a time, down a non-blocking pipe to the writer process (``python -m moetrace.writer``), where assembling
-rows, building Arrow tables, compressing and writing happen. Done by a thread of the engine process, that work took
+The engine thread only hands over: a step's routing rows are written (on a GPU by the GPU itself) into a ring of rows
+that the engine process and the writer process both map (``SharedRows``); ``TraceWriter.submit`` queues the step,
+and ``forward_ready`` (called where the GPU is busy with the next forward) pickles what is left of each step whose
+rows have landed (its request order, query starts, drafts, kept counts, and where its rows lie in the ring: a few
+hundred bytes) and sends them, a few steps' worth at a time, down a non-blocking pipe to the writer process
+(``python -m moetrace.writer``), which copies the rows out of the ring, releasing them, and assembles rows, builds
+Arrow tables, compresses and writes. Done by a thread of the engine process, that work took
 the GIL from the engine loop at high step rates (measured on an H200: 4-5% of throughput). A file being written is
 named ``*.parquet.inprogress`` and renamed when closed, so a killed recording leaves every rotated file readable and
 marks the one it lost; if the engine process dies, the writer process still closes its files. Any error stops
@@ -30,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -168,6 +171,10 @@ WRITER_NICENESS = 10
 CPU_PINNING_VARIABLES = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")
 # Bytes of steps the engine may hold while the writer process catches up; past it recording stops, said out loud.
 MAX_BACKLOG_BYTES = 256 << 20
+# The ring of rows shared with the writer process holds this many bytes of steps, and at least this many of the
+# largest steps; a step that finds no room stops recording, said out loud.
+RING_BYTES = 64 << 20
+RING_LARGEST_STEPS = 4
 IDLE_FORWARD_SECONDS = 0.1  # how long queued steps wait for the engine thread before the idle forwarder sends them
 # Pickled steps go down the pipe at most this often, or once this many bytes wait: a pipe write per step cost the
 # engine thread about 10 µs more on an H200 host (hand-over 73-87 µs, 61-78 sent this way), paid in full by steps
@@ -177,6 +184,76 @@ SEND_BYTES = 512 << 10
 SHARED_BYTES = 4096
 PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = 1031  # Linux fcntl: grow a pipe's buffer
+
+
+class RingRows(NamedTuple):
+    """Where one step's rows lie in a ``SharedRows`` ring: ``rows`` rows from row ``offset``; ``end`` is the ring's
+    running count of reserved rows once they were reserved, which the writer process releases up to."""
+
+    offset: int
+    rows: int
+    end: int
+
+
+class SharedRows:
+    """A ring of int32 rows [capacity, width] in memory that the engine process and the writer process both map
+    (a memfd): the engine side reserves a step's rows (``reserve``, never blocking: None when the writer process
+    has not yet released enough), has them written in place, and sends only where they lie; the writer process
+    copies them out as the step's message arrives (``take``), which releases them. Steps are reserved and taken in
+    order, so one running count of released rows, at the head of the memory, says what may be reused."""
+
+    _RELEASED = struct.Struct("<Q")
+    HEADER_BYTES = 64  # the released count, then the rows from a cache line of their own
+
+    def __init__(self, fd: int, capacity: int, width: int) -> None:
+        self.fd, self.capacity, self.width = fd, capacity, width
+        self.memory = mmap.mmap(fd, self.nbytes(capacity, width))
+        self.rows: npt.NDArray[np.int32] = np.frombuffer(
+            self.memory, dtype=np.int32, count=capacity * width, offset=self.HEADER_BYTES).reshape(capacity, width)
+        self._reserved = 0  # engine side: rows reserved so far, the rows skipped at each wrap included
+
+    @classmethod
+    def create(cls, capacity: int, width: int) -> SharedRows:
+        fd = os.memfd_create("moetrace-rows")
+        try:
+            os.ftruncate(fd, cls.nbytes(capacity, width))
+            return cls(fd, capacity, width)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def nbytes(cls, capacity: int, width: int) -> int:
+        return cls.HEADER_BYTES + capacity * width * 4
+
+    def reserve(self, count: int) -> RingRows | None:
+        """``count`` consecutive rows for the next step (a step never wraps: the ring's tail is skipped instead), or
+        None while the writer process has not released enough of them."""
+        start = self._reserved
+        if start % self.capacity + count > self.capacity:
+            start += self.capacity - start % self.capacity
+        end = start + count
+        released = self._RELEASED.unpack_from(self.memory)[0]
+        in_use_from = released if released < self._reserved else start  # nothing in use: the whole ring is free
+        if end - in_use_from > self.capacity:
+            return None
+        self._reserved = end
+        return RingRows(start % self.capacity, count, end)
+
+    def take(self, where: RingRows) -> npt.NDArray[np.int32]:
+        """Writer process: a copy of one step's rows, which releases them (and every row reserved before them)."""
+        rows = self.rows[where.offset : where.offset + where.rows].copy()
+        self._RELEASED.pack_into(self.memory, 0, where.end)
+        return rows
+
+    def close(self) -> None:
+        """Unmap and close; views still held elsewhere keep the memory mapped until they are gone."""
+        del self.rows
+        try:
+            self.memory.close()
+        except BufferError:  # a view is still alive: the mapping goes with it
+            pass
+        os.close(self.fd)
 
 
 class EngineRecord:
@@ -208,7 +285,9 @@ class EngineRecord:
 
 
 class Assemblable(Protocol):
-    """A step whose rows are assembled in the writer process."""
+    """A step whose rows are assembled in the writer process, from rows it may have left in the shared ring."""
+
+    def take_rows(self, ring: SharedRows | None) -> None: ...
 
     def assemble(self) -> StepCapture: ...
 
@@ -222,13 +301,20 @@ class Pending(Protocol):
     def ready(self) -> StepCapture | Assemblable: ...
 
 
+def ring_capacity(row_width: int, largest_step_rows: int) -> int:
+    """Rows in the ring shared with the writer process: ``RING_BYTES`` of them, and room for ``RING_LARGEST_STEPS``
+    of the largest steps."""
+    return max(RING_BYTES // (4 * row_width), RING_LARGEST_STEPS * largest_step_rows, 1)
+
+
 class TraceWriter:
     """The engine side of one trace directory: steps go down a pipe to the writer process.
 
     No thread on the engine side takes the GIL from the engine loop while steps flow: ``submit`` (once per step, on
     the engine thread) only queues a step and counts it in memory shared with the writer process, and
     ``forward_ready`` (once per step, where the engine thread would otherwise wait for the GPU) pickles the steps
-    whose copies have landed and writes what has gathered into a non-blocking pipe every ``SEND_EVERY_SECONDS`` or
+    whose copies have landed (their rows stay in the ``rows`` ring, which the writer process maps too: only where
+    they lie is pickled) and writes what has gathered into a non-blocking pipe every ``SEND_EVERY_SECONDS`` or
     ``SEND_BYTES``; what the pipe cannot take yet waits in memory. Why recording stopped, if it did, is kept in the
     shared memory too. Once the engine has gone quiet for ``IDLE_FORWARD_SECONDS``, a
     thread forwards what is left (an engine stopped while idle, as ``vllm serve`` kills its workers, holds no step
@@ -245,7 +331,10 @@ class TraceWriter:
         rotate_seconds: float = 10.0,
         row_group_rows: int = 262_144,
         batch_seconds: float = 1.0,
+        rows: SharedRows | None = None,
     ) -> None:
+        """``rows``: the ring that steps leave their rows in, shared with the writer process (closed with the
+        writer)."""
         self.root = root
         self._failed: str | None = None
         self.steps = 0  # steps written so far, as the writer process last reported
@@ -257,6 +346,7 @@ class TraceWriter:
         self._shared_file = tempfile.TemporaryFile()  # unlinked: it lives while a process maps it
         self._shared_file.truncate(SHARED_BYTES)
         self._shared: EngineRecord | None = EngineRecord(mmap.mmap(self._shared_file.fileno(), SHARED_BYTES))
+        self.rows = rows
         for table in (ROUTING_DIR, STEPS_DIR):
             (root / table).mkdir(parents=True, exist_ok=True)
         write_json_atomic(root / MANIFEST_NAME, manifest)  # a trace says what it is before its first row
@@ -270,7 +360,7 @@ class TraceWriter:
         # killing every process below its workers, and the writer must outlive them to close its files.
         # Nor may it inherit the engine's CPU pinning (vLLM's CPU worker sets GOMP_CPU_AFFINITY for its OpenMP team).
         unpinned = {key: value for key, value in os.environ.items() if key not in CPU_PINNING_VARIABLES}
-        fds = (to_child_r, from_child_w, self._shared_file.fileno())
+        fds = (to_child_r, from_child_w, self._shared_file.fileno(), *([self.rows.fd] if self.rows else []))
         try:
             subprocess.run(
                 [sys.executable, "-c", LAUNCH_DETACHED, *map(str, fds)], pass_fds=fds, stdin=subprocess.DEVNULL,
@@ -281,6 +371,8 @@ class TraceWriter:
                 os.close(fd)
             self._shared.memory.close()
             self._shared_file.close()
+            if self.rows is not None:
+                self.rows.close()
             raise
         finally:
             os.close(to_child_r)
@@ -290,7 +382,8 @@ class TraceWriter:
         config = {"root": root, "manifest": manifest, "moe_layers": moe_layers, "top_k": top_k,
                   "candidates": candidates, "rotate_rows": rotate_rows, "rotate_seconds": rotate_seconds,
                   "row_group_rows": row_group_rows, "batch_seconds": batch_seconds}
-        self._backlog += pickle.dumps(("init", config), protocol=pickle.HIGHEST_PROTOCOL)
+        ring = (self.rows.capacity, self.rows.width) if self.rows else None
+        self._backlog += pickle.dumps(("init", config, ring), protocol=pickle.HIGHEST_PROTOCOL)
         self._lock = threading.Lock()  # the engine thread, the idle forwarder and close take turns
         self._last_forward = time.monotonic()
         self._closing = threading.Event()
@@ -319,14 +412,17 @@ class TraceWriter:
 
     def forward_ready(self) -> None:
         """Pickle the queued steps that are ready (their copies have landed), and send what has gathered if it is time;
-        never blocks and never raises."""
+        never blocks and never raises: while the idle forwarder is handing steps over, it leaves them to it."""
         if self.failed is not None or not (self._waiting or self._backlog) or self._closing.is_set():
             return
-        with self._lock:
-            try:
-                self._forward(wait=False)
-            except Exception as exc:
-                self._fail(f"{type(exc).__name__}: {exc}")
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._forward(wait=False)
+        except Exception as exc:
+            self._fail(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._lock.release()
 
     def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Flush everything, rename the open files and rewrite the manifest as complete (or say why not)."""
@@ -354,6 +450,8 @@ class TraceWriter:
             self._shared.memory.close()
             self._shared = None
             self._shared_file.close()
+            if self.rows is not None:
+                self.rows.close()
         return self._final
 
     def _forward_when_idle(self) -> None:
@@ -376,9 +474,7 @@ class TraceWriter:
             else:
                 break
             self._backlog += pickle.dumps(("step", message), protocol=pickle.HIGHEST_PROTOCOL)
-            # Taken off the queue only once its bytes are pickled: until then the engine thread's forward_ready
-            # sees it queued and waits for the lock instead of queueing the next copy into the same staging rows.
-            self._waiting.popleft()
+            self._waiting.popleft()  # only once pickled: an error before leaves it queued, counted as submitted
         if wait or len(self._backlog) >= SEND_BYTES or now - self._sent_at >= SEND_EVERY_SECONDS:
             self._sent_at = now
             self._drain(wait)
@@ -539,10 +635,11 @@ class TraceFiles:
         return pa.Table.from_pydict(columns, schema=self._routing.schema)
 
 
-def serve(inbox: Any, outbox: Any, engine: EngineRecord) -> None:
-    """The writer process: read steps from ``inbox``, write them in batches every ``batch_seconds``, rotate files
-    on time even when idle, and report progress, failure and the final manifest to ``outbox``; ``engine`` says what
-    an engine that ended without closing had submitted, and why its recording stopped if it did."""
+def serve(inbox: Any, outbox: Any, engine: EngineRecord, ring_fd: int | None = None) -> None:
+    """The writer process: read steps from ``inbox`` (their rows from the ring shared through ``ring_fd``, copied
+    out as each step arrives), write them in batches every ``batch_seconds``, rotate files on time even when idle,
+    and report progress, failure and the final manifest to ``outbox``; ``engine`` says what an engine that ended
+    without closing had submitted, and why its recording stopped if it did."""
     for stop in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C reaches the whole process group: end at EOF instead
         signal.signal(stop, signal.SIG_IGN)
     received: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
@@ -550,10 +647,13 @@ def serve(inbox: Any, outbox: Any, engine: EngineRecord) -> None:
     def receive() -> None:  # a thread, so that files still rotate while no step arrives
         while True:
             try:
-                received.put(pickle.load(inbox))
+                message = pickle.load(inbox)
             except (EOFError, OSError, pickle.UnpicklingError):  # the engine process is gone (maybe mid-message)
                 received.put(None)
                 return
+            if message[0] == "step" and not isinstance(message[1], StepCapture):
+                message[1].take_rows(ring)  # at once: the engine reuses the ring's rows once released
+            received.put(message)
 
     def report(*message: Any) -> None:
         try:
@@ -562,8 +662,9 @@ def serve(inbox: Any, outbox: Any, engine: EngineRecord) -> None:
         except OSError:
             pass
 
-    kind, config = pickle.load(inbox)
+    kind, config, ring_shape = pickle.load(inbox)
     try:
+        ring = SharedRows(ring_fd, *ring_shape) if ring_fd is not None and ring_shape else None
         files = TraceFiles(**config)
     except Exception as exc:  # the engine side finishes the manifest with this reason
         report("failed", f"{type(exc).__name__}: {exc}")
@@ -627,4 +728,5 @@ if __name__ == "__main__":
     from moetrace.writer import serve as serve_steps
 
     serve_steps(os.fdopen(int(sys.argv[1]), "rb"), os.fdopen(int(sys.argv[2]), "wb"),
-                EngineRecord(mmap.mmap(int(sys.argv[3]), SHARED_BYTES)))
+                EngineRecord(mmap.mmap(int(sys.argv[3]), SHARED_BYTES)),
+                int(sys.argv[4]) if len(sys.argv) > 4 else None)  # the ring of rows, where the engine shares one

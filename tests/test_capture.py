@@ -18,6 +18,7 @@ from moetrace.hooks.capture import (
 )
 from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.vllm_api import StepInputs
+from moetrace.writer import SharedRows
 
 E, K, L, C = 32, 4, 3, 6  # experts, top-k, layers, candidates
 SIZES = (1, 2, 4, 8)
@@ -324,15 +325,23 @@ def test_a_padded_graph_step_packs_its_rows_first_from_a_list_made_once_that_rea
     graph_ids = torch.tensor([[1, 2], [3, 4], [5, 6], [-7, -7]], dtype=torch.int32)  # row 4: padding
     positions = torch.arange(16, dtype=torch.int64)  # the runner's buffers, longer than any step
     input_ids = torch.arange(100, 116, dtype=torch.int32)
-    packing, copier = PackingColumns(token_ids=True), StepCopier(torch.device("cpu"), 16, 4, staged=True)
+    ring = SharedRows.create(16, 4)
+    packing, copier = PackingColumns(token_ids=True), StepCopier(torch.device("cpu"), ring, 16)
+
+    def packed(columns: list[torch.Tensor]) -> list[list[int]]:
+        where = ring.reserve(columns[0].shape[0])
+        assert where is not None
+        copier.copy(columns, where)
+        return ring.take(where._replace(rows=3)).tolist()
+
     routing = [graph_ids]  # as the capture hands a graph's columns out: the same list at every replay
     first = packing.columns(("FULL", 4), routing, step_inputs(positions, input_ids, 3), 3)
-    assert copier.copy(first)[:3].tolist() == [[1, 2, 0, 100], [3, 4, 1, 101], [5, 6, 2, 102]]
+    assert packed(first) == [[1, 2, 0, 100], [3, 4, 1, 101], [5, 6, 2, 102]]
     graph_ids[:3] += 10  # the next replay rewrites the graph's outputs, vLLM the buffers, in place
     positions[:3] += 1
     again = packing.columns(("FULL", 4), routing, step_inputs(positions, input_ids, 3), 3)
     assert again is first
-    assert copier.copy(again)[:3].tolist() == [[11, 12, 1, 100], [13, 14, 2, 101], [15, 16, 3, 102]]
+    assert packed(again) == [[11, 12, 1, 100], [13, 14, 2, 101], [15, 16, 3, 102]]
     # the capture handing out a new list for the graph (captured again): a new list packed from it
     assert packing.columns(("FULL", 4), [graph_ids], step_inputs(positions, input_ids, 3), 3) is not first
     # a runner whose arrays hold this step's rows only (Model Runner V2's batch): the routing is cut to them, and a
@@ -351,15 +360,20 @@ def test_a_padded_graph_step_packs_its_rows_first_from_a_list_made_once_that_rea
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("staging", [True, False], ids=["sync-scheduling-staging", "async-scheduling-fresh"])
+@pytest.mark.parametrize("path", ["mapped", "device-copy"])
 def test_a_step_copied_after_the_forward_holds_what_it_wrote_after_the_next_step_overwrites_the_inputs(
-        staging: bool) -> None:
+        path: str) -> None:
     """The copy is queued after the forward (a slow kernel, then the step's values, on vLLM's stream) and before the
-    next step's inputs overwrite the buffers: a sync of vLLM's stream then finds the copy landed and untouched."""
+    next step's inputs overwrite the buffers: a sync of vLLM's stream then finds the copy landed in the shared ring
+    and untouched, whether the GPU packs into the ring itself (mapped) or packs on the device and copies."""
     from moetrace.hooks.recorder import StepCopier
 
-    copier = StepCopier(torch.device("cuda"), 64, 8, staged=staging)
-    assert copier.path == ("mapped" if staging else "device-copy")  # staged: the pack writes pinned memory itself
+    ring = SharedRows.create(100, 8)  # steps wrap around it
+    copier = StepCopier(torch.device("cuda"), ring, 64)
+    assert copier.path == "mapped"  # the ring is registered pinned memory, which an H200's kernels write directly
+    if path == "device-copy":
+        copier._mapped, copier._block = None, torch.empty((64, 8), dtype=torch.int32, device="cuda")
+        assert copier.path == "device-copy"
     slow = torch.randn(4096, 4096, device="cuda")
     inputs = torch.zeros(64, 8, dtype=torch.int32, device="cuda")  # the runner's persistent input buffer
     gen = torch.Generator().manual_seed(7)
@@ -369,11 +383,14 @@ def test_a_step_copied_after_the_forward_holds_what_it_wrote_after_the_next_step
         for _ in range(4):
             slow = slow @ slow / 64  # the forward: long enough that an unordered copy would read stale values
         inputs[:rows].copy_(staged, non_blocking=True)
-        host = copier.copy([inputs[:rows, :5], inputs[:rows, 5:]])
+        where = ring.reserve(rows)
+        assert where is not None
+        copier.copy([inputs[:rows, :5], inputs[:rows, 5:]], where)
         inputs.fill_(-1)  # the next step's inputs
         torch.cuda.current_stream().synchronize()  # what vLLM's sync waits for
-        assert torch.equal(host, expected)
-        assert host.is_pinned() and not host.is_cuda
+        assert torch.equal(torch.from_numpy(ring.take(where)), expected)
+    copier.release()
+    ring.close()
 
 
 def test_the_engine_side_never_imports_the_analysis_stack() -> None:

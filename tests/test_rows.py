@@ -8,6 +8,7 @@ import pickle
 import numpy as np
 
 from moetrace.hooks.rows import PackedLayout, StepRecord
+from moetrace.writer import SharedRows
 
 # R = 3 requests: a prefill of 4 tokens, a decode token, a verification of an anchor and 2 drafts (1 accepted)
 LAYOUT = PackedLayout(layers=2, top_k=2, candidates=3, token_ids=True)
@@ -48,3 +49,26 @@ def test_the_assembled_rows_follow_the_batch_layout() -> None:
     assert rows.token is not None and rows.token.tolist() == list(range(100, 108))
     assert rows.experts.shape == (8, 2, 2) and rows.cand_scores is not None and rows.cand_scores.shape == (8, 2, 3)
     assert rows.steps_rows["num_accepted"].tolist() == [0, 0, 1]
+
+
+def test_a_record_whose_rows_lie_in_the_shared_ring_is_pickled_as_where_they_lie_and_takes_them_out() -> None:
+    """The engine thread never copies a step's rows: only where they lie in the ring crosses the pipe, and the
+    writer process's copy releases them."""
+    whole = record()
+    assert isinstance(whole.packed, np.ndarray)
+    ring = SharedRows.create(16, whole.packed.shape[1])
+    try:
+        where = ring.reserve(8)
+        assert where is not None
+        ring.rows[where.offset : where.offset + 8] = whole.packed
+        light = dataclasses.replace(whole, packed=where)
+        message = pickle.dumps(light, protocol=pickle.HIGHEST_PROTOCOL)
+        assert len(message) < whole.packed.nbytes, "the rows themselves stayed in the ring"
+        crossed = pickle.loads(message)
+        assert crossed.packed == where
+        crossed.take_rows(ring)
+        assert np.array_equal(crossed.packed, whole.packed)
+        assert ring.reserve(16) is not None, "taking the rows released them"
+        assert crossed.assemble().experts.tolist() == whole.assemble().experts.tolist()
+    finally:
+        ring.close()

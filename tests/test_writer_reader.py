@@ -18,9 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from moetrace.errors import UserError
+from moetrace.hooks.rows import PackedLayout, StepRecord
 from moetrace.reader import open_trace, open_traces
 from moetrace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION
-from moetrace.writer import StepCapture, TraceWriter
+from moetrace.writer import RingRows, SharedRows, StepCapture, TraceWriter
 
 LAYERS = [1, 2, 3]
 TOP_K = 8
@@ -170,14 +171,14 @@ def test_sweep_parent_opens_every_k_in_order(tmp_path: Path) -> None:
 class NotReadyYet:
     """A step whose device copies are still in flight for its first ``polls`` questions (as a CUDA event reports)."""
 
-    def __init__(self, capture: StepCapture, polls: int):
+    def __init__(self, capture: StepCapture | StepRecord, polls: int):
         self.capture, self.polls = capture, polls
 
     def is_ready(self) -> bool:
         self.polls -= 1
         return self.polls < 0
 
-    def ready(self) -> StepCapture:
+    def ready(self) -> StepCapture | StepRecord:
         return self.capture
 
 
@@ -215,11 +216,10 @@ class PickledSlowly:
         return self.capture
 
 
-def test_a_step_the_idle_forwarder_is_handing_over_is_pickled_before_the_engine_thread_reuses_its_buffer(
-        tmp_path: Path) -> None:
-    """Under sync scheduling a step's rows sit in one staging buffer that the next step's copy overwrites as soon as
-    ``forward_ready`` returns on the engine thread: it must not return while the idle forwarder still holds the
-    step unpickled."""
+def test_the_engine_thread_never_waits_while_the_idle_forwarder_hands_a_step_over(tmp_path: Path) -> None:
+    """Each step's rows are its own until the writer process releases them (the shared ring), so the engine
+    thread's ``forward_ready`` leaves a hand-over already under way to the idle forwarder instead of waiting for
+    its lock; the step still reaches the trace once, intact."""
     rng = np.random.default_rng(8)
     writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K)
     capture = verify_step(0, rng)
@@ -227,19 +227,63 @@ def test_a_step_the_idle_forwarder_is_handing_over_is_pickled_before_the_engine_
     slow = PickledSlowly(capture)
     writer.submit(slow)
     assert slow.started.wait(5), "the idle forwarder took the quiet engine's step"
-    engine = threading.Thread(target=writer.forward_ready)
-    engine.start()
-    engine.join(0.3)
-    assert engine.is_alive(), "forward_ready returned while the step was still being handed over"
+    began = time.monotonic()
+    writer.forward_ready()
+    assert time.monotonic() - began < 0.2, "forward_ready waited for the idle forwarder"
     slow.release.set()
-    engine.join(5)
-    assert not engine.is_alive() and not writer._waiting
-    capture.experts[:] = 0  # the next step's copy lands in the same buffer
     final = writer.close()
     assert final["complete"] and final["counts"]["steps"] == 1
     routing = open_trace(tmp_path).routing().sort(["request", "position", "layer"]).collect()
     written = np.sort(np.stack(routing["experts"].to_list()), axis=1)  # the trace orders each top-k by weight
     assert np.array_equal(written, np.sort(expected.reshape(-1, TOP_K), axis=1))
+
+
+def test_the_shared_ring_never_wraps_a_step_and_reuses_rows_only_once_released() -> None:
+    ring = SharedRows.create(10, 3)
+    try:
+        first = ring.reserve(4)
+        second = ring.reserve(4)
+        assert first == RingRows(0, 4, 4) and second == RingRows(4, 4, 8)
+        assert ring.reserve(3) is None, "rows 8-9 are too few and rows 0-3 are not released yet"
+        ring.rows[0:4] = 7
+        assert first is not None and ring.take(first).tolist() == [[7] * 3] * 4
+        third = ring.reserve(3)
+        assert third == RingRows(0, 3, 13), "the ring's tail is skipped: a step's rows are consecutive"
+        assert ring.reserve(2) is None, "rows 4-7 are still the second step's"
+        assert ring.reserve(11) is None, "a step larger than the ring never fits"
+    finally:
+        ring.close()
+
+
+def test_steps_whose_rows_lie_in_the_shared_ring_reach_the_trace_and_free_the_ring(tmp_path: Path) -> None:
+    """The engine writes each step's packed rows into the ring and sends only where they lie: the writer process
+    copies them out (releasing them) and the trace holds exactly those rows, across more rows than the ring
+    holds at once."""
+    layout = PackedLayout(layers=len(LAYERS), top_k=TOP_K, candidates=0, token_ids=True)
+    ring = SharedRows.create(20, layout.width)
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K, rows=ring)
+    rng = np.random.default_rng(11)
+    sent = []
+    for step in range(12):  # 6 tokens a step: 72 rows through a ring of 20
+        deadline = time.monotonic() + 30
+        while (where := ring.reserve(6)) is None:
+            assert time.monotonic() < deadline, "the writer process never released the ring's rows"
+            writer.forward_ready()
+            time.sleep(0.01)
+        ids = rng.integers(0, 64, (6, len(LAYERS) * TOP_K), dtype=np.int32)
+        weights = rng.random((6, len(LAYERS) * TOP_K), dtype=np.float32).view(np.int32)
+        ring.rows[where.offset : where.offset + 6] = np.concatenate(
+            [ids, weights, np.arange(6, dtype=np.int32)[:, None], np.full((6, 1), step, dtype=np.int32)], axis=1)
+        writer.submit(NotReadyYet(StepRecord(step, 0, 1, np.array([step], dtype=np.uint32), np.array([0, 6]),
+                                             np.array([6]), np.array([0]), np.array([0]), where, layout), polls=0))
+        writer.forward_ready()
+        sent.append(ids.reshape(6, len(LAYERS), TOP_K))
+    final = writer.close()
+    assert final["complete"] and final["counts"]["steps"] == 12
+    routing = open_trace(tmp_path).routing().sort(["step", "position", "layer"]).collect()
+    assert routing["token"].to_list()[:: 6 * len(LAYERS)] == list(range(12))
+    written = np.sort(np.stack(routing["experts"].to_list()), axis=1)
+    assert np.array_equal(written, np.sort(np.concatenate(sent).reshape(-1, TOP_K), axis=1))
 
 
 ENGINE_THAT_DIES = """
