@@ -27,9 +27,9 @@ Where NVML sees a GPU, each mode's rounds also get the GPU's SM clock, power and
 marked it idle (``GpuClocks``, sampled every 5 ms from this process): a GPU that clocks down in the idle gaps of
 host-bound steps would make recording cost more than its host time.
 
-``--profile`` then runs one more round per batch with recording on under cProfile in the engine's thread, and
-prints where the recorder's own time goes (its functions by total time: cProfile slows Python several-fold, so
-read the shares, not the µs).
+``--profile`` then runs one more round per batch and mode under cProfile in the engine's thread, and prints the
+functions that took the most time of their own, and the recorder's by cumulative time (cProfile slows Python
+several-fold, so read the shares, and the modes side by side, not the µs).
 
 ``--model kimi-k2-tp8`` is a dummy-weight model of Kimi-K2's per-GPU shape under TP=8 (hidden 7168, MLA with 8
 of 64 heads, 384 routed experts of width 2048/8 plus one shared expert, top-8, sigmoid + selection bias, 16 MoE
@@ -243,7 +243,8 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 # difference is the hooks' plumbing alone); "no-copy" is writer-off whose pack launches nothing on the GPU (beside
 # writer-off: the share of the pack's CUDA calls); "device-copy" is "on" packing into device memory, then copying
 # into the ring (the copier's fallback where the GPU cannot write the ring itself). (Modes device-only, batched-copy
-# and pack-late, measured on recorder 20597ad, are in the results' runs.)
+# and pack-late, measured on recorder 20597ad, and routers-only and runner-only, measured on fc00a2a, are in the
+# results' runs.)
 MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-copy")
 
 
@@ -260,11 +261,11 @@ def pin_engine_thread(worker: Any) -> dict[str, int]:
 
 def set_mode(worker: Any, mode: str) -> None:
     """In the worker: recording as ``mode`` asks (one of ``MODES``)."""
+    recorder = worker._moetrace_recorder
     if mode == "off":
         worker.moetrace_pause()
         return
     worker.moetrace_resume()
-    recorder = worker._moetrace_recorder
     copier = recorder.copier
     for patched, name in ((recorder.writer, "submit"), (recorder.ring, "reserve"), (copier, "copy"),
                           (recorder, "_layout")):
@@ -372,7 +373,7 @@ def timing(method: Any, label: str, kinds: list[str], times: dict[str, list[int]
 
 def engine_profile(worker: Any, start: bool) -> str | None:
     """In the worker (through ``collective_rpc``, which runs on the engine's thread): start cProfile on this thread,
-    or stop it and return moetrace's functions by total time."""
+    or stop it and return the functions with the most time of their own, and moetrace's by cumulative time."""
     import cProfile
     import io
     import pstats
@@ -385,9 +386,8 @@ def engine_profile(worker: Any, start: bool) -> str | None:
     profile.disable()
     text = io.StringIO()
     ours = r"/(hooks|moetrace)/"  # the installed package maps hooks/ and analysis/ in from the source tree
-    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(ours, 30)
-    stats = pstats.Stats(profile, stream=text).sort_stats("tottime")
-    stats.print_callees(ours, 40)
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(45)
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(ours, 15)
     return text.getvalue()
 
 
@@ -498,7 +498,7 @@ def main() -> None:
                              "every step, by the forward they follow")
     parser.add_argument("--steps-json", type=Path, help="write every round's steps (times, parts, forwards) here")
     parser.add_argument("--profile", action="store_true",
-                        help="then one round per batch, recording on, under cProfile in the engine thread")
+                        help="then one round per batch and mode under cProfile in the engine thread")
     parser.add_argument("--time-phases-every", type=int, help="as moetrace record's (default: the recorder's)")
     parser.add_argument("--pin-engine-thread", action="store_true",
                         help="run the engine's thread on one CPU throughout (both modes alike)")
@@ -558,13 +558,13 @@ def main() -> None:
                             idle.setdefault((batch, mode), []).append(window)
             clocks.stop()
             profiles = {}
-            if args.profile:
-                llm.collective_rpc(set_mode, args=("on",))
-                for batch in batches:
+            for batch in batches if args.profile else []:
+                for mode in modes:
                     count = 8 if batch == 1 else 2 * batch
+                    llm.collective_rpc(set_mode, args=(mode,))
                     llm.collective_rpc(engine_profile, args=(True,))
                     timed_generate(llm, [base[i % len(base)] for i in range(count)], batch, args.max_tokens)
-                    profiles[batch] = llm.collective_rpc(engine_profile, args=(False,))[0]
+                    profiles[(batch, mode)] = llm.collective_rpc(engine_profile, args=(False,))[0]
             llm.collective_rpc(set_mode, args=("on",))  # the recorder as it was built, whatever mode ran last
             closed = llm.collective_rpc("moetrace_close")
         finally:
@@ -663,9 +663,9 @@ def main() -> None:
             print(f"{batch:>5} {mode} steps pooled, µs: " + ", ".join(f"{k} {v:.0f}" for k, v in quantiles.items()))
     print("recorder's own time on the engine thread, µs per recorded step:", report["engine_thread_us_per_step"])
     print("engine thread:", f"pinned to CPU {pinned['cpu']} of {pinned['of_cpus']}" if pinned else "not pinned")
-    for batch, profile in profiles.items():
-        print(f"--- batch {batch}: the engine thread under cProfile, recording on ---\n{profile}")
-        report[str(batch)]["profile"] = profile
+    for (batch, mode), profile in profiles.items():
+        print(f"--- batch {batch}, mode {mode}: the engine thread under cProfile ---\n{profile}")
+        report[str(batch)].setdefault("profile", {})[mode] = profile
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     if args.steps_json is not None:
