@@ -242,10 +242,11 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 # difference is the CUDA events' share); "no-layout" keeps the hooks but collects, packs and hands over nothing (the
 # difference is the hooks' plumbing alone); "no-copy" is writer-off whose pack launches nothing on the GPU (beside
 # writer-off: the share of the pack's CUDA calls); "device-copy" is "on" packing into device memory, then copying
-# into the ring (the copier's fallback where the GPU cannot write the ring itself). (Modes device-only, batched-copy
-# and pack-late, measured on recorder 20597ad, and routers-only and runner-only, measured on fc00a2a, are in the
-# results' runs.)
-MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-copy")
+# into the ring (the copier's fallback where the GPU cannot write the ring itself); "routers-only" is "off" with the
+# routers wrapped, and "runner-only" is no-layout with the routers as vLLM built them (which of the two kinds of
+# hook, the routers' or the runner's, costs what no-layout costs). (Modes device-only, batched-copy and pack-late,
+# measured on recorder 20597ad, are in the results' runs.)
+MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-copy", "routers-only", "runner-only")
 
 
 def pin_engine_thread(worker: Any) -> dict[str, int]:
@@ -261,9 +262,17 @@ def pin_engine_thread(worker: Any) -> dict[str, int]:
 
 def set_mode(worker: Any, mode: str) -> None:
     """In the worker: recording as ``mode`` asks (one of ``MODES``)."""
+    from moetrace.hooks.capture import unwrap_logits_entry, unwrap_router, wrap_logits_entry, wrap_router
+
     recorder = worker._moetrace_recorder
-    if mode == "off":
+    if mode in ("off", "routers-only"):
         worker.moetrace_pause()
+        if mode == "routers-only":
+            for slot, (moe, entry) in enumerate(zip(recorder.runners, recorder.entries)):
+                if entry is None:
+                    wrap_router(moe.router, slot, recorder.capture)
+                else:
+                    wrap_logits_entry(entry[0], entry[1], moe.router, slot, recorder.capture)
         return
     worker.moetrace_resume()
     copier = recorder.copier
@@ -286,8 +295,13 @@ def set_mode(worker: Any, mode: str) -> None:
             worker._bench_block = torch.empty((int(recorder.runner.max_num_tokens), recorder.ring.width),
                                               dtype=torch.int32, device="cuda")
         copier._mapped, copier._block = None, worker._bench_block
-    elif mode == "no-layout":
+    elif mode in ("no-layout", "runner-only"):
         recorder._layout = lambda t_start: None  # no step pending: the later hooks find nothing to do
+    if mode == "runner-only":
+        for moe, entry in zip(recorder.runners, recorder.entries):
+            unwrap_router(moe.router)
+            if entry is not None:
+                unwrap_logits_entry(entry[0])
     timing_every = vars(worker).setdefault("_bench_timing_every", recorder.timing_every)  # the recorder's own
     recorder.timing_every = 1 << 60 if mode == "untimed" else timing_every
 

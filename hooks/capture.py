@@ -130,11 +130,6 @@ class RoutingCapture:
             self.graphs[key] = self.graphs.pop(None)
             self._graph_columns.pop(key, None)
 
-    def holds_graph(self, key: Hashable | None) -> bool:
-        """Whether a replay of CUDA graph ``key`` is already collected from references kept at its capture (its
-        routers run no Python when it replays)."""
-        return key is not None and key in self._graph_columns
-
     def begin_step(self) -> None:
         """Call before each forward: forget the previous forward's references (the last step's copy, queued on
         the same stream, has read them before anything can reuse their memory)."""

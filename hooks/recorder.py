@@ -140,14 +140,17 @@ class Recorder:
             "execute_model": self.execute_model, "sample": self.sample, "sample_tokens": self.sample_tokens,
             "drafting": self.propose_draft_tokens, "capture_model": self.capture_model}
         self._installed: list[tuple[HookPoint, Any]] = []  # each hook, and the instance attribute it replaced
-        self._routers_wrapped = False
         self.install()
 
     def install(self) -> None:
         """Wrap the routers and the runner's step calls; installing twice, or after close, changes nothing."""
         if self._closed is not None:
             return
-        self._wrap_routers(True)
+        for slot, (moe, entry) in enumerate(zip(self.runners, self.entries)):
+            if entry is None:
+                wrap_router(moe.router, slot, self.capture)
+            else:
+                wrap_logits_entry(entry[0], entry[1], moe.router, slot, self.capture)
         for point in self.model_runner.hook_points():
             replaced = vars(point.owner).get(point.name)
             if getattr(replaced, _HOOK_MARK, False):
@@ -159,22 +162,12 @@ class Recorder:
             setattr(point.owner, point.name, hook)
             self._installed.append((point, replaced))
 
-    def _wrap_routers(self, wrapped: bool) -> None:
-        """Wrap the routers (``wrapped``) or restore them as vLLM built them; idempotent."""
-        for slot, (moe, entry) in enumerate(zip(self.runners, self.entries)):
-            if entry is None and wrapped:
-                wrap_router(moe.router, slot, self.capture)
-            elif entry is None:
-                unwrap_router(moe.router)
-            elif wrapped:
-                wrap_logits_entry(entry[0], entry[1], moe.router, slot, self.capture)
-            else:
-                unwrap_logits_entry(entry[0])
-        self._routers_wrapped = wrapped
-
     def uninstall(self) -> None:
         """Restore the runner and routers as they were; the writer stays open until ``close``."""
-        self._wrap_routers(False)
+        for moe, entry in zip(self.runners, self.entries):
+            unwrap_router(moe.router)
+            if entry is not None:
+                unwrap_logits_entry(entry[0])
         for point, replaced in reversed(self._installed):
             if replaced is None:
                 vars(point.owner).pop(point.name, None)  # the class's method shows through again
@@ -252,39 +245,22 @@ class Recorder:
 
     def graph_forward(self, original: Callable[..., Any], graph_key: Callable[..., Hashable | None], *args: Any,
                       **kwargs: Any) -> Any:
-        """Note which CUDA graph (if any) the forward replays: vLLM says so only in this call (its arguments, or
-        its forward context, set around it). Where every forward passes here (Model Runner V1), the routers are
-        wrapped only for forwards that run them: a replay of a graph whose routing the capture already holds runs
-        no router, and wrapped routers made vLLM's own host work slower in forwards that never called them
-        (PIECEWISE launches 20% slower on an H200 host, measured; why, cProfile did not show: the same calls)."""
-        began = time.perf_counter_ns() if self._timing else 0
-        key = None
-        if self.writer.failed is None:
-            try:
-                key = graph_key(*args, **kwargs)
-                if self.model_runner.every_forward_through_graph_hook:
-                    replays_held = self.capture.holds_graph(key)
-                    if replays_held == self._routers_wrapped:
-                        self._wrap_routers(not replays_held)
-            except Exception as exc:
-                self._stop(exc)
-        called = time.perf_counter_ns() if self._timing else 0
+        """Note which CUDA graph (if any) the forward replayed: vLLM says so only in this call (its arguments, or
+        its forward context, set only inside). Read once the forward is launched."""
         result = original(*args, **kwargs)
-        returned = time.perf_counter_ns() if self._timing else 0
         if self.writer.failed is None:
+            began = time.perf_counter_ns() if self._timing else 0
             try:
-                self._replayed = key
+                self._replayed = graph_key(*args, **kwargs)
                 self._tokens_across_dp = self.api.tokens_across_dp() if self.data_parallel else None
             except Exception as exc:
                 self._stop(exc)
-        if self._timing:
-            self.own_ns["model_forward"] += called - began + time.perf_counter_ns() - returned
+            if self._timing:
+                self.own_ns["model_forward"] += time.perf_counter_ns() - began
         return result
 
     def capture_model(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Graphs are captured with the routers wrapped (their references kept are what replays are recorded
-        from); Model Runner V2 builds its CUDA-graph manager after load: hook it now, before its graphs are
-        captured."""
+        """Model Runner V2 builds its CUDA-graph manager after load: hook it now, before its graphs are captured."""
         try:
             self.install()
             self.model_runner.name_full_graphs(self.capture.name_captured)

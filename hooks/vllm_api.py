@@ -32,8 +32,7 @@ SUPPORTED = ("0.26", "0.32")
 # What the recorder reads on Model Runner V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` and the CPU
 # runner that subclasses it), and on its input batch.
 RUNNER_FIELDS = ("model", "max_num_tokens", "input_batch", "query_start_loc", "positions", "input_ids",
-                 "execute_model", "_sample", "_model_forward", "sample_tokens", "propose_draft_token_ids",
-                 "capture_model")
+                 "execute_model", "_sample", "_model_forward", "sample_tokens", "propose_draft_token_ids")
 INPUT_BATCH_FIELDS = ("num_reqs", "req_ids", "num_prompt_tokens")
 # ... on Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``); its batch is a per-step
 # ``InputBatch`` left in ``execute_model_state``, its CUDA graphs are run by a ``cudagraph_manager``.
@@ -187,7 +186,6 @@ class RunnerV1:
     drafter; the batch lives in the runner's persistent buffers."""
 
     name = "v1"
-    every_forward_through_graph_hook = True  # real steps' forwards all pass ``_model_forward`` (capture does not)
 
     def __init__(self, api: WorkerApi, runner: Any) -> None:
         require_fields(runner, RUNNER_FIELDS, "model runner")
@@ -201,7 +199,6 @@ class RunnerV1:
         return [HookPoint("execute_model", runner, "execute_model"), HookPoint("sample", runner, "_sample"),
                 HookPoint("sample_tokens", runner, "sample_tokens"),
                 HookPoint("drafting", runner, "propose_draft_token_ids"),
-                HookPoint("capture_model", runner, "capture_model"),
                 HookPoint("graph", runner, "_model_forward", lambda *args, **kwargs: self.api.graph_key())]
 
     def sampled_on_host(self) -> bool:
@@ -255,7 +252,6 @@ class RunnerV2:
     request kept on the device; the speculator's ``propose`` drafts. It always schedules asynchronously."""
 
     name = "v2"
-    every_forward_through_graph_hook = False  # eager forwards run the model directly
 
     def __init__(self, api: WorkerApi, runner: Any) -> None:
         require_fields(runner, RUNNER_V2_FIELDS, "model runner (V2)")
