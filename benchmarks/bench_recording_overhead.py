@@ -504,6 +504,10 @@ def main() -> None:
     parser.add_argument("--model", choices=("default", "kimi-k2-tp8"), default="default")
     parser.add_argument("--compiled", action="store_true", help="torch.compile and CUDA graphs (vLLM's default)")
     parser.add_argument("--batches", default="1,32", help="concurrencies to measure, e.g. 1,64")
+    parser.add_argument("--engine-batch", type=int,
+                        help="size the engine (its concurrency, and so its CUDA-graph sizes) for this many requests "
+                             "(default: the largest of --batches); sized for one request, prefills of 9-16 tokens "
+                             "run without a graph, which a deployment's do not")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -530,8 +534,8 @@ def main() -> None:
     from moetrace.host import gpu_inventory, host_facts
 
     with tempfile.TemporaryDirectory(prefix="moetrace-bench-") as scratch:
-        settings = engine_settings_for(args.model, Path(scratch), max(batches), args.max_tokens, args.compiled,
-                                       args.time_phases_every)
+        settings = engine_settings_for(args.model, Path(scratch), args.engine_batch or max(batches), args.max_tokens,
+                                       args.compiled, args.time_phases_every)
         llm = build_llm(settings)
         base = engine_prompts(settings)
         clocks = GpuClocks()
