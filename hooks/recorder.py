@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -508,7 +507,6 @@ class StepCopier:
     time, measured on an H200.)"""
 
     def __init__(self, device: torch.device, ring: SharedRows, max_rows: int) -> None:
-        self.ring = ring
         self._host = torch.from_numpy(ring.rows)  # [capacity, W] in the memory both processes map
         self._block: torch.Tensor | None = None  # the device buffer packed into before a copy
         self._mapped: torch.Tensor | None = None  # the ring as a CUDA tensor, written by the pack itself
