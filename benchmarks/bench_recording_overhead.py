@@ -244,9 +244,12 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 # writer-off: the share of the pack's CUDA calls); "device-copy" is "on" packing into device memory, then copying
 # into the ring (the copier's fallback where the GPU cannot write the ring itself); "routers-only" is "off" with the
 # routers wrapped, and "runner-only" is no-layout with the routers as vLLM built them (which of the two kinds of
-# hook, the routers' or the runner's, costs what no-layout costs). (Modes device-only, batched-copy and pack-late,
-# measured on recorder 20597ad, are in the results' runs.)
-MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-copy", "routers-only", "runner-only")
+# hook, the routers' or the runner's, costs what no-layout costs); "off-again" is "off" once more (an A/A control: how
+# far two modes that differ in nothing drift apart in as many rounds); "writer-apart" is "on" with the writer
+# process kept off the pinned engine thread's CPU and the CPUs sharing its core (SMT siblings). (Modes device-only,
+# batched-copy and pack-late, measured on recorder 20597ad, are in the results' runs.)
+MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-copy", "routers-only", "runner-only",
+         "off-again", "writer-apart")
 
 
 def pin_engine_thread(worker: Any) -> dict[str, int]:
@@ -265,7 +268,15 @@ def set_mode(worker: Any, mode: str) -> None:
     from moetrace.hooks.capture import unwrap_logits_entry, unwrap_router, wrap_logits_entry, wrap_router
 
     recorder = worker._moetrace_recorder
-    if mode in ("off", "routers-only"):
+    allowed = sorted(os.sched_getaffinity(0))  # the engine thread's (collective_rpc runs on it)
+    apart = set(allowed) - core_siblings(allowed[0]) if mode == "writer-apart" and len(allowed) == 1 else None
+    for pid in writer_processes():
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(task), apart or range(os.cpu_count() or 1))
+            except OSError:  # a thread that just ended
+                pass
+    if mode in ("off", "routers-only", "off-again"):
         worker.moetrace_pause()
         if mode == "routers-only":
             for slot, (moe, entry) in enumerate(zip(recorder.runners, recorder.entries)):
@@ -304,6 +315,84 @@ def set_mode(worker: Any, mode: str) -> None:
                 unwrap_logits_entry(entry[0])
     timing_every = vars(worker).setdefault("_bench_timing_every", recorder.timing_every)  # the recorder's own
     recorder.timing_every = 1 << 60 if mode == "untimed" else timing_every
+
+
+def core_siblings(cpu: int) -> set[int]:
+    """The CPUs sharing ``cpu``'s core (itself included), as Linux lists them; {cpu} where it does not say."""
+    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return {cpu}
+    siblings: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        siblings.update(range(int(first), int(last or first) + 1))
+    return siblings
+
+
+def writer_processes() -> list[int]:
+    """The pids of moetrace's writer processes on this host (found by their command line)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if b"moetrace.writer" in Path(entry.path, "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+# Pure Python arithmetic, then a sum over 1 MiB (the size of a core's L2): run on entry to every execute_model, alike
+# in every mode (``--cpu-probe``), they say whether the engine thread's CPU itself runs slower while recording is on
+# (a busy SMT sibling, a lower clock, caches emptied by other work) or only vLLM's own code does.
+CPU_PROBE_ARRAY = np.arange(1 << 18, dtype=np.int32)
+
+
+def cpu_probe(worker: Any, read: bool) -> dict[str, Any] | None:
+    """In the worker: install (once) the probe at class level on ``execute_model``; with ``read``, the µs of each
+    probe's two parts since the last read, the writer processes' CPU time since then (ms) and the CPUs their threads
+    last ran on, and forget them."""
+    runner_class = type(worker.model_runner)
+    times: dict[str, list[int]] | None = getattr(runner_class, "_bench_cpu_probe", None)
+    if times is None:
+        times = runner_class._bench_cpu_probe = {"python_ns": [], "memory_ns": []}
+        method = runner_class.execute_model
+
+        def probed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter_ns()
+            total = 0
+            for i in range(256):
+                total += i * i
+            middle = time.perf_counter_ns()
+            CPU_PROBE_ARRAY.sum()
+            times["python_ns"].append(middle - began)
+            times["memory_ns"].append(time.perf_counter_ns() - middle)
+            return method(self, *args, **kwargs)
+
+        runner_class.execute_model = probed
+    ticks, cpus = 0, set()
+    for pid in writer_processes():
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                fields = Path(f"/proc/{pid}/task/{task}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+            cpus.add(int(fields[36]))  # processor (field 39): where it last ran
+    writer_ms = ticks * 1000 / os.sysconf("SC_CLK_TCK")
+    previous = vars(worker).get("_bench_writer_ms", writer_ms)
+    worker._bench_writer_ms = writer_ms
+    if not read:
+        return None
+    read_out = {"python_us": [t // 1000 for t in times["python_ns"]],
+                "memory_us": [t // 1000 for t in times["memory_ns"]],
+                "writer_cpu_ms": writer_ms - previous, "writer_cpus": sorted(cpus),
+                "engine_cpu_siblings": sorted(core_siblings(sorted(os.sched_getaffinity(0))[0]))}
+    for values in times.values():
+        values.clear()
+    return read_out
 
 
 # The recorder's work after each forward's launch, timed on every step by the forward it follows (``--hook-times``),
@@ -518,6 +607,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="then one round per batch and mode under cProfile in the engine thread")
     parser.add_argument("--time-phases-every", type=int, help="as moetrace record's (default: the recorder's)")
+    parser.add_argument("--cpu-probe", action="store_true",
+                        help="time a fixed piece of Python and a 1 MiB sum on entry to every step, in every mode, and "
+                             "the writer processes' CPU time per round")
     parser.add_argument("--pin-engine-thread", action="store_true",
                         help="run the engine's thread on one CPU throughout (both modes alike)")
     parser.add_argument("--modes", default="off,on",
@@ -545,6 +637,9 @@ def main() -> None:
             llm.collective_rpc(idle_window_probe, args=(False,))  # hooks reinstalled at each round wrap it
             if args.hook_times:
                 llm.collective_rpc(hook_times, args=(False,))
+            if args.cpu_probe:
+                llm.collective_rpc(cpu_probe, args=(False,))
+            probes: dict[tuple[int, str], list[dict[str, Any]]] = {}  # --cpu-probe: per round
             hook_us: dict[tuple[int, str], dict[str, list[int]]] = {}  # --hook-times: per call, pooled
             idle: dict[tuple[int, str], list[dict[str, float]]] = {}  # per round: the idle window's medians
             results: dict[tuple[int, str], list[float]] = {}
@@ -567,6 +662,9 @@ def main() -> None:
                         elapsed_ms.setdefault((batch, mode), []).append(elapsed * 1e3)
                         workload.setdefault((batch, mode), []).append(counted)
                         window = llm.collective_rpc(idle_window_probe, args=(True,))[0]
+                        if args.cpu_probe:
+                            probes.setdefault((batch, mode), []).append(
+                                llm.collective_rpc(cpu_probe, args=(True,))[0])
                         if args.hook_times:
                             for key, values in llm.collective_rpc(hook_times, args=(True,))[0].items():
                                 hook_us.setdefault((batch, mode), {}).setdefault(key, []).extend(values)
@@ -647,6 +745,19 @@ def main() -> None:
                 print(f"{batch:>5} {mode} timed calls by the forward they follow, µs (calls, median, mean): "
                       + "; ".join(f"{key} {v['calls']} {v['median']:.0f} {v['mean']:.0f}"
                                   for key, v in per_key.items()))
+        if probes:
+            report[str(batch)]["cpu_probe"] = {  # per mode: the probe's medians (µs), the writer's CPU per round
+                mode: {"python_us_median": statistics.median(t for r in rounds for t in r["python_us"]),
+                       "memory_us_median": statistics.median(t for r in rounds for t in r["memory_us"]),
+                       "writer_cpu_ms_per_round": statistics.median(r["writer_cpu_ms"] for r in rounds),
+                       "writer_cpus": sorted({c for r in rounds for c in r["writer_cpus"]}),
+                       "engine_cpu_siblings": rounds[-1]["engine_cpu_siblings"]}
+                for (b, mode), rounds in probes.items() if b == batch}
+            for mode, probe in report[str(batch)]["cpu_probe"].items():
+                print(f"{batch:>5} {mode} CPU probe: python {probe['python_us_median']:.1f} us, 1 MiB sum "
+                      f"{probe['memory_us_median']:.1f} us; writer process {probe['writer_cpu_ms_per_round']:.0f} "
+                      f"ms CPU a round on CPUs {probe['writer_cpus']}; engine CPU's core: "
+                      f"{probe['engine_cpu_siblings']}")
         gpu_clocks = {mode: clocks.summary(spans[(batch, mode)]) for mode in modes}
         if any(gpu_clocks.values()):
             report[str(batch)]["gpu_clocks"] = gpu_clocks
