@@ -246,10 +246,11 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 # routers wrapped, and "runner-only" is no-layout with the routers as vLLM built them (which of the two kinds of
 # hook, the routers' or the runner's, costs what no-layout costs); "off-again" is "off" once more (an A/A control: how
 # far two modes that differ in nothing drift apart in as many rounds); "writer-apart" is "on" with the writer
-# process kept off the pinned engine thread's CPU and the CPUs sharing its core (SMT siblings). (Modes device-only,
+# process kept off the pinned engine thread's CPU and the CPUs sharing its core (SMT siblings); "hand-over-each" is
+# "on" handing each step over on its own (as before steps went in batches). (Modes device-only,
 # batched-copy and pack-late, measured on recorder 20597ad, are in the results' runs.)
 MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-copy", "routers-only", "runner-only",
-         "off-again", "writer-apart")
+         "off-again", "writer-apart", "hand-over-each")
 
 
 def pin_engine_thread(worker: Any) -> dict[str, int]:
@@ -267,7 +268,11 @@ def set_mode(worker: Any, mode: str) -> None:
     """In the worker: recording as ``mode`` asks (one of ``MODES``)."""
     from moetrace.hooks.capture import unwrap_logits_entry, unwrap_router, wrap_logits_entry, wrap_router
 
+    import moetrace.writer
+
     recorder = worker._moetrace_recorder
+    hand_over_steps = vars(worker).setdefault("_bench_hand_over_steps", moetrace.writer.HAND_OVER_STEPS)
+    moetrace.writer.HAND_OVER_STEPS = 1 if mode == "hand-over-each" else hand_over_steps
     allowed = sorted(os.sched_getaffinity(0))  # the engine thread's (collective_rpc runs on it)
     apart = set(allowed) - core_siblings(allowed[0]) if mode == "writer-apart" and len(allowed) == 1 else None
     for pid in writer_processes():

@@ -112,6 +112,7 @@ class RoutingCapture:
         self.graphs: dict[Hashable, list[Kept | None]] = {}  # per captured graph: [L]
         self._graph_columns: dict[Hashable, list[torch.Tensor]] = {}  # per graph replayed: its columns, as views
         self.step: list[Kept | None] = [None] * num_layers  # this forward's, when the router's Python ran
+        self.ran = False  # whether the routers' Python ran (and kept references in ``step``) since ``begin_step``
         self.traced = False  # Dynamo traced the wrapper: compiled forwards write the static buffers
         self.failed: str | None = None  # an error inside the forward, kept for the engine thread to report
 
@@ -123,6 +124,7 @@ class RoutingCapture:
             self._graph_columns.pop(key, None)
         else:
             self.step[slot] = kept
+            self.ran = True
 
     def name_captured(self, key: Hashable) -> None:
         """File the routing kept during a capture whose graph had no name then (key None) under ``key``."""
@@ -133,7 +135,9 @@ class RoutingCapture:
     def begin_step(self) -> None:
         """Call before each forward: forget the previous forward's references (the last step's copy, queued on
         the same stream, has read them before anything can reuse their memory)."""
-        self.step = [None] * self.num_layers
+        if self.ran:  # most forwards replay a CUDA graph: nothing to forget
+            self.step = [None] * self.num_layers
+            self.ran = False
 
     def collect(self, num_tokens: int, replayed: Hashable | None = None, tokens_across_dp: list[int] | None = None,
                 dp_rank: int = 0) -> tuple[str, list[torch.Tensor]]:
@@ -146,7 +150,7 @@ class RoutingCapture:
         (None without DP). No kernel ran in the forward, and none runs here. Raises ``NothingCaptured`` when no
         mechanism wrote this forward."""
         mechanism, columns = self._columns(replayed, num_tokens)
-        if mechanism == "traced":
+        if mechanism == "traced" or tokens_across_dp is None:
             return mechanism, columns
         start = own_rows_start(columns[0].shape[0], num_tokens, tokens_across_dp, dp_rank)
         if start == 0:
@@ -157,8 +161,10 @@ class RoutingCapture:
         """Which mechanism wrote this forward, and its int32 columns: each layer's [N, K or C] per field (N: the
         forward's padded length), or the static buffers' [T, L*K or L*C] per field (traced). A graph's columns are
         views of tensors that every replay rewrites in place: made once, at its first replay."""
-        if replayed is not None and replayed in self._graph_columns and not any(k is not None for k in self.step):
-            return "graph", self._graph_columns[replayed]
+        if replayed is not None and not self.ran:
+            columns = self._graph_columns.get(replayed)
+            if columns is not None:
+                return "graph", columns
         mechanism, kept = self._kept(replayed)
         if kept is None:  # traced forward: the static buffers hold it
             return mechanism, [b[:num_tokens].reshape(num_tokens, -1).view(torch.int32)
@@ -171,7 +177,7 @@ class RoutingCapture:
 
     def _kept(self, replayed: Hashable | None) -> tuple[str, list[Kept] | None]:
         """Which mechanism wrote this forward, with the references it left (None: the static buffers)."""
-        if any(k is not None for k in self.step):
+        if self.ran:
             mechanism, kept = "eager", self.step
         elif replayed is not None:
             mechanism, kept = "graph", self.graphs.get(replayed, [None])

@@ -19,8 +19,9 @@ because the runner reuses those arrays; what lives on the device (routing rows, 
 into one block (``torch.cat`` of views) that the GPU writes, without blocking, on vLLM's stream, straight into a
 ring of pinned rows that the writer process maps too (``StepCopier``, ``SharedRows``), so vLLM's own sync covers
 it. With async scheduling vLLM's own device count of kept tokens is copied too, and an event after it says when
-the step is ready. Right after the next step's forward is launched the step is handed to the writer process: a
-pickle of its few host arrays and where its rows lie (a pipe write every few steps); the writer process copies
+the step is ready. Right after a later step's forward is launched the step is handed to the writer process, in a
+batch of steps (``TraceWriter.forward_ready``): one pickle of their few host arrays and where their rows lie, one pipe
+write; the writer process copies
 the rows out of the ring and assembles and encodes them (``StepRecord.assemble``): recording adds no host sync
 to a step, the engine thread never touches the routing rows, and no thread in the engine process competes with
 the engine loop for the GIL while steps flow. The manifest's

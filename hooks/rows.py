@@ -80,12 +80,12 @@ class StepRecord:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickled as raw bytes (a few µs, against about 30 for numpy's own pickling of eight small arrays): this
         runs on vLLM's engine thread once per step. Rows left in the shared ring go as where they lie."""
-        layout, packed = self.layout, self.packed
+        packed = self.packed
+        per_request = np.concatenate((self.query_start, self.num_prompt_tokens, self.drafts, self.kept))
         return (_step_record, (self.step, self.t_start_ns, self.t_end_ns, self.requests.astype(np.uint32).tobytes(),
-                               b"".join(a.astype(np.int64).tobytes() for a in (
-                                   self.query_start, self.num_prompt_tokens, self.drafts, self.kept)),
+                               per_request.astype(np.int64).tobytes(),
                                packed if isinstance(packed, RingRows) else packed.astype(np.int32).tobytes(),
-                               layout.width, (layout.layers, layout.top_k, layout.candidates, layout.token_ids)))
+                               self.layout))  # one layout object for every step: pickled once per batch
 
     def take_rows(self, ring: SharedRows | None) -> None:
         """Writer process: copy the step's rows out of the shared ring (releasing them), if they lie there."""
@@ -140,7 +140,7 @@ class StepRecord:
 
 
 def _step_record(step: int, t_start_ns: int, t_end_ns: int, requests: bytes, per_request: bytes,
-                 packed: bytes | RingRows, width: int, layout: tuple[int, int, int, bool]) -> StepRecord:
+                 packed: bytes | RingRows, layout: PackedLayout) -> StepRecord:
     """``StepRecord.__reduce__``'s inverse: [R] uint32 requests; [R+1] query starts, then [R] prompt lengths, drafts
     and kept counts, int64; the [T, width] int32 block, or where it lies in the shared ring."""
     num_reqs = len(requests) // 4
@@ -149,4 +149,4 @@ def _step_record(step: int, t_start_ns: int, t_end_ns: int, requests: bytes, per
     query_start, num_prompt_tokens, drafts, kept = np.split(values, ends[:-1])
     return StepRecord(step, t_start_ns, t_end_ns, np.frombuffer(requests, dtype=np.uint32), query_start,
                       num_prompt_tokens, drafts, kept, packed if isinstance(packed, RingRows) else
-                      np.frombuffer(packed, dtype=np.int32).reshape(-1, width), PackedLayout(*layout))
+                      np.frombuffer(packed, dtype=np.int32).reshape(-1, layout.width), layout)

@@ -216,13 +216,12 @@ class RunnerV1:
         batch = runner.input_batch
         num_reqs = int(batch.num_reqs)
         query_start = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
-        num_tokens = int(query_start[-1])
         state = runner.execute_model_state
         spec = state.spec_decode_metadata if state is not None else None
         return StepInputs(
             req_ids=batch.req_ids[:num_reqs],
             query_start=query_start,
-            num_prompt_tokens=np.asarray(batch.num_prompt_tokens[:num_reqs], dtype=np.int64),
+            num_prompt_tokens=batch.num_prompt_tokens[:num_reqs].astype(np.int64),  # a copy: the runner reuses it
             drafts=np.asarray(spec.num_draft_tokens, dtype=np.int64) if spec is not None else np.zeros(num_reqs, np.int64),
             positions=runner.positions,  # the same tensors every step: what the recorder packs can be kept
             input_ids=runner.input_ids.gpu,

@@ -2,10 +2,10 @@
 
 The engine thread only hands over: a step's routing rows are written (on a GPU by the GPU itself) into a ring of rows
 that the engine process and the writer process both map (``SharedRows``); ``TraceWriter.submit`` queues the step,
-and ``forward_ready`` (called where the GPU is busy with the next forward) pickles what is left of each step whose
-rows have landed (its request order, query starts, drafts, kept counts, and where its rows lie in the ring: a few
-hundred bytes) and sends them, a few steps' worth at a time, down a non-blocking pipe to the writer process
-(``python -m moetrace.writer``), which copies the rows out of the ring, releasing them, and assembles rows, builds
+and ``forward_ready`` (called where the GPU is busy with the next forward) hands the queued steps over in batches:
+one pickle of what is left of each step whose rows have landed (its request order, query starts, drafts, kept
+counts, and where its rows lie in the ring: a few hundred bytes) and one write down a non-blocking pipe to the writer
+process (``python -m moetrace.writer``), which copies the rows out of the ring, releasing them, and assembles rows, builds
 Arrow tables, compresses and writes. Done by a thread of the engine process, that work took
 the GIL from the engine loop at high step rates (measured on an H200: 4-5% of throughput). A file being written is
 named ``*.parquet.inprogress`` and renamed when closed, so a killed recording leaves every rotated file readable and
@@ -176,11 +176,12 @@ MAX_BACKLOG_BYTES = 256 << 20
 RING_BYTES = 64 << 20
 RING_LARGEST_STEPS = 4
 IDLE_FORWARD_SECONDS = 0.1  # how long queued steps wait for the engine thread before the idle forwarder sends them
-# Pickled steps go down the pipe at most this often, or once this many bytes wait: a pipe write per step cost the
-# engine thread about 10 µs more on an H200 host (hand-over 73-87 µs, 61-78 sent this way), paid in full by steps
-# whose host work outlasts the GPU's (PIECEWISE graphs, prefills).
+# Queued steps are handed over together (one pickle, one pipe write) once this many wait, once the oldest has waited
+# this long, or once a quarter of the ring is reserved, whichever comes first. Code that runs once per step runs
+# cold (its instructions and data evicted by vLLM's own step): a hand-over per step cost the engine thread 60-70 µs
+# on an H200 host, against about 9 µs a step when a few run back to back.
+HAND_OVER_STEPS = 16
 SEND_EVERY_SECONDS = 0.05
-SEND_BYTES = 512 << 10
 SHARED_BYTES = 4096
 PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = 1031  # Linux fcntl: grow a pipe's buffer
@@ -239,6 +240,11 @@ class SharedRows:
             return None
         self._reserved = end
         return RingRows(start % self.capacity, count, end)
+
+    def in_use(self) -> int:
+        """Engine side: rows reserved and not yet released by the writer process (skipped tails included)."""
+        released: int = self._RELEASED.unpack_from(self.memory)[0]
+        return self._reserved - released
 
     def take(self, where: RingRows) -> npt.NDArray[np.int32]:
         """Writer process: a copy of one step's rows, which releases them (and every row reserved before them)."""
@@ -312,10 +318,11 @@ class TraceWriter:
 
     No thread on the engine side takes the GIL from the engine loop while steps flow: ``submit`` (once per step, on
     the engine thread) only queues a step and counts it in memory shared with the writer process, and
-    ``forward_ready`` (once per step, where the engine thread would otherwise wait for the GPU) pickles the steps
-    whose copies have landed (their rows stay in the ``rows`` ring, which the writer process maps too: only where
-    they lie is pickled) and writes what has gathered into a non-blocking pipe every ``SEND_EVERY_SECONDS`` or
-    ``SEND_BYTES``; what the pipe cannot take yet waits in memory. Why recording stopped, if it did, is kept in the
+    ``forward_ready`` (once per step, where the engine thread would otherwise wait for the GPU) hands the queued
+    steps whose copies have landed over in one batch (``HAND_OVER_STEPS``, ``SEND_EVERY_SECONDS``, a quarter of the
+    ring: their rows stay in the ``rows`` ring, which the writer process maps too, so only where they lie is
+    pickled) through a non-blocking pipe, and otherwise returns at once; what the pipe cannot take yet waits in
+    memory. Why recording stopped, if it did, is kept in the
     shared memory too. Once the engine has gone quiet for ``IDLE_FORWARD_SECONDS``, a
     thread forwards what is left (an engine stopped while idle, as ``vllm serve`` kills its workers, holds no step
     back)."""
@@ -342,7 +349,6 @@ class TraceWriter:
         self._waiting: collections.deque[StepCapture | Pending] = collections.deque()
         self._submitted = 0
         self._backlog = bytearray()
-        self._sent_at = 0.0  # when the backlog last went down the pipe
         self._shared_file = tempfile.TemporaryFile()  # unlinked: it lives while a process maps it
         self._shared_file.truncate(SHARED_BYTES)
         self._shared: EngineRecord | None = EngineRecord(mmap.mmap(self._shared_file.fileno(), SHARED_BYTES))
@@ -384,6 +390,7 @@ class TraceWriter:
                   "row_group_rows": row_group_rows, "batch_seconds": batch_seconds}
         ring = (self.rows.capacity, self.rows.width) if self.rows else None
         self._backlog += pickle.dumps(("init", config, ring), protocol=pickle.HIGHEST_PROTOCOL)
+        self._drain(wait=False)  # the writer process starts its files now, not at the first hand-over
         self._lock = threading.Lock()  # the engine thread, the idle forwarder and close take turns
         self._last_forward = time.monotonic()
         self._closing = threading.Event()
@@ -411,9 +418,14 @@ class TraceWriter:
             self._waiting.append(step)
 
     def forward_ready(self) -> None:
-        """Pickle the queued steps that are ready (their copies have landed), and send what has gathered if it is time;
+        """Hand the queued steps that are ready (their copies have landed) over, if it is time (``HAND_OVER_STEPS``);
         never blocks and never raises: while the idle forwarder is handing steps over, it leaves them to it."""
-        if self.failed is not None or not (self._waiting or self._backlog) or self._closing.is_set():
+        if not (self._waiting or self._backlog):
+            return
+        if (len(self._waiting) < HAND_OVER_STEPS and time.monotonic() - self._last_forward < SEND_EVERY_SECONDS
+                and (self.rows is None or 4 * self.rows.in_use() < self.rows.capacity)):
+            return
+        if self.failed is not None or self._closing.is_set():
             return
         if not self._lock.acquire(blocking=False):
             return
@@ -462,22 +474,22 @@ class TraceWriter:
                 self.forward_ready()
 
     def _forward(self, wait: bool) -> None:
-        """Pickle the leading steps that are ready (all of them when ``wait``) into the backlog, and drain it when
-        ``wait``, when it has grown to ``SEND_BYTES`` or when ``SEND_EVERY_SECONDS`` have passed since it last was."""
-        self._last_forward = now = time.monotonic()
-        while self._waiting:
-            step = self._waiting[0]
+        """Pickle the leading steps that are ready (all of them when ``wait``) as one message into the backlog, and
+        drain it (when ``wait``, until the pipe has taken all of it)."""
+        self._last_forward = time.monotonic()
+        batch: list[StepCapture | Assemblable] = []
+        for step in self._waiting:
             if isinstance(step, StepCapture):
-                message: StepCapture | Assemblable = step
+                batch.append(step)
             elif wait or step.is_ready():
-                message = step.ready()
+                batch.append(step.ready())
             else:
                 break
-            self._backlog += pickle.dumps(("step", message), protocol=pickle.HIGHEST_PROTOCOL)
-            self._waiting.popleft()  # only once pickled: an error before leaves it queued, counted as submitted
-        if wait or len(self._backlog) >= SEND_BYTES or now - self._sent_at >= SEND_EVERY_SECONDS:
-            self._sent_at = now
-            self._drain(wait)
+        if batch:
+            self._backlog += pickle.dumps(("steps", batch), protocol=pickle.HIGHEST_PROTOCOL)
+            for _ in batch:  # only once pickled: an error before leaves them queued, counted as submitted
+                self._waiting.popleft()
+        self._drain(wait)
         if len(self._backlog) > MAX_BACKLOG_BYTES:
             raise RuntimeError(f"the writer process fell {len(self._backlog) >> 20} MiB behind the engine")
 
@@ -651,8 +663,10 @@ def serve(inbox: Any, outbox: Any, engine: EngineRecord, ring_fd: int | None = N
             except (EOFError, OSError, pickle.UnpicklingError):  # the engine process is gone (maybe mid-message)
                 received.put(None)
                 return
-            if message[0] == "step" and not isinstance(message[1], StepCapture):
-                message[1].take_rows(ring)  # at once: the engine reuses the ring's rows once released
+            if message[0] == "steps":
+                for step in message[1]:
+                    if not isinstance(step, StepCapture):
+                        step.take_rows(ring)  # at once: the engine reuses the ring's rows once released
             received.put(message)
 
     def report(*message: Any) -> None:
@@ -682,9 +696,9 @@ def serve(inbox: Any, outbox: Any, engine: EngineRecord, ring_fd: int | None = N
                 break
             if message is None:
                 closing = engine_ended(*engine.read(), steps_received)
-            elif message[0] == "step":
-                pending.append(message[1])
-                steps_received += 1
+            elif message[0] == "steps":
+                pending.extend(message[1])
+                steps_received += len(message[1])
             else:
                 closing = message
         if files.failed is None:

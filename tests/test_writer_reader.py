@@ -21,7 +21,8 @@ from moetrace.errors import UserError
 from moetrace.hooks.rows import PackedLayout, StepRecord
 from moetrace.reader import open_trace, open_traces
 from moetrace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION
-from moetrace.writer import RingRows, SharedRows, StepCapture, TraceWriter
+import moetrace.writer
+from moetrace.writer import HAND_OVER_STEPS, RingRows, SharedRows, StepCapture, TraceWriter
 
 LAYERS = [1, 2, 3]
 TOP_K = 8
@@ -238,6 +239,37 @@ def test_the_engine_thread_never_waits_while_the_idle_forwarder_hands_a_step_ove
     assert np.array_equal(written, np.sort(expected.reshape(-1, TOP_K), axis=1))
 
 
+def test_the_engine_thread_hands_steps_over_in_batches_not_a_pickle_per_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Code run once per step runs cold, so ``forward_ready`` only queues until ``HAND_OVER_STEPS`` steps wait (or
+    the oldest has waited ``SEND_EVERY_SECONDS``, or a quarter of the ring is reserved), then hands them all over in
+    one message; every step reaches the trace."""
+    monkeypatch.setattr(moetrace.writer, "SEND_EVERY_SECONDS", 3600.0)  # only the count or the ring decides
+    rng = np.random.default_rng(12)
+    writer = TraceWriter(tmp_path / "count", manifest(), LAYERS, TOP_K)
+    for step in range(HAND_OVER_STEPS - 1):
+        writer.submit(verify_step(step, rng))
+        writer.forward_ready()
+    assert len(writer._waiting) == HAND_OVER_STEPS - 1 and not writer._backlog, "nothing handed over yet"
+    writer.submit(verify_step(HAND_OVER_STEPS - 1, rng))
+    writer.forward_ready()
+    assert not writer._waiting and not writer._backlog, "the whole batch went down the pipe at once"
+    assert writer.close()["counts"]["steps"] == HAND_OVER_STEPS
+
+    layout = PackedLayout(layers=len(LAYERS), top_k=TOP_K, candidates=0, token_ids=True)
+    ring = SharedRows.create(20, layout.width)
+    writer = TraceWriter(tmp_path / "ring", manifest(), LAYERS, TOP_K, rows=ring)
+    where = ring.reserve(6)  # 6 of 20 rows: more than a quarter of the ring
+    assert where is not None
+    ring.rows[0:6] = 0
+    writer.submit(NotReadyYet(StepRecord(0, 0, 1, np.array([0], dtype=np.uint32), np.array([0, 6]), np.array([6]),
+                                         np.array([0]), np.array([0]), where, layout), polls=0))
+    writer.forward_ready()
+    assert not writer._waiting, "a ring filling up is handed over at once"
+    assert writer.close()["counts"]["steps"] == 1
+
+
 def test_the_shared_ring_never_wraps_a_step_and_reuses_rows_only_once_released() -> None:
     ring = SharedRows.create(10, 3)
     try:
@@ -303,12 +335,12 @@ if {mid_step}:
 deadline = time.monotonic() + 30
 while writer.steps < 4 and time.monotonic() < deadline:
     time.sleep(0.05)
-if {unsent}:  # two more steps pickled by the engine thread, not yet time to send them
+if {unsent}:  # two more steps queued by the engine thread, not yet time to hand them over
     moetrace.writer.SEND_EVERY_SECONDS = 3600
     for step in (5, 6):
         writer.submit(verify_step(step, rng))
     writer.forward_ready()
-    assert not writer._waiting and writer._backlog, "the two steps were pickled and held"
+    assert len(writer._waiting) == 2 and not writer._backlog, "the two steps wait for the next hand-over"
 if {stopped}:  # recording stops as the recorder stops it, and the engine serves on until killed
     writer.failed = "a fault inside the forward"
 os.kill(os.getpid(), signal.SIGKILL)
@@ -344,8 +376,8 @@ def test_an_engine_killed_mid_step_leaves_closed_files_and_says_what_is_missing(
     assert final["complete"] is False and "last 1 step(s) are missing" in final["error"]
 
 
-def test_steps_pickled_but_not_yet_sent_when_the_engine_is_killed_are_said_missing(tmp_path: Path) -> None:
-    """The engine thread sends its pickled steps a few at a time; those it still held when killed are counted in
+def test_steps_queued_but_not_yet_handed_over_when_the_engine_is_killed_are_said_missing(tmp_path: Path) -> None:
+    """The engine thread hands its steps over a batch at a time; those it still held when killed are counted in
     memory it shares with the writer process, which says they are missing."""
     final = kill_engine_and_read_manifest(tmp_path / "trace", mid_step=False, unsent=True)
     assert final["complete"] is False and "last 2 step(s) are missing" in final["error"]
