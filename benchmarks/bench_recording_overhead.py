@@ -400,6 +400,17 @@ def cpu_probe(worker: Any, read: bool) -> dict[str, Any] | None:
     return read_out
 
 
+def thread_usage(worker: Any) -> dict[str, float]:
+    """In the engine's thread (collective_rpc runs there): its resource usage so far (Linux ``RUSAGE_THREAD``):
+    page faults (a step that allocates fresh memory pays them), context switches (a thread descheduled mid-step
+    loses its time slice), and user and kernel CPU seconds."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return {"minor_faults": usage.ru_minflt, "major_faults": usage.ru_majflt, "voluntary_switches": usage.ru_nvcsw,
+            "involuntary_switches": usage.ru_nivcsw, "user_s": usage.ru_utime, "system_s": usage.ru_stime}
+
+
 # The recorder's work after each forward's launch, timed on every step by the forward it follows (``--hook-times``),
 # and the router wrapper's (``record``: it should run only in forwards outside CUDA graphs, and while they are captured)
 HOOK_WORK = (("moetrace.hooks.recorder", "Recorder", "_layout"), ("moetrace.writer", "TraceWriter", "forward_ready"),
@@ -645,6 +656,7 @@ def main() -> None:
             if args.cpu_probe:
                 llm.collective_rpc(cpu_probe, args=(False,))
             probes: dict[tuple[int, str], list[dict[str, Any]]] = {}  # --cpu-probe: per round
+            usage: dict[tuple[int, str], list[dict[str, float]]] = {}  # the engine thread's, per round
             hook_us: dict[tuple[int, str], dict[str, list[int]]] = {}  # --hook-times: per call, pooled
             idle: dict[tuple[int, str], list[dict[str, float]]] = {}  # per round: the idle window's medians
             results: dict[tuple[int, str], list[float]] = {}
@@ -660,8 +672,12 @@ def main() -> None:
                     prompts = [base[i % len(base)] for i in range(count)]
                     for mode in order:
                         llm.collective_rpc(set_mode, args=(mode,))
+                        used_before = llm.collective_rpc(thread_usage)[0]
                         began = time.perf_counter_ns()
                         tok_s, elapsed, counted = timed_generate(llm, prompts, batch, args.max_tokens)
+                        used_after = llm.collective_rpc(thread_usage)[0]
+                        usage.setdefault((batch, mode), []).append(
+                            {key: used_after[key] - used_before[key] for key in used_after})
                         spans.setdefault((batch, mode), []).append((began, time.perf_counter_ns()))
                         results.setdefault((batch, mode), []).append(tok_s)
                         elapsed_ms.setdefault((batch, mode), []).append(elapsed * 1e3)
@@ -750,6 +766,12 @@ def main() -> None:
                 print(f"{batch:>5} {mode} timed calls by the forward they follow, µs (calls, median, mean): "
                       + "; ".join(f"{key} {v['calls']} {v['median']:.0f} {v['mean']:.0f}"
                                   for key, v in per_key.items()))
+        report[str(batch)]["engine_thread_usage"] = {  # per mode: the median round's faults, switches, CPU s
+            mode: {key: statistics.median(r[key] for r in usage[(batch, mode)]) for key in usage[(batch, mode)][0]}
+            for mode in modes}
+        print(f"{batch:>5} engine thread per round (median): " + "; ".join(
+            f"{mode} " + ", ".join(f"{key} {value:.3g}" for key, value in per_mode.items())
+            for mode, per_mode in report[str(batch)]["engine_thread_usage"].items()))
         if probes:
             report[str(batch)]["cpu_probe"] = {  # per mode: the probe's medians (µs), the writer's CPU per round
                 mode: {"python_us_median": statistics.median(t for r in rounds for t in r["python_us"]),
