@@ -154,13 +154,15 @@ IDLE_PARTS = ("drafting_us", "between_steps_us", "prep_us")
 BUSY_PART = "launch_to_sync_us"  # the forward's launch to the next sync: the GPU's work, unless the host lags it
 
 
-def idle_window_probe(worker: Any, read: bool) -> dict[str, Any] | None:
+def idle_window_probe(worker: Any, read: bool, faults: bool = False) -> dict[str, Any] | None:
     """In the worker (through ``collective_rpc``): install (once) stamps on V1's runner at class level, so they run
     beneath the recorder's hooks whether those are installed or not: on return from ``_bookkeeping_sync`` (vLLM has
     synced; the GPU idles from here) and ``sample_tokens``, on entry to ``execute_model`` and ``_model_forward`` (the
     forward's launch). With ``read``: the medians in µs of the steps since the last read (``IDLE_PARTS``,
     ``BUSY_PART`` and ``step_us``, sync to sync), the steps' mean and their sum (``steps_ms``: a median hides what
-    only some steps pay, such as prefills or timed steps), and forget them. None where the runner lacks one of the four (Model Runner V2)."""
+    only some steps pay, such as prefills or timed steps), and forget them. None where the runner lacks one of the four (Model Runner V2).
+    With ``faults`` (at install): each stamp also reads the engine thread's minor page faults, and a read says how
+    many fell in each part of the steps, and in the steps of each kind of forward."""
     import bisect
 
     runner_class = type(worker.model_runner)
@@ -171,23 +173,29 @@ def idle_window_probe(worker: Any, read: bool) -> dict[str, Any] | None:
         stamps = [[] for _ in IDLE_WINDOW]
         runner_class._bench_idle_stamps = stamps
         runner_class._bench_forward_kinds = []  # per forward launched: its CUDA-graph mode and token count
-        for (name, on_return), times in zip(IDLE_WINDOW, stamps):
+        runner_class._bench_idle_faults = [[] for _ in IDLE_WINDOW] if faults else None
+        for index, ((name, on_return), times) in enumerate(zip(IDLE_WINDOW, stamps)):
             kinds = runner_class._bench_forward_kinds if name == "_model_forward" else None
-            setattr(runner_class, name, stamping(getattr(runner_class, name), times, on_return, kinds))
+            counts = runner_class._bench_idle_faults[index] if faults else None
+            setattr(runner_class, name, stamping(getattr(runner_class, name), times, on_return, kinds, counts))
     if not read:
         return None
     kinds: list[str] = runner_class._bench_forward_kinds
+    fault_counts: list[list[int]] | None = runner_class._bench_idle_faults
+    faults_by_part = {part: 0 for part in (*IDLE_PARTS, BUSY_PART)}
+    faults_by_forward: dict[str, int] = {}
     parts: dict[str, list[int]] = {part: [] for part in (*IDLE_PARTS, BUSY_PART, "step_us")}
     every_step: list[tuple[int, list[int], str]] = []  # per step kept: sync to sync, its parts, the next forward
     syncs = stamps[0]
     for index, sync in enumerate(syncs):
-        chain = [sync]
+        chain, chain_at = [sync], [index]
         at = 0
         for times in stamps[1:]:
             at = bisect.bisect(times, chain[-1])
             if at == len(times):
                 break
             chain.append(times[at])
+            chain_at.append(at)
         following = syncs[index + 1] if index + 1 < len(syncs) else None
         if len(chain) < len(IDLE_WINDOW) or chain[-1] - sync > 20_000_000 or (
                 following is not None and chain[-1] > following):  # the last step, the engine idled, or no forward
@@ -200,14 +208,22 @@ def idle_window_probe(worker: Any, read: bool) -> dict[str, Any] | None:
             parts["step_us"].append(following - sync)
             every_step.append((following - sync, [*step_parts, following - chain[-1]],
                                kinds[at] if at < len(kinds) else "?"))
-    for times in (*stamps, kinds):
+            if fault_counts is not None:
+                counts = [fault_counts[i][a] for i, a in enumerate(chain_at)] + [fault_counts[0][index + 1]]
+                for part, first, last in zip((*IDLE_PARTS, BUSY_PART), counts, counts[1:]):
+                    faults_by_part[part] += last - first
+                kind = every_step[-1][2]
+                faults_by_forward[kind] = faults_by_forward.get(kind, 0) + counts[-1] - counts[0]
+    for times in (*stamps, kinds, *(fault_counts or [])):
         times.clear()
     medians = {part: statistics.median(values) / 1e3 if values else float("nan") for part, values in parts.items()}
     steps = parts["step_us"]
     return {**medians, "step_mean_us": sum(steps) / len(steps) / 1e3 if steps else float("nan"),
             "steps_ms": sum(steps) / 1e6, "steps": len(steps), "all_steps_us": [t // 1000 for t, _, _ in every_step],
             "all_parts_us": [[t // 1000 for t in step_parts] for _, step_parts, _ in every_step],
-            "all_forwards": [kind for _, _, kind in every_step]}
+            "all_forwards": [kind for _, _, kind in every_step],
+            **({"faults_by_part": faults_by_part, "faults_by_forward": faults_by_forward} if fault_counts is not None
+               else {})}
 
 
 def step_quantiles(steps_us: list[int]) -> dict[str, float]:
@@ -217,9 +233,13 @@ def step_quantiles(steps_us: list[int]) -> dict[str, float]:
             **{f"p{q}": cuts[q - 1] for q in (10, 50, 90, 95, 99)}}
 
 
-def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | None = None) -> Any:
+def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | None = None,
+             faults: list[int] | None = None) -> Any:
     """``method``, appending ``perf_counter_ns`` to ``times`` on entry, or ``on_return``; with ``kinds``, also the
-    forward's CUDA-graph mode and token count (vLLM's forward context is set by then)."""
+    forward's CUDA-graph mode and token count (vLLM's forward context is set by then); with ``faults``, the thread's
+    minor page faults so far, beside each time."""
+    import resource
+
     def stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
         if kinds is not None:
             from vllm.forward_context import get_forward_context
@@ -229,9 +249,13 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
             kinds.append(f"{context.cudagraph_runtime_mode.name} {getattr(descriptor, 'num_tokens', '?')}")
         if not on_return:
             times.append(time.perf_counter_ns())
+            if faults is not None:
+                faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt)
             return method(self, *args, **kwargs)
         result = method(self, *args, **kwargs)
         times.append(time.perf_counter_ns())
+        if faults is not None:
+            faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt)
         return result
     return stamped
 
@@ -626,6 +650,8 @@ def main() -> None:
     parser.add_argument("--cpu-probe", action="store_true",
                         help="time a fixed piece of Python and a 1 MiB sum on entry to every step, in every mode, and "
                              "the writer processes' CPU time per round")
+    parser.add_argument("--faults", action="store_true",
+                        help="count the engine thread's minor page faults in each part of every step, in every mode")
     parser.add_argument("--pin-engine-thread", action="store_true",
                         help="run the engine's thread on one CPU throughout (both modes alike)")
     parser.add_argument("--modes", default="off,on",
@@ -650,7 +676,7 @@ def main() -> None:
         try:
             pinned = llm.collective_rpc(pin_engine_thread)[0] if args.pin_engine_thread else None
             timed_generate(llm, base, len(base), 16)  # warm-up
-            llm.collective_rpc(idle_window_probe, args=(False,))  # hooks reinstalled at each round wrap it
+            llm.collective_rpc(idle_window_probe, args=(False, args.faults))  # hooks reinstalled each round wrap it
             if args.hook_times:
                 llm.collective_rpc(hook_times, args=(False,))
             if args.cpu_probe:
@@ -766,6 +792,17 @@ def main() -> None:
                 print(f"{batch:>5} {mode} timed calls by the forward they follow, µs (calls, median, mean): "
                       + "; ".join(f"{key} {v['calls']} {v['median']:.0f} {v['mean']:.0f}"
                                   for key, v in per_key.items()))
+        if args.faults and idle.get((batch, "off")):
+            report[str(batch)]["faults"] = {  # per mode, per round (median): by part of the step, by forward
+                mode: {"by_part": {part: statistics.median(r["faults_by_part"][part] for r in idle[(batch, mode)])
+                                   for part in (*IDLE_PARTS, BUSY_PART)},
+                       "by_forward": {kind: statistics.median(r["faults_by_forward"].get(kind, 0)
+                                                              for r in idle[(batch, mode)])
+                                      for kind in sorted({k for r in idle[(batch, mode)] for k in r["faults_by_forward"]})}}
+                for mode in modes}
+            for mode, counted in report[str(batch)]["faults"].items():
+                print(f"{batch:>5} {mode} page faults a round (median) by part: {counted['by_part']}; by forward: "
+                      f"{ {k: v for k, v in counted['by_forward'].items() if v} }")
         report[str(batch)]["engine_thread_usage"] = {  # per mode: the median round's faults, switches, CPU s
             mode: {key: statistics.median(r[key] for r in usage[(batch, mode)]) for key in usage[(batch, mode)][0]}
             for mode in modes}
