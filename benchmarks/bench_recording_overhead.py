@@ -27,6 +27,12 @@ Where NVML sees a GPU, each mode's rounds also get the GPU's SM clock, power and
 marked it idle (``GpuClocks``, sampled every 5 ms from this process): a GPU that clocks down in the idle gaps of
 host-bound steps would make recording cost more than its host time.
 
+Every round also reads the engine thread's resource usage (page faults, context switches, user and kernel CPU
+time: ``engine_thread_usage``); ``--faults`` splits its minor page faults by part of each step and by kind of forward,
+and ``--cpu-probe`` times a fixed piece of Python and a 1 MiB sum on entry to every step (does the CPU itself run
+slower while recording is on?). Mode ``off-again`` is an A/A control: how far two identical modes drift apart in as
+many rounds.
+
 ``--profile`` then runs one more round per batch and mode under cProfile in the engine's thread, and prints the
 functions that took the most time of their own, and the recorder's by cumulative time (cProfile slows Python
 several-fold, so read the shares, and the modes side by side, not the µs).
