@@ -379,7 +379,7 @@ class Recorder:
             query_start=inputs.query_start,
             num_prompt_tokens=inputs.num_prompt_tokens,
             drafts=inputs.drafts,
-            packed=where._replace(rows=num_tokens),
+            packed=RingRows(where.offset, num_tokens, where.end),  # padding rows, if any, left out
             layout=self.layout,
         )
 

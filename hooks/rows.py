@@ -81,9 +81,9 @@ class StepRecord:
         """Pickled as raw bytes (a few µs, against about 30 for numpy's own pickling of eight small arrays): this
         runs on vLLM's engine thread once per step. Rows left in the shared ring go as where they lie."""
         packed = self.packed
-        per_request = np.concatenate((self.query_start, self.num_prompt_tokens, self.drafts, self.kept))
+        per_request = np.concatenate((self.query_start, self.num_prompt_tokens, self.drafts, self.kept), dtype=np.int64)
         return (_step_record, (self.step, self.t_start_ns, self.t_end_ns, self.requests.astype(np.uint32).tobytes(),
-                               per_request.astype(np.int64).tobytes(),
+                               per_request.tobytes(),
                                packed if isinstance(packed, RingRows) else packed.astype(np.int32).tobytes(),
                                self.layout))  # one layout object for every step: pickled once per batch
 

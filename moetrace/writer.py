@@ -234,7 +234,7 @@ class SharedRows:
         if start % self.capacity + count > self.capacity:
             start += self.capacity - start % self.capacity
         end = start + count
-        released = self._RELEASED.unpack_from(self.memory)[0]
+        released = self._released()
         in_use_from = released if released < self._reserved else start  # nothing in use: the whole ring is free
         if end - in_use_from > self.capacity:
             return None
@@ -243,8 +243,11 @@ class SharedRows:
 
     def in_use(self) -> int:
         """Engine side: rows reserved and not yet released by the writer process (skipped tails included)."""
+        return self._reserved - self._released()
+
+    def _released(self) -> int:
         released: int = self._RELEASED.unpack_from(self.memory)[0]
-        return self._reserved - released
+        return released
 
     def take(self, where: RingRows) -> npt.NDArray[np.int32]:
         """Writer process: a copy of one step's rows, which releases them (and every row reserved before them)."""
@@ -478,7 +481,9 @@ class TraceWriter:
         drain it (when ``wait``, until the pipe has taken all of it)."""
         self._last_forward = time.monotonic()
         batch: list[StepCapture | Assemblable] = []
-        for step in self._waiting:
+        # A copy (taken in one C call, so whole): the engine thread may queue steps while the idle forwarder is here,
+        # and a deque changed under an iterator raises.
+        for step in list(self._waiting):
             if isinstance(step, StepCapture):
                 batch.append(step)
             elif wait or step.is_ready():

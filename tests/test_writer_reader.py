@@ -239,6 +239,21 @@ def test_the_engine_thread_never_waits_while_the_idle_forwarder_hands_a_step_ove
     assert np.array_equal(written, np.sort(expected.reshape(-1, TOP_K), axis=1))
 
 
+def test_steps_queued_while_the_idle_forwarder_hands_a_batch_over_follow_it_intact(tmp_path: Path) -> None:
+    """The engine thread may queue a step while the idle forwarder is handing the queue over: recording goes on and
+    both steps reach the trace, in order."""
+    rng = np.random.default_rng(13)
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K)
+    slow = PickledSlowly(verify_step(0, rng))
+    writer.submit(slow)
+    assert slow.started.wait(5), "the idle forwarder took the quiet engine's step"
+    writer.submit(verify_step(1, rng))  # queued while the idle forwarder is inside the hand-over
+    slow.release.set()
+    final = writer.close()
+    assert writer.failed is None and final["complete"] and final["counts"]["steps"] == 2
+    assert open_trace(tmp_path).steps().collect()["step"].unique().sort().to_list() == [0, 1]
+
+
 def test_the_engine_thread_hands_steps_over_in_batches_not_a_pickle_per_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
