@@ -457,10 +457,10 @@ HOOK_WORK = (("moetrace.hooks.recorder", "Recorder", "_layout"), ("moetrace.writ
 RUNNER_WORK = ("_model_forward", "_sample", "_bookkeeping_sync", "propose_draft_token_ids")
 
 
-def hook_times(worker: Any, read: bool) -> dict[str, list[int]] | None:
+def hook_times(worker: Any, read: bool, faults: bool = False) -> dict[str, list[int]] | None:
     """In the worker: install (once) timers at class level around ``HOOK_WORK``, keyed by the function and the
     forward the probe saw launched last (its CUDA-graph mode and tokens); with ``read``, return the µs of each call
-    since the last read, and forget them."""
+    since the last read, and forget them. With ``faults`` (at install), each call's minor page faults too."""
     import importlib
 
     runner_class = type(worker.model_runner)
@@ -477,7 +477,7 @@ def hook_times(worker: Any, read: bool) -> dict[str, list[int]] | None:
             owner = owner if owner_name is None else getattr(owner, owner_name)
             targets.append((owner, name, name if owner_name is None else f"{owner_name}.{name}"))
         for owner, name, label in targets:
-            setattr(owner, name, timing(getattr(owner, name), label, kinds, times, engine_thread))
+            setattr(owner, name, timing(getattr(owner, name), label, kinds, times, engine_thread, faults))
         gc.callbacks.append(collections_timer(kinds, times, engine_thread))
     if not read:
         return None
@@ -502,12 +502,17 @@ def collections_timer(kinds: list[str], times: dict[str, list[int]], engine_thre
     return on_collection
 
 
-def timing(method: Any, label: str, kinds: list[str], times: dict[str, list[int]], engine_thread: int) -> Any:
+def timing(method: Any, label: str, kinds: list[str], times: dict[str, list[int]], engine_thread: int,
+           faults: bool = False) -> Any:
     """``method``, its calls on the engine thread timed into ``times`` (other threads' calls, such as the writer's
-    idle forwarder, are not work after a launch)."""
+    idle forwarder, are not work after a launch); with ``faults``, also the minor page faults each call took (their
+    mean times the calls is the total)."""
+    import resource
+
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != engine_thread:
             return method(self, *args, **kwargs)
+        began_faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt if faults else 0
         began, began_cpu = time.perf_counter_ns(), time.thread_time_ns()
         try:
             return method(self, *args, **kwargs)
@@ -517,6 +522,9 @@ def timing(method: Any, label: str, kinds: list[str], times: dict[str, list[int]
             times.setdefault(f"{label} after {after}", []).append(wall // 1000)
             # wall time the thread did not run (waiting for the GIL, a lock, the kernel, or descheduled)
             times.setdefault(f"{label} off-CPU after {after}", []).append(max(0, wall - cpu) // 1000)
+            if faults:
+                times.setdefault(f"{label} faults after {after}", []).append(
+                    resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - began_faults)
     return timed
 
 
@@ -684,7 +692,7 @@ def main() -> None:
             timed_generate(llm, base, len(base), 16)  # warm-up
             llm.collective_rpc(idle_window_probe, args=(False, args.faults))  # hooks reinstalled each round wrap it
             if args.hook_times:
-                llm.collective_rpc(hook_times, args=(False,))
+                llm.collective_rpc(hook_times, args=(False, args.faults))
             if args.cpu_probe:
                 llm.collective_rpc(cpu_probe, args=(False,))
             probes: dict[tuple[int, str], list[dict[str, Any]]] = {}  # --cpu-probe: per round
@@ -790,13 +798,13 @@ def main() -> None:
                                           if a["steps"] and b["steps"]]) for part in parts}
                 for mode in modes[1:] if idle.get((batch, mode))}
         if hook_us:
-            report[str(batch)]["hook_us"] = {  # per mode, per function and forward kind: calls, median, mean µs
-                mode: {key: {"calls": len(v), "median": statistics.median(v), "mean": statistics.fmean(v)}
+            report[str(batch)]["hook_us"] = {  # per mode, per function and forward kind: calls, median, mean, sum (µs or faults)
+                mode: {key: {"calls": len(v), "median": statistics.median(v), "mean": statistics.fmean(v), "sum": sum(v)}
                        for key, v in sorted(hook_us[(batch, mode)].items())}
                 for mode in modes if (batch, mode) in hook_us}
             for mode, per_key in report[str(batch)]["hook_us"].items():
                 print(f"{batch:>5} {mode} timed calls by the forward they follow, µs (calls, median, mean): "
-                      + "; ".join(f"{key} {v['calls']} {v['median']:.0f} {v['mean']:.0f}"
+                      + "; ".join(f"{key} {v['calls']} {v['median']:.0f} {v['mean']:.1f}"
                                   for key, v in per_key.items()))
         if args.faults and idle.get((batch, "off")):
             report[str(batch)]["faults"] = {  # per mode, per round (median): by part of the step, by forward
