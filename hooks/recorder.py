@@ -3,29 +3,30 @@
 # T tokens in the step, R requests in the batch, L recorded MoE layers, K top-k, d_i drafts of request i
 
 Both of vLLM's model runners are recorded (``vllm_api.RunnerV1`` and ``RunnerV2`` say which calls are wrapped
-and where a step's batch lives): ``execute_model`` runs the target forward, a sampling call runs the rejection
-sampler, and the drafter runs after both. Each of the three is timed (the manifest's ``phases``: host time, and on
-CUDA the device time between events around it, per batch size) on every step on the CPU and one step in
-``TIMED_STEP_EVERY_ON_CUDA`` on a GPU (``--time-phases-every``), so a trace says where its steps' time went. The
-timed steps follow a Weyl sequence: spread evenly, never in step with a periodic workload (a fixed every-Nth step
-would time nothing but prefills when requests last N steps).
+and where a step's batch lives): a step begins (V1: ``_update_states``; V2: ``execute_model``), a call says which
+CUDA graph its forward replays, the forward runs, ``sample_tokens`` runs the rejection sampler, and the drafter
+runs after both. Each of the three is timed (the manifest's ``phases``: host time, and on CUDA the device time
+between events around it, per batch size) on every step on the CPU and one step in ``TIMED_STEP_EVERY_ON_CUDA`` on
+a GPU (``--time-phases-every``), so a trace says where its steps' time went. The timed steps follow a Weyl
+sequence: spread evenly, never in step with a periodic workload (a fixed every-Nth step would time nothing but
+prefills when requests last N steps). On V1 no hook lies beneath the forward (see ``HookPoint``: a few Python frames
+more beneath a PIECEWISE forward cost it a page fault per layer).
 
 Under sync scheduling the GPU idles from vLLM's sync after sampling until the next forward is launched, so
 whatever a hook does there slows every step; everything else runs while the GPU is busy (and is hidden, but in
 steps whose host work outlasts the GPU's: prefills, forwards outside CUDA graphs). Before the launch the hooks only
 note the step; after vLLM's sync they count the host lists of sampled tokens and queue the step. The rest happens
-once the forward is launched: what lives on the host (request order, query starts, drafts per request) is copied
-because the runner reuses those arrays; what lives on the device (routing rows, positions, token ids) is packed
-into one block (``torch.cat`` of views) that the GPU writes, without blocking, on vLLM's stream, straight into a
-ring of pinned rows that the writer process maps too (``StepCopier``, ``SharedRows``), so vLLM's own sync covers
-it. With async scheduling vLLM's own device count of kept tokens is copied too, and an event after it says when
-the step is ready. Right after a later step's forward is launched the step is handed to the writer process, in a
-batch of steps (``TraceWriter.forward_ready``): one pickle of their few host arrays and where their rows lie, one pipe
-write; the writer process copies
-the rows out of the ring and assembles and encodes them (``StepRecord.assemble``): recording adds no host sync
-to a step, the engine thread never touches the routing rows, and no thread in the engine process competes with
-the engine loop for the GIL while steps flow. The manifest's
-``engine_thread_us_per_step`` says what each hook cost.
+once the forward is launched, as ``sample_tokens`` begins: what lives on the host (request order, query starts,
+drafts per request) is copied because the runner reuses those arrays; what lives on the device (routing rows,
+positions, token ids) is packed into one block (``torch.cat`` of views) that the GPU writes, without blocking, on
+vLLM's stream, straight into a ring of pinned rows that the writer process maps too (``StepCopier``,
+``SharedRows``), so vLLM's own sync covers it. With async scheduling vLLM's own device count of kept tokens is
+copied too, and an event after it says when the step is ready. Once a later step's forward is launched the step is
+handed to the writer process, in a batch of steps (``TraceWriter.forward_ready``): one pickle of their few host
+arrays and where their rows lie, one pipe write; the writer process copies the rows out of the ring and assembles
+and encodes them (``StepRecord.assemble``): recording adds no host sync to a step, the engine thread never touches
+the routing rows, and no thread in the engine process competes with the engine loop for the GIL while steps flow.
+The manifest's ``engine_thread_us_per_step`` says what each hook cost.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from moetrace.hooks.capture import (
     wrap_router,
 )
 from moetrace.hooks.manifest import worker_manifest
-from moetrace.hooks.vllm_api import HookPoint, StepInputs, WorkerApi, require_fields
+from moetrace.hooks.vllm_api import ForwardPlan, HookPoint, StepInputs, WorkerApi, require_fields
 from moetrace.hooks.rows import PackedLayout, StepRecord
 from moetrace.writer import RingRows, SharedRows, TraceWriter, ring_capacity
 
@@ -130,14 +131,18 @@ class Recorder:
         self._close_lock = threading.Lock()
         self._closed: dict[str, Any] | None = None
         self._pending: PendingStep | None = None
-        self.own_ns = {"execute_model": 0, "hand_over": 0, "model_forward": 0, "sample": 0, "sample_tokens": 0,
+        self.own_ns = {"step": 0, "graph": 0, "hand_over": 0, "layout": 0, "sample": 0, "sample_tokens": 0,
                        "phase_timing": 0}
         self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in PHASES}
         self._timing_phase = 0.0  # a Weyl sequence: steps timed evenly, never in step with a periodic workload
         self._timing = False  # whether the step under way is timed (its phases and the hooks' own time)
         self._batch = 0  # requests scheduled in the step under way
+        self._recorded = False  # whether the step under way is recorded (laid out once its forward is launched)
+        self._t_start = 0  # when the step under way began (ns since the epoch)
+        self._forward_began = 0  # the timed step's start (perf_counter_ns), and the events around its forward
+        self._forward_events: tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()] | None = None
         self._roles: dict[str, Callable[..., Any]] = {
-            "execute_model": self.execute_model, "sample": self.sample, "sample_tokens": self.sample_tokens,
+            "step": self.step_begins, "sample": self.sample, "sample_tokens": self.sample_tokens,
             "drafting": self.propose_draft_tokens, "capture_model": self.capture_model}
         self._installed: list[tuple[HookPoint, Any]] = []  # each hook, and the instance attribute it replaced
         self.install()
@@ -156,7 +161,7 @@ class Recorder:
             if getattr(replaced, _HOOK_MARK, False):
                 continue
             original = getattr(point.owner, point.name)
-            hook = (functools.partial(self.graph_forward, original, point.graph_key) if point.graph_key is not None
+            hook = (functools.partial(self.forward_planned, original, point.plan) if point.plan is not None
                     else functools.partial(self._roles[point.role], original))
             setattr(hook, _HOOK_MARK, True)
             setattr(point.owner, point.name, hook)
@@ -174,7 +179,8 @@ class Recorder:
             else:
                 setattr(point.owner, point.name, replaced)
         self._installed = []
-        self._pending = None
+        self._pending = self._forward_events = None
+        self._recorded = False
         self.capture.begin_step()  # the last forward's router outputs are not held while unhooked
 
     def close(self) -> dict[str, Any]:
@@ -197,33 +203,60 @@ class Recorder:
 
     # -- engine-thread hooks: never raise into the engine ------------------------------------------------------
 
-    def execute_model(self, original: Callable[..., Any], scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        self._timing = False
+    def step_begins(self, original: Callable[..., Any], scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        """A step begins (``HookPoint`` role ``step``): note whether it is recorded and timed, forget the last
+        forward's routing. Under sync scheduling the GPU idles until the forward is launched: nothing else here."""
+        self._timing = self._recorded = False
         if self.writer.failed is not None:
             return original(scheduler_output, *args, **kwargs)
-        # Before the launch only what the forward needs: under sync scheduling the GPU idles until it is launched.
         began = time.perf_counter_ns()
-        t_start = time.time_ns()
-        recorded = False
         try:
+            self._t_start = time.time_ns()
             self.capture.begin_step()
             self._replayed = self._tokens_across_dp = None
             # V2 runs its dummy batches (profiling, idle DP ranks) through execute_model too, and warms its kernels
             # up with batches of requests of its own: none of them a request's.
-            recorded = bool(scheduler_output.total_num_scheduled_tokens) and not kwargs.get("dummy_run", False) and (
-                not self.model_runner.is_warmup(scheduler_output))
-            self._batch = len(scheduler_output.num_scheduled_tokens) if recorded else 0
-            if recorded:
+            self._recorded = bool(scheduler_output.total_num_scheduled_tokens) and (
+                not kwargs.get("dummy_run", False)) and not self.model_runner.is_warmup(scheduler_output)
+            self._batch = len(scheduler_output.num_scheduled_tokens) if self._recorded else 0
+            if self._recorded:
                 self._timing_phase = (self._timing_phase + GOLDEN_RATIO_CONJUGATE) % 1.0
                 self._timing = self._timing_phase * self.timing_every < 1.0
+            if self._timing:
+                self._forward_events = self.phases["forward"].start()
         except Exception as exc:
             self._stop(exc)
-            self._timing = False
+            self._timing = self._recorded = False
         if self._timing:
-            self.own_ns["execute_model"] += time.perf_counter_ns() - began
-        result = self._timed("forward", original, scheduler_output, *args, **kwargs)
-        # The GPU runs this step's forward now: hand the last step over, then queue this step's copy.
-        resumed = time.perf_counter_ns() if self._timing else 0
+            self.own_ns["step"] += time.perf_counter_ns() - began
+            self._forward_began = time.perf_counter_ns()
+        return original(scheduler_output, *args, **kwargs)
+
+    def forward_planned(self, original: Callable[..., Any], plan: Callable[..., ForwardPlan], *args: Any,
+                        **kwargs: Any) -> Any:
+        """Note which CUDA graph (if any) the forward replays, and every DP rank's tokens in it: vLLM says so only in
+        this call (its arguments, its result, or its forward context)."""
+        result = original(*args, **kwargs)
+        if self.writer.failed is None:
+            began = time.perf_counter_ns() if self._timing else 0
+            try:
+                self._replayed, self._tokens_across_dp = plan(result, *args, **kwargs)
+            except Exception as exc:
+                self._stop(exc)
+            if self._timing:
+                self.own_ns["graph"] += time.perf_counter_ns() - began
+        return result
+
+    def forward_launched(self) -> None:
+        """The GPU runs the step's forward (called as sampling begins): hand the last steps over, then queue this
+        step's copy."""
+        began = time.perf_counter_ns() if self._timing else 0
+        if self._timing and self._forward_events is not None:
+            try:
+                self.phases["forward"].end(self._batch, self._forward_events, began - self._forward_began)
+            except Exception as exc:
+                self._stop(exc)
+        self._forward_events = None
         self.writer.forward_ready()
         try:
             for timing in self.phases.values():
@@ -232,32 +265,16 @@ class Recorder:
             self._stop(exc)
         handed = time.perf_counter_ns() if self._timing else 0
         self._pending = None
-        if recorded and self.writer.failed is None:
+        if self._recorded and self.writer.failed is None:
             try:
-                self._pending = self._layout(t_start)
+                self._pending = self._layout(self._t_start)
                 self._window_ends = self._window_over()  # here, not between vLLM's sync and the next launch
             except Exception as exc:
                 self._stop(exc)
+        self._recorded = False
         if self._timing:
-            self.own_ns["hand_over"] += handed - resumed
-            self.own_ns["execute_model"] += time.perf_counter_ns() - handed
-        return result
-
-    def graph_forward(self, original: Callable[..., Any], graph_key: Callable[..., Hashable | None], *args: Any,
-                      **kwargs: Any) -> Any:
-        """Note which CUDA graph (if any) the forward replayed: vLLM says so only in this call (its arguments, or
-        its forward context, set only inside). Read once the forward is launched."""
-        result = original(*args, **kwargs)
-        if self.writer.failed is None:
-            began = time.perf_counter_ns() if self._timing else 0
-            try:
-                self._replayed = graph_key(*args, **kwargs)
-                self._tokens_across_dp = self.api.tokens_across_dp() if self.data_parallel else None
-            except Exception as exc:
-                self._stop(exc)
-            if self._timing:
-                self.own_ns["model_forward"] += time.perf_counter_ns() - began
-        return result
+            self.own_ns["hand_over"] += handed - began
+            self.own_ns["layout"] += time.perf_counter_ns() - handed
 
     def capture_model(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Model Runner V2 builds its CUDA-graph manager after load: hook it now, before its graphs are captured."""
@@ -318,10 +335,12 @@ class Recorder:
             self.own_ns["phase_timing"] += called - began + time.perf_counter_ns() - returned
 
     def sample_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """vLLM has synced by the time this returns (sync scheduling), and its output holds each request's sampled
-        tokens on the host: count the kept tokens there (the scheduler trims those lists later) and queue the step
-        (handed over after the next forward's launch, or by the writer's idle forwarder). The GPU idles from vLLM's
-        sync to the next launch, so nothing else is done here."""
+        """Called once the step's forward is launched (``forward_launched`` runs first). vLLM has synced by the time
+        it returns (sync scheduling), and its output holds each request's sampled tokens on the host: count the kept
+        tokens there (the scheduler trims those lists later) and queue the step (handed over once the next forward
+        is launched, or by the writer's idle forwarder). The GPU idles from vLLM's sync to the next launch, so
+        nothing else is done after it."""
+        self.forward_launched()
         output = original(*args, **kwargs)
         began = time.perf_counter_ns() if self._timing else 0
         pending, self._pending = self._pending, None
@@ -388,7 +407,9 @@ class Recorder:
         return self.step - 1
 
 
-PHASES = ("forward", "sampling", "drafting")  # execute_model, _sample, propose_draft_token_ids
+# forward: from the step's start (the ``step`` hook) to sampling (its input preparation and the forward's launch;
+# on the device, the forward's kernels); sampling: _sample; drafting: propose_draft_token_ids
+PHASES = ("forward", "sampling", "drafting")
 # A GPU step of a few ms is timed one in 64: each CUDA event record costs it 35 µs on some hosts (gVisor), three of
 # them while the GPU idles; thousands of steps still give each phase's median hundreds of timed calls.
 TIMED_STEP_EVERY_ON_CUDA = 64

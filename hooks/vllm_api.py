@@ -32,7 +32,8 @@ SUPPORTED = ("0.26", "0.32")
 # What the recorder reads on Model Runner V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` and the CPU
 # runner that subclasses it), and on its input batch.
 RUNNER_FIELDS = ("model", "max_num_tokens", "input_batch", "query_start_loc", "positions", "input_ids",
-                 "execute_model", "_sample", "_model_forward", "sample_tokens", "propose_draft_token_ids")
+                 "_update_states", "_determine_batch_execution_and_padding", "_sample", "sample_tokens",
+                 "propose_draft_token_ids")
 INPUT_BATCH_FIELDS = ("num_reqs", "req_ids", "num_prompt_tokens")
 # ... on Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``); its batch is a per-step
 # ``InputBatch`` left in ``execute_model_state``, its CUDA graphs are run by a ``cudagraph_manager``.
@@ -132,14 +133,6 @@ class WorkerApi:
         mode = context.cudagraph_runtime_mode
         return None if mode == self.cudagraph_none else (mode.name, context.batch_descriptor)
 
-    def tokens_across_dp(self) -> list[int] | None:
-        """Inside a forward: every DP rank's token count in it (host values vLLM already holds), None without DP."""
-        if not self.is_forward_context_available():
-            return None
-        metadata = getattr(self.get_forward_context(), "dp_metadata", None)
-        counts = getattr(metadata, "num_tokens_across_dp_cpu", None)
-        return None if counts is None else [int(n) for n in counts.tolist()]
-
     def model_runner(self, runner: Any) -> RunnerV1 | RunnerV2:
         """The recorder's view of ``runner``: V2 by its module, else V1; a missing field raises ``VllmApiError``."""
         if type(runner).__module__.startswith("vllm.v1.worker.gpu."):
@@ -155,16 +148,27 @@ class WorkerApi:
         return sorted(runners, key=lambda r: int(r.layer_id))
 
 
+# Which CUDA graph a forward replays (None: none) and every DP rank's tokens in it (None without DP).
+ForwardPlan = tuple[Hashable | None, list[int] | None]
+
+
 @dataclass(frozen=True)
 class HookPoint:
-    """One call the recorder wraps: ``owner.name``, in the role it plays in a step (``execute_model``, ``sample``,
-    ``sample_tokens``, ``drafting``, ``capture_model``, or ``graph``: a call that runs the target forward and
-    knows which CUDA graph it replays, ``graph_key`` of its arguments)."""
+    """One call the recorder wraps: ``owner.name``, in the role it plays in a step (``step``: called once a step,
+    before its forward, with the scheduler's output; ``sample``, ``sample_tokens``, ``drafting``,
+    ``capture_model``; or ``graph``: a call that says which CUDA graph the forward replays, ``plan`` of its result
+    and arguments, read as it returns).
+
+    Where the runner allows, the calls wrapped return before the forward runs or begin after it: a wrapper around
+    the forward would lie beneath its every Python call, and CPython allocates the frames of a thread's calls in
+    chunks of 16 KiB that it maps and unmaps as the call depth crosses their boundary (3.11+): a few frames more
+    beneath a PIECEWISE forward, whose per-layer calls go up and down hundreds of times, made the calls of every
+    layer cross one (a page fault, mmap and munmap each time; +0.7 to +1.1 ms per forward on an H200 host)."""
 
     role: str
     owner: Any
     name: str
-    graph_key: Callable[..., Hashable | None] | None = None
+    plan: Callable[..., ForwardPlan] | None = None
 
 
 @dataclass(frozen=True)
@@ -181,9 +185,10 @@ class StepInputs:
 
 
 class RunnerV1:
-    """Model Runner V1: ``execute_model`` runs the target forward (``_model_forward`` inside vLLM's forward context,
-    which names the CUDA graph replayed), ``_sample`` the rejection sampler, ``propose_draft_token_ids`` the
-    drafter; the batch lives in the runner's persistent buffers."""
+    """Model Runner V1: ``execute_model`` prepares the step and runs the target forward (in vLLM's forward context,
+    set with the CUDA graph that ``_determine_batch_execution_and_padding`` chose), ``sample_tokens`` the rejection
+    sampler (``_sample``) and the drafter (``propose_draft_token_ids``); the batch lives in the runner's persistent
+    buffers."""
 
     name = "v1"
 
@@ -195,11 +200,21 @@ class RunnerV1:
         self.api, self.runner = api, runner
 
     def hook_points(self) -> list[HookPoint]:
+        """None beneath the forward: a step begins in ``_update_states`` and its CUDA graph is chosen in
+        ``_determine_batch_execution_and_padding`` (both before the forward, and only for a step's forward or a
+        dummy run), the forward is launched by the time ``sample_tokens`` is called."""
         runner = self.runner
-        return [HookPoint("execute_model", runner, "execute_model"), HookPoint("sample", runner, "_sample"),
+        return [HookPoint("step", runner, "_update_states"), HookPoint("sample", runner, "_sample"),
                 HookPoint("sample_tokens", runner, "sample_tokens"),
                 HookPoint("drafting", runner, "propose_draft_token_ids"),
-                HookPoint("graph", runner, "_model_forward", lambda *args, **kwargs: self.api.graph_key())]
+                HookPoint("graph", runner, "_determine_batch_execution_and_padding", self.forward_plan)]
+
+    def forward_plan(self, result: tuple[Any, ...], *args: Any, **kwargs: Any) -> ForwardPlan:
+        """From ``_determine_batch_execution_and_padding``'s (CUDA-graph mode, batch descriptor, microbatching, DP
+        tokens [DP] or None, stats): the key the forward's graph was captured under (``WorkerApi.graph_key``)."""
+        mode, descriptor, _, across_dp = result[:4]
+        key = None if mode == self.api.cudagraph_none else (mode.name, descriptor)
+        return key, None if across_dp is None else [int(n) for n in across_dp.tolist()]
 
     def sampled_on_host(self) -> bool:
         """Whether ``sample_tokens`` hands back each request's sampled tokens as host lists (sync scheduling);
@@ -248,7 +263,9 @@ class RunnerV2:
     """Model Runner V2: ``execute_model`` leaves the step's ``InputBatch`` (its own request order, decodes first)
     in ``execute_model_state``; its ``cudagraph_manager`` replays FULL graphs with no forward context
     (``run_fullgraph(desc)``) and PIECEWISE ones inside it (``run_pw_graph``); ``sample`` returns the tokens each
-    request kept on the device; the speculator's ``propose`` drafts. It always schedules asynchronously."""
+    request kept on the device; the speculator's ``propose`` drafts. It always schedules asynchronously. A step
+    begins in ``execute_model`` itself, and a PIECEWISE graph's name is read in the forward context around
+    ``run_pw_graph``: on V2 two of the recorder's frames lie beneath those forwards (see ``HookPoint``)."""
 
     name = "v2"
 
@@ -260,7 +277,7 @@ class RunnerV2:
 
     def hook_points(self) -> list[HookPoint]:
         runner = self.runner
-        points = [HookPoint("execute_model", runner, "execute_model"), HookPoint("sample", runner, "sample"),
+        points = [HookPoint("step", runner, "execute_model"), HookPoint("sample", runner, "sample"),
                   HookPoint("sample_tokens", runner, "sample_tokens"),
                   HookPoint("capture_model", runner, "capture_model")]
         if runner.speculator is not None:
@@ -268,8 +285,8 @@ class RunnerV2:
         manager = runner.cudagraph_manager  # built with the KV cache, after load: hooked when graphs are captured
         if manager is not None:
             require_fields(manager, GRAPH_MANAGER_V2_FIELDS, "CUDA graph manager (V2)")
-            points += [HookPoint("graph", manager, "run_fullgraph", lambda desc, *args, **kwargs: ("FULL", desc)),
-                       HookPoint("graph", manager, "run_pw_graph", lambda *args, **kwargs: self.api.graph_key())]
+            points += [HookPoint("graph", manager, "run_fullgraph", lambda _, desc, *args, **kwargs: (("FULL", desc), None)),
+                       HookPoint("graph", manager, "run_pw_graph", lambda *args, **kwargs: (self.api.graph_key(), None))]
         return points
 
     def sampled_on_host(self) -> bool:

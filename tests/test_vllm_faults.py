@@ -1,4 +1,5 @@
-"""Faults inside a real vLLM engine (CPU) stop the recording with the reason and never the generation."""
+"""Faults inside a real vLLM engine (CPU) stop the recording with the reason and never the generation; and where the
+recorder's hooks sit in that engine's calls."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,7 @@ pytestmark = pytest.mark.vllm
 ENGINE_WITH_A_FAULT = """
 import json, sys
 from pathlib import Path
+from types import SimpleNamespace
 from moetrace.default_model import encode_text
 from moetrace.engine import build_llm, engine_prompts
 from moetrace.prompts import BUILTIN_PROMPTS
@@ -32,6 +35,28 @@ def router_no_longer_called(worker):
     for moe in worker._moetrace_recorder.runners:
         unwrap_router(moe.router)
 
+def frames_beneath_the_forward(worker):
+    # Not a fault: a probe on entry to the model's forward (at class level, beneath any hook) that notes every frame
+    # of moetrace's on the thread's stack there.
+    import sys
+    model_class = type(worker.model_runner.model)
+    forward = model_class.forward
+    seen = type(worker.model_runner)._probe_seen = SimpleNamespace(forwards=0, frames=set())
+    def probed(self, *args, **kwargs):
+        seen.forwards += 1
+        frame = sys._getframe(1)
+        while frame is not None:
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith("moetrace"):
+                seen.frames.add(f"{module}.{frame.f_code.co_qualname}")
+            frame = frame.f_back
+        return forward(self, *args, **kwargs)
+    model_class.forward = probed
+
+def frames_beneath_the_forward_seen(worker):
+    seen = type(worker.model_runner)._probe_seen
+    return {"forwards": seen.forwards, "frames": sorted(seen.frames)}
+
 if __name__ == "__main__":
     out, fault = Path(sys.argv[1]), sys.argv[2]
     request = RecordRequest(model=None, ks=[2], batch_size=4, max_tokens=16, out=out)
@@ -44,10 +69,11 @@ if __name__ == "__main__":
         llm.generate(engine_prompts(settings)[:2], params, use_tqdm=False)  # recorded normally first
         llm.collective_rpc(globals()[fault])
         outputs = llm.generate(engine_prompts(settings), params, use_tqdm=False)
+        seen = llm.collective_rpc(globals()[fault + "_seen"]) if fault + "_seen" in globals() else None
         closed = llm.collective_rpc("moetrace_close")
     finally:
         llm.llm_engine.engine_core.shutdown()
-    print(json.dumps({"generated": [len(o.outputs[0].token_ids) for o in outputs], "closed": closed}))
+    print(json.dumps({"generated": [len(o.outputs[0].token_ids) for o in outputs], "closed": closed, "seen": seen}))
 """
 
 
@@ -58,19 +84,37 @@ if __name__ == "__main__":
 def test_a_fault_inside_the_forward_stops_recording_with_the_reason_and_generation_completes(
     fault: str, reason: str, tmp_path: Path
 ) -> None:
+    result, done = run_engine_with(fault, tmp_path)
+    (closed,) = result["closed"]
+    assert closed["complete"] is False and reason in closed["error"]
+    manifest = json.loads((tmp_path / "trace" / "manifest.json").read_text())
+    assert reason in manifest["error"] and manifest["counts"]["steps"] > 0, "steps before the fault are kept"
+    assert "moetrace: recording stopped" in done.stderr
+
+
+def run_engine_with(fault: str, tmp_path: Path) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """The engine script with ``fault`` applied after its first requests; its result, once it generated every
+    request in full."""
     script = tmp_path / "engine_with_a_fault.py"
     script.write_text(ENGINE_WITH_A_FAULT)
     env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     done = subprocess.run([sys.executable, str(script), str(tmp_path), fault], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["generated"] == [16, 16, 16, 16], "every request was generated in full"
+    return result, done
+
+
+def test_no_frame_of_the_recorder_lies_beneath_the_forward_while_it_records(tmp_path: Path) -> None:
+    """CPython maps a thread's call frames in chunks: frames added beneath a forward shift its per-layer calls onto
+    a chunk boundary, a page fault and an mmap per layer (see ``HookPoint``). On Model Runner V1 the recorder's
+    hooks return before the forward and begin after it."""
+    result, _ = run_engine_with("frames_beneath_the_forward", tmp_path)
+    (seen,) = result["seen"]
+    assert seen["forwards"] > 0 and seen["frames"] == []
     (closed,) = result["closed"]
-    assert closed["complete"] is False and reason in closed["error"]
-    manifest = json.loads((tmp_path / "trace" / "manifest.json").read_text())
-    assert reason in manifest["error"] and manifest["counts"]["steps"] > 0, "steps before the fault are kept"
-    assert "moetrace: recording stopped" in done.stderr
+    assert closed["complete"] is True and closed["counts"]["steps"] > 0, "and it recorded those forwards"
 
 
 def test_record_exits_non_zero_with_the_reason_when_its_writer_process_is_killed(tmp_path: Path) -> None:
@@ -116,6 +160,28 @@ from moetrace.engine import run
 from moetrace.hooks.plugin import ENV_VAR, register
 from moetrace.prompts import BUILTIN_PROMPTS
 from moetrace.record import RecordRequest, engine_settings, resolve_model
+
+def frames_beneath_the_forward(worker):
+    # Not a fault: a probe on entry to the model's forward (at class level, beneath any hook) that notes every frame
+    # of moetrace's on the thread's stack there.
+    import sys
+    model_class = type(worker.model_runner.model)
+    forward = model_class.forward
+    seen = type(worker.model_runner)._probe_seen = SimpleNamespace(forwards=0, frames=set())
+    def probed(self, *args, **kwargs):
+        seen.forwards += 1
+        frame = sys._getframe(1)
+        while frame is not None:
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith("moetrace"):
+                seen.frames.add(f"{module}.{frame.f_code.co_qualname}")
+            frame = frame.f_back
+        return forward(self, *args, **kwargs)
+    model_class.forward = probed
+
+def frames_beneath_the_forward_seen(worker):
+    seen = type(worker.model_runner)._probe_seen
+    return {"forwards": seen.forwards, "frames": sorted(seen.frames)}
 
 if __name__ == "__main__":
     earlier, now = Path(sys.argv[1]), Path(sys.argv[2])
