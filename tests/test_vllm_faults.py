@@ -161,28 +161,6 @@ from moetrace.hooks.plugin import ENV_VAR, register
 from moetrace.prompts import BUILTIN_PROMPTS
 from moetrace.record import RecordRequest, engine_settings, resolve_model
 
-def frames_beneath_the_forward(worker):
-    # Not a fault: a probe on entry to the model's forward (at class level, beneath any hook) that notes every frame
-    # of moetrace's on the thread's stack there.
-    import sys
-    model_class = type(worker.model_runner.model)
-    forward = model_class.forward
-    seen = type(worker.model_runner)._probe_seen = SimpleNamespace(forwards=0, frames=set())
-    def probed(self, *args, **kwargs):
-        seen.forwards += 1
-        frame = sys._getframe(1)
-        while frame is not None:
-            module = frame.f_globals.get("__name__", "")
-            if module.startswith("moetrace"):
-                seen.frames.add(f"{module}.{frame.f_code.co_qualname}")
-            frame = frame.f_back
-        return forward(self, *args, **kwargs)
-    model_class.forward = probed
-
-def frames_beneath_the_forward_seen(worker):
-    seen = type(worker.model_runner)._probe_seen
-    return {"forwards": seen.forwards, "frames": sorted(seen.frames)}
-
 if __name__ == "__main__":
     earlier, now = Path(sys.argv[1]), Path(sys.argv[2])
     # The driver registered the plugin for an earlier engine (as vLLM does in the driver on a GPU): the Worker
