@@ -125,3 +125,42 @@ def test_model_runner_v2_kernel_warm_up_batches_are_told_from_requests_by_the_id
     mixed = SimpleNamespace(num_scheduled_tokens={"_v2_mixed_warmup_decode_": 1})
     served = SimpleNamespace(num_scheduled_tokens={"cmpl-7f3a-0": 4, "_warmup_0_": 1})
     assert RunnerV2.is_warmup(warm_up) and RunnerV2.is_warmup(mixed) and not RunnerV2.is_warmup(served)
+
+
+def test_v1_hooks_return_before_the_forward_and_name_its_graph_as_vllm_chose_it() -> None:
+    """The step hook and the graph hook sit on calls that vLLM's own execute_model makes, in this order, before the
+    forward; the graph is named from what the second returns (CUDA-graph mode, descriptor, ..., DP tokens)."""
+    import inspect
+
+    import torch
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from moetrace.hooks.vllm_api import RunnerV1
+
+    source = inspect.getsource(GPUModelRunner.execute_model)
+    order = [source.index(call) for call in ("self._update_states(", "self._determine_batch_execution_and_padding(",
+                                              "self._model_forward(")]
+    assert order == sorted(order)
+    runner = RunnerV1.__new__(RunnerV1)  # only its api is read
+    runner.api = worker_api()
+    descriptor = ("4 tokens", "uniform")
+    assert runner.forward_plan((CUDAGraphMode.FULL, descriptor, False, None, None)) == (("FULL", descriptor), None)
+    assert runner.forward_plan((CUDAGraphMode.PIECEWISE, descriptor, False, torch.tensor([4, 7]), None)) == (
+        ("PIECEWISE", descriptor), [4, 7])
+    assert runner.forward_plan((CUDAGraphMode.NONE, descriptor, False, None, None)) == (None, None)
+
+
+def test_v2_graph_hooks_name_a_full_graph_by_its_descriptor_and_a_piecewise_one_by_the_forward_context() -> None:
+    from moetrace.hooks.vllm_api import RunnerV2
+
+    manager = SimpleNamespace(graphs={}, run_fullgraph=None, run_pw_graph=None)
+    runner = SimpleNamespace(model=None, max_num_tokens=8, req_states=SimpleNamespace(prompt_len=None),
+                             execute_model=None, sample=None, sample_tokens=None, capture_model=None, speculator=None,
+                             cudagraph_manager=manager)
+    points = {point.name: point for point in RunnerV2(worker_api(), runner).hook_points()}
+    assert points["execute_model"].role == "step"
+    full, piecewise = points["run_fullgraph"].plan, points["run_pw_graph"].plan
+    assert full is not None and piecewise is not None
+    assert full("hidden states", "desc-4") == (("FULL", "desc-4"), None)  # (result, desc) as run_fullgraph(desc)
+    assert piecewise("hidden states", "model", {}) == (None, None)  # no forward context here: no graph
