@@ -451,10 +451,13 @@ HOOK_WORK = (("moetrace.hooks.recorder", "Recorder", "_layout"), ("moetrace.writ
              ("moetrace.hooks.recorder", "PackingColumns", "columns"),
              ("moetrace.hooks.recorder", "StepCopier", "copy"),
              ("moetrace.hooks.recorder", "PendingStep", "ready"), ("moetrace.writer", "TraceWriter", "_drain"))
-# vLLM's own calls on Model Runner V1, timed beneath the hooks in every mode: the forward's launch, the rejection
-# sampler, and the sync (its wait says how long the GPU ran past the host), so "on" minus "off" says in which of
-# them a step got longer.
-RUNNER_WORK = ("_model_forward", "_sample", "_bookkeeping_sync", "propose_draft_token_ids")
+# vLLM's own calls on Model Runner V1, timed beneath the hooks in every mode: the input preparation's parts (the
+# recorder's step and graph hooks wrap the first and third, so their time is not in these), the forward's launch,
+# the rejection sampler, and the sync (its wait says how long the GPU ran past the host), so "on" minus "off" says
+# in which of them a step got longer.
+RUNNER_WORK = ("_update_states", "_prepare_inputs", "_determine_batch_execution_and_padding",
+               "_build_attention_metadata", "_preprocess", "_model_forward", "_sample", "_bookkeeping_sync",
+               "propose_draft_token_ids")
 
 
 def hook_times(worker: Any, read: bool, faults: bool = False) -> dict[str, list[int]] | None:
