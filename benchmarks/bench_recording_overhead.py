@@ -277,10 +277,13 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 # hook, the routers' or the runner's, costs what no-layout costs); "off-again" is "off" once more (an A/A control: how
 # far two modes that differ in nothing drift apart in as many rounds); "writer-apart" is "on" with the writer
 # process kept off the pinned engine thread's CPU and the CPUs sharing its core (SMT siblings); "hand-over-each" is
-# "on" handing each step over on its own (as before steps went in batches). (Modes device-only,
+# "on" handing each step over on its own (as before steps went in batches); "pack-graph" is "on" whose pack, for a
+# CUDA graph's columns (the same list every replay), replays a CUDA graph of its own that packs them into a device
+# buffer, then copies that into the ring (one graph launch and one copy instead of a ``torch.cat`` of 36 views).
+# (Modes device-only,
 # batched-copy and pack-late, measured on recorder 20597ad, are in the results' runs.)
 MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-copy", "routers-only", "runner-only",
-         "off-again", "writer-apart", "hand-over-each")
+         "off-again", "writer-apart", "hand-over-each", "pack-graph")
 
 
 def pin_engine_thread(worker: Any) -> dict[str, int]:
@@ -341,6 +344,8 @@ def set_mode(worker: Any, mode: str) -> None:
             worker._bench_block = torch.empty((int(recorder.runner.max_num_tokens), recorder.ring.width),
                                               dtype=torch.int32, device="cuda")
         copier._mapped, copier._block = None, worker._bench_block
+    elif mode == "pack-graph" and mapped is not None:
+        copier.copy = graph_pack(worker, recorder, copier.copy)
     elif mode in ("no-layout", "runner-only"):
         recorder._layout = lambda t_start: None  # no step pending: the later hooks find nothing to do
     if mode == "runner-only":
@@ -350,6 +355,48 @@ def set_mode(worker: Any, mode: str) -> None:
                 unwrap_logits_entry(entry[0])
     timing_every = vars(worker).setdefault("_bench_timing_every", recorder.timing_every)  # the recorder's own
     recorder.timing_every = 1 << 60 if mode == "untimed" else timing_every
+
+
+def graph_pack(worker: Any, recorder: Any, cat: Any) -> Any:
+    """Mode ``pack-graph``: the copier's ``copy``, which for the column list of a CUDA graph (``PackingColumns``
+    keeps one per graph) packs by replaying a CUDA graph captured once for that list (on a side stream, at its first
+    use, no host sync) into a device buffer, then copies the rows into the ring; other steps as ``cat`` does."""
+    import torch
+
+    packs: dict[int, tuple[list[Any], Any]] = vars(worker).setdefault("_bench_packs", {})
+    if "_bench_staging" not in vars(worker):
+        worker._bench_staging = torch.empty((int(recorder.runner.max_num_tokens), recorder.ring.width),
+                                            dtype=torch.int32, device="cuda")
+    staging, ring = worker._bench_staging, recorder.copier._mapped
+
+    def copy(columns: list[Any], where: Any) -> None:
+        entry = packs.get(id(columns))
+        if entry is None or entry[0] is not columns:
+            if not any(kept[3] is columns for kept in recorder.packing._kept.values()):
+                return cat(columns, where)  # a list of this step's own
+            entry = packs[id(columns)] = (columns, capture_pack(columns, staging))
+        rows = columns[0].shape[0]
+        entry[1].replay()
+        ring[where.offset : where.offset + rows].copy_(staging[:rows], non_blocking=True)
+
+    return copy
+
+
+def capture_pack(columns: list[Any], staging: Any) -> Any:
+    """A CUDA graph of ``torch.cat(columns, dim=1)`` into ``staging``'s first rows, captured on a side stream."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            torch.cat(columns, dim=1, out=staging[: columns[0].shape[0]])
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph
 
 
 def core_siblings(cpu: int) -> set[int]:
