@@ -223,13 +223,14 @@ class Recorder:
                 self._timing_phase = (self._timing_phase + GOLDEN_RATIO_CONJUGATE) % 1.0
                 self._timing = self._timing_phase * self.timing_every < 1.0
             if self._timing:
+                self.own_ns["step"] += time.perf_counter_ns() - began
+                began = time.perf_counter_ns()
                 self._forward_events = self.phases["forward"].start()
+                self._forward_began = time.perf_counter_ns()
+                self.own_ns["phase_timing"] += self._forward_began - began
         except Exception as exc:
             self._stop(exc)
             self._timing = self._recorded = False
-        if self._timing:
-            self.own_ns["step"] += time.perf_counter_ns() - began
-            self._forward_began = time.perf_counter_ns()
         return original(scheduler_output, *args, **kwargs)
 
     def forward_planned(self, original: Callable[..., Any], plan: Callable[..., ForwardPlan], *args: Any,
@@ -250,13 +251,15 @@ class Recorder:
     def forward_launched(self) -> None:
         """The GPU runs the step's forward (called as sampling begins): hand the last steps over, then queue this
         step's copy."""
-        began = time.perf_counter_ns() if self._timing else 0
         if self._timing and self._forward_events is not None:
+            ended = time.perf_counter_ns()
             try:
-                self.phases["forward"].end(self._batch, self._forward_events, began - self._forward_began)
+                self.phases["forward"].end(self._batch, self._forward_events, ended - self._forward_began)
             except Exception as exc:
                 self._stop(exc)
+            self.own_ns["phase_timing"] += time.perf_counter_ns() - ended
         self._forward_events = None
+        began = time.perf_counter_ns() if self._timing else 0
         self.writer.forward_ready()
         try:
             for timing in self.phases.values():
