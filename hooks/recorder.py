@@ -74,7 +74,6 @@ class Recorder:
         if self.model_runner.name == "v2" and int(vllm_config.parallel_config.data_parallel_size) > 1:
             raise UnsupportedRunner("moetrace records Model Runner V2 without data parallelism only "
                                     "(set VLLM_USE_V2_MODEL_RUNNER=0)")
-        self.api = api
         self.runner = runner
         self.runners = api.target_moe_runners(runner.model)
         if not self.runners:
@@ -101,7 +100,6 @@ class Recorder:
         self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
         self._tokens_across_dp: list[int] | None = None  # every DP rank's tokens in the last forward
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
-        self.data_parallel = int(vllm_config.parallel_config.data_parallel_size) > 1
         manifest = worker_manifest(vllm_config, infos, settings)
         manifest["capture"]["recomputed_from_logits"] = any(entry is not None for entry in self.entries)
         manifest["capture"]["async_scheduling"] = not self.sampled_on_host  # vLLM turns it off for some drafters

@@ -285,8 +285,9 @@ class RunnerV2:
         manager = runner.cudagraph_manager  # built with the KV cache, after load: hooked when graphs are captured
         if manager is not None:
             require_fields(manager, GRAPH_MANAGER_V2_FIELDS, "CUDA graph manager (V2)")
-            points += [HookPoint("graph", manager, "run_fullgraph", lambda _, desc, *args, **kwargs: (("FULL", desc), None)),
-                       HookPoint("graph", manager, "run_pw_graph", lambda *args, **kwargs: (self.api.graph_key(), None))]
+            points += [
+                HookPoint("graph", manager, "run_fullgraph", lambda _, desc, *args, **kwargs: (("FULL", desc), None)),
+                HookPoint("graph", manager, "run_pw_graph", lambda *args, **kwargs: (self.api.graph_key(), None))]
         return points
 
     def sampled_on_host(self) -> bool:
