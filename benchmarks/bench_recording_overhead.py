@@ -529,11 +529,57 @@ def hook_times(worker: Any, read: bool, faults: bool = False) -> dict[str, list[
         for owner, name, label in targets:
             setattr(owner, name, timing(getattr(owner, name), label, kinds, times, engine_thread, faults))
         gc.callbacks.append(collections_timer(kinds, times, engine_thread))
+        recorder = worker._moetrace_recorder  # its hooks are made anew from these at each resume (install)
+        for role, hook in list(recorder._roles.items()):
+            recorder._roles[role] = own_timing(hook, f"hook {role}", kinds, times, engine_thread)
+        recorder.forward_planned = own_timing(recorder.forward_planned, "hook graph", kinds, times, engine_thread)
+        times["clock ns"] = clock_cost()
     if not read:
         return None
-    read_out = {key: values[:] for key, values in times.items()}
+    read_out = {key: values[:] for key, values in list(times.items())}  # list: one C call, whatever runs beside
     times.clear()
     return read_out
+
+
+def own_timing(hook: Any, label: str, kinds: list[str], times: dict[str, list[int]], engine_thread: int) -> Any:
+    """A recorder hook (``hook(original, *args)``), its own time on every call in µs, vLLM's ``original`` left out:
+    before the original (``label`` before) and after it (``label`` after), by the forward launched last. Before a
+    step's launch (hooks step and graph) and after vLLM's sync (sample_tokens after) the GPU idles."""
+
+    def timed(original: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != engine_thread:
+            return hook(original, *args, **kwargs)
+        stamps = [0, 0]
+
+        def call(*inner_args: Any, **inner_kwargs: Any) -> Any:
+            stamps[0] = time.perf_counter_ns()
+            try:
+                return original(*inner_args, **inner_kwargs)
+            finally:
+                stamps[1] = time.perf_counter_ns()
+
+        began = time.perf_counter_ns()
+        try:
+            return hook(call, *args, **kwargs)
+        finally:
+            ended = time.perf_counter_ns()
+            after = kinds[-1] if kinds else "?"
+            if stamps[0]:
+                times.setdefault(f"{label} before after {after}", []).append((stamps[0] - began) // 1000)
+                times.setdefault(f"{label} after after {after}", []).append((ended - stamps[1]) // 1000)
+    return timed
+
+
+def clock_cost(calls: int = 2000) -> list[int]:
+    """ns per call of ``time.perf_counter_ns`` and ``time.time_ns`` on this host (a VM whose clock source is not
+    read in user space pays a system call for each)."""
+    costs = []
+    for clock in (time.perf_counter_ns, time.time_ns):
+        began = time.perf_counter_ns()
+        for _ in range(calls):
+            clock()
+        costs.append((time.perf_counter_ns() - began) // calls)
+    return costs
 
 
 def collections_timer(kinds: list[str], times: dict[str, list[int]], engine_thread: int) -> Any:
