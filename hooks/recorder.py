@@ -97,8 +97,11 @@ class Recorder:
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
         self.packing = PackingColumns(self.token_ids)
         self.sampled_on_host = self.model_runner.sampled_on_host()
-        self._replayed: Hashable | None = None  # the CUDA graph the last forward replayed, None if none
-        self._tokens_across_dp: list[int] | None = None  # every DP rank's tokens in the last forward
+        # The step under way: what was scheduled (and the step call's keyword arguments), and how to read which CUDA
+        # graph its forward replays (a ForwardPlan read by a function of the graph call's result and arguments)
+        self._scheduled: Any = None
+        self._step_kwargs: dict[str, Any] | None = None
+        self._plan: tuple[Callable[..., ForwardPlan], Any, tuple[Any, ...], dict[str, Any]] | None = None
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
         manifest = worker_manifest(vllm_config, infos, settings)
         manifest["capture"]["recomputed_from_logits"] = any(entry is not None for entry in self.entries)
@@ -134,8 +137,7 @@ class Recorder:
         self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in PHASES}
         self._timing_phase = 0.0  # a Weyl sequence: steps timed evenly, never in step with a periodic workload
         self._timing = False  # whether the step under way is timed (its phases and the hooks' own time)
-        self._batch = 0  # requests scheduled in the step under way
-        self._recorded = False  # whether the step under way is recorded (laid out once its forward is launched)
+        self._batch = 0  # requests scheduled in the timed step under way
         self._t_start = 0  # when the step under way began (ns since the epoch)
         self._forward_began = 0  # the timed step's start (perf_counter_ns), and the events around its forward
         self._forward_events: tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()] | None = None
@@ -159,8 +161,11 @@ class Recorder:
             if getattr(replaced, _HOOK_MARK, False):
                 continue
             original = getattr(point.owner, point.name)
-            hook = (functools.partial(self.forward_planned, original, point.plan) if point.plan is not None
-                    else functools.partial(self._roles[point.role], original))
+            if point.plan is None:
+                hook = functools.partial(self._roles[point.role], original)
+            else:
+                planned = self.forward_planned_at_launch if point.plan_at_launch else self.forward_planned
+                hook = functools.partial(planned, original, point.plan)
             setattr(hook, _HOOK_MARK, True)
             setattr(point.owner, point.name, hook)
             self._installed.append((point, replaced))
@@ -177,8 +182,7 @@ class Recorder:
             else:
                 setattr(point.owner, point.name, replaced)
         self._installed = []
-        self._pending = self._forward_events = None
-        self._recorded = False
+        self._pending = self._forward_events = self._scheduled = self._step_kwargs = self._plan = None
         self.capture.begin_step()  # the last forward's router outputs are not held while unhooked
 
     def close(self) -> dict[str, Any]:
@@ -202,48 +206,65 @@ class Recorder:
     # -- engine-thread hooks: never raise into the engine ------------------------------------------------------
 
     def step_begins(self, original: Callable[..., Any], scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        """A step begins (``HookPoint`` role ``step``): note whether it is recorded and timed, forget the last
-        forward's routing. Under sync scheduling the GPU idles until the forward is launched: nothing else here."""
-        self._timing = self._recorded = False
-        if self.writer.failed is not None:
-            return original(scheduler_output, *args, **kwargs)
-        began = time.perf_counter_ns()
-        try:
-            self._t_start = time.time_ns()
+        """A step begins (``HookPoint`` role ``step``): note when, and what was scheduled; forget the last forward's
+        routing if its routers ran. Under sync scheduling the GPU idles from vLLM's sync until the forward is
+        launched, so nothing else happens here but on timed steps: whether the step is recorded is read once its
+        forward is launched."""
+        self._t_start = time.time_ns()
+        self._scheduled, self._step_kwargs, self._plan = scheduler_output, kwargs, None
+        if self.capture.ran:  # outside CUDA graphs the routers' Python ran and kept references to their outputs
             self.capture.begin_step()
-            self._replayed = self._tokens_across_dp = None
-            # V2 runs its dummy batches (profiling, idle DP ranks) through execute_model too, and warms its kernels
-            # up with batches of requests of its own: none of them a request's.
-            self._recorded = bool(scheduler_output.total_num_scheduled_tokens) and (
-                not kwargs.get("dummy_run", False)) and not self.model_runner.is_warmup(scheduler_output)
-            self._batch = len(scheduler_output.num_scheduled_tokens) if self._recorded else 0
-            if self._recorded:
-                self._timing_phase = (self._timing_phase + GOLDEN_RATIO_CONJUGATE) % 1.0
-                self._timing = self._timing_phase * self.timing_every < 1.0
-            if self._timing:
-                self.own_ns["step"] += time.perf_counter_ns() - began
+        self._timing_phase = (self._timing_phase + GOLDEN_RATIO_CONJUGATE) % 1.0
+        self._timing = self._timing_phase * self.timing_every < 1.0
+        if self._timing:
+            self._begin_timed_step()
+        return original(scheduler_output, *args, **kwargs)
+
+    def _begin_timed_step(self) -> None:
+        """A timed step begins: its forward phase is timed from here on, if it is a request's step."""
+        self._timing = False
+        if self.writer.failed is not None:
+            return
+        try:
+            if self._is_recorded():
+                self.own_ns["step"] += time.time_ns() - self._t_start
                 began = time.perf_counter_ns()
                 self._forward_events = self.phases["forward"].start()
                 self._forward_began = time.perf_counter_ns()
                 self.own_ns["phase_timing"] += self._forward_began - began
+                self._timing = True
         except Exception as exc:
             self._stop(exc)
-            self._timing = self._recorded = False
-        return original(scheduler_output, *args, **kwargs)
+
+    def _is_recorded(self) -> bool:
+        """Whether the step under way is a request's: V2 runs its dummy batches (profiling, idle DP ranks) through
+        execute_model too, and warms its kernels up with batches of requests of its own."""
+        scheduled = self._scheduled
+        return scheduled is not None and bool(scheduled.total_num_scheduled_tokens) and not (
+            self._step_kwargs and self._step_kwargs.get("dummy_run", False)) and not self.model_runner.is_warmup(
+                scheduled)
 
     def forward_planned(self, original: Callable[..., Any], plan: Callable[..., ForwardPlan], *args: Any,
                         **kwargs: Any) -> Any:
         """Note which CUDA graph (if any) the forward replays, and every DP rank's tokens in it: vLLM says so only in
-        this call (its arguments, its result, or its forward context)."""
+        this call (its arguments, its result, or its forward context), read as it returns."""
         result = original(*args, **kwargs)
         if self.writer.failed is None:
             began = time.perf_counter_ns() if self._timing else 0
             try:
-                self._replayed, self._tokens_across_dp = plan(result, *args, **kwargs)
+                self._plan = (_already_read, plan(result, *args, **kwargs), (), {})
             except Exception as exc:
                 self._stop(exc)
             if self._timing:
                 self.own_ns["graph"] += time.perf_counter_ns() - began
+        return result
+
+    def forward_planned_at_launch(self, original: Callable[..., Any], plan: Callable[..., ForwardPlan], *args: Any,
+                                  **kwargs: Any) -> Any:
+        """As ``forward_planned``, for a plan of the call's result and arguments alone (``HookPoint.plan_at_launch``):
+        kept as it is, and read once the forward is launched (until then, under sync scheduling, the GPU idles)."""
+        result = original(*args, **kwargs)
+        self._plan = (plan, result, args, kwargs)
         return result
 
     def forward_launched(self) -> None:
@@ -252,6 +273,7 @@ class Recorder:
         if self._timing and self._forward_events is not None:
             ended = time.perf_counter_ns()
             try:
+                self._batch = len(self._scheduled.num_scheduled_tokens)
                 self.phases["forward"].end(self._batch, self._forward_events, ended - self._forward_began)
             except Exception as exc:
                 self._stop(exc)
@@ -266,13 +288,15 @@ class Recorder:
             self._stop(exc)
         handed = time.perf_counter_ns() if self._timing else 0
         self._pending = None
-        if self._recorded and self.writer.failed is None:
+        plan, self._plan = self._plan, None
+        if self.writer.failed is None and self._is_recorded():
             try:
-                self._pending = self._layout(self._t_start)
+                read, result, args, kwargs = plan if plan is not None else (_already_read, (None, None), (), {})
+                self._pending = self._layout(*read(result, *args, **kwargs))
                 self._window_ends = self._window_over()  # here, not between vLLM's sync and the next launch
             except Exception as exc:
                 self._stop(exc)
-        self._recorded = False
+        self._scheduled = self._step_kwargs = None
         if self._timing:
             self.own_ns["hand_over"] += handed - began
             self.own_ns["layout"] += time.perf_counter_ns() - handed
@@ -377,14 +401,16 @@ class Recorder:
 
     # -- batch layout ---------------------------------------------------------------------------------------
 
-    def _layout(self, t_start: int) -> PendingStep:
-        """Copy what this step's rows need before the runner's arrays are reused by the next step."""
+    def _layout(self, replayed: Hashable | None, tokens_across_dp: list[int] | None) -> PendingStep:
+        """Copy what this step's rows need before the runner's arrays are reused by the next step; ``replayed`` names
+        the CUDA graph its forward replayed (None: none), ``tokens_across_dp`` every DP rank's tokens (None
+        without DP)."""
         if self.capture.failed is not None:
             raise RuntimeError(self.capture.failed)
         inputs = self.model_runner.step_inputs()
         num_tokens = int(inputs.query_start[-1])
-        mechanism, routing = self.capture.collect(num_tokens, self._replayed, self._tokens_across_dp, self.dp_rank)
-        columns = self.packing.columns(self._replayed if mechanism == "graph" else None, routing, inputs, num_tokens)
+        mechanism, routing = self.capture.collect(num_tokens, replayed, tokens_across_dp, self.dp_rank)
+        columns = self.packing.columns(replayed if mechanism == "graph" else None, routing, inputs, num_tokens)
         where = self.ring.reserve(columns[0].shape[0])  # a padded forward's padding rows are packed too
         if where is None:
             raise RuntimeError(f"the writer process fell behind the engine: its ring of "
@@ -393,7 +419,7 @@ class Recorder:
         self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
         return PendingStep(
             step=self._next_step(),
-            t_start=t_start,
+            t_start=self._t_start,
             requests=np.array([self.request_index.setdefault(r, len(self.request_index)) for r in inputs.req_ids],
                               dtype=np.uint32),
             query_start=inputs.query_start,
@@ -406,6 +432,11 @@ class Recorder:
     def _next_step(self) -> int:
         self.step += 1
         return self.step - 1
+
+
+def _already_read(plan: ForwardPlan) -> ForwardPlan:
+    """How a plan read as its call returned is read again once the forward is launched."""
+    return plan
 
 
 # forward: from the step's start (the ``step`` hook) to sampling (its input preparation and the forward's launch;

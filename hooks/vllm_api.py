@@ -157,7 +157,9 @@ class HookPoint:
     """One call the recorder wraps: ``owner.name``, in the role it plays in a step (``step``: called once a step,
     before its forward, with the scheduler's output; ``sample``, ``sample_tokens``, ``drafting``,
     ``capture_model``; or ``graph``: a call that says which CUDA graph the forward replays, ``plan`` of its result
-    and arguments, read as it returns).
+    and arguments, read as it returns, or, with ``plan_at_launch`` (a plan of the result and arguments alone, which
+    vLLM leaves as they are), once the forward is launched: before the launch, under sync scheduling, the GPU
+    idles, so there the hook only keeps the result).
 
     Where the runner allows, the calls wrapped return before the forward runs or begin after it: a wrapper around
     the forward would lie beneath its every Python call, and CPython allocates the frames of a thread's calls in
@@ -169,6 +171,7 @@ class HookPoint:
     owner: Any
     name: str
     plan: Callable[..., ForwardPlan] | None = None
+    plan_at_launch: bool = False
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,8 @@ class RunnerV1:
         return [HookPoint("step", runner, "_update_states"), HookPoint("sample", runner, "_sample"),
                 HookPoint("sample_tokens", runner, "sample_tokens"),
                 HookPoint("drafting", runner, "propose_draft_token_ids"),
-                HookPoint("graph", runner, "_determine_batch_execution_and_padding", self.forward_plan)]
+                HookPoint("graph", runner, "_determine_batch_execution_and_padding", self.forward_plan,
+                          plan_at_launch=True)]
 
     def forward_plan(self, result: tuple[Any, ...], *args: Any, **kwargs: Any) -> ForwardPlan:
         """From ``_determine_batch_execution_and_padding``'s (CUDA-graph mode, batch descriptor, microbatching, DP

@@ -57,9 +57,31 @@ def frames_beneath_the_forward_seen(worker):
     seen = type(worker.model_runner)._probe_seen
     return {"forwards": seen.forwards, "frames": sorted(seen.frames)}
 
+def calls_while_the_gpu_idles(worker):
+    # Not a fault: a profiler on the engine thread that notes every call of moetrace's between vLLM's sync after
+    # sampling (the return of _bookkeeping_sync) and the next forward's launch (the call of _model_forward), where
+    # under sync scheduling a GPU idles, and every call of moetrace's elsewhere.
+    import sys
+    seen = type(worker.model_runner)._probe_seen = {"idle": set(), "busy": set(), "idling": False}
+    def profile(frame, event, arg):
+        if event == "return" and frame.f_code.co_name == "_bookkeeping_sync":
+            seen["idling"] = True
+        elif event == "call" and frame.f_code.co_name == "_model_forward":
+            seen["idling"] = False
+        elif event == "call" and frame.f_globals.get("__name__", "").startswith("moetrace"):
+            seen["idle" if seen["idling"] else "busy"].add(frame.f_code.co_qualname)
+    sys.setprofile(profile)
+
+def calls_while_the_gpu_idles_seen(worker):
+    import sys
+    sys.setprofile(None)
+    seen = type(worker.model_runner)._probe_seen
+    return {"idle": sorted(seen["idle"]), "busy": sorted(seen["busy"])}
+
 if __name__ == "__main__":
     out, fault = Path(sys.argv[1]), sys.argv[2]
-    request = RecordRequest(model=None, ks=[2], batch_size=4, max_tokens=16, out=out)
+    untimed = 1 << 40 if fault == "calls_while_the_gpu_idles" else None  # no step timed: on a GPU 63 in 64 are not
+    request = RecordRequest(model=None, ks=[2], batch_size=4, max_tokens=16, out=out, time_phases_every=untimed)
     settings = engine_settings(request, resolve_model(None), 2, out / "trace", list(BUILTIN_PROMPTS)[:4],
                                out / "progress")
     llm = build_llm(settings)
@@ -115,6 +137,26 @@ def test_no_frame_of_the_recorder_lies_beneath_the_forward_while_it_records(tmp_
     assert seen["forwards"] > 0 and seen["frames"] == []
     (closed,) = result["closed"]
     assert closed["complete"] is True and closed["counts"]["steps"] > 0, "and it recorded those forwards"
+
+
+def test_between_vllms_sync_and_the_next_launch_the_recorder_only_notes_the_step_and_queues_the_last(
+    tmp_path: Path,
+) -> None:
+    """Under sync scheduling the GPU idles from vLLM's sync after sampling until the next forward is launched: every
+    µs the recorder spends there slows every step. There it only notes the step, counts the tokens each request kept
+    and queues the finished step; which CUDA graph the forward replays is read, and the step laid out, packed and
+    handed over, once the forward is launched."""
+    result, _ = run_engine_with("calls_while_the_gpu_idles", tmp_path)
+    (seen,) = result["seen"]
+    assert set(seen["idle"]) <= {"Recorder.step_begins", "Recorder.forward_planned_at_launch",
+                                 "Recorder.propose_draft_tokens", "RoutingCapture.begin_step",
+                                 "RunnerV1.kept_on_host", "TraceWriter.failed", "TraceWriter.submit",
+                                 "EngineRecord.set_submitted"}, seen["idle"]
+    for after_the_launch in ("RunnerV1.forward_plan", "Recorder.forward_launched", "Recorder._layout",
+                             "TraceWriter.forward_ready", "Recorder._is_recorded"):
+        assert after_the_launch in seen["busy"] and after_the_launch not in seen["idle"]
+    (closed,) = result["closed"]
+    assert closed["complete"] is True and closed["counts"]["steps"] > 0
 
 
 def test_record_exits_non_zero_with_the_reason_when_its_writer_process_is_killed(tmp_path: Path) -> None:
