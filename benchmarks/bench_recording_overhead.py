@@ -347,7 +347,7 @@ def set_mode(worker: Any, mode: str) -> None:
     elif mode == "pack-graph" and mapped is not None:
         copier.copy = graph_pack(worker, recorder, copier.copy)
     elif mode in ("no-layout", "runner-only"):
-        recorder._layout = lambda t_start: None  # no step pending: the later hooks find nothing to do
+        recorder._layout = lambda *plan: None  # no step pending: the later hooks find nothing to do
     if mode == "runner-only":
         for moe, entry in zip(recorder.runners, recorder.entries):
             unwrap_router(moe.router)
