@@ -20,8 +20,9 @@ Rounds repeat the same work step for step (the same prompts, greedy), so per ste
 rounds of on minus off is what recording costs at that step, free of the host's random stalls ("recurring"): summed
 with a bootstrap interval, and split by the CUDA-graph mode of the forward ending the step (stamped from vLLM's
 forward context) and by the step's parts. ``--hook-times`` also times, on every step, the recorder's work after
-each launch (layout and hand-over), vLLM's forward launch, sampler, sync and drafter (in every mode, off included)
-and Python's collections on the engine thread, by the forward they follow.
+each launch (layout and hand-over) and each hook's own work (before and after vLLM's call), vLLM's input
+preparation, forward launch, sampler, sync and drafter (in every mode, off included) and Python's collections on the
+engine thread, by the forward they follow, and the host's clock reads.
 
 Where NVML sees a GPU, each mode's rounds also get the GPU's SM clock, power and the share of time the driver
 marked it idle (``GpuClocks``, sampled every 5 ms from this process): a GPU that clocks down in the idle gaps of
