@@ -280,11 +280,15 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
 # process kept off the pinned engine thread's CPU and the CPUs sharing its core (SMT siblings); "hand-over-each" is
 # "on" handing each step over on its own (as before steps went in batches); "pack-graph" is "on" whose pack, for a
 # CUDA graph's columns (the same list every replay), replays a CUDA graph of its own that packs them into a device
-# buffer, then copies that into the ring (one graph launch and one copy instead of a ``torch.cat`` of 36 views).
+# buffer, then copies that into the ring (one graph launch and one copy instead of a ``torch.cat`` of 36 views);
+# "off-busy" and "no-layout-busy" are "off" and "no-layout" with the engine thread spinning ``BUSY_AFTER_LAUNCH_US``
+# after each forward's launch, as the recorder's layout and hand-over keep it busy there (no-layout has cost more
+# than "on" on two H200s: does the time the engine thread then waits in vLLM's sync change what the next step costs?).
 # (Modes device-only,
 # batched-copy and pack-late, measured on recorder 20597ad, are in the results' runs.)
 MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-copy", "routers-only", "runner-only",
-         "off-again", "writer-apart", "hand-over-each", "pack-graph")
+         "off-again", "writer-apart", "hand-over-each", "pack-graph", "off-busy", "no-layout-busy")
+BUSY_AFTER_LAUNCH_US = 100  # about what the recorder's work after a FULL-4 launch takes on an H200 host
 
 
 def pin_engine_thread(worker: Any) -> dict[str, int]:
@@ -315,7 +319,9 @@ def set_mode(worker: Any, mode: str) -> None:
                 os.sched_setaffinity(int(task), apart or range(os.cpu_count() or 1))
             except OSError:  # a thread that just ended
                 pass
-    if mode in ("off", "routers-only", "off-again"):
+    if hasattr(type(worker.model_runner), "_bench_busy_ns"):
+        busy_after_launch(worker, BUSY_AFTER_LAUNCH_US if mode.endswith("-busy") else 0)
+    if mode in ("off", "routers-only", "off-again", "off-busy"):
         worker.moetrace_pause()
         if mode == "routers-only":
             for slot, (moe, entry) in enumerate(zip(recorder.runners, recorder.entries)):
@@ -347,7 +353,7 @@ def set_mode(worker: Any, mode: str) -> None:
         copier._mapped, copier._block = None, worker._bench_block
     elif mode == "pack-graph" and mapped is not None:
         copier.copy = graph_pack(worker, recorder, copier.copy)
-    elif mode in ("no-layout", "runner-only"):
+    elif mode in ("no-layout", "runner-only", "no-layout-busy"):
         recorder._layout = lambda *plan: None  # no step pending: the later hooks find nothing to do
     if mode == "runner-only":
         for moe, entry in zip(recorder.runners, recorder.entries):
@@ -356,6 +362,23 @@ def set_mode(worker: Any, mode: str) -> None:
                 unwrap_logits_entry(entry[0])
     timing_every = vars(worker).setdefault("_bench_timing_every", recorder.timing_every)  # the recorder's own
     recorder.timing_every = 1 << 60 if mode == "untimed" else timing_every
+
+
+def busy_after_launch(worker: Any, spin_us: int) -> None:
+    """In the worker: from now on spin ``spin_us`` on entry to V1's ``_sample`` (the first call after a forward's
+    launch; installed once at class level, before the rounds, so the recorder's hooks, installed anew each round,
+    wrap it; at 0 it only reads the clock)."""
+    runner_class = type(worker.model_runner)
+    if not hasattr(runner_class, "_bench_busy_ns"):
+        sample = runner_class._sample
+
+        def spinning_sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+            until = time.perf_counter_ns() + runner_class._bench_busy_ns
+            while time.perf_counter_ns() < until:
+                pass
+            return sample(self, *args, **kwargs)
+        runner_class._sample = spinning_sample
+    runner_class._bench_busy_ns = spin_us * 1000
 
 
 def graph_pack(worker: Any, recorder: Any, cat: Any) -> Any:
@@ -788,6 +811,8 @@ def main() -> None:
             pinned = llm.collective_rpc(pin_engine_thread)[0] if args.pin_engine_thread else None
             timed_generate(llm, base, len(base), 16)  # warm-up
             llm.collective_rpc(idle_window_probe, args=(False, args.faults))  # hooks reinstalled each round wrap it
+            if any(mode.endswith("-busy") for mode in modes):
+                llm.collective_rpc(busy_after_launch, args=(0,))
             if args.hook_times:
                 llm.collective_rpc(hook_times, args=(False, args.faults))
             if args.cpu_probe:
