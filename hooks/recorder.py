@@ -127,6 +127,7 @@ class Recorder:
         # A recording window under `vllm serve`: close after this many steps or seconds (None: until shutdown).
         self.window_steps: int | None = settings.get("steps")
         self.window_seconds: float | None = settings.get("seconds")
+        self._windowed = self.window_steps is not None or self.window_seconds is not None
         self._first_step_at: float | None = None
         self._window_ends = False  # the step under way is the window's last: close once it is queued
         self._close_lock = threading.Lock()
@@ -136,7 +137,10 @@ class Recorder:
                        "phase_timing": 0}
         self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in PHASES}
         self._timing_phase = 0.0  # a Weyl sequence: steps timed evenly, never in step with a periodic workload
+        self._time_next = False  # whether the next step is timed: decided once a forward is launched
+        self._advance_timing()
         self._timing = False  # whether the step under way is timed (its phases and the hooks' own time)
+        self._phases_in_flight = False  # whether a timed step's events may not have been read yet
         self._batch = 0  # requests scheduled in the timed step under way
         self._t_start = 0  # when the step under way began (ns since the epoch)
         self._forward_began = 0  # the timed step's start (perf_counter_ns), and the events around its forward
@@ -145,6 +149,7 @@ class Recorder:
             "step": self.step_begins, "sample": self.sample, "sample_tokens": self.sample_tokens,
             "drafting": self.propose_draft_tokens, "capture_model": self.capture_model}
         self._installed: list[tuple[HookPoint, Any]] = []  # each hook, and the instance attribute it replaced
+        self._timed_only: list[HookPoint] = []  # hooked only while a timed step is under way
         self.install()
 
     def install(self) -> None:
@@ -156,19 +161,37 @@ class Recorder:
                 wrap_router(moe.router, slot, self.capture)
             else:
                 wrap_logits_entry(entry[0], entry[1], moe.router, slot, self.capture)
-        for point in self.model_runner.hook_points():
-            replaced = vars(point.owner).get(point.name)
-            if getattr(replaced, _HOOK_MARK, False):
-                continue
-            original = getattr(point.owner, point.name)
-            if point.plan is None:
-                hook = functools.partial(self._roles[point.role], original)
-            else:
-                planned = self.forward_planned_at_launch if point.plan_at_launch else self.forward_planned
-                hook = functools.partial(planned, original, point.plan)
-            setattr(hook, _HOOK_MARK, True)
-            setattr(point.owner, point.name, hook)
-            self._installed.append((point, replaced))
+        points = self.model_runner.hook_points()
+        self._timed_only = [point for point in points if point.timed_only]
+        for point in points:
+            if not point.timed_only:
+                self._hook(point)
+
+    def _hook(self, point: HookPoint) -> None:
+        replaced = vars(point.owner).get(point.name)
+        if getattr(replaced, _HOOK_MARK, False):
+            return
+        original = getattr(point.owner, point.name)
+        if point.plan is None:
+            hook = functools.partial(self._roles[point.role], original)
+        else:
+            planned = self.forward_planned_at_launch if point.plan_at_launch else self.forward_planned
+            hook = functools.partial(planned, original, point.plan)
+        setattr(hook, _HOOK_MARK, True)
+        setattr(point.owner, point.name, hook)
+        self._installed.append((point, replaced))
+
+    def _unhook(self, point: HookPoint, replaced: Any) -> None:
+        if replaced is None:
+            vars(point.owner).pop(point.name, None)  # the class's method shows through again
+        else:
+            setattr(point.owner, point.name, replaced)
+
+    def _unhook_timed_only(self) -> None:
+        """Remove the hooks installed for the timed step under way (``HookPoint.timed_only``)."""
+        for entry in [entry for entry in self._installed if entry[0].timed_only]:
+            self._installed.remove(entry)
+            self._unhook(*entry)
 
     def uninstall(self) -> None:
         """Restore the runner and routers as they were; the writer stays open until ``close``."""
@@ -177,10 +200,7 @@ class Recorder:
             if entry is not None:
                 unwrap_logits_entry(entry[0])
         for point, replaced in reversed(self._installed):
-            if replaced is None:
-                vars(point.owner).pop(point.name, None)  # the class's method shows through again
-            else:
-                setattr(point.owner, point.name, replaced)
+            self._unhook(point, replaced)
         self._installed = []
         self._pending = self._forward_events = self._scheduled = self._step_kwargs = self._plan = None
         self.capture.begin_step()  # the last forward's router outputs are not held while unhooked
@@ -214,27 +234,34 @@ class Recorder:
         self._scheduled, self._step_kwargs, self._plan = scheduler_output, kwargs, None
         if self.capture.ran:  # outside CUDA graphs the routers' Python ran and kept references to their outputs
             self.capture.begin_step()
-        self._timing_phase = (self._timing_phase + GOLDEN_RATIO_CONJUGATE) % 1.0
-        self._timing = self._timing_phase * self.timing_every < 1.0
-        if self._timing:
+        if self._time_next or self._timing:  # a timed step begins, or the last one ended without sampling
             self._begin_timed_step()
         return original(scheduler_output, *args, **kwargs)
 
     def _begin_timed_step(self) -> None:
-        """A timed step begins: its forward phase is timed from here on, if it is a request's step."""
-        self._timing = False
-        if self.writer.failed is not None:
+        """A timed step begins (``_time_next``): its forward phase is timed from here on, and its drafting hooked, if
+        it is a request's step."""
+        timed, self._time_next, self._timing = self._time_next, False, False
+        if not timed or self.writer.failed is not None:
             return
         try:
             if self._is_recorded():
                 self.own_ns["step"] += time.time_ns() - self._t_start
                 began = time.perf_counter_ns()
+                for point in self._timed_only:
+                    self._hook(point)
                 self._forward_events = self.phases["forward"].start()
                 self._forward_began = time.perf_counter_ns()
                 self.own_ns["phase_timing"] += self._forward_began - began
                 self._timing = True
         except Exception as exc:
             self._stop(exc)
+
+    def _advance_timing(self) -> None:
+        """Decide whether the next step is timed (one in ``timing_every``), once the forward is launched: before it,
+        under sync scheduling, the GPU idles."""
+        self._timing_phase = (self._timing_phase + GOLDEN_RATIO_CONJUGATE) % 1.0
+        self._time_next = self._timing_phase * self.timing_every < 1.0
 
     def _is_recorded(self) -> bool:
         """Whether the step under way is a request's: V2 runs its dummy batches (profiling, idle DP ranks) through
@@ -281,11 +308,13 @@ class Recorder:
         self._forward_events = None
         began = time.perf_counter_ns() if self._timing else 0
         self.writer.forward_ready()
-        try:
-            for timing in self.phases.values():
-                timing.read_done()
-        except Exception as exc:
-            self._stop(exc)
+        if self._phases_in_flight:  # a timed step's events: read once they have completed
+            try:
+                for timing in self.phases.values():
+                    timing.read_done()
+                self._phases_in_flight = any(timing.in_flight for timing in self.phases.values())
+            except Exception as exc:
+                self._stop(exc)
         handed = time.perf_counter_ns() if self._timing else 0
         self._pending = None
         plan, self._plan = self._plan, None
@@ -293,10 +322,12 @@ class Recorder:
             try:
                 read, result, args, kwargs = plan if plan is not None else (_already_read, (None, None), (), {})
                 self._pending = self._layout(*read(result, *args, **kwargs))
-                self._window_ends = self._window_over()  # here, not between vLLM's sync and the next launch
+                if self._windowed:  # here, not between vLLM's sync and the next launch
+                    self._window_ends = self._window_over()
             except Exception as exc:
                 self._stop(exc)
         self._scheduled = self._step_kwargs = None
+        self._advance_timing()
         if self._timing:
             self.own_ns["hand_over"] += handed - began
             self.own_ns["layout"] += time.perf_counter_ns() - handed
@@ -330,8 +361,9 @@ class Recorder:
         return sampled
 
     def propose_draft_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if not self._timing:  # most steps: vLLM's sync has passed, so the fewest calls between it and the drafter
-            return original(*args, **kwargs)
+        """Hooked for a timed step only (``HookPoint.timed_only``): vLLM's sync has passed, so on other steps the
+        drafter is called with no hook between."""
+        self._unhook_timed_only()
         return self._timed("drafting", original, *args, **kwargs)
 
     def _timed(self, phase: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -369,7 +401,7 @@ class Recorder:
         output = original(*args, **kwargs)
         began = time.perf_counter_ns() if self._timing else 0
         pending, self._pending = self._pending, None
-        if pending is not None and pending.t_end and self.writer.failed is None:
+        if pending is not None and pending.t_end:  # (the writer drops what it is given once recording failed)
             try:
                 if pending.kept is None:
                     pending.kept = self.model_runner.kept_on_host(output)
@@ -384,6 +416,7 @@ class Recorder:
                 self._stop(exc)
         if self._timing:
             self.own_ns["sample_tokens"] += time.perf_counter_ns() - began
+            self._timing, self._phases_in_flight = False, True
         return output
 
     def engine_thread_us_per_step(self) -> dict[str, float]:
@@ -417,8 +450,9 @@ class Recorder:
                                f"{SharedRows.nbytes(self.ring.capacity, self.ring.width) >> 20} MiB is full")
         self.copier.copy(columns, where)
         self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
+        self.step += 1
         return PendingStep(
-            step=self._next_step(),
+            step=self.step - 1,
             t_start=self._t_start,
             requests=np.array([self.request_index.setdefault(r, len(self.request_index)) for r in inputs.req_ids],
                               dtype=np.uint32),
@@ -428,10 +462,6 @@ class Recorder:
             packed=RingRows(where.offset, num_tokens, where.end),  # padding rows, if any, left out
             layout=self.layout,
         )
-
-    def _next_step(self) -> int:
-        self.step += 1
-        return self.step - 1
 
 
 def _already_read(plan: ForwardPlan) -> ForwardPlan:
@@ -476,6 +506,11 @@ class PhaseTiming:
         if events:
             events[1].record()
             self._in_flight.append((batch, *events))
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a call's events wait to be read."""
+        return bool(self._in_flight)
 
     def read_done(self, wait: bool = False) -> None:
         """Keep the device time of every call whose events have completed (``wait``: all of them, at close)."""

@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -172,10 +172,10 @@ class HookPoint:
     name: str
     plan: Callable[..., ForwardPlan] | None = None
     plan_at_launch: bool = False
+    timed_only: bool = False  # hooked only while a timed step is under way (it times a phase, and nothing else)
 
 
-@dataclass(frozen=True)
-class StepInputs:
+class StepInputs(NamedTuple):
     """What a step's rows need from the runner, read right after its forward: host arrays (copied, the runner
     reuses them), positions and token ids where the runner keeps them (device or host)."""
 
@@ -209,7 +209,7 @@ class RunnerV1:
         runner = self.runner
         return [HookPoint("step", runner, "_update_states"), HookPoint("sample", runner, "_sample"),
                 HookPoint("sample_tokens", runner, "sample_tokens"),
-                HookPoint("drafting", runner, "propose_draft_token_ids"),
+                HookPoint("drafting", runner, "propose_draft_token_ids", timed_only=True),
                 HookPoint("graph", runner, "_determine_batch_execution_and_padding", self.forward_plan,
                           plan_at_launch=True)]
 
@@ -285,7 +285,7 @@ class RunnerV2:
                   HookPoint("sample_tokens", runner, "sample_tokens"),
                   HookPoint("capture_model", runner, "capture_model")]
         if runner.speculator is not None:
-            points.append(HookPoint("drafting", runner.speculator, "propose"))
+            points.append(HookPoint("drafting", runner.speculator, "propose", timed_only=True))
         manager = runner.cudagraph_manager  # built with the KV cache, after load: hooked when graphs are captured
         if manager is not None:
             require_fields(manager, GRAPH_MANAGER_V2_FIELDS, "CUDA graph manager (V2)")
