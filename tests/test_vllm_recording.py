@@ -264,7 +264,8 @@ def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Pat
     # never in step with the workload's period, within 3 of a third over any number of steps)
     steps = compiled.manifest["counts"]["steps"]
     assert compiled.manifest["capture"]["phases_timed_every"] == 3
-    timed = {phase: sum(t["calls"] for t in per_batch.values()) for phase, per_batch in compiled.manifest["phases"].items()}
+    timed = {phase: sum(t["calls"] for t in per_batch.values())
+             for phase, per_batch in compiled.manifest["phases"].items()}
     assert abs(timed["forward"] - steps / 3) <= 3
     # the drafter is hooked for the timed steps only, and timed in (nearly) every one of them
     assert timed["forward"] / 2 < timed["drafting"] <= timed["forward"]
