@@ -1,75 +1,114 @@
-"""How many drafts verification accepts: per draft position, and mean accepted length per step."""
+"""How many drafts verification accepts, from the steps table: per draft position, tokens per step, step times.
+
+One definition of acceptance serves the tables, the cost model and the decision: the rate at draft position i is
+unconditional, the request-steps that accepted at least i drafts over every decoding request-step at that k (those
+that proposed fewer than i drafts, or none, count as not accepting at i). So 1 + the sum of the rates over
+i = 1..k is exactly the mean tokens a decoding request-step gains.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import polars as pl
 
+from moetrace.analysis.predicates import decoding
+from moetrace.analysis.sources import Source
 
-def acceptance_by_position(routing: pl.LazyFrame) -> pl.DataFrame:
-    """Per draft position 1..k: drafts proposed, accepted, and the acceptance rate (one row per token: the first
-    recorded layer stands for all)."""
-    return (
-        routing.filter(
-            (pl.col("phase").cast(pl.String) == "verify")
-            & (pl.col("draft_pos") > 0)
-            & (pl.col("layer") == pl.col("layer").min())
-        )
-        .group_by("draft_pos")
-        .agg(proposed=pl.len().cast(pl.Int64), accepted=pl.col("accepted").fill_null(False).sum().cast(pl.Int64))
-        .with_columns(acceptance_rate=pl.col("accepted") / pl.col("proposed"))
-        .sort("draft_pos")
-        .collect()
-    )
+
+def acceptance_by_position(steps: pl.LazyFrame, k: int) -> pl.DataFrame:
+    """Per draft position 1..k: decoding request-steps, those that proposed at least i drafts, those that accepted at
+    least i, the unconditional ``acceptance_rate`` (accepted ÷ request-steps) and the ``conditional_rate`` (accepted
+    at i ÷ accepted at i−1: how often a draft is accepted once every draft before it was)."""
+    decode = steps.filter(decoding())
+    per_position = decode.select(
+        request_steps=pl.len().cast(pl.Int64),
+        **{f"proposed_{i}": (pl.col("num_drafts") >= i).sum().cast(pl.Int64) for i in range(1, k + 1)},
+        **{f"accepted_{i}": (pl.col("num_accepted") >= i).sum().cast(pl.Int64) for i in range(1, k + 1)},
+    ).collect()
+    request_steps = int(per_position["request_steps"].item()) if k else 0
+    rows = []
+    for i in range(1, k + 1):
+        accepted = int(per_position[f"accepted_{i}"].item())
+        before = request_steps if i == 1 else int(per_position[f"accepted_{i - 1}"].item())
+        rows.append({"draft_pos": i, "request_steps": request_steps,
+                     "proposed": int(per_position[f"proposed_{i}"].item()), "accepted": accepted,
+                     "acceptance_rate": accepted / request_steps if request_steps else None,
+                     "conditional_rate": accepted / before if before else None})
+    schema = {"draft_pos": pl.Int32(), "request_steps": pl.Int64(), "proposed": pl.Int64(), "accepted": pl.Int64(),
+              "acceptance_rate": pl.Float64(), "conditional_rate": pl.Float64()}
+    return pl.DataFrame(rows, schema=schema, orient="row")
+
+
+def tokens_per_step(rates: Sequence[float]) -> float:
+    """Tokens a request gains per step: 1 (the token the target model always yields) + the unconditional
+    acceptance rates of draft positions 1..k."""
+    return 1.0 + float(sum(rates))
+
+
+def acceptance_curve(measured: Mapping[int, float], k: int) -> tuple[list[float], bool]:
+    """Unconditional rates for positions 1..k from those measured at positions 1..K (one trace at K); positions
+    past K continue geometrically with the last measured conditional rate (rate K ÷ rate K−1). Returns the rates
+    and whether any was extrapolated."""
+    positions = sorted(p for p in measured if p >= 1)
+    if not positions:
+        raise ValueError("no measured acceptance")
+    last = float(measured[positions[-1]])
+    before = float(measured[positions[-2]]) if len(positions) > 1 else 1.0
+    conditional = min(last / before, 1.0) if before > 0 else 0.0
+    out: list[float] = []
+    for i in range(1, k + 1):
+        out.append(float(measured[i]) if i in measured else (out[-1] if out else 1.0) * conditional)
+    return out, k > positions[-1]
 
 
 def acceptance_summary(steps: pl.LazyFrame) -> pl.DataFrame:
-    """One row: verification windows (request-steps with drafts), mean drafts and mean accepted length per window,
-    and tokens gained per decoding request-step (1 + accepted; prefill chunks excluded)."""
-    decoding = steps.filter(pl.col("num_tokens") == pl.col("num_drafts") + 1)
+    """One row: decoding request-steps (``windows``: each is one verification window, or one plain decode token
+    where nothing was proposed), those with drafts, mean drafts and accepted per window with drafts, mean tokens
+    a request-step read (``tokens_read``: anchor + drafts) and ``tokens_per_step`` gained (1 + accepted)."""
+    decode = steps.filter(decoding())
     with_drafts = pl.col("num_drafts") > 0
-    return decoding.select(
+    return decode.select(
+        windows=pl.len().cast(pl.Int64),
         verify_windows=with_drafts.sum().cast(pl.Int64),
         mean_drafts=pl.col("num_drafts").filter(with_drafts).mean().cast(pl.Float64),
         mean_accepted=pl.col("num_accepted").filter(with_drafts).mean().cast(pl.Float64),
+        tokens_read=pl.col("num_tokens").mean().cast(pl.Float64),
         tokens_per_step=(pl.col("num_accepted").mean() + 1).cast(pl.Float64),
     ).collect()
 
 
+def decode_steps(steps: pl.LazyFrame) -> pl.LazyFrame:
+    """One row per engine step ``(dp_rank, step)``: whether every request in it was decoding, its requests, its
+    start and end (ns) and the tokens its requests gained (1 + accepted, summed)."""
+    return steps.group_by("dp_rank", "step").agg(
+        decoding=decoding().all(), requests=pl.len(), t_start_ns=pl.col("t_start_ns").first(),
+        t_end_ns=pl.col("t_end_ns").first(), kept=(pl.col("num_accepted") + 1).sum())
+
+
 def step_times(steps: pl.LazyFrame) -> pl.DataFrame:
     """One row over the steps in which every request was decoding (no prefill chunk): how many, their median
-    duration in ms (recorded wall-clock bounds: from vLLM's ``execute_model`` to its sync after sampling, drafting
-    included) and median requests per step."""
-    per_step = (
-        steps.group_by("step")
-        .agg(
-            decoding=(pl.col("num_tokens") == pl.col("num_drafts") + 1).all(),
-            duration_ms=((pl.col("t_end_ns") - pl.col("t_start_ns")).first() / 1e6),
-            requests=pl.len(),
-        )
-        .filter(pl.col("decoding"))
-    )
+    duration in ms (recorded bounds: from vLLM's ``execute_model`` to its sync after sampling, drafting included)
+    and median requests per step."""
+    per_step = decode_steps(steps).filter(pl.col("decoding"))
     return per_step.select(
         decode_steps=pl.len().cast(pl.Int64),
-        step_ms=pl.col("duration_ms").median().cast(pl.Float64),
+        step_ms=((pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6).median().cast(pl.Float64),
         requests_per_step=pl.col("requests").median().cast(pl.Float64),
     ).collect()
 
 
 def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
-    """Per concurrency (``batch``: requests per step): the median time from one decode step's start to the next's,
-    host scheduling between them included, over consecutive steps of the same requests count in which every
-    request was decoding; how many such pairs there were; and the tokens each request gained per step in them
-    (1 + accepted drafts). This is what each request waits per step, and what it gets for it."""
-    per_step = (
-        steps.group_by("step")
-        .agg(decoding=(pl.col("num_tokens") == pl.col("num_drafts") + 1).all(), requests=pl.len(),
-             t_start_ns=pl.col("t_start_ns").first(), kept=(pl.col("num_accepted") + 1).sum())
-        .sort("step")
-    )
-    following = [pl.col(name).shift(-1).alias(f"next_{name}")
+    """Per concurrency (``batch``: requests per step): the median time from one decode step's start to the next's on
+    the same data-parallel rank, host scheduling between them included, over consecutive steps of one rank with the
+    same requests count in which every request was decoding; how many such pairs there were; and the tokens each
+    request gained per step in them (1 + accepted drafts). This is what each request waits per step, and what it
+    gets for it."""
+    following = [pl.col(name).shift(-1).over("dp_rank").alias(f"next_{name}")
                  for name in ("step", "decoding", "requests", "t_start_ns")]
     return (
-        per_step.with_columns(following)
+        decode_steps(steps).sort("dp_rank", "step")
+        .with_columns(following)
         .filter(pl.col("decoding") & pl.col("next_decoding") & (pl.col("next_step") == pl.col("step") + 1)
                 & (pl.col("next_requests") == pl.col("requests")))
         .group_by(batch=pl.col("requests").cast(pl.Int32))
@@ -87,3 +126,48 @@ def measured_speedup(per_k: pl.LazyFrame) -> pl.DataFrame:
     rate = pl.col("tokens_per_step") / pl.col("step_ms")
     baseline = rate.filter(pl.col("k") == 0).first()
     return per_k.with_columns(measured_speedup=rate / baseline).collect()
+
+
+ACCEPTANCE_SCHEMA: dict[str, pl.DataType] = {
+    "k": pl.Int32(), "tokens_per_step": pl.Float64(), "tokens_read": pl.Float64(), "request_steps": pl.Int64(),
+    "acceptance_source": pl.String()}
+
+
+def acceptance_per_k(recorded: Mapping[int, pl.LazyFrame], ks: Sequence[int], given_rate: float | None = None
+                     ) -> pl.DataFrame:
+    """Per k: tokens a request gains per step, tokens a request-step reads, the decoding request-steps behind them,
+    and where they come from. ``recorded``: the steps table of each trace of the sweep, by its k.
+
+    - a recorded k: measured (``acceptance_summary``; equal to 1 + the unconditional rates);
+    - a k below a recorded one: estimated from the nearest larger recorded K: its rates at positions 1..k, and
+      1 + mean(min(drafts, k)) tokens read;
+    - past the largest recorded K: extrapolated (``acceptance_curve``), reading K's tokens plus, per extra
+      position, the share of request-steps that proposed all K drafts;
+    - ``given_rate``: each draft accepted with that rate while all before it were; k+1 tokens read."""
+    rows = []
+    for k in ks:
+        if given_rate is not None:
+            rows.append({"k": k, "tokens_per_step": tokens_per_step([given_rate ** i for i in range(1, k + 1)]),
+                         "tokens_read": float(k + 1), "request_steps": None,
+                         "acceptance_source": Source.GIVEN.value})
+            continue
+        larger = [recorded_k for recorded_k in recorded if recorded_k >= k]
+        at = min(larger) if larger else max(recorded)
+        steps = recorded[at].filter(decoding())
+        by_position = acceptance_by_position(recorded[at], at)
+        rates = dict(zip(by_position["draft_pos"].to_list(), by_position["acceptance_rate"].to_list()))
+        counts = steps.select(
+            request_steps=pl.len(), read=(pl.col("num_drafts").clip(upper_bound=k) + 1).mean(),
+            full=(pl.col("num_drafts") >= at).mean()).collect().row(0, named=True)
+        if k == at or k == 0:  # k = 0 gains and reads one token per step, by definition
+            source, read = Source.MEASURED, counts["read"]
+            gained = tokens_per_step([rates[i] for i in range(1, k + 1)])
+        elif k < at:
+            source, read = Source.ESTIMATED, counts["read"]
+            gained = tokens_per_step([rates[i] for i in range(1, k + 1)])
+        else:
+            source, read = Source.EXTRAPOLATED, counts["read"] + (k - at) * (counts["full"] or 0.0)
+            gained = tokens_per_step(acceptance_curve(rates, k)[0]) if rates else 1.0
+        rows.append({"k": k, "tokens_per_step": gained, "tokens_read": read, "request_steps": counts["request_steps"],
+                     "acceptance_source": source.value})
+    return pl.DataFrame(rows, schema=ACCEPTANCE_SCHEMA, orient="row")

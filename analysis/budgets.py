@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from moetrace.analysis.growth import accepted_sequence
+from moetrace.analysis.predicates import accepted_sequence, not_prefill, step_key
 
 WINDOW = ["layer", "window_major", "window_minor"]
 NEVER_KEPT = 1 << 30  # rank of a picked expert the candidates did not list
@@ -31,7 +31,7 @@ def budget_windows(routing: pl.LazyFrame, k: int, measured: bool, share: float =
     means over windows, so a uniform sample estimates them at a fraction of the cost."""
     if measured:
         keyed = routing.filter(pl.col("phase").cast(pl.String) == "verify").with_columns(
-            window_major=pl.col("step"), window_minor=pl.col("request")
+            window_major=step_key(), window_minor=pl.col("request")
         )
     else:
         keyed = accepted_sequence(routing).with_columns(
@@ -53,45 +53,52 @@ MAX_SAMPLE_ROWS = 3_000_000
 @dataclass(frozen=True)
 class WindowSample:
     """What windows at any k are cut from, read from the trace once: the accepted sequence of a deterministic
-    sample of position blocks ``(request, position // SAMPLE_BLOCK)`` (counterfactual windows), and the verify rows
-    of a deterministic sample of steps (measured windows at the trace's own k; None without drafts). ``share``: the
-    share of blocks and steps kept (1.0: the whole trace)."""
+    sample of position blocks ``(request, position // SAMPLE_BLOCK)`` (counterfactual windows), and every
+    non-prefill row of a deterministic sample of whole steps (``stepped``: the recorded request-steps, at the
+    trace's own k). ``share``: the share of blocks and steps kept (1.0: the whole trace)."""
 
     accepted: pl.DataFrame
-    verify: pl.DataFrame | None
+    stepped: pl.DataFrame
     share: float
 
     def windows(self, k: int, measured: bool, max_windows: int) -> tuple[pl.LazyFrame, float]:
         """``budget_windows`` of the sample, thinned to about ``max_windows`` windows per layer; with the share of
         the trace's windows they stand for."""
-        rows = self.verify if measured and self.verify is not None else self.accepted
-        layers = max(int(rows["layer"].n_unique()), 1)
-        share = window_share(rows.height, layers, k, max_windows)
+        rows = self.stepped if measured else self.accepted
+        share = window_share(rows.height, max(int(rows["layer"].n_unique()), 1), k, max_windows)
         if measured:  # whole steps, so that a step's windows stay together
-            thinned = rows.lazy().filter(pl.col("step").hash(seed=1) % HASH_RANGE < int(share * HASH_RANGE))
-            return budget_windows(thinned, k, True), share * self.share
+            return budget_windows(self._whole_steps(share), k, True), share * self.share
         return budget_windows(rows.lazy(), k, False, share), share * self.share
+
+    def request_steps(self, max_windows: int) -> tuple[pl.LazyFrame, float]:
+        """Every recorded request-step as a window (``window_major``: its step key, ``window_minor``: its request),
+        all its tokens (anchor, accepted and rejected drafts, or one decode token), thinned by whole steps to about
+        ``max_windows`` windows per layer; with the share of the trace's request-steps they stand for."""
+        windows = self.stepped.select("step_key", "request").n_unique() if self.stepped.height else 0
+        share = 1.0 if windows <= max_windows else max_windows / windows
+        keyed = self._whole_steps(share).with_columns(window_major=pl.col("step_key"), window_minor=pl.col("request"))
+        return keyed, share * self.share
+
+    def _whole_steps(self, share: float) -> pl.LazyFrame:
+        rows = self.stepped.lazy()
+        return rows if share >= 1.0 else rows.filter(pl.col("step_key").hash(seed=1) % HASH_RANGE < int(share * HASH_RANGE))
 
 
 def window_sample(routing: pl.LazyFrame, trace_k: int, columns: list[str],
                   max_rows: int = MAX_SAMPLE_ROWS) -> WindowSample:
     """One pass over the trace per table (see ``WindowSample``); ``columns`` besides the keys every window needs."""
-    keys = ["layer", "step", "request", "position", "phase", "draft_pos", "accepted"]
+    keys = ["layer", "step", "dp_rank", "request", "position", "phase", "draft_pos", "accepted"]
     total = int(routing.select(pl.len()).collect().item())
     share = min(1.0, max_rows / max(total, 1))
     keep = int(share * HASH_RANGE)
     accepted = accepted_sequence(routing)
+    stepped = routing.filter(not_prefill()).with_columns(step_key())
     if share < 1.0:
         block = pl.struct(pl.col("request"), pl.col("position") // SAMPLE_BLOCK).hash(seed=0) % HASH_RANGE
         accepted = accepted.filter(block < keep)
-    verify = None
-    if trace_k > 0:
-        verify = routing.filter(pl.col("phase").cast(pl.String) == "verify")
-        if share < 1.0:
-            verify = verify.filter(pl.col("step").hash(seed=0) % HASH_RANGE < keep)
+        stepped = stepped.filter(pl.col("step_key").hash(seed=0) % HASH_RANGE < keep)
     chosen = [*keys, *columns]
-    return WindowSample(accepted.select(chosen).collect(),
-                        None if verify is None else verify.select(chosen).collect(), share)
+    return WindowSample(accepted.select(chosen).collect(), stepped.select(*chosen, "step_key").collect(), share)
 
 
 def window_share(rows: int, layers: int, k: int, max_windows: int) -> float:

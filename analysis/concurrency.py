@@ -1,27 +1,33 @@
-"""Unique experts one verification step reads at concurrency B: the union of B requests' windows of k+1 tokens.
+"""Unique experts one step reads at concurrency B, per k: the one definition the cost model, the decision, the
+self-check and the tables share (B = 1 is one request's step).
 
-- measured: steps of the trace that verified exactly B requests at the trace's own k (the union of their recorded
-  windows), where the trace has at least ``MIN_MEASURED_STEPS`` such steps;
-- estimated: the mean union of B distinct windows drawn at random (seeded: disjoint groups of a few random
-  permutations) from the trace's own per-request windows at k (the recorded windows at the trace's k, windows of k+1 consecutive accepted tokens at any
-  other k); with fewer windows than B, every window once (so a lower bound, and labelled so);
-- uniform: N·(1−(1−K/N)^(B(k+1))), B(k+1) independent uniformly random top-K sets.
+At a k a trace of the sweep recorded (its request-steps: every token each request read in a step, anchors,
+accepted and rejected drafts, or one decode token where nothing was proposed):
 
-Long traces are sampled to about ``MAX_WINDOWS`` windows per layer and k first (whole steps where steps are unioned).
+- measured: over the steps that really ran B requests, all of them decoding (per data-parallel rank, from the
+  steps table), the union of every token the step read, where the trace has at least ``MIN_MEASURED_STEPS``;
+- estimated: otherwise, the mean union of B distinct request-steps drawn at random (seeded: disjoint groups of a
+  few random permutations; B = 1: every request-step once, exactly);
+- lower bound: fewer request-steps than B: the union of all of them.
 
-Per layer, with the experts on the busiest rank under an expert placement beside the unique count.
+At a k no trace recorded: windows of k+1 consecutive accepted tokens of the primary trace (counterfactual), drawn
+the same way (lower bound when fewer than B). Alongside: uniform, N·(1−(1−K/N)^(B(k+1))).
+
+Long traces are sampled to about ``MAX_WINDOWS`` windows per layer and k first (whole steps where steps are
+unioned). Per layer, with the experts on the busiest rank under an expert placement and the ranks touched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import polars as pl
 
+from moetrace.analysis.acceptance import decode_steps
 from moetrace.analysis.budgets import WINDOW, WindowSample
-from moetrace.analysis.cost import uniform_busiest_rank
 from moetrace.analysis.expert_sets import (
     Masks,
     count_experts,
@@ -31,12 +37,9 @@ from moetrace.analysis.expert_sets import (
     per_rank_counts,
     rank_masks,
 )
-from moetrace.analysis.growth import uniform_unique_experts
+from moetrace.analysis.predicates import step_key
+from moetrace.analysis.sources import Source, least_direct_expr
 
-MEASURED_BATCH = "measured"
-ESTIMATED = "estimated"
-ESTIMATED_ALL = "lower bound"  # fewer windows than B: the union of all of them
-DIRECTNESS = {MEASURED_BATCH: 0, ESTIMATED: 1, ESTIMATED_ALL: 2}
 MIN_MEASURED_STEPS = 5
 SAMPLES = 256
 MAX_PERMUTATIONS = 8
@@ -46,18 +49,33 @@ MAX_WINDOWS = 4_000
 
 SCHEMA: dict[str, pl.DataType] = {
     "batch": pl.Int32(), "k": pl.Int32(), "layer": pl.Int32(), "unique_experts": pl.Float64(),
-    "busiest_rank_experts": pl.Float64(), "uniform_bound": pl.Float64(), "source": pl.String(),
+    "busiest_rank_experts": pl.Float64(), "ranks_touched": pl.Float64(), "uniform_bound": pl.Float64(),
+    "windows": pl.Int64(), "steps": pl.Int64(), "source": pl.String(),
 }
 
 
-def uniform_batch_union(num_experts: int, top_k: int, tokens: int) -> float:
+def uniform_unique_experts(num_experts: int, top_k: int, tokens: int) -> float:
     """Expected unique experts in ``tokens`` tokens that each pick top_k of num_experts uniformly at random."""
-    return uniform_unique_experts(num_experts, top_k, tokens - 1)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+@dataclass(frozen=True)
+class RecordedK:
+    """A trace of the sweep at its own k: its rows (``WindowSample``) and its steps table."""
+
+    sample: WindowSample
+    steps: pl.LazyFrame
+
+
+def decoding_step_sizes(steps: pl.LazyFrame) -> dict[int, int]:
+    """Step key → requests, for the steps in which every request was decoding."""
+    sizes = decode_steps(steps).filter(pl.col("decoding")).select(step_key(), "requests").collect()
+    return dict(zip(sizes["step_key"].to_list(), sizes["requests"].to_list()))
 
 
 def window_masks(windows: pl.LazyFrame, num_experts: int) -> dict[int, tuple[Masks, npt.NDArray[np.int64]]]:
-    """Per layer: one expert bitset per window and the window's ``window_major`` key (the step of a recorded
-    window)."""
+    """Per layer: one expert bitset per window and the window's ``window_major`` key (the step key of a recorded
+    request-step)."""
     frame = windows.select(*WINDOW, "experts").sort(WINDOW).collect()
     out: dict[int, tuple[Masks, npt.NDArray[np.int64]]] = {}
     for (layer,), part in frame.group_by("layer", maintain_order=True):
@@ -68,25 +86,23 @@ def window_masks(windows: pl.LazyFrame, num_experts: int) -> dict[int, tuple[Mas
     return out
 
 
-def _busiest(masks: Masks, ranks: Masks) -> npt.NDArray[np.int64]:
-    if len(ranks) == 1:
-        return count_experts(masks)
-    busiest: npt.NDArray[np.int64] = per_rank_counts(masks, ranks).max(axis=1)
-    return busiest
-
-
-def measured_batch_unions(masks: Masks, steps: npt.NDArray[np.int64], batch: int) -> Masks:
-    """The union per step over the steps that verified exactly ``batch`` windows."""
+def measured_batch_unions(masks: Masks, steps: npt.NDArray[np.int64], batch: int,
+                          sizes: Mapping[int, int]) -> Masks:
+    """The union per step over the steps that ran exactly ``batch`` requests, all decoding (``sizes``), and whose
+    every request-step is in the rows (a step with rows missing is not measured)."""
     starts = group_starts(steps)
-    sizes = np.diff(np.append(starts, len(steps)))
-    unions: Masks = group_union(masks, starts)[sizes == batch]
+    windows = np.diff(np.append(starts, len(steps)))
+    ran = np.array([sizes.get(int(key), -1) for key in steps[starts]], dtype=np.int64)
+    unions: Masks = group_union(masks, starts)[(ran == batch) & (windows == batch)]
     return unions
 
 
 def sampled_batch_unions(masks: Masks, batch: int, samples: int, seed: int) -> tuple[Masks, bool]:
-    """Unions of ``batch`` distinct windows, about ``samples`` of them: disjoint groups of random permutations of
-    the windows (a few permutations at most, so vectorised); all windows once when there are fewer than ``batch``
-    (the second value says so)."""
+    """Unions of ``batch`` distinct windows: one batch = every window once (exact mean); else about ``samples``
+    disjoint groups of a few random permutations (vectorised); all windows once when there are fewer than
+    ``batch`` (the second value says so)."""
+    if batch == 1:
+        return masks, False
     if len(masks) <= batch:
         return np.bitwise_or.reduce(masks, axis=0, keepdims=True), len(masks) < batch
     rng = np.random.default_rng(seed)
@@ -97,59 +113,74 @@ def sampled_batch_unions(masks: Masks, batch: int, samples: int, seed: int) -> t
     return np.bitwise_or.reduce(masks[groups], axis=1), False
 
 
-def batch_unions(sample: WindowSample, num_experts: int, top_k: int, expert_rank: npt.NDArray[np.int64],
-                 ks: Sequence[int], batches: Sequence[int], trace_k: int, seed: int = 0,
-                 recorded: Mapping[int, WindowSample] | None = None) -> pl.DataFrame:
-    """Per (batch, k, layer): unique experts and busiest-rank experts one step reads, and the uniform bound. From
-    ``sample`` (recorded at ``trace_k``), or at a k that a sweep recorded in a trace of its own, from that trace's
-    sample (``recorded``): its steps are steps at that k."""
+def batch_unions(counterfactual: WindowSample, recorded: Mapping[int, RecordedK], num_experts: int, top_k: int,
+                 expert_rank: npt.NDArray[np.int64], ks: Sequence[int], batches: Sequence[int],
+                 seed: int = 0) -> pl.DataFrame:
+    """Per (batch, k, layer): unique experts, busiest-rank experts and ranks touched one step reads, what they rest
+    on (windows, measured steps), the uniform bound and the source (see the module doc). ``recorded``: the sweep's
+    traces by k; ``counterfactual``: the primary trace's sample, for the k no trace recorded."""
     ranks = rank_masks(expert_rank, num_experts)
     rows: list[dict[str, object]] = []
     for k in ks:
-        own = (recorded or {}).get(k) if k > 0 else None
-        measured_k = own is not None or (k == trace_k and k > 0)
-        windows, _ = (own or sample).windows(k, measured_k, MAX_WINDOWS)
+        at_k = recorded.get(k)
+        if at_k is not None:
+            windows, _ = at_k.sample.request_steps(MAX_WINDOWS)
+            sizes = decoding_step_sizes(at_k.steps)
+        else:
+            windows, _ = counterfactual.windows(k, False, MAX_WINDOWS)
+            sizes = {}
         per_layer = window_masks(windows, num_experts)
         for batch in batches:
-            bound = uniform_batch_union(num_experts, top_k, batch * (k + 1))
             for layer, (masks, steps) in sorted(per_layer.items()):
-                unions = measured_batch_unions(masks, steps, batch) if measured_k else masks[:0]
-                source = MEASURED_BATCH
-                if len(unions) < MIN_MEASURED_STEPS:
+                unions = measured_batch_unions(masks, steps, batch, sizes) if at_k is not None else masks[:0]
+                measured_steps = len(unions)
+                source = Source.MEASURED
+                if measured_steps < MIN_MEASURED_STEPS:
                     unions, short = sampled_batch_unions(masks, batch, SAMPLES, seed + 7919 * layer + batch)
-                    source = ESTIMATED_ALL if short else ESTIMATED
+                    measured_steps = 0
+                    source = (Source.LOWER_BOUND if short else
+                              Source.ESTIMATED if at_k is not None else Source.COUNTERFACTUAL)
                 if len(unions) == 0:
                     continue
+                on_rank = per_rank_counts(unions, ranks) if len(ranks) > 1 else count_experts(unions)[:, None]
                 rows.append({"batch": batch, "k": k, "layer": layer,
                              "unique_experts": float(count_experts(unions).mean()),
-                             "busiest_rank_experts": float(_busiest(unions, ranks).mean()),
-                             "uniform_bound": bound, "source": source})
+                             "busiest_rank_experts": float(on_rank.max(axis=1).mean()),
+                             "ranks_touched": float((on_rank > 0).sum(axis=1).mean()),
+                             "uniform_bound": uniform_unique_experts(num_experts, top_k, batch * (k + 1)),
+                             "windows": len(masks), "steps": measured_steps, "source": source.value})
     return pl.DataFrame(rows, schema=SCHEMA)
 
 
 def uniform_unions(num_experts: int, top_k: int, expert_rank: npt.NDArray[np.int64], ks: Sequence[int],
-                   batches: Sequence[int]) -> pl.DataFrame:
-    """batch_unions' rows for uniformly random routing (one row per batch and k, layer 0)."""
-    single_rank = int(expert_rank.max()) == 0
+                   batches: Sequence[int], samples: int = 400, seed: int = 0) -> pl.DataFrame:
+    """batch_unions' rows for uniformly random routing (one row per batch and k, layer 0): the bound, and the
+    busiest rank by a seeded Monte Carlo of B(k+1) tokens each picking top_k distinct experts."""
+    rng = np.random.default_rng(seed)
+    ranks = rank_masks(expert_rank, num_experts)
     rows = []
     for k in ks:
         for batch in batches:
-            bound = uniform_batch_union(num_experts, top_k, batch * (k + 1))
-            busiest = bound if single_rank else uniform_busiest_rank(
-                num_experts, top_k, expert_rank, batch * (k + 1) - 1, samples=64)
+            tokens = batch * (k + 1)
+            picks = np.argsort(rng.random((samples, tokens, num_experts)), axis=-1)[..., :top_k]
+            masks = np.bitwise_or.reduce(expert_masks(picks.reshape(-1, top_k), num_experts)
+                                         .reshape(samples, tokens, -1), axis=1)
+            on_rank = per_rank_counts(masks, ranks) if len(ranks) > 1 else count_experts(masks)[:, None]
+            bound = uniform_unique_experts(num_experts, top_k, tokens)
             rows.append({"batch": batch, "k": k, "layer": 0, "unique_experts": bound,
-                         "busiest_rank_experts": busiest, "uniform_bound": bound, "source": "uniform"})
+                         "busiest_rank_experts": bound if len(ranks) == 1 else float(on_rank.max(axis=1).mean()),
+                         "ranks_touched": float((on_rank > 0).sum(axis=1).mean()), "uniform_bound": bound,
+                         "windows": 0, "steps": 0, "source": Source.UNIFORM.value})
     return pl.DataFrame(rows, schema=SCHEMA)
 
 
 def union_means(unions: pl.DataFrame) -> pl.DataFrame:
-    """Per (batch, k): the mean over layers, and where the unions came from (the least direct source of any
-    layer)."""
+    """Per (batch, k): the mean over layers, what the least sampled layer rests on, and the least direct source of
+    any layer (``union_source``)."""
     return (
         unions.group_by("batch", "k")
-        .agg(pl.col("unique_experts").mean(), pl.col("busiest_rank_experts").mean(),
-             pl.col("uniform_bound").first(),
-             pl.col("source").sort_by(pl.col("source").replace_strict(DIRECTNESS, default=len(DIRECTNESS))).last()
-             .alias("union_source"))
+        .agg(pl.col("unique_experts").mean(), pl.col("busiest_rank_experts").mean(), pl.col("ranks_touched").mean(),
+             pl.col("uniform_bound").first(), pl.col("windows").min(), pl.col("steps").min(),
+             least_direct_expr("source").alias("union_source"))
         .sort("batch", "k")
     )

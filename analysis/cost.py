@@ -1,8 +1,9 @@
 """Cost model: predicted verify-step time, tokens per step and speedup per k, from routing growth, acceptance and a
-calibration (``moetrace calibrate``) and/or a measured step profile. Pure functions on plain data (numpy for the
-uniform-routing simulation); Polars out. No torch here.
+calibration (``moetrace calibrate``) and/or a measured step profile. Pure functions on plain data; Polars out. No
+torch here.
 
-step(k) = attention(k) + other GEMMs(k) + rest + MoE(k) + all-reduce(k), where for a step of T = k+1 tokens:
+step(k) = attention(k) + other GEMMs(k) + rest + MoE(k) + all-reduce(k), where for a step of T tokens (B requests
+× the tokens a request-step reads at k: measured where the sweep recorded k, else k+1):
 
 - MoE(k): per MoE layer, the expert layer's time at the unique experts one rank computes (TP: every unique expert
   of the window plus the shared experts, at width/tp; EP: the busiest rank's experts at full width plus 1/ep of the
@@ -17,181 +18,25 @@ step(k) = attention(k) + other GEMMs(k) + rest + MoE(k) + all-reduce(k), where f
 
 With a profile, every component is anchored to it at k=0 (the calibration then only says how MoE and all-reduce
 grow with k); with a calibration alone, MoE and all-reduce are absolute and the rest is left out (a lower bound on
-the speedup, since the left-out parts grow less than MoE). Tokens per step = 1 + Σ_{i≤k} P(draft i accepted);
-speedup(k) = tokens per step / (step(k) / step(0)).
+the speedup, since the left-out parts grow less than MoE). Tokens per step = 1 + Σ_{i≤k} P(draft i accepted)
+(``analysis.acceptance``); speedup(k) = tokens per step / (step(k) / step(0)).
 """
 
 from __future__ import annotations
 
 import bisect
-import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import polars as pl
 
-from moetrace.analysis.growth import uniform_unique_experts
-from moetrace.analysis.shape import ModelShape
+from moetrace.analysis.deployment import Deployment, ring_factor
+from moetrace.analysis.profile import Profile
 
 CALIBRATION_SCHEMA = "moetrace-calibration/1"
-ALLREDUCES_PER_LAYER = 2  # attention output and MoE/MLP output
 DEFAULT_BUS_BANDWIDTH_GBS = 100.0  # profile-only all-reduce growth: conservative for small NCCL messages
-FORMAT_BY_BITS = {16: "bf16", 8: "fp8", 4: "int4"}
-
-
-@dataclass(frozen=True)
-class Profile:
-    """A measured decode-step breakdown (shares of ``step_ms``) at ``tokens`` tokens per step."""
-
-    step_ms: float
-    allreduce: float
-    moe: float
-    attention: float
-    other_gemm: float
-    tokens: int = 1
-    attention_growth_per_token: float = 0.03  # decode attention: KV read once, compute × T; small
-    other_growth_per_token: float = 0.01  # dense GEMMs at T ≤ 64 are weight-read bound: nearly flat
-    source: str = "given"
-
-    @property
-    def rest(self) -> float:
-        return 1.0 - self.allreduce - self.moe - self.attention - self.other_gemm
-
-    def check(self) -> None:
-        shares = (self.allreduce, self.moe, self.attention, self.other_gemm)
-        if self.step_ms <= 0 or any(share < 0 for share in shares) or self.rest < -1e-9:
-            raise ValueError("profile needs a positive step time and shares ≥ 0 that sum to at most 100%")
-        if self.tokens < 1:
-            raise ValueError("profile tokens must be at least 1")
-
-
-PROFILE_PRESETS: dict[str, Profile] = {
-    "kimi-k2-tp8": Profile(step_ms=12.1, allreduce=0.515, moe=0.111, attention=0.153, other_gemm=0.134,
-                           source="measured: Kimi-K2.5 INT4 experts, vLLM TP=8, one decode step"),
-}
-
-_KEYS = {"step": "step_ms", "step_ms": "step_ms", "allreduce": "allreduce", "all-reduce": "allreduce",
-         "all_reduce": "allreduce", "moe": "moe", "attention": "attention", "other": "other_gemm",
-         "other_gemm": "other_gemm", "other-gemm": "other_gemm", "tokens": "tokens",
-         "attention_growth": "attention_growth_per_token", "other_growth": "other_growth_per_token"}
-
-
-def _number(text: str, key: str) -> float:
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(%|ms)?\s*", text)
-    if not match:
-        raise ValueError(f"profile {key}={text!r}: not a number")
-    value = float(match.group(1))
-    if match.group(2) == "%":
-        return value / 100.0
-    if key != "step_ms" and value > 1.0 and key not in ("tokens",):
-        return value / 100.0  # shares given as percentages without the sign
-    return value
-
-
-def profile_from_mapping(values: Mapping[str, Any], source: str) -> Profile:
-    fields: dict[str, Any] = {}
-    for key, value in values.items():
-        name = _KEYS.get(str(key).lower())
-        if name is None:
-            raise ValueError(f"profile: unknown key {key!r} (known: step, allreduce, moe, attention, other, tokens)")
-        fields[name] = _number(str(value), name) if isinstance(value, str) else float(value)
-    missing = {"step_ms", "allreduce", "moe", "attention", "other_gemm"} - set(fields)
-    if missing:
-        raise ValueError(f"profile: missing {', '.join(sorted(missing))}")
-    if "tokens" in fields:
-        fields["tokens"] = int(fields["tokens"])
-    profile = Profile(**fields, source=source)
-    profile.check()
-    return profile
-
-
-def parse_profile(text: str) -> Profile:
-    """A preset name, a JSON object, or ``step=12.1ms,allreduce=51.5%,moe=11.1%,attention=15.3%,other=13.4%``."""
-    if text in PROFILE_PRESETS:
-        return PROFILE_PRESETS[text]
-    stripped = text.strip()
-    if stripped.startswith("{"):
-        try:
-            values = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"profile: bad JSON ({exc.msg})") from None
-        if not isinstance(values, dict):
-            raise ValueError("profile: JSON must be an object")
-        return profile_from_mapping(values, "given")
-    pairs = {}
-    for part in filter(None, (p.strip() for p in stripped.split(","))):
-        if "=" not in part:
-            raise ValueError(f"profile: {part!r} is not KEY=VALUE (presets: {', '.join(PROFILE_PRESETS)})")
-        key, value = part.split("=", 1)
-        pairs[key.strip()] = value
-    return profile_from_mapping(pairs, text)
-
-
-# ---------------------------------------------------------------- acceptance
-
-
-def geometric_acceptance(rate: float, k: int) -> list[float]:
-    """P(draft i accepted) for i = 1..k when each draft is accepted with ``rate`` given the ones before were."""
-    return [rate**i for i in range(1, k + 1)]
-
-
-def acceptance_curve(measured: Mapping[int, float], k: int) -> tuple[list[float], bool]:
-    """P(draft i accepted), i = 1..k, from measured per-position rates (unconditional: a draft counts as accepted
-    only if every draft before it was); positions past the measured ones continue geometrically with the last
-    measured conditional rate. Returns the rates and whether any was extrapolated."""
-    positions = sorted(p for p in measured if p >= 1)
-    if not positions:
-        raise ValueError("no measured acceptance")
-    rates = [float(measured[p]) for p in positions]
-    last = rates[-1]
-    conditional = last / rates[-2] if len(rates) > 1 and rates[-2] > 0 else last
-    out = []
-    for i in range(1, k + 1):
-        if i in measured:
-            out.append(float(measured[i]))
-        else:
-            previous = out[-1] if out else 1.0
-            out.append(previous * min(conditional, 1.0))
-    return out, k > positions[-1]
-
-
-def tokens_per_step(accept: Sequence[float]) -> float:
-    """1 (the token the target model always yields) + the expected number of accepted drafts."""
-    return 1.0 + float(sum(accept))
-
-
-# ---------------------------------------------------------------- routing
-
-
-def uniform_busiest_rank(num_experts: int, top_k: int, expert_rank: npt.NDArray[np.int64], k: int,
-                         samples: int = 400, seed: int = 0) -> float:
-    """Expected experts on the busiest rank when k+1 tokens each pick top_k distinct experts uniformly at random
-    (Monte Carlo with a fixed seed)."""
-    rng = np.random.default_rng(seed)
-    picks = np.argsort(rng.random((samples, k + 1, num_experts)), axis=-1)[..., :top_k].reshape(samples, -1)
-    used = np.zeros((samples, num_experts), dtype=bool)
-    np.put_along_axis(used, picks, True, axis=1)
-    ranks = int(expert_rank.max()) + 1
-    per_rank = np.stack([used[:, expert_rank == r].sum(axis=1) for r in range(ranks)], axis=1)
-    return float(per_rank.max(axis=1).mean())
-
-
-def uniform_routing(num_experts: int, top_k: int, expert_rank: npt.NDArray[np.int64],
-                    ks: Sequence[int]) -> pl.DataFrame:
-    """Per k: unique experts per window and on the busiest rank under uniform random routing."""
-    ranks = int(expert_rank.max()) + 1
-    return pl.DataFrame({
-        "k": list(ks),
-        "unique_experts": [uniform_unique_experts(num_experts, top_k, k) for k in ks],
-        "busiest_rank_experts": [
-            uniform_unique_experts(num_experts, top_k, k) if ranks == 1
-            else uniform_busiest_rank(num_experts, top_k, expert_rank, k) for k in ks
-        ],
-    }, schema={"k": pl.Int32(), "unique_experts": pl.Float64(), "busiest_rank_experts": pl.Float64()})
+LEVEL_WARNING = 2.0  # calibrated MoE over the profile's at the anchor: past this factor either way, a warning
 
 
 # ---------------------------------------------------------------- calibration
@@ -270,8 +115,7 @@ class AllReduceModel:
         scaled = nbytes * self.byte_scale
         if self.points and self.points[0][0] <= scaled <= self.points[-1][0]:
             return _interpolate(self.points, scaled)
-        ring = 2.0 * (self.world_size - 1) / self.world_size
-        return self.latency_us + ring * nbytes / (self.bus_bandwidth_gbs * 1e3)
+        return self.latency_us + ring_factor(self.world_size) * nbytes / (self.bus_bandwidth_gbs * 1e3)
 
 
 def ring_model(world_size: int, latency_us: float, bus_bandwidth_gbs: float, basis: str,
@@ -305,7 +149,7 @@ def allreduce_model(doc: Mapping[str, Any], world_size: int) -> AllReduceModel |
     fit = base["fit"]
     bandwidth = float(fit["bus_bandwidth_gbs"] or DEFAULT_BUS_BANDWIDTH_GBS)
     m = int(base["world_size"])
-    ring_n, ring_m = 2.0 * (world_size - 1) / world_size, 2.0 * (m - 1) / m
+    ring_n, ring_m = ring_factor(world_size), ring_factor(m)
     return AllReduceModel(
         world_size, monotone_points(base["points"]), float(fit["latency_us"]), bandwidth, True,
         f"EXTRAPOLATED from {m} GPUs: ring model, the {m}-GPU curve read at the same bytes per GPU "
@@ -335,50 +179,6 @@ def per_k_from_nearest(measured: Mapping[int, float], ks: Sequence[int], scale_w
 # ---------------------------------------------------------------- prediction
 
 
-@dataclass(frozen=True)
-class Deployment:
-    """What one step runs on: model shape, parallelism, weight format, requests per step."""
-
-    shape: ModelShape
-    tp: int
-    ep: int
-    weight_format: str
-    batch: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return max(self.tp, self.ep)
-
-    @property
-    def allreduces(self) -> int:
-        return self.shape.num_layers * ALLREDUCES_PER_LAYER if self.world_size > 1 else 0
-
-    def message_bytes(self, tokens: float) -> float:
-        return tokens * self.shape.hidden_size * self.shape.activation_bytes
-
-    def expert_config(self) -> str:
-        return f"ep{self.ep}" if self.ep > 1 else f"tp{self.tp}"
-
-    def rank_shape(self) -> tuple[int, int, int]:
-        """(hidden size, expert width, experts) one rank's expert layer computes: EP splits experts, TP widths."""
-        if self.ep > 1:
-            return self.shape.hidden_size, self.shape.expert_width, self.shape.num_experts // self.ep
-        return self.shape.hidden_size, self.shape.expert_width // self.tp, self.shape.num_experts
-
-    def rank_work(self, unique: float, busiest: float, tokens: float) -> tuple[float, float]:
-        """(experts, rows) one rank computes in one MoE layer."""
-        shared, top_k = self.shape.shared_experts, self.shape.top_k
-        if self.ep > 1:
-            rows = tokens * top_k * (busiest / unique if unique > 0 else 0.0) + tokens * shared / self.ep
-            return busiest + shared / self.ep, rows
-        return unique + shared, tokens * (top_k + shared)
-
-
-def deployment_for(shape: ModelShape, tp: int, ep: int, weight_format: str | None = None) -> Deployment:
-    fmt = weight_format or FORMAT_BY_BITS.get(shape.expert_weight_bits, "bf16")
-    return Deployment(shape=shape, tp=tp, ep=ep, weight_format=fmt)
-
-
 def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None,
             calibration: Mapping[str, Any] | None,
             one_token_busiest: float | None = None,
@@ -386,9 +186,9 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
             drafting_ms: Mapping[int, float] | None = None,
             scheduling_ms: float | None = None,
             sampling_ms: Mapping[int, float] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """Predicted step per k at ``deployment.batch`` requests per step. ``per_k`` has k, unique_experts,
-    busiest_rank_experts (per layer, what one step of ``batch`` requests' windows reads) and tokens_per_step (per
-    request). A profile is a one-request step: components are scaled from a one-token step (top-k experts,
+    """Predicted step per k at ``deployment.batch`` requests per step. ``per_k`` has k, tokens (what the step moves),
+    unique_experts, busiest_rank_experts (per layer, what one step of ``batch`` requests reads) and tokens_per_step
+    (gained per request). A profile is a one-request step: components are scaled from a one-token step (top-k experts,
     ``one_token_busiest`` on the busiest rank; default: the k=0 row, right when batch is 1) to the step's
     batch·(k+1) tokens. ``baseline_ms``, a k=0 step measured at this batch (start to start), replaces the profile:
     MoE and all-reduce are the calibration's at every k, and what the calibration does not explain of the measured
@@ -412,7 +212,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     expert_us: list[float] = []
     allreduce_us: list[float] = []
     ar_model: AllReduceModel | None = None
-    tokens_list = [float((r["k"] + 1) * deployment.batch) for r in rows]
+    tokens_list = [float(r["tokens"]) for r in rows]
     work = [deployment.rank_work(r["unique_experts"], r["busiest_rank_experts"], t) for r, t in zip(rows, tokens_list)]
     anchor_tokens = float(profile.tokens) if profile is not None else 1.0
     busiest_one = float(rows[0]["busiest_rank_experts"]) if one_token_busiest is None else one_token_busiest
@@ -447,7 +247,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         anchor_expert_us = anchor_work[0]
     if ar_model is None and profile is not None and deployment.world_size > 1:
         per_call = profile.step_ms * profile.allreduce * 1e3 / max(n_ar, 1)
-        ring = 2.0 * (deployment.world_size - 1) / deployment.world_size
+        ring = ring_factor(deployment.world_size)
         base_bytes = deployment.message_bytes(profile.tokens)
         # the profile's time per call is latency plus its bytes; more tokens add only their bytes' time
         ar_model = ring_model(deployment.world_size,
@@ -512,6 +312,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "unique_experts": [float(r["unique_experts"]) for r in rows],
         "rank_experts": [e for e, _ in work],
         "tokens_per_step": [float(r["tokens_per_step"]) for r in rows],
+        "expert_weight_bytes": [deployment.expert_weight_bytes(float(r["unique_experts"])) for r in rows],
         "moe_ms": moe,
         "allreduce_ms": ar,
         "attention_ms": attention,
@@ -540,10 +341,18 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "notes": notes,
     }
     if profile is not None and calibration is not None:
-        basis["calibrated_at_k0"] = {
-            "moe_ms": shape.moe_layers * expert_us[0] / 1e3,
-            "allreduce_ms": n_ar * allreduce_us[0] / 1e3 if ar_model else None,
+        calibrated_moe = shape.moe_layers * anchor_expert_us / 1e3
+        level = calibrated_moe / (profile.step_ms * profile.moe) if profile.moe > 0 else None
+        basis["calibrated_at_anchor"] = {
+            "tokens": anchor_tokens,
+            "moe_ms": calibrated_moe,
+            "allreduce_ms": n_ar * anchor_allreduce_us / 1e3 if ar_model else None,
             "profile_moe_ms": profile.step_ms * profile.moe,
             "profile_allreduce_ms": profile.step_ms * profile.allreduce,
+            "moe_level_ratio": level,
         }
+        if level is not None and not 1 / LEVEL_WARNING <= level <= LEVEL_WARNING:
+            notes.append(f"the calibration prices the profile's MoE at {calibrated_moe:.2f} ms per step against the "
+                         f"profile's {profile.step_ms * profile.moe:.2f} ms ({level:.1f}x): its growth with k is "
+                         f"taken from a curve that far from this deployment's level")
     return table, basis

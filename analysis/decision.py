@@ -2,7 +2,7 @@
 that maximises it (0, "do not speculate", when no k beats plain decoding).
 
 At concurrency B a verification step reads the union of B requests' windows (``analysis.concurrency``) and moves
-B·(k+1) tokens through every all-reduce; each request still gains its own accepted drafts, so the speedup is
+B × the tokens a request-step reads (anchor + drafts proposed) through every all-reduce; each request still gains its own accepted drafts, so the speedup is
 tokens per step per request over the step-time ratio to k = 0 at the same B.
 """
 
@@ -14,27 +14,34 @@ from typing import Any
 
 import polars as pl
 
-from moetrace.analysis.cost import Deployment, Profile, predict
+from moetrace.analysis.cost import predict
+from moetrace.analysis.deployment import Deployment
+from moetrace.analysis.profile import Profile
+from moetrace.analysis.sources import Source
 
 DEFAULT_BATCHES = (1, 8, 32, 128)
 
 
-def speedup_per_batch(per_batch: pl.DataFrame, tokens: pl.DataFrame, deployment: Deployment,
-                      profile: Profile | None, calibration: Mapping[str, Any] | None,
-                      one_token_busiest: float,
+MIN_WINDOWS = 30
+"""A recommendation rests on at least this many decoding request-steps (windows) at every k it compares, k = 0
+included: fewer, and the table says so instead of recommending."""
+
+
+def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Profile | None,
+                      calibration: Mapping[str, Any] | None, one_token_busiest: float,
                       baselines: Mapping[int, float] | None = None,
                       drafting_ms: Mapping[int, Mapping[int, float]] | None = None,
                       scheduling_ms: Mapping[int, float] | None = None,
                       sampling_ms: Mapping[int, Mapping[int, float]] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """Per (batch, k): the prediction table of ``analysis.cost.predict`` with batch, uniform_bound and
-    union_source columns. ``per_batch``: batch, k, unique_experts, busiest_rank_experts (per layer, one step),
-    uniform_bound, union_source; ``tokens``: k, tokens_per_step (per request). ``baselines``: a measured k=0 step
-    (ms) per batch; only those batches are then predicted; ``drafting_ms``: per batch, the drafter's time per step
-    at each k (measured with them); ``scheduling_ms``: per batch, what async scheduling off adds to a step at k > 0;
-    ``sampling_ms``: per batch, the rejection sampler's time over k = 0's at each k."""
+    """Per (batch, k): the prediction table of ``analysis.cost.predict`` with the inputs' other columns beside it.
+    ``inputs``: batch, k, tokens (what the step moves), unique_experts, busiest_rank_experts (per layer, one step of
+    ``batch`` requests), tokens_per_step (per request) and their sources and sample sizes. ``baselines``: a measured
+    k=0 step (ms) per batch; only those batches are then predicted; ``drafting_ms``: per batch, the drafter's time
+    per step at each k (measured with them); ``scheduling_ms``: per batch, what async scheduling off adds to a step
+    at k > 0; ``sampling_ms``: per batch, the rejection sampler's time over k = 0's at each k."""
     frames = []
     basis: dict[str, Any] = {}
-    joined = per_batch.join(tokens.select("k", "tokens_per_step"), on="k").sort("batch", "k")
+    joined = inputs.sort("batch", "k")
     if baselines is not None:
         joined = joined.filter(pl.col("batch").is_in(list(baselines)))
     for (batch,), per_k in joined.group_by("batch", maintain_order=True):
@@ -44,34 +51,56 @@ def speedup_per_batch(per_batch: pl.DataFrame, tokens: pl.DataFrame, deployment:
                                None if drafting_ms is None else drafting_ms[size],
                                None if scheduling_ms is None else scheduling_ms[size],
                                None if sampling_ms is None else sampling_ms[size])
-        frames.append(table.with_columns(batch=pl.lit(int(str(batch)), pl.Int32))
-                      .join(per_k.select("k", "uniform_bound", "union_source"), on="k"))
+        beside = per_k.drop(*(name for name in table.columns if name != "k"), strict=False)
+        frames.append(table.with_columns(batch=pl.lit(size, pl.Int32)).join(beside.drop("batch"), on="k"))
     basis.pop("batch", None)
     return pl.concat(frames).select("batch", pl.exclude("batch")), basis
 
 
-def recommended_k(speedups: pl.DataFrame) -> pl.DataFrame:
-    """Per batch: the k with the largest predicted speedup among the k whose acceptance was measured (``extrapolated``
-    false), k = 0 when none exceeds 1 (ties: the smaller k); ``larger_k_may_pay`` when a k past the measured ones
-    is predicted to do better (on extrapolated acceptance: record larger k to know)."""
-    measured = speedups.filter(~pl.col("extrapolated"))
+def recommended_k(speedups: pl.DataFrame, disagreements: Mapping[int, str] | None = None) -> pl.DataFrame:
+    """Per batch: the k with the largest predicted speedup among the k whose acceptance is not extrapolated, k = 0
+    when none exceeds 1 (ties: the smaller k); ``larger_k_may_pay`` when an extrapolated k is predicted to do
+    better (record larger k to know). ``windows``: the fewest decoding request-steps behind any k compared;
+    ``steps``: measured steps behind the chosen k's union. ``status`` is "ok", or why no k is recommended: fewer
+    than ``MIN_WINDOWS`` windows at a k compared, or the routing rows disagree with the steps table at a k
+    compared (``disagreements``: k → what disagrees); then ``k`` and ``speedup`` are null and ``best_k`` says what
+    the figures would have picked."""
+    compared = speedups.filter(pl.col("acceptance_source") != Source.EXTRAPOLATED.value)
     chosen = (
-        measured.sort("batch", pl.col("speedup").neg(), "k")
+        compared.sort("batch", pl.col("speedup").neg(), "k")
         .group_by("batch", maintain_order=True)
         .first()
-        .select("batch", pl.when(pl.col("speedup") > 1.0).then(pl.col("k")).otherwise(0).alias("k"))
+        .select("batch", pl.when(pl.col("speedup") > 1.0).then(pl.col("k")).otherwise(0).alias("best_k"))
     )
-    beyond = (
-        speedups.filter(pl.col("extrapolated")).group_by("batch").agg(pl.col("speedup").max().alias("beyond"))
-    )
-    return (
-        chosen.join(speedups, on=["batch", "k"])
+    beyond = speedups.filter(pl.col("acceptance_source") == Source.EXTRAPOLATED.value).group_by("batch").agg(
+        beyond=pl.col("speedup").max())
+    sample = compared.group_by("batch").agg(windows=pl.col("request_steps").min(), ks=pl.col("k"))
+    found = (
+        chosen.join(speedups, left_on=["batch", "best_k"], right_on=["batch", "k"])
         .join(beyond, on="batch", how="left")
+        .join(sample, on="batch")
         .with_columns(larger_k_may_pay=pl.col("beyond").fill_null(0.0) > pl.col("speedup"))
-        .select("batch", "k", "speedup", "tokens_per_step", "step_ratio", "unique_experts", "uniform_bound",
-                "union_source", "larger_k_may_pay")
-        .sort("batch")
     )
+    rows = []
+    for row in found.sort("batch").to_dicts():
+        problems = [f"routing and steps disagree at k={k}: {what}" for k, what in sorted((disagreements or {}).items())
+                    if k in row["ks"]]
+        if row["windows"] < MIN_WINDOWS:
+            problems.insert(0, f"too few windows: {row['windows']} decoding request-steps at a k compared "
+                               f"(a recommendation needs {MIN_WINDOWS})")
+        ok = not problems
+        rows.append({"batch": row["batch"], "k": row["best_k"] if ok else None, "best_k": row["best_k"],
+                     "speedup": row["speedup"] if ok else None, "tokens_per_step": row["tokens_per_step"],
+                     "step_ratio": row["step_ratio"], "unique_experts": row["unique_experts"],
+                     "uniform_bound": row["uniform_bound"], "union_source": row["union_source"],
+                     "acceptance_source": row["acceptance_source"], "larger_k_may_pay": row["larger_k_may_pay"],
+                     "windows": row["windows"], "steps": row["steps"],
+                     "status": "ok" if ok else "; ".join(problems)})
+    schema = {"batch": pl.Int32(), "k": pl.Int32(), "best_k": pl.Int32(), "speedup": pl.Float64(),
+              "tokens_per_step": pl.Float64(), "step_ratio": pl.Float64(), "unique_experts": pl.Float64(),
+              "uniform_bound": pl.Float64(), "union_source": pl.String(), "acceptance_source": pl.String(),
+              "larger_k_may_pay": pl.Boolean(), "windows": pl.Int64(), "steps": pl.Int64(), "status": pl.String()}
+    return pl.DataFrame(rows, schema=schema, orient="row")
 
 
 def batches_from(values: Sequence[int]) -> tuple[int, ...]:

@@ -21,6 +21,9 @@ import numpy as np
 import numpy.typing as npt
 import polars as pl
 
+from moetrace.analysis.concurrency import uniform_unique_experts
+from moetrace.analysis.predicates import accepted_sequence, in_sequence, not_prefill, step_key
+from moetrace.analysis.sources import RANKS, Source
 from moetrace.analysis.expert_sets import (
     Masks,
     MaskTable,
@@ -34,8 +37,8 @@ from moetrace.analysis.expert_sets import (
     window_union,
 )
 
-MEASURED = "measured"
-COUNTERFACTUAL = "counterfactual"
+MEASURED = Source.MEASURED.value
+COUNTERFACTUAL = Source.COUNTERFACTUAL.value
 PER_REQUEST = "request"
 PER_BATCH = "batch"
 
@@ -49,18 +52,6 @@ GROWTH_SCHEMA: dict[str, pl.DataType] = {
     "busiest_rank_experts": pl.Float64(),
     "ranks_touched": pl.Float64(),
 }
-
-
-def uniform_unique_experts(num_experts: int, top_k: int, k: int) -> float:
-    """Expected unique experts in k+1 tokens that each pick top_k of num_experts uniformly at random."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** (k + 1))
-
-
-def accepted_sequence(routing: pl.LazyFrame) -> pl.LazyFrame:
-    """Rows of tokens that ended up in the sequence: plain decode, verification anchors and accepted drafts."""
-    phase = pl.col("phase").cast(pl.String)
-    in_verify = (phase == "verify") & ((pl.col("draft_pos") == 0) | pl.col("accepted").fill_null(False))
-    return routing.filter((phase == "decode") | in_verify)
 
 
 def _layer_parts(frame: pl.DataFrame) -> Iterator[tuple[int, pl.DataFrame]]:
@@ -148,12 +139,6 @@ class _NotTokenMajor(Exception):
     """The rows are not laid out as the streamed path needs: take the general path."""
 
 
-def _in_sequence() -> pl.Expr:
-    """``accepted_sequence``'s predicate as a column (a filter would copy the expert lists)."""
-    phase = pl.col("phase")
-    return (phase == "decode") | ((phase == "verify") & ((pl.col("draft_pos") == 0) | pl.col("accepted").fill_null(False)))
-
-
 def _batches(query: pl.LazyFrame) -> Iterator[pl.DataFrame]:
     collect_batches = getattr(query, "collect_batches", None)
     if collect_batches is None:  # Polars without streamed batches: one collect, sliced
@@ -192,6 +177,8 @@ class _TokenMajor:
                 columns = {name: np.concatenate([left[name], columns[name]]) for name in names}
                 experts = np.concatenate([left_experts, experts])
             rows = len(experts)
+            if rows == 0:  # every row of the batch filtered out
+                continue
             if self.layers is None:
                 self.layers = self._layer_order(columns, final=False)
                 if self.layers is None:  # the first token is not complete yet
@@ -409,7 +396,7 @@ class _SequenceWindows:
 def _counterfactual_streamed(
     routing: pl.LazyFrame, num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64]
 ) -> pl.DataFrame:
-    query = routing.select("request", "position", "layer", "experts", _in_sequence().alias("in_sequence"))
+    query = routing.select("request", "position", "layer", "experts", in_sequence().alias("in_sequence"))
     tokens = _TokenMajor(_batches(query), ("request", "position"), keep="in_sequence")
     stats = _WindowStats(ks, rank_masks(expert_rank, num_experts))
     windows = _SequenceWindows(ks, MaskTable(num_experts), stats)
@@ -427,7 +414,7 @@ class WindowRows:
     measured growth, the rejected-only analysis and the expert load."""
 
     layer: npt.NDArray[np.uint16]
-    step: npt.NDArray[np.uint32]
+    step: npt.NDArray[np.int64]  # the step key (``predicates.step_key``: data-parallel ranks' steps apart)
     request: npt.NDArray[np.uint32]
     draft_pos: npt.NDArray[np.uint8]
     is_verify: npt.NDArray[np.bool_]
@@ -464,16 +451,15 @@ class WindowRows:
 def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
     """The trace's non-prefill rows as ``WindowRows``: one pass over the files; each column moved into numpy and
     dropped from the Polars frame in turn, so that the peak holds the frame and one column's copy, not two frames."""
-    phase = pl.col("phase").cast(pl.String)
     frame = (
-        routing.filter(phase != "prefill")
+        routing.filter(not_prefill())
         .select(
             "layer",
-            "step",
+            step_key().alias("step"),
             "request",
             "draft_pos",
-            (phase == "verify").alias("is_verify"),
-            ((pl.col("draft_pos") == 0) | pl.col("accepted").fill_null(False)).alias("in_sequence"),
+            (pl.col("phase").cast(pl.String) == "verify").alias("is_verify"),
+            in_sequence().alias("in_sequence"),
             "experts",
         )
         .collect()
@@ -561,7 +547,7 @@ def growth(
     measured = measured_growth(rows, num_experts, min(trace_k, max(ks, default=0)), expert_rank)
     combined = pl.concat([measured, counterfactual_growth(routing, num_experts, ks, expert_rank)])
     uniform = pl.DataFrame(
-        {"k": list(ks), "uniform_bound": [uniform_unique_experts(num_experts, top_k, k) for k in ks]},
+        {"k": list(ks), "uniform_bound": [uniform_unique_experts(num_experts, top_k, k + 1) for k in ks]},
         schema={"k": pl.Int32(), "uniform_bound": pl.Float64()},
     )
     return (
@@ -572,4 +558,15 @@ def growth(
         )
         .with_columns(locality=pl.col("unique_experts") / pl.col("uniform_bound"))
         .sort("source", "scope", "layer", "k")
+    )
+
+
+def best_window_estimate(growth_table: pl.LazyFrame) -> pl.LazyFrame:
+    """Per (layer, k), the per-request window row from the most direct source the trace has (measured where it
+    recorded k, else counterfactual)."""
+    return (
+        growth_table.filter(pl.col("scope") == PER_REQUEST)
+        .sort(pl.col("source").replace_strict(RANKS, return_dtype=pl.Int32))
+        .group_by("layer", "k")
+        .first()
     )

@@ -20,7 +20,6 @@ import click
 import polars as pl
 
 from moetrace.analysis.cost import (
-    PROFILE_PRESETS,
     deployment_for,
     geometric_acceptance,
     predict,
@@ -28,6 +27,7 @@ from moetrace.analysis.cost import (
     uniform_routing,
 )
 from moetrace.analysis.placement import linear_placement
+from moetrace.analysis.profile import PROFILE_PRESETS
 from moetrace.analysis.shape import SHAPE_PRESETS
 
 

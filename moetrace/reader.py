@@ -60,28 +60,32 @@ class Trace:
                     for request, rid in rank.request_ids().items()}
         return dict(enumerate(self.manifest.get("requests") or []))
 
+    @property
+    def dp_rank(self) -> int:
+        return int(self.manifest["parallel"].get("dp_rank") or 0)
+
     def routing(self) -> pl.LazyFrame:
+        """The routing rows, with a ``dp_rank`` column (0 without data parallelism)."""
         if self.ranks:
             return self._merged([rank.routing() for rank in self.ranks])
-        return _scan(self.routing_files, routing_schema(int(self.manifest["model"]["top_k"]),
-                                                        int(self.manifest.get("capture", {}).get("candidates", 0))))
+        schema = routing_schema(int(self.manifest["model"]["top_k"]),
+                                int(self.manifest.get("capture", {}).get("candidates", 0)))
+        return _scan(self.routing_files, schema).with_columns(dp_rank=pl.lit(self.dp_rank, pl.UInt16))
 
     def steps(self) -> pl.LazyFrame:
+        """The steps rows, with a ``dp_rank`` column (0 without data parallelism)."""
         if self.ranks:
             return self._merged([rank.steps() for rank in self.ranks])
-        return _scan(self.steps_files, STEPS_SCHEMA)
+        return _scan(self.steps_files, STEPS_SCHEMA).with_columns(dp_rank=pl.lit(self.dp_rank, pl.UInt16))
 
     def _merged(self, frames: list[pl.LazyFrame]) -> pl.LazyFrame:
-        """Every DP rank's rows, with a ``dp_rank`` column; each rank's requests and steps are its own (a rank's
-        step is its own batch), so they are renumbered apart: request·dp + rank, step·dp + rank."""
+        """Every DP rank's rows (each with its ``dp_rank``). A rank's steps keep its own numbers (a step is
+        ``(dp_rank, step)``); its requests are renumbered apart (request·dp + rank), so a request index is one
+        request across the recording."""
         size = len(self.ranks)
         return pl.concat([
-            frame.with_columns(
-                dp_rank=pl.lit(int(rank.manifest["parallel"].get("dp_rank", index)), pl.UInt16),
-                request=(pl.col("request").cast(pl.Int64) * size + index).cast(pl.UInt32),
-                step=(pl.col("step").cast(pl.Int64) * size + index).cast(pl.UInt32),
-            )
-            for index, (rank, frame) in enumerate(zip(self.ranks, frames))
+            frame.with_columns(request=(pl.col("request").cast(pl.Int64) * size + index).cast(pl.UInt32))
+            for index, frame in enumerate(frames)
         ])
 
     def telemetry(self) -> pl.LazyFrame | None:
@@ -209,6 +213,8 @@ def open_ranks(directory: Path, ranks: list[Path]) -> Trace:
     when every rank is; the ranks must be one recording (same model, drafter and k; under `vllm serve` each rank
     names its run by its own start time, so run ids may differ by a second)."""
     traces = [open_trace(rank) for rank in ranks]
+    for trace, rank in zip(traces, ranks):  # a rank's steps are told apart by its rank: its folder's, if unstated
+        trace.manifest["parallel"].setdefault("dp_rank", int(rank.name[2:]))
     first = traces[0]
     for trace in traces[1:]:
         differs = first_difference(first.manifest, trace.manifest, ("spec.k", "spec.method", *SWEEP_MODEL_KEYS))

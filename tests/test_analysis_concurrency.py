@@ -6,83 +6,88 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.analysis.concurrency import (
-    ESTIMATED,
-    ESTIMATED_ALL,
-    MEASURED_BATCH,
-    batch_unions,
-    uniform_batch_union,
-)
 from moetrace.analysis.budgets import window_sample
+from moetrace.analysis.concurrency import RecordedK, batch_unions, uniform_unique_experts
 from moetrace.analysis.placement import linear_placement
-from trace_builder import Model, routing_frame, verify_tokens
+from trace_builder import Model, Tokens, routing_frame, steps_frame, verify_tokens
 
 MODEL = Model(num_experts=32, top_k=2, layers=(1, 2))
 
 
-def unions(routing: pl.LazyFrame, ks: list[int], batches: list[int], trace_k: int, ranks: int = 1) -> pl.DataFrame:
-    sample = window_sample(routing, trace_k, ["experts"])
-    return batch_unions(sample, 32, 2, linear_placement(32, ranks), ks=ks, batches=batches, trace_k=trace_k)
+def unions(sweep: dict[int, Tokens], primary: int, ks: list[int], batches: list[int], ranks: int = 1,
+           frames: dict[int, tuple[pl.LazyFrame, pl.LazyFrame]] | None = None) -> pl.DataFrame:
+    """batch_unions over a sweep of traces (tokens by recorded k, or ready routing and steps frames)."""
+    frames = frames or {k: (routing_frame(tokens, MODEL), steps_frame(tokens)) for k, tokens in sweep.items()}
+    recorded = {k: RecordedK(window_sample(routing, k, ["experts"]), steps) for k, (routing, steps) in frames.items()}
+    return batch_unions(recorded[primary].sample, recorded, 32, 2, linear_placement(32, ranks), ks, batches)
 
 
 def test_uniform_union_is_hand_computed_for_small_cases() -> None:
-    assert uniform_batch_union(4, 2, 1) == pytest.approx(2.0)
-    assert uniform_batch_union(4, 2, 2) == pytest.approx(3.0)  # 4·(1 − (1/2)²)
-    assert uniform_batch_union(384, 8, 0) == 0.0
+    assert uniform_unique_experts(4, 2, 2) == pytest.approx(3.0)  # 4·(1 − (1/2)²)
+    assert uniform_unique_experts(384, 8, 0) == 0.0
 
 
-def brute_force_step_unions(frame: pl.DataFrame, layer: int, batch: int) -> list[int]:
-    """Per verify step with exactly ``batch`` requests: the size of the union of every row's experts."""
+def brute_force_step_unions(tokens: Tokens, layer_index: int, batch: int) -> list[int]:
+    """Per step in which exactly ``batch`` requests ran, all decoding: the size of the union of every token's
+    experts (anchors, accepted and rejected drafts)."""
     sets: dict[int, set[int]] = {}
     requests: dict[int, set[int]] = {}
-    for row in frame.filter((pl.col("layer") == layer) & (pl.col("phase").cast(pl.String) == "verify")).iter_rows(named=True):
-        sets.setdefault(row["step"], set()).update(row["experts"])
-        requests.setdefault(row["step"], set()).add(row["request"])
-    return [len(experts) for step, experts in sets.items() if len(requests[step]) == batch]
+    prefill: set[int] = set()
+    for i, step in enumerate(tokens.step.tolist()):
+        if tokens.phase[i] == "prefill":
+            prefill.add(step)
+            continue
+        sets.setdefault(step, set()).update(tokens.experts[i, layer_index].tolist())
+        requests.setdefault(step, set()).add(int(tokens.request[i]))
+    return [len(experts) for step, experts in sets.items() if len(requests[step]) == batch and step not in prefill]
 
 
-def test_measured_unions_equal_brute_force_over_steps_with_exactly_b_requests() -> None:
-    tokens = verify_tokens(np.random.default_rng(3), MODEL, requests=4, steps=12, k=2, accept_prob=0.6)
-    routing = routing_frame(tokens, MODEL)
-    table = unions(routing, [2], [4], 2)
-    frame = routing.collect().with_columns(pl.col("experts").arr.to_list())
-    for layer in MODEL.layers:
+def test_measured_unions_are_over_steps_that_ran_b_requests_with_every_token_they_read() -> None:
+    tokens = verify_tokens(np.random.default_rng(3), MODEL, requests=8, steps=12, k=2, accept_prob=0.6,
+                           variable_drafts=True)
+    table = unions({2: tokens}, 2, [2], [2, 4, 8])
+    for index, layer in enumerate(MODEL.layers):
+        rows = {row["batch"]: row for row in table.filter(pl.col("layer") == layer).iter_rows(named=True)}
+        # every step ran all 8 requests: B = 8 is measured (12 steps), B = 2 and 4 are not
+        assert rows[8]["source"] == "measured" and rows[8]["steps"] == 12
+        assert rows[8]["unique_experts"] == pytest.approx(np.mean(brute_force_step_unions(tokens, index, 8)))
+        assert rows[2]["source"] == rows[4]["source"] == "estimated" and rows[4]["steps"] == 0
+
+
+def test_one_request_is_the_exact_mean_over_every_request_step() -> None:
+    tokens = verify_tokens(np.random.default_rng(4), MODEL, requests=3, steps=10, k=2, accept_prob=0.5,
+                           variable_drafts=True)
+    table = unions({2: tokens}, 2, [2], [1])
+    for index, layer in enumerate(MODEL.layers):
+        windows: dict[tuple[int, int], set[int]] = {}
+        for i, phase in enumerate(tokens.phase):
+            if phase != "prefill":
+                windows.setdefault((int(tokens.step[i]), int(tokens.request[i])), set()).update(
+                    tokens.experts[i, index].tolist())
         row = table.filter(pl.col("layer") == layer).row(0, named=True)
-        assert row["source"] == MEASURED_BATCH
-        assert row["unique_experts"] == pytest.approx(np.mean(brute_force_step_unions(frame, layer, 4)))
+        assert row["source"] == "estimated" and row["windows"] == len(windows)
+        assert row["unique_experts"] == pytest.approx(np.mean([len(s) for s in windows.values()]))
 
 
-def test_estimated_unions_with_all_windows_equal_the_union_of_every_window() -> None:
-    tokens = verify_tokens(np.random.default_rng(4), MODEL, requests=2, steps=6, k=1, accept_prob=0.5)
-    routing = routing_frame(tokens, MODEL)
-    table = unions(routing, [3], [1000], 1)
-    frame = routing.collect().with_columns(pl.col("experts").arr.to_list())
-    for layer in MODEL.layers:
-        # counterfactual windows of 4 consecutive accepted (not prefill) tokens, complete ones only, per request
-        expected: set[int] = set()
-        for request in (0, 1):
-            accepted = frame.filter(
-                (pl.col("layer") == layer) & (pl.col("request") == request)
-                & (pl.col("phase").cast(pl.String) != "prefill")
-                & (pl.col("accepted").is_null() | pl.col("accepted"))).sort("position")
-            by_window: dict[int, list[list[int]]] = {}
-            for row in accepted.iter_rows(named=True):
-                by_window.setdefault(row["position"] // 4, []).append(row["experts"])
-            for rows in by_window.values():
-                if len(rows) == 4:
-                    expected.update(e for experts in rows for e in experts)
-        row = table.filter(pl.col("layer") == layer).row(0, named=True)
-        assert row["source"] == ESTIMATED_ALL and row["unique_experts"] == len(expected)
+def test_more_requests_than_windows_give_the_union_of_all_of_them_as_a_lower_bound() -> None:
+    tokens = verify_tokens(np.random.default_rng(5), MODEL, requests=2, steps=6, k=1, accept_prob=0.5)
+    table = unions({1: tokens}, 1, [1, 3], [1000])
+    for index, layer in enumerate(MODEL.layers):
+        rows = {row["k"]: row for row in table.filter(pl.col("layer") == layer).iter_rows(named=True)}
+        every = {e for i, phase in enumerate(tokens.phase) if phase != "prefill"
+                 for e in tokens.experts[i, index].tolist()}
+        assert rows[1]["source"] == "lower bound" and rows[1]["unique_experts"] == len(every)
+        # k = 3 was not recorded: counterfactual windows of 4 accepted tokens, fewer than 1000 of them
+        assert rows[3]["source"] == "lower bound"
 
 
 def test_estimated_unions_of_independent_uniform_windows_approach_the_uniform_bound() -> None:
     tokens = verify_tokens(np.random.default_rng(5), MODEL, requests=64, steps=40, k=0, accept_prob=0.0)
-    routing = routing_frame(tokens, MODEL)
-    table = unions(routing, [1], [1, 4], 0, ranks=4)
+    table = unions({0: tokens}, 0, [0], [1, 4], ranks=4)
     for batch in (1, 4):
         rows = table.filter(pl.col("batch") == batch)
-        assert set(rows["source"]) == {ESTIMATED}
-        assert rows["unique_experts"].mean() == pytest.approx(uniform_batch_union(32, 2, 2 * batch), rel=0.04)
+        assert set(rows["source"]) == {"estimated"}
+        assert rows["unique_experts"].mean() == pytest.approx(uniform_unique_experts(32, 2, batch), rel=0.04)
         assert (rows["busiest_rank_experts"] <= rows["unique_experts"]).all()
         assert (rows["busiest_rank_experts"] >= rows["unique_experts"] / 4).all()
 
@@ -91,11 +96,11 @@ def test_long_traces_are_sampled_by_whole_steps_and_keep_the_measured_union(monk
     import moetrace.analysis.concurrency as concurrency
 
     tokens = verify_tokens(np.random.default_rng(6), MODEL, requests=4, steps=200, k=2, accept_prob=0.6)
-    routing = routing_frame(tokens, MODEL)
-    full = unions(routing, [2], [4], 2)
-    monkeypatch.setattr(concurrency, "MAX_WINDOWS", 50)  # about a quarter of the 200 steps' windows per layer
-    sampled = unions(routing, [2], [4], 2)
-    assert set(sampled["source"]) == {MEASURED_BATCH}  # whole steps kept: still steps of exactly 4 requests
+    full = unions({2: tokens}, 2, [2], [4])
+    monkeypatch.setattr(concurrency, "MAX_WINDOWS", 200)  # about a quarter of the 200 steps' windows per layer
+    sampled = unions({2: tokens}, 2, [2], [4])
+    assert set(sampled["source"]) == {"measured"}  # whole steps kept: still steps of exactly 4 requests
+    assert 20 < sampled["steps"].max() < 120
     assert sampled["unique_experts"].to_list() == pytest.approx(full["unique_experts"].to_list(), rel=0.1)
 
 
@@ -111,16 +116,29 @@ def test_a_sample_of_position_blocks_keeps_whole_windows_of_every_k() -> None:
 
 
 def test_a_sweeps_trace_at_k_gives_the_measured_unions_at_that_k() -> None:
-    primary = routing_frame(verify_tokens(np.random.default_rng(7), MODEL, requests=4, steps=12, k=3,
-                                          accept_prob=0.6), MODEL)
-    at_two = routing_frame(verify_tokens(np.random.default_rng(8), MODEL, requests=4, steps=12, k=2,
-                                         accept_prob=0.6), MODEL)
-    table = batch_unions(window_sample(primary, 3, ["experts"]), 32, 2, linear_placement(32, 1), ks=[1, 2, 3],
-                         batches=[4], trace_k=3, recorded={2: window_sample(at_two, 2, ["experts"])})
-    frame = at_two.collect().with_columns(pl.col("experts").arr.to_list())
-    for layer in MODEL.layers:
+    at_three = verify_tokens(np.random.default_rng(7), MODEL, requests=4, steps=12, k=3, accept_prob=0.6)
+    at_two = verify_tokens(np.random.default_rng(8), MODEL, requests=4, steps=12, k=2, accept_prob=0.6)
+    table = unions({3: at_three, 2: at_two}, 3, [1, 2, 3], [4])
+    for index, layer in enumerate(MODEL.layers):
         rows = {row["k"]: row for row in table.filter(pl.col("layer") == layer).iter_rows(named=True)}
         # k = 2: the steps of the trace recorded at k = 2, brute force; k = 1 was recorded by neither
-        assert rows[2]["source"] == MEASURED_BATCH
-        assert rows[2]["unique_experts"] == pytest.approx(np.mean(brute_force_step_unions(frame, layer, 4)))
-        assert rows[3]["source"] == MEASURED_BATCH and rows[1]["source"] != MEASURED_BATCH
+        assert rows[2]["source"] == "measured"
+        assert rows[2]["unique_experts"] == pytest.approx(np.mean(brute_force_step_unions(at_two, index, 4)))
+        assert rows[3]["source"] == "measured" and rows[1]["source"] == "counterfactual"
+
+
+def test_data_parallel_ranks_steps_of_the_same_number_are_unioned_apart() -> None:
+    ranks = [verify_tokens(np.random.default_rng(10 + r), MODEL, requests=2, steps=10, k=2, accept_prob=0.6)
+             for r in (0, 1)]
+    routing = pl.concat([routing_frame(t, MODEL).with_columns(dp_rank=pl.lit(r, pl.UInt16),
+                                                              request=pl.col("request") * 2 + r)
+                         for r, t in enumerate(ranks)])
+    steps = pl.concat([steps_frame(t).with_columns(dp_rank=pl.lit(r, pl.UInt16), request=pl.col("request") * 2 + r)
+                       for r, t in enumerate(ranks)])
+    table = unions({}, 2, [2], [2, 4], frames={2: (routing, steps)})
+    for index, layer in enumerate(MODEL.layers):
+        rows = {row["batch"]: row for row in table.filter(pl.col("layer") == layer).iter_rows(named=True)}
+        per_rank = [u for tokens in ranks for u in brute_force_step_unions(tokens, index, 2)]
+        assert rows[2]["source"] == "measured" and rows[2]["steps"] == 20
+        assert rows[2]["unique_experts"] == pytest.approx(np.mean(per_rank))
+        assert rows[4]["source"] == "estimated"  # no step ran 4 requests: each rank ran its own 2

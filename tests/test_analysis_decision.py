@@ -7,8 +7,10 @@ from typing import Any
 import polars as pl
 import pytest
 
-from moetrace.analysis.cost import CALIBRATION_SCHEMA, Deployment, Profile
+from moetrace.analysis.cost import CALIBRATION_SCHEMA
+from moetrace.analysis.deployment import Deployment
 from moetrace.analysis.decision import against_trace, recommended_k, speedup_per_batch
+from moetrace.analysis.profile import Profile
 from moetrace.analysis.shape import ModelShape
 
 SHAPE = ModelShape(num_experts=64, top_k=2, num_layers=2, moe_layers=1, hidden_size=8, expert_width=4,
@@ -22,20 +24,32 @@ CALIBRATION: dict[str, Any] = {
 }
 
 
+TOKENS_PER_STEP = {0: 1.0, 1: 1.5}
+
+
 def per_batch(rows: list[tuple[int, int, float]]) -> pl.DataFrame:
+    """Step inputs per (batch, k, unique experts): B·(k+1) tokens moved, 1.5 tokens gained at k = 1."""
     return pl.DataFrame(
-        {"batch": [b for b, _, _ in rows], "k": [k for _, k, _ in rows],
+        {"batch": [b for b, _, _ in rows], "k": [k for _, k, _ in rows], "tokens": [b * (k + 1.0) for b, k, _ in rows],
          "unique_experts": [u for _, _, u in rows], "busiest_rank_experts": [u for _, _, u in rows],
+         "tokens_per_step": [TOKENS_PER_STEP[k] for _, k, _ in rows], "acceptance_source": ["measured"] * len(rows),
+         "request_steps": [100] * len(rows), "steps": [0] * len(rows),
          "uniform_bound": [0.0] * len(rows), "union_source": ["estimated"] * len(rows)},
         schema_overrides={"batch": pl.Int32, "k": pl.Int32})
 
 
-TOKENS = pl.DataFrame({"k": [0, 1], "tokens_per_step": [1.0, 1.5]}, schema_overrides={"k": pl.Int32})
+def speedups_table(speedup: list[float], acceptance: list[str], windows: int = 100) -> pl.DataFrame:
+    """recommended_k's input at one request, k = 0, 1, 2."""
+    return pl.DataFrame({"batch": [1, 1, 1], "k": [0, 1, 2], "speedup": speedup,
+                         "tokens_per_step": [1.0, 1.5, 1.7], "step_ratio": [1.0, 1.15, 1.3],
+                         "unique_experts": [2.0, 3.0, 4.0], "uniform_bound": [2.0, 3.9, 5.8],
+                         "union_source": ["measured"] * 3, "acceptance_source": acceptance,
+                         "request_steps": [windows] * 3, "steps": [10] * 3})
 
 
 def test_speedup_per_batch_is_tokens_over_the_step_ratio_at_the_same_concurrency() -> None:
     table = per_batch([(1, 0, 2.0), (1, 1, 3.0), (4, 0, 6.0), (4, 1, 10.0), (8, 0, 12.0), (8, 1, 30.0)])
-    speedups, basis = speedup_per_batch(table, TOKENS, Deployment(SHAPE, tp=1, ep=1, weight_format="bf16"), None,
+    speedups, basis = speedup_per_batch(table, Deployment(SHAPE, tp=1, ep=1, weight_format="bf16"), None,
                                         CALIBRATION, one_token_busiest=2.0)
     by_key = {(r["batch"], r["k"]): r for r in speedups.to_dicts()}
     assert by_key[(1, 0)]["step_ms"] == pytest.approx(0.012)  # 10 + 2 experts, µs → ms
@@ -44,32 +58,35 @@ def test_speedup_per_batch_is_tokens_over_the_step_ratio_at_the_same_concurrency
     assert by_key[(8, 1)]["speedup"] == pytest.approx(1.5 / (40 / 22))
     assert by_key[(4, 1)]["tokens"] == 8.0 and basis["mode"] == "calibration only"
 
-    chosen = {r["batch"]: r for r in recommended_k(speedups.with_columns(extrapolated=False)).to_dicts()}
+    chosen = {r["batch"]: r for r in recommended_k(speedups).to_dicts()}
     assert (chosen[1]["k"], chosen[4]["k"]) == (1, 1)
     assert chosen[8]["k"] == 0 and chosen[8]["speedup"] == 1.0  # 0.825 at k=1: do not speculate
 
 
 def test_ties_recommend_the_smaller_k() -> None:
-    speedups = pl.DataFrame({"batch": [1, 1, 1], "k": [0, 1, 2], "speedup": [1.0, 1.3, 1.3],
-                             "tokens_per_step": [1.0, 1.5, 1.7], "step_ratio": [1.0, 1.15, 1.3],
-                             "unique_experts": [2.0, 3.0, 4.0], "uniform_bound": [2.0, 3.9, 5.8],
-                             "union_source": ["measured"] * 3, "extrapolated": [False] * 3})
-    assert recommended_k(speedups)["k"].to_list() == [1]
+    assert recommended_k(speedups_table([1.0, 1.3, 1.3], ["measured"] * 3))["k"].to_list() == [1]
 
 
 def test_k_past_the_measured_acceptance_is_not_recommended_but_flagged_when_it_looks_better() -> None:
-    speedups = pl.DataFrame({"batch": [1, 1, 1], "k": [0, 1, 2], "speedup": [1.0, 1.3, 1.5],
-                             "tokens_per_step": [1.0, 1.5, 1.9], "step_ratio": [1.0, 1.15, 1.27],
-                             "unique_experts": [2.0, 3.0, 4.0], "uniform_bound": [2.0, 3.9, 5.8],
-                             "union_source": ["measured"] * 3, "extrapolated": [False, False, True]})
-    (row,) = recommended_k(speedups).to_dicts()
+    (row,) = recommended_k(speedups_table([1.0, 1.3, 1.5], ["measured", "measured", "extrapolated"])).to_dicts()
     assert row["k"] == 1 and row["larger_k_may_pay"] is True
+
+
+def test_too_few_windows_or_disagreeing_rows_give_no_recommendation_and_say_why() -> None:
+    (thin,) = recommended_k(speedups_table([1.0, 1.3, 1.2], ["measured"] * 3, windows=29)).to_dicts()
+    assert thin["k"] is None and thin["speedup"] is None and thin["best_k"] == 1
+    assert thin["status"].startswith("too few windows: 29")
+    (enough,) = recommended_k(speedups_table([1.0, 1.3, 1.2], ["measured"] * 3, windows=30)).to_dicts()
+    assert enough["k"] == 1 and enough["status"] == "ok"
+    (broken,) = recommended_k(speedups_table([1.0, 1.3, 1.2], ["measured"] * 3),
+                              {2: "3 of 90 decoding request-steps lack routing rows"}).to_dicts()
+    assert broken["k"] is None and "disagree at k=2: 3 of 90" in broken["status"]
 
 
 def test_a_profile_is_scaled_from_one_token_to_batch_times_k_plus_one_tokens() -> None:
     profile = Profile(step_ms=10.0, allreduce=0.0, moe=0.5, attention=0.2, other_gemm=0.1)
     table = per_batch([(4, 0, 6.0), (4, 1, 10.0)])
-    speedups, _ = speedup_per_batch(table, TOKENS, Deployment(SHAPE, tp=1, ep=1, weight_format="bf16"), profile,
+    speedups, _ = speedup_per_batch(table, Deployment(SHAPE, tp=1, ep=1, weight_format="bf16"), profile,
                                     CALIBRATION, one_token_busiest=2.0)
     k0, k1 = speedups.sort("k").to_dicts()
     assert k0["moe_ms"] == pytest.approx(10.0 * 0.5 * 16 / 12)  # 6 experts vs one token's 2, at 10 µs + 1 µs each

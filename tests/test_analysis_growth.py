@@ -15,8 +15,8 @@ from moetrace.analysis.growth import (
     decode_and_verify,
     measured_growth,
     rejected_only_experts,
-    uniform_unique_experts,
 )
+from moetrace.analysis.concurrency import uniform_unique_experts
 from moetrace.analysis.placement import linear_placement
 from trace_builder import Model, Tokens, decode_tokens, routing_frame, verify_tokens
 
@@ -102,7 +102,7 @@ def test_uniform_random_routing_meets_closed_form() -> None:
     tokens = decode_tokens(np.random.default_rng(3), model, requests=4, steps=6000)
     frame = counterfactual_growth(routing_frame(tokens, model), 384, range(1, 9), linear_placement(384, 1))
     for row in frame.to_dicts():
-        assert row["unique_experts"] == pytest.approx(uniform_unique_experts(384, 8, row["k"]), rel=0.01)
+        assert row["unique_experts"] == pytest.approx(uniform_unique_experts(384, 8, row["k"] + 1), rel=0.01)
 
 
 def test_all_tokens_on_the_same_experts_never_grow() -> None:

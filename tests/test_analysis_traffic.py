@@ -8,15 +8,17 @@ import pytest
 
 from moetrace.analysis.acceptance import (
     acceptance_by_position,
+    acceptance_per_k,
     acceptance_summary,
     decode_step_periods,
     measured_speedup,
     step_times,
+    tokens_per_step,
 )
-from moetrace.analysis.cost import Deployment
+from moetrace.analysis.deployment import Deployment
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
-from trace_builder import Model, routing_frame, steps_frame, verify_tokens
+from trace_builder import Model, steps_frame, verify_tokens
 
 SHAPE = ModelShape(
     num_experts=16,
@@ -31,20 +33,11 @@ SHAPE = ModelShape(
 )
 
 
-def _growth() -> pl.LazyFrame:
-    rows = [
-        # layer, k, source, scope, unique, busiest, ranks touched
-        (1, 0, "measured", "request", 2.0, 1.0, 1.5),
-        (2, 0, "measured", "request", 2.0, 2.0, 2.5),
-        (1, 1, "measured", "request", 4.0, 2.0, 2.0),
-        (2, 1, "measured", "request", 3.0, 2.0, 2.0),
-        (1, 1, "counterfactual", "request", 99.0, 99.0, 9.0),  # measured wins where both exist
-        (2, 1, "measured", "batch", 99.0, 99.0, 9.0),  # batch rows do not price one request
-        (1, 2, "counterfactual", "request", 5.0, 3.0, 3.0),
-        (2, 2, "counterfactual", "request", 6.0, 3.0, 3.0),
-    ]
-    columns = ["layer", "k", "source", "scope", "unique_experts", "busiest_rank_experts", "ranks_touched"]
-    return pl.DataFrame(rows, schema=columns, orient="row").lazy()
+def _per_k() -> pl.DataFrame:
+    """One request's step at k = 0, 1, 2: tokens moved, unique and busiest-rank experts per layer, and the source."""
+    return pl.DataFrame({"k": [0, 1, 2], "tokens": [1.0, 2.0, 3.0], "unique_experts": [2.0, 3.5, 5.5],
+                         "busiest_rank_experts": [1.5, 2.0, 3.0],
+                         "union_source": ["measured", "measured", "counterfactual"]})
 
 
 def test_expert_bytes_include_scales() -> None:
@@ -55,7 +48,7 @@ def test_expert_bytes_include_scales() -> None:
 
 
 def test_step_bytes_under_tensor_parallelism() -> None:
-    table = step_bytes(_growth(), SHAPE, tp=4, ep=1).to_dicts()
+    table = step_bytes(_per_k(), Deployment(SHAPE, tp=4, ep=1, weight_format="int4"), ranks_per_token=1.0).to_dicts()
     assert [row["k"] for row in table] == [0, 1, 2]
     assert [row["source"] for row in table] == ["measured", "measured", "counterfactual"]
     k1 = table[1]
@@ -67,31 +60,63 @@ def test_step_bytes_under_tensor_parallelism() -> None:
     assert k1["ep_bytes"] == 0.0
 
 
-def test_step_bytes_under_expert_parallelism_charge_each_rank_what_the_cost_model_does() -> None:
-    k2 = step_bytes(_growth(), SHAPE, tp=1, ep=4).to_dicts()[2]
+def test_step_bytes_under_expert_parallelism_charge_each_rank_and_the_all_reduces_as_the_cost_model_does() -> None:
+    deployment = Deployment(SHAPE, tp=1, ep=4, weight_format="int4")
+    k2 = step_bytes(_per_k(), deployment, ranks_per_token=2.0).to_dicts()[2]
     # the busiest rank's 3 experts plus a quarter of the shared expert (sharded over the 4 ranks), 2 MoE layers
     assert k2["busiest_rank_weight_bytes"] == pytest.approx((3.0 + 1 / 4) * 2100 * 2)
-    experts, _ = Deployment(SHAPE, tp=1, ep=4, weight_format="int4").rank_work(5.5, 3.0, 3.0)
-    assert k2["busiest_rank_weight_bytes"] == pytest.approx(experts * SHAPE.expert_bytes * SHAPE.moe_layers)
-    assert k2["allreduce_bytes"] == 0.0
-    # dispatch + combine, 2 MoE layers, 3 tokens, 2 ranks per token (mean of k=0 rows), 100 x 2 bytes
+    # the cost model exchanges over max(tp, ep) = 4 GPUs: 3 layers x 2 x ring 2*3/4 x 3 tokens x 100 x 2 bytes
+    assert deployment.allreduces == 6
+    assert k2["allreduce_bytes"] == pytest.approx(3 * 2 * 1.5 * 3 * 100 * 2)
+    # dispatch + combine, 2 MoE layers, 3 tokens, 2 ranks per token, 100 x 2 bytes
     assert k2["ep_bytes"] == pytest.approx(2 * 2 * 3 * 2.0 * 100 * 2)
 
 
-def test_acceptance_matches_the_drafts() -> None:
+def test_acceptance_rates_are_unconditional_and_sum_to_the_tokens_gained_when_drafts_vary() -> None:
     model = Model()
-    tokens = verify_tokens(np.random.default_rng(10), model, requests=3, steps=20, k=3, accept_prob=0.7)
-    by_position = acceptance_by_position(routing_frame(tokens, model)).to_dicts()
+    tokens = verify_tokens(np.random.default_rng(10), model, requests=3, steps=40, k=3, accept_prob=0.7,
+                           variable_drafts=True)
+    windows: dict[tuple[int, int], list[int]] = {}  # (step, request) -> accepted flags of its drafts, by hand
+    for step, request, phase, draft_pos, accepted in zip(tokens.step.tolist(), tokens.request.tolist(), tokens.phase,
+                                                         tokens.draft_pos.tolist(), tokens.accepted):
+        if phase != "prefill":
+            windows.setdefault((step, request), [])
+            if draft_pos > 0:
+                windows[(step, request)].append(bool(accepted))
+    gained = [sum(flags) for flags in windows.values()]
+    assert any(len(flags) < 3 for flags in windows.values()), "some windows proposed fewer than k drafts"
+    by_position = acceptance_by_position(steps_frame(tokens), 3).to_dicts()
     for row in by_position:
-        mine = [a for a, d in zip(tokens.accepted, tokens.draft_pos) if d == row["draft_pos"]]
-        assert row["proposed"] == len(mine)
-        assert row["accepted"] == sum(bool(a) for a in mine)
+        i = row["draft_pos"]
+        assert row["request_steps"] == len(windows)
+        assert row["proposed"] == sum(len(flags) >= i for flags in windows.values())
+        assert row["accepted"] == sum(g >= i for g in gained)
+        assert row["acceptance_rate"] == pytest.approx(sum(g >= i for g in gained) / len(windows))
     summary = acceptance_summary(steps_frame(tokens)).to_dicts()[0]
-    accepted = sum(bool(a) for a in tokens.accepted)
-    assert summary["verify_windows"] == 60
-    assert summary["mean_drafts"] == 3.0
-    assert summary["mean_accepted"] == pytest.approx(accepted / 60)
-    assert summary["tokens_per_step"] == pytest.approx(1 + accepted / 60)
+    assert summary["windows"] == len(windows)
+    assert summary["tokens_per_step"] == pytest.approx(1 + sum(gained) / len(windows))
+    assert tokens_per_step([row["acceptance_rate"] for row in by_position]) == pytest.approx(summary["tokens_per_step"])
+    # the old per-position rates (accepted at i over proposed at i) sum to more than what was gained
+    conditional = 1 + sum(row["accepted"] / row["proposed"] for row in by_position)
+    assert conditional > summary["tokens_per_step"] + 0.1
+
+
+def test_acceptance_per_k_is_measured_at_recorded_k_estimated_below_and_extrapolated_past() -> None:
+    model = Model()
+    tokens = verify_tokens(np.random.default_rng(11), model, requests=2, steps=30, k=2, accept_prob=0.8,
+                           variable_drafts=True)
+    steps = steps_frame(tokens).collect()
+    decoding = steps.filter(pl.col("num_tokens") == pl.col("num_drafts") + 1)
+    accepted, drafts = decoding["num_accepted"].to_numpy(), decoding["num_drafts"].to_numpy()
+    table = {row["k"]: row for row in acceptance_per_k({2: steps.lazy()}, range(4)).to_dicts()}
+    assert [table[k]["acceptance_source"] for k in range(4)] == ["measured", "estimated", "measured", "extrapolated"]
+    assert table[2]["tokens_per_step"] == pytest.approx(1 + accepted.mean())
+    assert table[2]["tokens_read"] == pytest.approx(1 + drafts.mean())
+    assert table[1]["tokens_per_step"] == pytest.approx(1 + (accepted >= 1).mean())
+    assert table[1]["tokens_read"] == pytest.approx(1 + np.minimum(drafts, 1).mean())
+    u1, u2 = (accepted >= 1).mean(), (accepted >= 2).mean()
+    assert table[3]["tokens_per_step"] == pytest.approx(1 + u1 + u2 + u2 * (u2 / u1))
+    assert table[0]["tokens_per_step"] == 1.0 and table[0]["request_steps"] == len(decoding)
 
 
 def test_step_times_take_decode_steps_only_and_speedup_is_per_request_throughput_over_k0() -> None:
@@ -99,7 +124,7 @@ def test_step_times_take_decode_steps_only_and_speedup_is_per_request_throughput
         "step": [0, 0, 1, 1, 2, 2], "request": [0, 1, 0, 1, 0, 1], "num_tokens": [4, 1, 3, 3, 1, 3],
         "num_drafts": [0, 0, 2, 2, 0, 2], "num_accepted": [0, 0, 1, 2, 0, 0],
         "t_start_ns": [0, 0, 10_000_000, 10_000_000, 30_000_000, 30_000_000],
-        "t_end_ns": [8_000_000, 8_000_000, 14_000_000, 14_000_000, 36_000_000, 36_000_000],
+        "t_end_ns": [8_000_000, 8_000_000, 14_000_000, 14_000_000, 36_000_000, 36_000_000], "dp_rank": [0] * 6,
     }).lazy()
     (times,) = step_times(steps).to_dicts()
     assert times == {"decode_steps": 2, "step_ms": 5.0, "requests_per_step": 2.0}  # median of 4 ms and 6 ms
@@ -127,8 +152,18 @@ def test_decode_step_periods_time_consecutive_decode_steps_of_one_concurrency() 
             rows["num_accepted"].append(1 if step != 8 else 3)  # the last step starts no pair: not counted
             rows["t_start_ns"].append(start * ms)
             rows["t_end_ns"].append(start * ms + ms)
-    periods = decode_step_periods(pl.DataFrame(rows).lazy()).to_dicts()
+    periods = decode_step_periods(pl.DataFrame(rows).with_columns(dp_rank=pl.lit(0)).lazy()).to_dicts()
     # batch 2: 1 -> 2 (4 ms) and 2 -> 3 (6 ms); batch 1: 4 -> 5 (3 ms) and 7 -> 8 (2 ms); 0 -> 1 has a prefill,
     # 3 -> 4 changes the request count
     assert periods == [{"batch": 1, "decode_steps": 2, "period_ms": 2.5, "tokens_per_step": 2.0},
                        {"batch": 2, "decode_steps": 2, "period_ms": 5.0, "tokens_per_step": 2.0}]
+
+
+def test_decode_step_periods_pair_each_data_parallel_ranks_own_steps() -> None:
+    ms = 1_000_000
+    # two ranks, one request each, a step every 10 ms; rank 1 starts 3 ms after rank 0
+    rows = [{"dp_rank": rank, "step": step, "request": 0, "num_tokens": 1, "num_drafts": 0, "num_accepted": 0,
+             "t_start_ns": (10 * step + 3 * rank) * ms, "t_end_ns": (10 * step + 3 * rank + 2) * ms}
+            for rank in (0, 1) for step in range(6)]
+    (period,) = decode_step_periods(pl.DataFrame(rows).lazy()).to_dicts()
+    assert period == {"batch": 1, "decode_steps": 10, "period_ms": 10.0, "tokens_per_step": 1.0}

@@ -15,24 +15,13 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from moetrace.analysis.cost import (
-    expert_fit,
-    PROFILE_PRESETS,
-    Profile,
-    acceptance_curve,
-    allreduce_model,
-    deployment_for,
-    geometric_acceptance,
-    parse_profile,
-    per_k_from_nearest,
-    predict,
-    ring_model,
-    tokens_per_step,
-    uniform_busiest_rank,
-    uniform_routing,
-)
+from moetrace.analysis.acceptance import acceptance_curve, tokens_per_step
+from moetrace.analysis.concurrency import uniform_unions
+from moetrace.analysis.cost import expert_fit, allreduce_model, per_k_from_nearest, predict, ring_model
+from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.decision import speedup_per_batch
 from moetrace.analysis.placement import linear_placement
+from moetrace.analysis.profile import PROFILE_PRESETS, Profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.cli import main
 from trace_builder import Model, decode_tokens, verify_tokens, write_trace
@@ -100,8 +89,13 @@ def test_async_scheduling_off_adds_its_measured_time_to_every_step_that_drafts()
 
 
 def _per_k(unique: list[float], tokens: list[float]) -> pl.DataFrame:
-    return pl.DataFrame({"k": list(range(len(unique))), "unique_experts": unique, "busiest_rank_experts": unique,
-                         "tokens_per_step": tokens})
+    """One request at k = 0..: k+1 tokens moved."""
+    return pl.DataFrame({"k": list(range(len(unique))), "tokens": [k + 1.0 for k in range(len(unique))],
+                         "unique_experts": unique, "busiest_rank_experts": unique, "tokens_per_step": tokens})
+
+
+def geometric_acceptance(rate: float, k: int) -> list[float]:
+    return [rate**i for i in range(1, k + 1)]
 
 
 def test_tokens_per_step_from_acceptance() -> None:
@@ -112,18 +106,6 @@ def test_tokens_per_step_from_acceptance() -> None:
     assert acceptance_curve({1: 0.8, 2: 0.6}, 2) == ([0.8, 0.6], False)
     with pytest.raises(ValueError):
         acceptance_curve({}, 2)
-
-
-def test_parse_profile_forms() -> None:
-    design = PROFILE_PRESETS["kimi-k2-tp8"]
-    inline = parse_profile("step=12.1ms,allreduce=51.5%,moe=11.1%,attention=15.3%,other=13.4%")
-    as_json = parse_profile('{"step_ms": 12.1, "allreduce": 0.515, "moe": 0.111, "attention": 0.153, "other": 0.134}')
-    for profile in (inline, as_json, parse_profile("kimi-k2-tp8")):
-        assert (profile.step_ms, profile.allreduce, profile.moe) == pytest.approx((12.1, 0.515, 0.111))
-        assert profile.rest == pytest.approx(design.rest) and profile.rest == pytest.approx(0.087)
-    for bad in ("step=12ms,moe=10%", "step=1ms,allreduce=90%,moe=20%,attention=0,other=0", "nonsense", "{1"):
-        with pytest.raises(ValueError):
-            parse_profile(bad)
 
 
 def test_ring_model_and_extrapolation() -> None:
@@ -211,15 +193,15 @@ def test_a_measured_time_is_kept_where_recorded_and_scaled_or_held_elsewhere() -
 def test_speedup_per_batch_predicts_only_the_batches_with_a_measured_k0_step() -> None:
     per_batch = pl.concat([_per_k([8.0, 12.0], [1.0, 1.5]).with_columns(batch=pl.lit(b, pl.Int32)) for b in (1, 4)])
     per_batch = per_batch.with_columns(uniform_bound=pl.col("unique_experts"), union_source=pl.lit("measured"))
-    table, _ = speedup_per_batch(per_batch.drop("tokens_per_step"), per_batch.filter(pl.col("batch") == 1),
-                                 deployment_for(SMALL, 2, 1), None, _calibration(), 8.0, {4: 3.0})
+    table, _ = speedup_per_batch(per_batch, deployment_for(SMALL, 2, 1), None, _calibration(), 8.0, {4: 3.0})
     assert table["batch"].unique().to_list() == [4]
     assert table.filter(pl.col("k") == 0)["step_ms"].item() == pytest.approx(3.0)
 
 
 def test_design_profile_uniform_k3_is_in_the_hand_band() -> None:
     shape = SHAPE_PRESETS["kimi-k2"]
-    per_k = uniform_routing(384, 8, linear_placement(384, 1), range(4)).with_columns(
+    per_k = uniform_unions(384, 8, linear_placement(384, 1), range(4), [1]).with_columns(
+        tokens=pl.col("k").cast(pl.Float64) + 1,
         tokens_per_step=pl.Series([tokens_per_step(geometric_acceptance(0.7, k)) for k in range(4)]))
     table, _ = predict(per_k, deployment_for(shape, 8, 1), PROFILE_PRESETS["kimi-k2-tp8"], None)
     k3 = table.filter(pl.col("k") == 3).to_dicts()[0]
@@ -227,13 +209,13 @@ def test_design_profile_uniform_k3_is_in_the_hand_band() -> None:
     assert 1.9 <= k3["speedup"] <= 2.3
 
 
-def test_uniform_busiest_rank() -> None:
-    placement = linear_placement(16, 4)
-    assert uniform_busiest_rank(16, 16, placement, 0) == 4.0  # every expert used: 4 per rank
-    one = uniform_busiest_rank(64, 1, linear_placement(64, 8), 0)
-    assert one == 1.0  # one token, one expert: one rank holds it
-    assert uniform_routing(16, 2, np.zeros(16, dtype=np.int64), [1])["busiest_rank_experts"][0] == pytest.approx(
-        16 * (1 - (1 - 2 / 16) ** 2))
+def test_uniform_busiest_rank_is_hand_computed_where_it_is_certain() -> None:
+    every = uniform_unions(16, 16, linear_placement(16, 4), [0], [1])  # every expert used: 4 per rank
+    assert every["busiest_rank_experts"].item() == 4.0 and every["ranks_touched"].item() == 4.0
+    one = uniform_unions(64, 1, linear_placement(64, 8), [0], [1])  # one token, one expert: one rank holds it
+    assert one["busiest_rank_experts"].item() == 1.0 and one["ranks_touched"].item() == 1.0
+    single = uniform_unions(16, 2, np.zeros(16, dtype=np.int64), [1], [1])
+    assert single["busiest_rank_experts"].item() == pytest.approx(16 * (1 - (1 - 2 / 16) ** 2))
 
 
 @pytest.fixture
@@ -253,7 +235,8 @@ def test_report_predicts_with_profile_and_calibration(trace: Path, tmp_path: Pat
     prediction = json.loads(result.output)["runs"][0]["prediction"]
     assert prediction["basis"]["mode"] == "profile anchored, calibrated growth"
     assert prediction["at_k"]["k"] == 2 and prediction["per_k"][0]["step_ms"] == pytest.approx(10.0)
-    assert {row["acceptance_source"] for row in prediction["per_k"][:3]} == {"measured"}
+    # k=2 recorded: measured; k=1 from the k=2 trace's first position: estimated; k=0 gains one token by definition
+    assert [row["acceptance_source"] for row in prediction["per_k"][:3]] == ["measured", "estimated", "measured"]
     page = (trace / "report.html").read_text()
     assert "fig-prediction" in page
     terminal = CliRunner().invoke(main, ["report", str(trace), "--force", "--tp", "8", "--routing", "uniform",

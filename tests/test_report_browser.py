@@ -1,15 +1,22 @@
-"""The dashboard in headless Chromium, offline: no console errors, every figure drawn, the k picker redraws."""
+"""The dashboard in headless Chromium, offline: no console errors, every figure drawn, the k picker redraws, every
+figure's source marked; and the dashboard rendered from the summary JSON alone."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from moetrace.analysis.sources import MARKS, Source
 from moetrace.cli import main
-from trace_builder import Model, verify_tokens, write_trace
+from moetrace.report.dashboard import normalise, render_dashboard
+from trace_builder import Model, decode_tokens, verify_tokens, write_trace
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -20,8 +27,8 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-
-pytestmark = pytest.mark.browser
+SWEEP_K = (0, 1, 2)  # the sweep records these k
+ASKED_K = 4  # the report is for a k past them: figures at it are counterfactual, acceptance at it extrapolated
 
 
 @pytest.fixture
@@ -38,32 +45,62 @@ def dashboard(tmp_path: Path) -> Path:
     return output
 
 
-def test_dashboard_renders_offline_and_reacts_to_k(dashboard: Path) -> None:
+@pytest.fixture
+def sweep_report(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """A TP-only sweep recorded at k=0, 1, 2 with drafts accepted often, reported at k=4: the dashboard and the
+    summary JSON ``report --json`` printed while writing it."""
+    model = Model(layers=(1, 2, 3))
+    for k in SWEEP_K:
+        rng = np.random.default_rng(10 + k)
+        tokens = (decode_tokens(rng, model, requests=3, steps=20) if k == 0 else
+                  verify_tokens(rng, model, requests=3, steps=20, k=k, accept_prob=0.9))
+        write_trace(tmp_path / "sweep" / f"k{k}", tokens, model, k=k)
+    output = tmp_path / "sweep.html"
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "sweep"), "--k", str(ASKED_K), "--json",
+                                       "-o", str(output)])
+    assert result.exit_code == 0, result.output
+    return output, json.loads(result.output)
+
+
+@contextmanager
+def browser_page(path: Path) -> Iterator[tuple[Any, list[str]]]:
+    """``path`` open in headless Chromium with every request off the file blocked; yields the page and the list its
+    console errors, page errors, dialogs and blocked requests are appended to."""
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is not installed (apt-get install -y chromium)")
     from playwright.sync_api import sync_playwright
 
     errors: list[str] = []
-    blocked: list[str] = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
 
-        def block(route: object) -> None:
-            url = route.request.url  # type: ignore[attr-defined]
+        def block(route: Any) -> None:
+            url = route.request.url
             if url.startswith("file:"):
-                route.continue_()  # type: ignore[attr-defined]
+                route.continue_()
             else:
-                blocked.append(url)
-                route.abort()  # type: ignore[attr-defined]
+                errors.append(f"blocked request: {url}")
+                route.abort()
 
         page.route("**/*", block)
         page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
         page.on("pageerror", lambda error: errors.append(str(error)))
         page.on("dialog", lambda dialog: errors.append(f"dialog opened: {dialog.message}"))
-        page.goto(dashboard.as_uri())
+        page.goto(path.as_uri())
+        try:
+            yield page, errors
+        finally:
+            browser.close()
+
+
+@pytest.mark.browser
+def test_dashboard_renders_offline_and_reacts_to_k(dashboard: Path) -> None:
+    with browser_page(dashboard) as (page, errors):
         figures = page.eval_on_selector_all(".figure", "nodes => nodes.map(n => n.id)")
-        assert len(figures) == 6 + 2 * 2  # the prediction figure: the shipped preset predicts without flags
+        # per run: expert load, unique experts layer × k, predicted speedup batch × k (the shipped preset predicts
+        # without flags, so the prediction figure is there too)
+        assert len(figures) == 6 + 2 * 3
         decision_rows = page.eval_on_selector_all("#decision tr", "rows => rows.map(r => r.innerText)")
         assert len(decision_rows) == 1 + 2 * 4, decision_rows  # header, 2 runs × concurrencies 1, 8, 32, 128
         for figure in figures:
@@ -88,6 +125,133 @@ def test_dashboard_renders_offline_and_reacts_to_k(dashboard: Path) -> None:
         assert before[0] != after[0] and before[1] != after[1]
         page.select_option("#layer-picker", "2")
         page.wait_for_function("document.getElementById('fig-growth').layout.title.text.endsWith('layer 2')")
-        browser.close()
     assert errors == []
-    assert blocked == []
+
+
+def _cell_point(page: Any, figure: str, x: object, row: int) -> dict[str, float]:
+    """Where on the page (viewport pixels) the heatmap cell at x value ``x`` and category row ``row`` is drawn."""
+    page.locator(f"#{figure}").scroll_into_view_if_needed()
+    point: dict[str, float] = page.evaluate(
+        """([id, x, row]) => { const div = document.getElementById(id); const layout = div._fullLayout;
+                               const box = div.getBoundingClientRect();
+                               return {x: box.left + layout.xaxis._offset + layout.xaxis.l2p(x),
+                                       y: box.top + layout.yaxis._offset + layout.yaxis.l2p(row),
+                                       half: layout.xaxis._length / div.data[0].x.length / 2}; }""",
+        [figure, x, row],
+    )
+    return point
+
+
+@pytest.mark.browser
+def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
+        sweep_report: tuple[Path, dict[str, Any]]) -> None:
+    path, summary = sweep_report
+    run = summary["runs"][0]
+    assert run["recorded_k"] == list(SWEEP_K) and run["source_at_k"] == "counterfactual"
+    assert run["tp"] == 1 and run["ep"] == 1 and all(row["ep_bytes"] == 0 for row in run["step_bytes"])
+    may_pay = [row for decision in summary["decision"] for row in decision["per_batch"] if row["larger_k_may_pay"]]
+    assert may_pay, "the sweep should leave a larger k predicted to pay (acceptance 0.9, extrapolated past k=2)"
+    counterfactual, extrapolated = MARKS[Source.COUNTERFACTUAL], MARKS[Source.EXTRAPOLATED]
+
+    with browser_page(path) as (page, errors):
+        for figure in page.eval_on_selector_all(".figure", "nodes => nodes.map(n => n.id)"):
+            page.wait_for_selector(f"#{figure} svg.main-svg", timeout=15_000)
+
+        # the legend of the marks: one entry per source, from MARKS
+        legend = page.eval_on_selector_all("#source-legend li", "items => items.map(i => i.innerText)")
+        assert len(legend) == len(MARKS)
+        for source, mark in MARKS.items():
+            assert any(item.startswith(mark or "(none)") and source.value in item for item in legend), (source, legend)
+
+        # (a) a counterfactual cell: the per-k table's unique experts at k=4 ...
+        cell = page.locator(f"#per-k-0 tr[data-k='{ASKED_K}'] td").nth(2)
+        assert cell.inner_text().endswith(counterfactual)
+        assert "counterfactual" in (cell.get_attribute("title") or "")
+        # ... and the layer × k heatmap: every cell at k=4 shows the mark, and hovering one names the source
+        heatmap = "fig-unique-heatmap-0"
+        point = _cell_point(page, heatmap, ASKED_K, 0)
+        labels = page.evaluate(
+            """([id, x, half]) => [...document.querySelectorAll('#' + id + ' .heatmap-label text')]
+                   .filter(t => { const b = t.getBoundingClientRect(); return Math.abs(b.left + b.width / 2 - x) < half; })
+                   .map(t => t.textContent)""",
+            [heatmap, point["x"], point["half"]],
+        )
+        assert len(labels) == 3 and all(label.endswith(counterfactual) for label in labels), labels
+        recorded = _cell_point(page, heatmap, SWEEP_K[-1], 0)
+        labels_at_recorded = page.evaluate(
+            """([id, x, half]) => [...document.querySelectorAll('#' + id + ' .heatmap-label text')]
+                   .filter(t => { const b = t.getBoundingClientRect(); return Math.abs(b.left + b.width / 2 - x) < half; })
+                   .map(t => t.textContent)""",
+            [heatmap, recorded["x"], recorded["half"]],
+        )
+        assert labels_at_recorded and not any(counterfactual in label for label in labels_at_recorded)
+        page.mouse.move(point["x"], point["y"])
+        page.wait_for_selector(f"#{heatmap} .hoverlayer .hovertext", timeout=5_000)
+        hover = page.eval_on_selector_all(f"#{heatmap} .hoverlayer .hovertext", "nodes => nodes.map(n => n.textContent)")
+        assert len(hover) == 1 and f"k={ASKED_K}" in hover[0] and f"counterfactual {counterfactual}" in hover[0], hover
+
+        # (b) the decision table: a recommended k past which a larger (extrapolated) k may pay is "k+"
+        cells = page.eval_on_selector_all(
+            "#decision td.k", "cells => cells.map(c => ({text: c.innerText, title: c.title}))")
+        assert len(cells) == len(summary["decision"][0]["per_batch"])
+        for row, shown in zip(summary["decision"][0]["per_batch"], cells):
+            if row["larger_k_may_pay"]:
+                assert shown["text"] == f"{row['k']}{extrapolated}" and "extrapolated" in shown["title"], shown
+            else:
+                assert shown["text"] == str(row["k"]), shown
+        # ... and extrapolated acceptance is marked in the per-k table (tokens per step at k=4)
+        tokens = page.locator(f"#per-k-0 tr[data-k='{ASKED_K}'] td").nth(1)
+        assert tokens.inner_text().endswith(extrapolated) and "extrapolated" in (tokens.get_attribute("title") or "")
+
+        # (c) the step-time plot: its plotting area at least 250 px tall, the legend clear of every plotting area,
+        # every tick label inside the figure
+        geometry = page.evaluate(
+            """() => { const div = document.getElementById('fig-prediction');
+                       const box = n => { const r = n.getBoundingClientRect();
+                                          return {left: r.left, right: r.right, top: r.top, bottom: r.bottom}; };
+                       return {height: div._fullLayout.yaxis._length,
+                               legend: box(div.querySelector('g.legend')),
+                               areas: [...div.querySelectorAll('.draglayer .nsewdrag')].map(box),
+                               figure: box(div.querySelector('svg.main-svg')),
+                               ticks: [...div.querySelectorAll('.xtick text, .ytick text, .y2tick text, .x2tick text')]
+                                        .map(box)}; }"""
+        )
+        assert geometry["height"] >= 250, geometry["height"]
+        legend_box = geometry["legend"]
+        assert legend_box["right"] - legend_box["left"] > 0
+        for area in geometry["areas"]:
+            overlap = (min(area["right"], legend_box["right"]) > max(area["left"], legend_box["left"])
+                       and min(area["bottom"], legend_box["bottom"]) > max(area["top"], legend_box["top"]))
+            assert not overlap, (area, legend_box)
+        outer = geometry["figure"]
+        assert geometry["ticks"]
+        for tick in geometry["ticks"]:
+            assert (tick["left"] >= outer["left"] - 0.5 and tick["right"] <= outer["right"] + 0.5
+                    and tick["top"] >= outer["top"] - 0.5 and tick["bottom"] <= outer["bottom"] + 0.5), tick
+
+        # (d) a series that is all zero is not plotted: no EP bytes (nor all-reduce bytes: tp=1) in the bytes plot
+        names = page.eval_on_selector_all("#fig-bytes .legendtext", "nodes => nodes.map(n => n.textContent)")
+        assert "expert weights" in names and not any("EP" in name or "all-reduce" in name for name in names), names
+    # (e) no console errors
+    assert errors == []
+
+
+def test_the_dashboard_renders_from_the_summary_json_alone(sweep_report: tuple[Path, dict[str, Any]]) -> None:
+    path, summary = sweep_report
+    summary.pop("dashboard")  # added after the dashboard was written
+    loaded = json.loads(json.dumps(summary))
+    page = render_dashboard(loaded)
+    assert page == path.read_text(encoding="utf-8")  # the same page as the one rendered from the live summary
+    assert "counterfactual" in page and f"{MARKS[Source.COUNTERFACTUAL]}</span>" in page
+    run = loaded["runs"][0]
+    assert {"layers", "expert_load", "budget_curves"} <= set(run)
+    assert len(run["expert_load"]) == len(run["layers"]) == 3
+    # an older summary: per-batch and decision rows with a boolean "extrapolated" and no acceptance_source
+    for row in [*run["prediction"]["per_batch"], *loaded["decision"][0]["per_batch"]]:
+        row.pop("acceptance_source", None)
+        row["extrapolated"] = row["k"] > max(SWEEP_K)
+    assert render_dashboard(loaded)
+    normalised = normalise(loaded)
+    assert [row["acceptance_source"] for row in normalised["runs"][0]["prediction"]["per_batch"]] == [
+        "extrapolated" if row["k"] > max(SWEEP_K) else "measured" for row in run["prediction"]["per_batch"]]
+    assert {row["acceptance_source"] for row in normalised["decision"][0]["per_batch"]} == {"measured"}

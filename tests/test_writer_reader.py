@@ -446,7 +446,9 @@ def test_a_data_parallel_recording_reads_as_one_trace_with_each_ranks_requests_a
     per_rank = [r.steps().collect() for r in ranks]
     steps = trace.steps().collect()
     assert steps.select("request").n_unique() == sum(f.select("request").n_unique() for f in per_rank)
-    assert steps.select("step").n_unique() == sum(f.select("step").n_unique() for f in per_rank)
+    assert steps.select("dp_rank", "step").n_unique() == sum(f.select("step").n_unique() for f in per_rank)
+    for rank, own in enumerate(per_rank):  # each rank keeps its own step numbers
+        assert steps.filter(pl.col("dp_rank") == rank)["step"].sort().to_list() == own["step"].sort().to_list()
     assert trace.manifest["parallel"]["dp_ranks"] == [0, 1] and trace.manifest["counts"]["steps"] == 12
     assert trace.k == 2 and trace.complete
 

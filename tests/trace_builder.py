@@ -221,13 +221,13 @@ def write_trace(
 
 
 def routing_frame(tokens: Tokens, model: Model) -> pl.LazyFrame:
-    """The routing table in memory, as the reader would give it."""
+    """The routing table in memory, as the reader would give it (one data-parallel rank: 0)."""
     frame = pl.from_arrow(routing_table(tokens, model))
     assert isinstance(frame, pl.DataFrame)
-    return frame.lazy()
+    return frame.lazy().with_columns(dp_rank=pl.lit(0, pl.UInt16))
 
 
 def steps_frame(tokens: Tokens) -> pl.LazyFrame:
     frame = pl.from_arrow(steps_table(tokens))
     assert isinstance(frame, pl.DataFrame)
-    return frame.lazy()
+    return frame.lazy().with_columns(dp_rank=pl.lit(0, pl.UInt16))

@@ -10,8 +10,9 @@ import click
 from rich.console import Console
 
 from moetrace.analysis.budgets import smallest_budgets
-from moetrace.analysis.cost import PROFILE_PRESETS, Profile, check_calibration, parse_profile
+from moetrace.analysis.cost import check_calibration
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED
+from moetrace.analysis.profile import PROFILE_PRESETS, Profile, parse_profile
 from moetrace.analysis.shape import SHAPE_PRESETS
 from moetrace.errors import UserError
 from moetrace.report.dashboard import render_dashboard
@@ -179,7 +180,7 @@ def report(
     analyses = [analyse_run(open_run(path, k), options) for path in traces]
     summary = summary_json(analyses, options)
     try:
-        dashboard.write_text(render_dashboard(analyses, options, summary), encoding="utf-8")
+        dashboard.write_text(render_dashboard(summary), encoding="utf-8")
     except OSError as exc:
         raise UserError(f"{dashboard}: cannot write dashboard ({exc.strerror})") from None
     summary["dashboard"] = str(dashboard)

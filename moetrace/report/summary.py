@@ -4,31 +4,26 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import polars as pl
 
 from moetrace.analysis.acceptance import (
     acceptance_by_position,
+    acceptance_per_k,
     acceptance_summary,
     decode_step_periods,
     measured_speedup,
     step_times,
 )
 from moetrace.analysis.budgets import WindowSample, budget_curves, smallest_budgets, window_sample
-from moetrace.analysis.concurrency import batch_unions, union_means, uniform_unions
-from moetrace.analysis.cost import (
-    MODEL_DRAFTERS,
-    Profile,
-    acceptance_curve,
-    deployment_for,
-    geometric_acceptance,
-    per_k_from_nearest,
-    tokens_per_step,
-    uniform_routing,
-)
+from moetrace.analysis.concurrency import RecordedK, batch_unions, union_means, uniform_unions
+from moetrace.analysis.consistency import disagreement, routing_gaps
+from moetrace.analysis.cost import MODEL_DRAFTERS, per_k_from_nearest
 from moetrace.analysis.decision import (
     DEFAULT_BATCHES,
     PHASE_COLUMNS,
@@ -37,19 +32,22 @@ from moetrace.analysis.decision import (
     recommended_k,
     speedup_per_batch,
 )
+from moetrace.analysis.deployment import Deployment, deployment_for
 from moetrace.analysis.growth import (
     COUNTERFACTUAL,
     MEASURED,
     PER_BATCH,
     PER_REQUEST,
+    best_window_estimate,
     decode_and_verify,
     growth,
     rejected_only_experts,
-    uniform_unique_experts,
 )
 from moetrace.analysis.load import expert_load
+from moetrace.analysis.profile import Profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
-from moetrace.analysis.traffic import best_window_estimate, step_bytes
+from moetrace.analysis.sources import least_direct_expr
+from moetrace.analysis.traffic import step_bytes
 from moetrace.errors import UserError
 from moetrace.reader import SWEEP_MODEL_KEYS, Trace, first_difference, open_trace
 from moetrace.report.inputs import PredictionPreset, Run, expert_placement, model_shape, parallel_size
@@ -89,9 +87,11 @@ class RunAnalysis:
     ep: int
     growth: pl.DataFrame
     rejected_only: pl.DataFrame
+    unions: pl.DataFrame  # what one step reads per (batch, k): analysis.concurrency.union_means, with acceptance
     step_bytes: pl.DataFrame
     acceptance_by_position: pl.DataFrame
     acceptance_per_k: pl.DataFrame
+    disagreements: dict[int, str]  # k → how that trace's routing rows disagree with its steps table
     budget_source: str
     budget_curves: pl.DataFrame  # with a k column: one curve set per k in 1..max_k
     budget_share: float  # smallest share of windows behind a budget curve (1.0: all windows)
@@ -105,6 +105,7 @@ class RunAnalysis:
     against_trace: pl.DataFrame | None = None  # --profile measured: the prediction beside the sweep's own steps
     decision: pl.DataFrame | None = None  # recommended k per batch
     prediction_note: str | None = None  # why the preset could not predict
+    checks: list[str] = field(default_factory=list)  # the self-check's warnings (``self_check``)
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -153,41 +154,22 @@ def sample_note(share: float) -> str | None:
             f"(down to {share:.1%} of the windows)")
 
 
-def prediction_inputs(run: Run, growth_table: pl.DataFrame, by_position: pl.DataFrame, shape: ModelShape,
-                      placement: Any, options: Options) -> pl.DataFrame:
-    """Per k = 0..max_k: unique experts and busiest-rank experts per layer (measured/counterfactual mean over layers,
-    or uniform routing) and tokens per step (acceptance per draft position measured at that k where the run
-    recorded it, else at its largest k and continued geometrically; or the given rate)."""
-    ks = range(options.max_k + 1)
+def step_inputs(run: Run, sample: WindowSample, shape: ModelShape, placement: npt.NDArray[np.int64],
+                options: Options) -> pl.DataFrame:
+    """Per (batch, k), for k = 0..max_k and batch 1 and every --batch: what one step reads (``union_means`` of
+    ``analysis.concurrency``, or uniform routing's) beside the acceptance at k (``acceptance_per_k``), and the
+    tokens the step moves (batch × tokens a request-step reads). The one table the cost model, the bytes, the
+    decision and the self-check take."""
+    ks, batches = range(options.max_k + 1), sorted({1, *options.batches})
     if options.routing == "uniform":
-        routing = uniform_routing(shape.num_experts, shape.top_k, placement, ks).with_columns(
-            routing_source=pl.lit("uniform"))
+        unions = uniform_unions(shape.num_experts, shape.top_k, placement, ks, batches)
     else:
-        routing = (
-            best_window_estimate(growth_table.lazy())
-            .group_by("k")
-            .agg(pl.col("unique_experts").mean(), pl.col("busiest_rank_experts").mean(),
-                 pl.col("source").min().alias("routing_source"))
-            .sort("k")
-            .collect()
-        )
-    by_k: dict[int, dict[int, float]] = {}
-    for row in by_position.to_dicts():
-        by_k.setdefault(int(row["k"]), {})[int(row["draft_pos"])] = float(row["acceptance_rate"])
-    if options.acceptance is None and not by_k:
-        raise UserError(f"{run.primary.path}: no verified drafts to measure acceptance from; give --acceptance RATE")
-    tokens, sources = [], []
-    for k in routing["k"].to_list():
-        if options.acceptance is not None:
-            tokens.append(tokens_per_step(geometric_acceptance(options.acceptance, k)))
-            sources.append(f"given {options.acceptance:g} per draft")
-        else:  # the trace recorded at k where the run has one, else the largest k recorded (extrapolated past it)
-            measured = by_k.get(k) or by_k[max(by_k)]
-            rates, extrapolated = acceptance_curve(measured, k)
-            tokens.append(tokens_per_step(rates))
-            sources.append("extrapolated" if extrapolated else "measured")
-    return routing.with_columns(tokens_per_step=pl.Series(tokens, dtype=pl.Float64),
-                                acceptance_source=pl.Series(sources, dtype=pl.String))
+        recorded = {t.k: RecordedK(sample if t is run.primary else window_sample(t.routing(), t.k, ["experts"]),
+                                   t.steps()) for t in run.traces}
+        unions = batch_unions(sample, recorded, shape.num_experts, shape.top_k, placement, ks, batches)
+    acceptance = acceptance_per_k({t.k: t.steps() for t in run.traces}, ks, options.acceptance)
+    return (union_means(unions).join(acceptance, on="k")
+            .with_columns(tokens=pl.col("batch").cast(pl.Float64) * pl.col("tokens_read")).sort("batch", "k"))
 
 
 def prediction_deployment(trace_shape: ModelShape, tp: int, ep: int,
@@ -297,32 +279,16 @@ def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max
     return out
 
 
-def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, by_position: pl.DataFrame,
-                   shape: ModelShape, placement: Any, tp: int, ep: int, options: Options,
-                   steps: pl.DataFrame | None) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
-    """Per (batch, k) predicted steps, the one-request prediction per k, and the recommended k per batch. One
-    request's window is the growth analysis's (measured where recorded, else counterfactual); B > 1 requests' is
-    their union (analysis.concurrency)."""
-    inputs = prediction_inputs(run, growth_table, by_position, shape, placement, options)
+def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, ep: int, options: Options,
+                   steps: pl.DataFrame | None, disagreements: dict[int, str]
+                   ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
+    """Per (batch, k) predicted steps, the per-k prediction at the fewest requests predicted, and the recommended
+    k per batch, from ``step_inputs`` (at the prediction's placement)."""
+    if options.acceptance is None and max(t.k for t in run.traces) == 0:
+        raise UserError(f"{run.primary.path}: no verified drafts to measure acceptance from; give --acceptance RATE")
     pred_shape, pred_tp, pred_ep, preset_notes = prediction_deployment(shape, tp, ep, options)
-    pred_placement = placement if pred_ep == ep else expert_placement(run.primary, pred_ep, options.placement_file)
-    ks, batches = range(options.max_k + 1), [b for b in options.batches if b > 1]
-    if options.routing == "uniform":
-        unions = uniform_unions(shape.num_experts, shape.top_k, pred_placement, ks, batches)
-    else:
-        # a sweep's other traces: each one's steps are steps at its own k
-        recorded = {t.k: window_sample(t.routing(), t.k, ["experts"]) for t in run.traces
-                    if t.k > 0 and t is not run.primary}
-        unions = batch_unions(sample, shape.num_experts, shape.top_k, pred_placement, ks, batches, run.primary.k,
-                              recorded=recorded)
-    one_request = inputs.select(
-        "k", "unique_experts", "busiest_rank_experts", union_source=pl.col("routing_source"),
-        uniform_bound=pl.col("k").map_elements(
-            lambda k: uniform_unique_experts(shape.num_experts, shape.top_k, k), return_dtype=pl.Float64),
-        batch=pl.lit(1, pl.Int32))
-    per_batch = pl.concat([one_request, union_means(unions)], how="diagonal_relaxed")
-    one_token = growth_table.filter((pl.col("k") == 0) & (pl.col("scope") == PER_REQUEST))
-    one_token_busiest = float(one_token["busiest_rank_experts"].mean() or shape.top_k)  # type: ignore[arg-type]
+    one_token = inputs.filter((pl.col("batch") == 1) & (pl.col("k") == 0))
+    one_token_busiest = float(one_token["busiest_rank_experts"].item()) if one_token.height else float(shape.top_k)
     baselines = measured_baselines(run, steps, options) if steps is not None else None
     drafting = sampling = None
     if steps is not None and baselines:
@@ -332,18 +298,15 @@ def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, b
                                   scale_with_k=False)
     scheduling = scheduling_costs(run, options.k0_sync, baselines) if options.k0_sync and baselines else None
     try:
-        speedups, basis = speedup_per_batch(per_batch, inputs, deployment_for(pred_shape, pred_tp, pred_ep),
+        speedups, basis = speedup_per_batch(inputs, deployment_for(pred_shape, pred_tp, pred_ep),
                                             options.profile, options.calibration, one_token_busiest, baselines,
                                             drafting, scheduling, sampling)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
-    speedups = speedups.join(inputs.select("k", extrapolated=pl.col("acceptance_source") == "extrapolated"), on="k")
     # the per-k table is for one request, or for the fewest requests predicted (--profile measured predicts only
     # the concurrencies its k=0 trace ran at)
     per_k_batch = int(speedups["batch"].min())  # type: ignore[arg-type]
-    table = (speedups.filter(pl.col("batch") == per_k_batch)
-             .drop("batch", "uniform_bound", "union_source", "extrapolated")
-             .join(inputs.select("k", "routing_source", "acceptance_source"), on="k", how="left"))
+    table = speedups.filter(pl.col("batch") == per_k_batch).drop("batch")
     basis["notes"] = preset_notes + basis["notes"]
     basis["per_k_batch"] = per_k_batch
     basis["routing"] = options.routing
@@ -354,11 +317,50 @@ def run_prediction(run: Run, sample: WindowSample, growth_table: pl.DataFrame, b
     basis["profile"] = f"profile {options.profile.source}" if options.profile else None
     basis["preset"] = options.preset.label if options.preset else None
     basis["expert_bytes"], basis["moe_layers"] = pred_shape.expert_bytes, pred_shape.moe_layers
+    basis["same_shape"] = pred_shape == shape and (pred_tp, pred_ep) == (tp, ep)
     if options.calibration is not None:
         device = options.calibration.get("device", {})
         basis["calibration_device"] = f"{device.get('name')} x{device.get('count')}"
-    decision = recommended_k(speedups.filter(pl.col("batch").is_in(list(options.batches))))
+    decision = recommended_k(speedups.filter(pl.col("batch").is_in(list(options.batches))), disagreements)
     return speedups, table, decision, basis
+
+
+def self_check(analysis: RunAnalysis) -> list[str]:
+    """At every recorded k, the prediction's inputs against the measured tables of the same report: tokens per
+    step (the acceptance table), unique experts per (batch, k) (the table of what a step reads) and expert bytes
+    (the bytes table, where both price the same shape); a difference over ``CHECK_TOLERANCE`` is a warning naming
+    both numbers."""
+    if analysis.speedups is None or analysis.prediction_basis is None:
+        return []
+    found = []
+    measured = {int(row["k"]): row for row in analysis.acceptance_per_k.to_dicts()}
+    unions = {(int(row["batch"]), int(row["k"])): row for row in analysis.unions.to_dicts()}
+    byte_rows = {int(row["k"]): row for row in analysis.step_bytes.to_dicts()}
+
+    def compare(what: str, predicted: float, table: str, value: float | None) -> None:
+        if value is None:
+            return
+        if abs(predicted - value) > CHECK_TOLERANCE * max(abs(value), 1e-12):
+            found.append(f"self-check: the prediction's {what} is {predicted:.4g}, the {table} measured {value:.4g} "
+                         f"({(predicted - value) / value:+.1%})")
+
+    for row in analysis.speedups.to_dicts():
+        k, batch = int(row["k"]), int(row["batch"])
+        if k not in measured:
+            continue
+        where = f"at k={k}, {batch} request(s)"
+        compare(f"tokens per step {where}", row["tokens_per_step"], "acceptance table", measured[k]["tokens_per_step"])
+        union = unions.get((batch, k))
+        if union is not None:
+            compare(f"unique experts per layer {where}", row["unique_experts"], "table of what a step reads",
+                    union["unique_experts"])
+        if batch == 1 and analysis.prediction_basis["same_shape"] and k in byte_rows:
+            compare(f"expert bytes per step {where}", row["expert_weight_bytes"], "bytes table",
+                    byte_rows[k]["expert_weight_bytes"])
+    return found
+
+
+CHECK_TOLERANCE = 0.01
 
 
 def analyse_run(run: Run, options: Options) -> RunAnalysis:
@@ -373,37 +375,48 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         routing, shape.num_experts, shape.top_k, range(options.max_k + 1), trace.k, placement, rows
     )
     by_position = pl.concat(
-        [acceptance_by_position(t.routing()).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
+        [acceptance_by_position(t.steps(), t.k).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
     )
     per_k = measured_speedup(pl.concat(
         [pl.concat([acceptance_summary(t.steps()), step_times(t.steps())], how="horizontal")
          .with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
     ).select("k", pl.exclude("k")).lazy())
+    disagreements = {t.k: found for t in run.traces
+                     if (found := disagreement(routing_gaps(t.routing(), t.steps()))) is not None}
     sample = trace_windows(run)
     curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape.expert_bytes)
     at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
+    inputs = step_inputs(run, sample, shape, placement, options)
+    one_token = inputs.filter((pl.col("batch") == 1) & (pl.col("k") == 0))["ranks_touched"]
+    bytes_table = step_bytes(inputs.filter(pl.col("batch") == 1), deployment_for(shape, tp, ep),
+                             float(one_token.item()) if len(one_token) else 1.0)
     speedups = prediction = decision = basis = None
     steps = recorded_steps(run) if options.measured_baseline else None
     prediction_note = None
     if options.predicts:
+        _, _, pred_ep, _ = prediction_deployment(shape, tp, ep, options)
+        pred_inputs = inputs if pred_ep == ep else step_inputs(
+            run, sample, shape, expert_placement(trace, pred_ep, options.placement_file), options)
         try:
-            speedups, prediction, decision, basis = run_prediction(run, sample, growth_table, by_position, shape,
-                                                                   placement, tp, ep, options, steps)
+            speedups, prediction, decision, basis = run_prediction(run, pred_inputs, shape, tp, ep, options, steps,
+                                                                   disagreements)
         except UserError as exc:
             if options.preset is None:  # the user asked for this prediction
                 raise
             prediction_note = f"no prediction: {exc} (give --calibration or --profile for this deployment)"
     checked = against_trace(speedups, steps) if steps is not None and speedups is not None else None
-    return RunAnalysis(
+    analysis = RunAnalysis(
         run=run,
         shape=shape,
         tp=tp,
         ep=ep,
         growth=growth_table,
         rejected_only=rejected_only_experts(rows, shape.num_experts),
-        step_bytes=step_bytes(growth_table.lazy(), shape, tp, ep),
+        unions=inputs,
+        step_bytes=bytes_table,
         acceptance_by_position=by_position,
         acceptance_per_k=per_k,
+        disagreements=disagreements,
         budget_source=MEASURED if trace.k == max(options.k, 1) else COUNTERFACTUAL,
         budget_curves=curves,
         budget_share=budget_share,
@@ -417,6 +430,8 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         decision=decision,
         prediction_note=prediction_note,
     )
+    analysis.checks = self_check(analysis)
+    return analysis
 
 
 def growth_overview(growth_table: pl.DataFrame) -> pl.DataFrame:
@@ -441,7 +456,7 @@ def growth_overview(growth_table: pl.DataFrame) -> pl.DataFrame:
         best_window_estimate(growth_table.lazy())
         .group_by("k")
         .agg(
-            pl.col("source").min().alias("source"),
+            least_direct_expr("source").alias("source"),
             pl.col("unique_experts").mean().alias("best"),
             pl.col("busiest_rank_experts").mean(),
             pl.col("ranks_touched").mean(),
@@ -477,7 +492,8 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
         found.append(analysis.prediction_note)
     if analysis.prediction_basis is not None and analysis.prediction_basis["allreduce_extrapolated"]:
         found.append(f"prediction: all-reduce time is {analysis.prediction_basis['allreduce']}")
-    return found + analysis.run.warnings
+    found += [f"k={k}: routing and steps disagree: {what}" for k, what in sorted(analysis.disagreements.items())]
+    return found + analysis.checks + analysis.run.warnings
 
 
 def prediction_summary(analysis: RunAnalysis, k: int) -> dict[str, Any] | None:
@@ -517,7 +533,7 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
     rows = []
     for row in analysis.decision.to_dicts():
         budget = None
-        if row["k"] >= 1:
+        if row["k"] is not None and row["k"] >= 1:
             chosen = smallest_budgets(analysis.budget_curves.filter(pl.col("k") == row["k"]).drop("k").lazy(),
                                       options.coverage)
             saved = float(chosen["experts_saved"].mean()) if len(chosen) else 0.0  # type: ignore[arg-type]
@@ -525,6 +541,7 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
                 "median": float(chosen["budget"].median()) if len(chosen) else None,  # type: ignore[arg-type]
                 "experts_saved_per_layer": saved,
                 "bytes_saved_per_window": saved * basis["expert_bytes"] * basis["moe_layers"],
+                "shape": basis["shape"],
                 "source": MEASURED if analysis.run.primary.k == row["k"] else COUNTERFACTUAL,
             }
         rows.append({**row, "budget": budget})
@@ -557,7 +574,7 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
                 "recorded_k": [trace.k for trace in analysis.run.traces],
                 "primary_k": analysis.run.primary.k,
                 "source_at_k": analysis.source_at_k,
-                "shape": options.shape_preset or "manifest",
+                "shape": options.shape_preset or f"{model.get('name')} (as recorded)",
                 "tp": analysis.tp,
                 "ep": analysis.ep,
                 "notes": notes(analysis, k),
@@ -565,13 +582,37 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
                 "growth_overview": overview.to_dicts(),
                 "bytes_at_k": bytes_at_k[0] if bytes_at_k else None,
                 "acceptance_per_k": analysis.acceptance_per_k.to_dicts(),
+                "step_reads": analysis.unions.to_dicts(),
+                "checks": analysis.checks,
+                "disagreements": {str(k): what for k, what in analysis.disagreements.items()},
                 "acceptance_by_position": analysis.acceptance_by_position.to_dicts(),
                 "rejected_only": analysis.rejected_only.to_dicts(),
                 "budget": budget_summary(analysis, options.coverage),
                 "prediction": prediction_summary(analysis, k),
                 "growth": analysis.growth.to_dicts(),
                 "step_bytes": analysis.step_bytes.to_dicts(),
+                **dashboard_data(analysis),
             }
         )
     decisions = [decision for decision in (decision_summary(a, options) for a in analyses) if decision]
     return {"decision": decisions, "k": k, "coverage_target": options.coverage, "runs": runs}
+
+
+def dashboard_data(analysis: RunAnalysis) -> dict[str, Any]:
+    """What the dashboard plots beyond the terminal's figures, as plain lists: the recorded MoE ``layers``, the
+    ``expert_load`` matrix (picks per expert, one row per layer of ``layers``) and the ``budget_curves`` per k and
+    layer (routing weight kept at each budget, with the source of the windows: measured at the recorded k, else
+    counterfactual)."""
+    layers = sorted({int(layer) for layer in [*analysis.growth["layer"].to_list(), *analysis.load["layer"].to_list()]})
+    row_of = {layer: row for row, layer in enumerate(layers)}
+    load = [[0] * analysis.shape.num_experts for _ in layers]
+    for layer, expert, picks in analysis.load.select("layer", "expert", "picks").iter_rows():
+        load[row_of[int(layer)]][int(expert)] = int(picks)
+    curves = (
+        analysis.budget_curves.sort("k", "layer", "budget")
+        .group_by("k", "layer", maintain_order=True)
+        .agg("budget", "coverage")
+        .with_columns(source=pl.when(pl.col("k") == analysis.run.primary.k).then(pl.lit(MEASURED))
+                      .otherwise(pl.lit(COUNTERFACTUAL)))
+    )
+    return {"layers": layers, "expert_load": load, "budget_curves": curves.to_dicts()}
