@@ -117,6 +117,7 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], settings: dict[
             "recomputed_from_logits": False,
             "candidates": int(settings.get("candidates", 0)),
             "token_ids": bool(settings.get("token_ids", True)),
+            "step_clock": "monotonic",  # steps' t_start_ns / t_end_ns: CLOCK_MONOTONIC (durations and periods only)
         },
         "workload": settings.get("workload", {}),
         "host": {**host_facts(), **gpu_inventory()},

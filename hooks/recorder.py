@@ -230,7 +230,7 @@ class Recorder:
         routing if its routers ran. Under sync scheduling the GPU idles from vLLM's sync until the forward is
         launched, so nothing else happens here but on timed steps: whether the step is recorded is read once its
         forward is launched."""
-        self._t_start = time.time_ns()
+        self._t_start = time.monotonic_ns()  # step bounds: CLOCK_MONOTONIC, one clock for every process of a host
         self._scheduled, self._step_kwargs, self._plan = scheduler_output, kwargs, None
         if self.capture.ran:  # outside CUDA graphs the routers' Python ran and kept references to their outputs
             self.capture.begin_step()
@@ -246,7 +246,7 @@ class Recorder:
             return
         try:
             if self._is_recorded():
-                self.own_ns["step"] += time.time_ns() - self._t_start
+                self.own_ns["step"] += time.monotonic_ns() - self._t_start
                 began = time.perf_counter_ns()
                 for point in self._timed_only:
                     self._hook(point)
@@ -353,7 +353,7 @@ class Recorder:
                 if not self.sampled_on_host:
                     pending.kept = to_host(self.model_runner.kept_on_device(sampled)[: len(pending.requests)])
                     pending.copied = copied_event()  # now after both copies
-                pending.t_end = time.time_ns()
+                pending.t_end = time.monotonic_ns()
             except Exception as exc:
                 self._stop(exc)
         if self._timing:
@@ -407,7 +407,7 @@ class Recorder:
                     pending.kept = self.model_runner.kept_on_host(output)
                     if pending.kept is None:
                         raise RuntimeError("vLLM's sample_tokens returned no host lists of sampled tokens")
-                    pending.t_end = time.time_ns()  # vLLM has synced: the step's GPU work (our copy too) is done
+                    pending.t_end = time.monotonic_ns()  # vLLM has synced: the step's GPU work (our copy too) is done
                 self.writer.submit(pending)
                 if self._window_ends:  # the engine runs on unhooked; the trace is closed beside it
                     self.uninstall()

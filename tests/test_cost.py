@@ -232,7 +232,7 @@ def test_report_predicts_with_profile_and_calibration(trace: Path, tmp_path: Pat
                                        "--profile", "step=10ms,allreduce=50%,moe=10%,attention=20%,other=10%",
                                        "--calibration", str(calibration)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    prediction = json.loads(result.output)["runs"][0]["prediction"]
+    prediction = json.loads(result.stdout)["runs"][0]["prediction"]
     assert prediction["basis"]["mode"] == "profile anchored, calibrated growth"
     assert prediction["at_k"]["k"] == 2 and prediction["per_k"][0]["step_ms"] == pytest.approx(10.0)
     # k=2 recorded: measured; k=1 from the k=2 trace's first position: estimated; k=0 gains one token by definition
@@ -298,7 +298,7 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
 
     result = report("--calibration", str(calibration), "--profile", "measured", "--batch", "1,2", "--json")
     assert result.exit_code == 0, result.output
-    prediction = json.loads(result.output)["runs"][0]["prediction"]
+    prediction = json.loads(result.stdout)["runs"][0]["prediction"]
     assert prediction["basis"]["mode"] == "measured k=0 step, calibrated growth"
     rows = prediction["per_batch"]
     assert {row["batch"] for row in rows} == {2}  # the builder's k=0 trace decodes 2 requests a step, 1 ms apart
@@ -339,11 +339,11 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     synced = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2", "--k0-sync",
                     str(sync), "--json")
     assert synced.exit_code == 0, synced.output
-    rows_sync = json.loads(synced.output)["runs"][0]["prediction"]["per_batch"]
+    rows_sync = json.loads(synced.stdout)["runs"][0]["prediction"]["per_batch"]
     assert [row["scheduling_ms"] for row in rows_sync[:3]] == [0.0, pytest.approx(0.5), pytest.approx(0.5)]
     assert rows_sync[2]["step_ms"] == pytest.approx(predicted_k2 + 0.5)
     widest = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2", "--k0-sync",
-                    str(sync)).output
+                    str(sync)).stdout
     assert "sched" in widest and "rej" in widest
     # every table, the measured-mode ones with a dozen columns included, fits an 80-column terminal unfolded
     assert max(len(line) for line in widest.splitlines()) <= 80

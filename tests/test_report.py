@@ -76,7 +76,7 @@ def test_hostile_model_name_is_escaped(verify_trace: Path) -> None:
 def test_json_summary(verify_trace: Path) -> None:
     result = _invoke("report", verify_trace, "--k", "2", "--json", "--ep", "4")
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output)
+    summary = json.loads(result.stdout)
     run = summary["runs"][0]
     assert summary["k"] == 2 and run["source_at_k"] == "measured" and run["ep"] == 4
     assert run["model"] == HOSTILE and run["random_weights"] is True
@@ -89,7 +89,7 @@ def test_json_summary(verify_trace: Path) -> None:
 
 def test_k_beyond_the_trace_is_counterfactual_and_labelled(verify_trace: Path) -> None:
     result = _invoke("report", verify_trace, "--k", "6", "--json")
-    run = json.loads(result.output)["runs"][0]
+    run = json.loads(result.stdout)["runs"][0]
     assert run["source_at_k"] == "counterfactual"
     assert any("counterfactual" in note for note in run["notes"])
     assert run["growth_at_k"]["measured_request"] is None and run["growth_at_k"]["counterfactual"] is not None
@@ -101,7 +101,7 @@ def test_sweep_and_side_by_side(tmp_path: Path, verify_trace: Path, sweep: Path,
     assert result.exit_code == 0, result.output
     assert "Side by side at k=2" in result.output
     assert (tmp_path / "verify-k3-vs-sweep.report.html").is_file()
-    summary = json.loads(_invoke("report", sweep, "--k", "2", "--json", "-o", tmp_path / "s.html").output)
+    summary = json.loads(_invoke("report", sweep, "--k", "2", "--json", "-o", tmp_path / "s.html").stdout)
     run = summary["runs"][0]
     assert run["recorded_k"] == [1, 2] and run["primary_k"] == 2
     assert [row["k"] for row in run["acceptance_per_k"]] == [1, 2]
@@ -117,7 +117,7 @@ def test_shape_preset_prices_at_real_size(tmp_path: Path, verify_trace: Path) ->
     _one_line_error(_invoke("report", verify_trace, "--shape", "kimi-k2"), "kimi-k2", "384 experts")
     model = Model(num_experts=384, top_k=8, layers=(1, 2, 3))
     trace = write_trace(tmp_path / "kimi-tiny", decode_tokens(np.random.default_rng(1), model, 2, 40), model, k=0)
-    run = json.loads(_invoke("report", trace, "--k", "3", "--shape", "kimi-k2", "--tp", "8", "--json").output)["runs"][0]
+    run = json.loads(_invoke("report", trace, "--k", "3", "--shape", "kimi-k2", "--tp", "8", "--json").stdout)["runs"][0]
     unique = run["bytes_at_k"]["unique_experts"]
     expert = 3 * 7168 * 2048 // 2 + 3 * 7168 * 2048 // 32 * 2
     assert run["bytes_at_k"]["expert_weight_bytes"] == pytest.approx((unique + 1) * expert * 60)
@@ -153,7 +153,7 @@ def test_corrupt_and_truncated_parquet_are_skipped_with_a_warning(verify_trace: 
     (routing / "part-00002.parquet").write_bytes(b"not parquet at all")
     result = _invoke("report", verify_trace, "--json")
     assert result.exit_code == 0, result.output
-    notes = " ".join(json.loads(result.output)["runs"][0]["notes"])
+    notes = " ".join(json.loads(result.stdout)["runs"][0]["notes"])
     assert "part-00001.parquet" in notes and "part-00002.parquet" in notes and "skipped" in notes
 
 
@@ -200,7 +200,7 @@ def test_a_round_robin_placement_in_the_manifest_is_reported_per_rank(tmp_path: 
     def per_rank(*extra: str | Path) -> list[tuple[float, float]]:
         result = _invoke("report", root, "--k", "2", "--json", "--ep", "2", "--force", *extra)
         assert result.exit_code == 0, result.output
-        rows = json.loads(result.output)["runs"][0]["growth"]
+        rows = json.loads(result.stdout)["runs"][0]["growth"]
         return [(row["busiest_rank_experts"], row["ranks_touched"]) for row in rows]
 
     linear = per_rank()
@@ -262,7 +262,8 @@ def test_measured_term_columns_show_only_where_the_traces_measured_them() -> Non
 
     from moetrace.report.terminal import _prediction
 
-    row = {"k": 1, "tokens_per_step": 1.6, "acceptance_source": "measured", "unique_experts": 12.0,
+    row = {"k": 1, "tokens_per_step": 1.6, "acceptance_source": "measured", "union_source": "measured",
+           "unique_experts": 12.0,
            "rank_experts": 13.0, "moe_ms": 1.0, "allreduce_ms": 0.0, "attention_ms": 0.5, "other_ms": 0.2,
            "drafting_ms": None, "scheduling_ms": None, "sampling_ms": None, "step_ms": 3.0, "step_ratio": 1.1,
            "speedup": 1.45}

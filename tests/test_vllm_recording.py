@@ -323,6 +323,10 @@ def test_the_trace_says_where_each_step_spent_its_time(recorded_trace: Path) -> 
     steps = trace.steps().collect()
     durations = (steps.group_by("step").agg((pl.col("t_end_ns").first() - pl.col("t_start_ns").first()) / 1e6)
                  ["t_end_ns"])
+    # step bounds on the host's monotonic clock (shared by every process of the host): before this test's now
+    assert trace.manifest["capture"]["step_clock"] == "monotonic"
+    assert 0 < steps["t_start_ns"].min() and steps["t_end_ns"].max() < time.monotonic_ns()
+    assert (steps["t_end_ns"] >= steps["t_start_ns"]).all()
     for phase, per_batch in phases.items():
         calls = sum(timing["calls"] for timing in per_batch.values())
         # the forward runs every step, sampling every step that sampled, the drafter once per step that drafted

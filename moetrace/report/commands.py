@@ -184,6 +184,8 @@ def report(
     except OSError as exc:
         raise UserError(f"{dashboard}: cannot write dashboard ({exc.strerror})") from None
     summary["dashboard"] = str(dashboard)
+    for warning in summary["warnings"]:
+        click.echo(f"warning: {warning}", err=True)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

@@ -552,6 +552,8 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
         "based_on": basis["preset"] or " + ".join(
             part for part in (basis["calibration"], basis.get("profile")) if part),
         "coverage_target": options.coverage,
+        "shape": basis["shape"] if basis["shape"] != "manifest" else f"{analysis.manifest['model'].get('name')} "
+                                                                      "(as recorded)",
         "per_batch": rows,
     }
 
@@ -595,7 +597,12 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
             }
         )
     decisions = [decision for decision in (decision_summary(a, options) for a in analyses) if decision]
-    return {"decision": decisions, "k": k, "coverage_target": options.coverage, "runs": runs}
+    warnings = [f"{analysis.run.label}: {line}" for analysis in analyses
+                for line in [*(f"k={k}: routing and steps disagree: {what}"
+                               for k, what in sorted(analysis.disagreements.items())), *analysis.checks]]
+    warnings += [f"{decision['label']}: no recommendation at {row['batch']} request(s) per step: {row['status']}"
+                 for decision in decisions for row in decision["per_batch"] if row["status"] != "ok"]
+    return {"decision": decisions, "warnings": warnings, "k": k, "coverage_target": options.coverage, "runs": runs}
 
 
 def dashboard_data(analysis: RunAnalysis) -> dict[str, Any]:

@@ -10,6 +10,16 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from moetrace.analysis.sources import MARKS, Source
+
+
+def _marked(value: str, source: str | None) -> str:
+    """A figure with the mark of its source (``analysis.sources.MARKS``; measured has none)."""
+    return value + (MARKS[Source(source)] if source else "")
+
+
+MARK_LEGEND = "marks: " + ", ".join(f"{mark} {source.value}" for source, mark in MARKS.items() if mark)
+
 
 def _number(value: Any, digits: int = 2) -> str:
     if value is None:
@@ -84,22 +94,38 @@ def _step_bytes(run: dict[str, Any], k: int) -> Table:
 
 def _acceptance(run: dict[str, Any]) -> Table:
     table = _table("Acceptance per recorded k, and what it delivered on the recording machine", [
-        ("k", ""), ("windows", ""), ("drafts", "mean drafts per window"), ("accepted", "mean accepted"),
-        ("tok/step", "tokens per step"), ("step ms", "median decode step, drafting included"),
+        ("k", ""), ("windows", "decoding request-steps"), ("drafts", "mean drafts per window with drafts"),
+        ("read", "tokens a request-step read"), ("tok/step", "tokens gained per request-step"),
+        ("step ms", "median decode step, drafting included"),
         ("×", "measured speedup over k=0 (tokens per request per second)"),
-        ("rate by position", "acceptance rate of draft i (i:rate)")])
+        ("rate by position", "share of windows that accepted at least i drafts (i:rate; they sum to tok/step − 1)")])
     for row in run["acceptance_per_k"]:
         rates = [p for p in run["acceptance_by_position"] if p["k"] == row["k"]]
         table.add_row(
             str(row["k"]),
-            str(row["verify_windows"]),
+            str(row["windows"]),
             _number(row["mean_drafts"]),
-            _number(row["mean_accepted"]),
+            _number(row["tokens_read"]),
             _number(row["tokens_per_step"]),
             _number(row["step_ms"], 1),
             _number(row["measured_speedup"]),
             " ".join(f"{p['draft_pos']}:{p['acceptance_rate']:.2f}" for p in rates) or "–",
         )
+    return table
+
+
+def _step_reads(run: dict[str, Any], k: int) -> Table:
+    """What one step reads per concurrency and k: the table the prediction and the decision take."""
+    batches = sorted({row["batch"] for row in run["step_reads"]})
+    table = _table("Unique experts per layer one step reads, by requests per step (columns) and k", [
+        ("k", ""), *[(f"B={batch}", "") for batch in batches], ("tok", "tokens gained per request-step")])
+    by_key = {(row["batch"], row["k"]): row for row in run["step_reads"]}
+    for kk in sorted({row["k"] for row in run["step_reads"]}):
+        first = by_key[(batches[0], kk)]
+        table.add_row(str(kk), *[_marked(_number(by_key[(b, kk)]["unique_experts"], 1), by_key[(b, kk)]["union_source"])
+                                 if (b, kk) in by_key else "–" for b in batches],
+                      _marked(_number(first["tokens_per_step"]), first["acceptance_source"]),
+                      style="bold" if kk == k else None)
     return table
 
 
@@ -122,8 +148,8 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
     for row in prediction["per_k"]:
         table.add_row(
             str(row["k"]),
-            _number(row["tokens_per_step"]) + ("*" if row["acceptance_source"] == "extrapolated" else ""),
-            _number(row["unique_experts"], 1),
+            _marked(_number(row["tokens_per_step"]), row["acceptance_source"]),
+            _marked(_number(row["unique_experts"], 1), row["union_source"]),
             _number(row["rank_experts"], 1),
             *[_number(row[column]) for _, column, _ in parts],
             _number(row["step_ms"]),
@@ -154,21 +180,20 @@ def _prediction_notes(prediction: dict[str, Any]) -> list[str]:
     lines = [f"all-reduce: {basis['allreduce']}"] if basis["allreduce"] else []
     if basis.get("calibration"):
         lines.append(f"calibration: {basis['calibration']} ({basis.get('calibration_device')})")
-    check = basis.get("calibrated_at_k0")
+    check = basis.get("calibrated_at_anchor")
     if check:
-        ar = check["allreduce_ms"]
-        lines.append(f"at k=0 the calibration alone gives MoE {check['moe_ms']:.2f} ms (profile "
-                     f"{check['profile_moe_ms']:.2f}) and all-reduce "
+        ar, level = check["allreduce_ms"], check["moe_level_ratio"]
+        lines.append(f"at the profile's step the calibration alone gives MoE {check['moe_ms']:.2f} ms (profile "
+                     f"{check['profile_moe_ms']:.2f}"
+                     + (f", {level:.1f}x" if level is not None else "") + ") and all-reduce "
                      + (f"{ar:.2f} ms" if ar is not None else "–") + f" (profile {check['profile_allreduce_ms']:.2f})")
-    if any(row["acceptance_source"] == "extrapolated" for row in prediction["per_k"]):
-        lines.append("* tokens/step past the recorded draft positions: extrapolated geometrically")
     return lines + list(basis["notes"])
 
 
 def _budget(budget: dict[str, Any]) -> Table:
     table = _table(
         f"Expert budget at k={budget['k']} for {budget['coverage_target']:.0%} routing-weight coverage "
-        f"({budget['source']} windows)",
+        f"({budget['source']} windows; bytes at {budget.get('shape', 'the recorded shape')})",
         [("layer", ""), ("budget", "experts"), ("coverage", ""), ("re-routed", "tokens re-routed"),
          ("saved", "bytes saved per window")],
     )
@@ -197,7 +222,8 @@ def _comparison(summary: dict[str, Any]) -> Table:
                                                   or (r["growth_at_k"] or {}).get("counterfactual"))),
         ("locality", lambda r: _number((r["growth_at_k"] or {}).get("locality"))),
         ("expert weights/step", lambda r: _bytes((r["bytes_at_k"] or {}).get("expert_weight_bytes"))),
-        ("tokens/step (recorded)", lambda r: _number(r["acceptance_per_k"][-1]["tokens_per_step"])),
+        ("tokens/step", lambda r: _number(next((row["tokens_per_step"] for row in r["step_reads"]
+                                                if row["k"] == k and row["batch"] == 1), None))),
         ("median budget", lambda r: _number(r["budget"]["median_budget"], 1)),
         ("predicted speedup", lambda r: _number(((r.get("prediction") or {}).get("at_k") or {}).get("speedup"))),
     ]
@@ -206,28 +232,30 @@ def _comparison(summary: dict[str, Any]) -> Table:
     return table
 
 
-SOURCE_CODES = {"measured": "meas", "estimated": "est", "lower bound": "low", "counterfactual": "cf",
-                "uniform": "unif"}
-
-
 def _decision(decision: dict[str, Any]) -> Table:
     table = _table(
         f"Recommended k for {decision['drafter']} ({decision['label']}); k=0: do not speculate",
-        [("B", "requests per step"), ("k", "best measured k (+: a larger k may pay more)"),
+        [("B", "requests per step"), ("k", "best k (+: a larger k may pay more)"),
          ("speedup", "predicted"), ("tok", "tokens per step per request"),
-         ("uniq", "unique experts per layer per step"), ("unif", "uniform bound"),
-         ("from", "uniq measured over steps of B requests (meas), estimated from B sampled request windows (est), "
-                  "all windows: a lower bound (low); B=1: the window's own (meas or counterfactual: cf)"),
+         ("uniq", "unique experts per layer per step (marked by source)"), ("unif", "uniform bound"),
+         ("windows", "fewest decoding request-steps behind a k compared"), ("steps", "steps of B requests measured"),
          ("budget", f"median experts per layer for {decision['coverage_target']:.0%} coverage"),
-         ("saved", "expert bytes saved per request window")])
+         ("saved", f"expert bytes saved per request window, at {decision['shape']}")])
     for row in decision["per_batch"]:
         budget = row["budget"] or {}
+        recommended = row["k"] is not None
         table.add_row(
-            str(row["batch"]), f"{row['k']}{'+' if row['larger_k_may_pay'] else ''}", _number(row["speedup"]),
-            _number(row["tokens_per_step"]), _number(row["unique_experts"], 0), _number(row["uniform_bound"], 0),
-            SOURCE_CODES.get(row["union_source"], row["union_source"]), _number(budget.get("median"), 0),
+            str(row["batch"]),
+            f"{row['k']}{'+' if row['larger_k_may_pay'] else ''}" if recommended else "none",
+            _number(row["speedup"]) if recommended else "–",
+            _marked(_number(row["tokens_per_step"]), row["acceptance_source"]),
+            _marked(_number(row["unique_experts"], 0), row["union_source"]), _number(row["uniform_bound"], 0),
+            str(row["windows"]), str(row["steps"]), _number(budget.get("median"), 0),
             _bytes(budget.get("bytes_saved_per_window")),
         )
+        if not recommended:
+            table.add_row("", Text(f"no recommendation: {row['status']} (the figures would pick k={row['best_k']})",
+                                   style="yellow"), end_section=True)
     return table
 
 
@@ -238,6 +266,7 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
         console.print(_decision(decision))
     for based_on in dict.fromkeys(decision["based_on"] for decision in decisions):
         console.print(Text(f"  predicted {based_on}", style="dim"))
+    console.print(Text(f"  {MARK_LEGEND}", style="dim"))
 
 
 def print_summary(summary: dict[str, Any], console: Console) -> None:
@@ -250,6 +279,7 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         for note in run["notes"]:
             console.print(Text(f"note: {note}", style="yellow"))
         console.print(_growth(run, k))
+        console.print(_step_reads(run, k))
         console.print(_step_bytes(run, k))
         console.print(_acceptance(run))
         if run.get("prediction"):
