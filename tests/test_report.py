@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -278,3 +279,68 @@ def test_measured_term_columns_show_only_where_the_traces_measured_them() -> Non
     assert "draft" in rendered(drafting_ms=0.75) and "0.75" in rendered(drafting_ms=0.75)
     assert "sched" in rendered(scheduling_ms=0.5) and "rej" in rendered(sampling_ms=0.25)
     assert "rej" not in rendered(drafting_ms=0.75)
+
+
+def _well_sampled_sweep(root: Path, ks: tuple[int, ...] = (0, 3)) -> Path:
+    """A sweep with enough decoding request-steps at every k for a recommendation (4 requests × 40 steps)."""
+    model = Model(num_experts=64, top_k=2)
+    for k in ks:
+        tokens = (verify_tokens(np.random.default_rng(k), model, requests=4, steps=40, k=k, accept_prob=0.6,
+                                variable_drafts=True) if k else decode_tokens(np.random.default_rng(k), model,
+                                                                               requests=4, steps=40))
+        write_trace(root / f"k{k}", tokens, model, k=k)
+    return root
+
+
+def _json_report(path: Path, tmp_path: Path, *extra: str) -> tuple[Result, dict[str, Any]]:
+    result = CliRunner().invoke(CLI, ["report", str(path), "--k", "3", "--batch", "1,4", "--json", "-o",
+                                      str(tmp_path / "r.html"), "--force", *extra], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result, json.loads(result.stdout)
+
+
+def test_the_self_check_passes_on_an_intact_sweep_and_every_recommendation_says_what_it_rests_on(
+        tmp_path: Path) -> None:
+    result, summary = _json_report(_well_sampled_sweep(tmp_path / "sweep"), tmp_path)
+    assert summary["warnings"] == [] and summary["runs"][0]["checks"] == [] and "warning" not in result.stderr
+    for row in summary["decision"][0]["per_batch"]:
+        # 160 decoding request-steps at each of k = 0..3 (k = 1, 2 are cut from the k = 3 trace)
+        assert row["status"] == "ok" and row["k"] is not None and row["windows"] == 160
+    # tokens per step at the recorded k = 3: the acceptance table's, by hand from the steps table
+    steps = pl.read_parquet(tmp_path / "sweep" / "k3" / "steps").filter(pl.col("num_tokens") == pl.col("num_drafts") + 1)
+    measured = 1 + steps["num_accepted"].mean()
+    predicted = {row["k"]: row for row in summary["runs"][0]["prediction"]["per_k"]}
+    assert predicted[3]["tokens_per_step"] == pytest.approx(measured)
+
+
+def test_the_self_check_names_both_numbers_when_the_prediction_strays_from_the_measured_tables(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import moetrace.report.summary as summary_module
+
+    original = summary_module.speedup_per_batch
+
+    def conditional_tokens(inputs: pl.DataFrame, *args: Any) -> Any:  # as if the old rates had reached the model
+        return original(inputs.with_columns(pl.col("tokens_per_step") * 1.2), *args)
+
+    monkeypatch.setattr(summary_module, "speedup_per_batch", conditional_tokens)
+    result, summary = _json_report(_well_sampled_sweep(tmp_path / "sweep"), tmp_path)
+    checks = " ".join(summary["runs"][0]["checks"])
+    assert "tokens per step at k=3" in checks and "acceptance table measured" in checks and "+20.0%" in checks
+    assert "self-check" in result.stderr
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_truncated_routing_file_is_flagged_and_no_k_is_recommended(tmp_path: Path, which: int) -> None:
+    sweep = _well_sampled_sweep(tmp_path / "sweep")
+    part = sorted((sweep / "k3" / "routing").glob("*.parquet"))[which]
+    data = part.read_bytes()
+    part.write_bytes(data[: len(data) // 2])
+    result, summary = _json_report(sweep, tmp_path)
+    assert "Traceback" not in result.output
+    assert any("k=3: routing and steps disagree" in w and "lack routing rows" in w for w in summary["warnings"])
+    for row in summary["decision"][0]["per_batch"]:
+        assert row["k"] is None and row["speedup"] is None and "disagree at k=3" in row["status"]
+    assert "no recommendation" in result.stderr
+    terminal = CliRunner().invoke(CLI, ["report", str(sweep), "--k", "3", "--batch", "1,4", "-o",
+                                        str(tmp_path / "t.html"), "--force"], catch_exceptions=False)
+    assert "B=1: no recommendation: routing and steps disagree at k=3" in " ".join(terminal.stdout.split())

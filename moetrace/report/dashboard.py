@@ -116,7 +116,7 @@ def normalise(summary: Mapping[str, Any]) -> dict[str, Any]:
                                       for row in prediction.get("per_batch") or []}
     for decision in data.get("decision", []):
         for row in decision.get("per_batch", []):
-            if row.get("acceptance_source") is None:
+            if row.get("acceptance_source") is None and row.get("k") is not None:
                 same = (per_batch_of.get(decision["label"], {}).get((int(row["batch"]), int(row["k"])))
                         or per_k_of.get(decision["label"], {}).get(int(row["k"])) or {})
                 row["acceptance_source"] = same.get("acceptance_source") or Source.MEASURED.value

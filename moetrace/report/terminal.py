@@ -253,9 +253,6 @@ def _decision(decision: dict[str, Any]) -> Table:
             str(row["windows"]), str(row["steps"]), _number(budget.get("median"), 0),
             _bytes(budget.get("bytes_saved_per_window")),
         )
-        if not recommended:
-            table.add_row("", Text(f"no recommendation: {row['status']} (the figures would pick k={row['best_k']})",
-                                   style="yellow"), end_section=True)
     return table
 
 
@@ -264,6 +261,10 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
         return
     for decision in decisions:
         console.print(_decision(decision))
+        for row in decision["per_batch"]:
+            if row["k"] is None:
+                console.print(Text(f"  B={row['batch']}: no recommendation: {row['status']} (the figures would pick "
+                                   f"k={row['best_k']})", style="yellow"))
     for based_on in dict.fromkeys(decision["based_on"] for decision in decisions):
         console.print(Text(f"  predicted {based_on}", style="dim"))
     console.print(Text(f"  {MARK_LEGEND}", style="dim"))
