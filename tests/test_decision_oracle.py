@@ -1,0 +1,282 @@
+"""`moetrace report`'s recommended k per concurrency against an independent oracle (``decision_oracle.py``, which
+shares no code with analysis/ or moetrace/report/), on synthetic sweeps with request-local routing; and the oracle
+itself against hand-computed cases.
+
+Each sweep records every k from 0 to K, each k its own recording with its own per-draft acceptance (as separate
+runs of a drafter would), chosen with the cost so that at every asked concurrency the oracle's best k beats the
+runner-up by at least ``MARGIN``: a report that estimates unions by sampling must not land on the other side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import decision_oracle as oracle
+from decision_oracle import Cost
+from moetrace.cli import main
+from trace_builder import Model, Tokens, verify_tokens, write_trace
+
+MARGIN = 0.03  # the best k leads the runner-up by this much (relative speedup) at every designed concurrency
+
+
+# ---------------------------------------------------------------- builders
+
+
+def pooled(tokens: Tokens, model: Model, pools: np.ndarray, rng: np.random.Generator) -> Tokens:
+    """``tokens`` routed with locality: every token picks top_k distinct experts of its request's pool."""
+    count, layers, size = len(tokens.step), len(model.layers), pools.shape[1]
+    pool = np.broadcast_to(pools[tokens.request.astype(int)][:, None, :], (count, layers, size))
+    order = np.argsort(rng.random((count, layers, size)), axis=-1)[..., : model.top_k]
+    weights = -np.sort(-rng.random((count, layers, model.top_k), dtype=np.float32), axis=-1)
+    return dataclasses.replace(tokens, experts=np.take_along_axis(pool, order, axis=-1).astype(np.uint16),
+                               weights=weights)
+
+
+@dataclass
+class Case:
+    accept: dict[int, float]  # per recorded k (0..K): each draft's acceptance in that k's recording
+    cost: Cost
+    model: Model = field(default_factory=lambda: Model(num_experts=64, top_k=2))
+    requests: int = 8  # per step (per DP rank)
+    steps: int = 60
+    pool: int = 5  # experts in each request's pool
+    dp: int = 1
+    silent: tuple[int, ...] = ()  # k recorded with no drafts at all
+    batches: tuple[int, ...] = (1, 2, 4, 8)
+    seed: int = 0
+
+    @property
+    def k(self) -> int:
+        return max(self.accept)
+
+
+def write_sweep(case: Case, root: Path) -> Path:
+    """One folder per k (``dp0/``, ``dp1/``, … inside it for DP); request r of rank d draws from pool [d, r] at
+    every k, variable drafts (0..k per request-step) everywhere."""
+    model = case.model
+    pools = np.random.default_rng(case.seed).random((case.dp, case.requests, model.num_experts))
+    pools = pools.argsort(axis=-1)[..., : case.pool]
+    for k, accept in case.accept.items():
+        for rank in range(case.dp):
+            rng = np.random.default_rng([case.seed, k, rank])
+            tokens = verify_tokens(rng, model, case.requests, case.steps, 0 if k in case.silent else k, accept,
+                                   variable_drafts=True)
+            folder = root / f"k{k}" / (f"dp{rank}" if case.dp > 1 else "")
+            write_trace(folder, pooled(tokens, model, pools[rank], rng), model, k=k)
+            if case.dp > 1:
+                manifest = json.loads((folder / "manifest.json").read_text())
+                manifest["parallel"].update(dp=case.dp, dp_rank=rank)
+                (folder / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def write_calibration(path: Path, cost: Cost) -> Path:
+    """A calibration with one expert-layer curve (tp1, or ep{ep}) and no all-reduce measured."""
+    config = f"ep{cost.ep}" if cost.ep > 1 else "tp1"
+    path.write_text(json.dumps({
+        "schema": "moetrace-calibration/1", "device": {"name": "test", "count": 1}, "shape": {"hidden_size": 64},
+        "int4_estimate": [], "allreduce": {"measured": []},
+        "experts": [{"config": config, "tp": 1, "ep": cost.ep, "format": "bf16", "weight_bits": 16,
+                     "fit": {"c0_us": cost.c0_us, "per_expert_us": cost.per_expert_us,
+                             "per_row_us": cost.per_row_us}}],
+    }))
+    return path
+
+
+def run_report(case: Case, sweep: Path, tmp_path: Path) -> dict[str, Any]:
+    args = ["report", str(sweep), "--k", str(case.k), "--calibration",
+            str(write_calibration(tmp_path / "calibration.json", case.cost)),
+            "--batch", ",".join(map(str, case.batches)), "--json", "-o", str(tmp_path / "report.html")]
+    if case.cost.ep > 1:
+        args += ["--ep", str(case.cost.ep)]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    summary: dict[str, Any] = json.loads(result.stdout)
+    return summary
+
+
+def report_speedups(summary: dict[str, Any], batch: int) -> dict[int, float]:
+    prediction = summary["runs"][0].get("prediction") or {}
+    rows = prediction.get("per_batch") or []
+    return {row["k"]: round(row["speedup"], 4) for row in rows if row.get("batch") == batch}
+
+
+def agrees(case: Case, tmp_path: Path, well_sampled: tuple[int, ...] | None = None) -> dict[int, Any]:
+    """Build the sweep, decide with the oracle and the report, and assert they agree at every concurrency the report
+    calls "ok" (all of ``well_sampled``, default all); returns the oracle's decisions."""
+    sweep = write_sweep(case, tmp_path / "sweep")
+    recordings = oracle.read_sweep(sweep)
+    assert sorted(recordings) == list(range(case.k + 1))
+    assert all(rec.masks.shape[1] >= 50 for rec in recordings.values())  # decoding request-steps per k
+    decided = oracle.decide(recordings, list(case.batches), case.cost)
+    for batch in case.batches:
+        assert oracle.margin(decided[batch][1]) >= MARGIN, (batch, decided[batch])  # the design is not knife-edge
+    assert len({k for k, _ in decided.values()}) >= 2, decided  # the best k depends on B
+    summary = run_report(case, sweep, tmp_path)
+    rows = {row["batch"]: row for row in summary["decision"][0]["per_batch"]}
+    mismatches = []
+    for batch in case.batches:
+        row = rows.get(batch) or {"status": "missing"}
+        if batch in (well_sampled or case.batches):
+            assert row.get("status", "ok") == "ok", (batch, row)
+        if row.get("status", "ok") != "ok":  # too small a sample to decide on: the report says so, no k
+            continue
+        k, per_k = decided[batch]
+        if row["k"] != k:
+            oracle_speedups = {kk: round(v, 4) for kk, v in per_k.items()}
+            mismatches.append(f"B={batch}: report k={row['k']}, oracle k={k}; speedup per k: oracle {oracle_speedups}, "
+                              f"report {report_speedups(summary, batch)}")
+    assert not mismatches, "\n".join(mismatches)
+    return decided
+
+
+# ---------------------------------------------------------------- the oracle by hand
+
+
+def hand_trace(root: Path, model: Model, k: int, rows: list[tuple[int, int, str, int, bool | None, tuple[int, ...]]],
+               layer2: tuple[int, int] | None = None) -> Path:
+    """A trace from (step, request, phase, draft_pos, accepted, layer-1 experts) rows; layer 2 (if any) routes every
+    token to ``layer2``."""
+    experts = [[list(e)] + ([list(layer2)] if layer2 else []) for *_, e in rows]
+    tokens = Tokens(
+        step=np.asarray([r[0] for r in rows], dtype=np.uint32),
+        request=np.asarray([r[1] for r in rows], dtype=np.uint32),
+        position=np.arange(len(rows), dtype=np.uint32),
+        phase=[r[2] for r in rows],
+        draft_pos=np.asarray([r[3] for r in rows], dtype=np.uint8),
+        accepted=[r[4] for r in rows],
+        experts=np.asarray(experts, dtype=np.uint16),
+        weights=np.ones((len(rows), len(model.layers), model.top_k), dtype=np.float32),
+    )
+    return write_trace(root, tokens, model, k=k, files=1)
+
+
+def test_the_oracle_by_hand(tmp_path: Path) -> None:
+    """Four windows at k=2 (layer 1): W1 {0,1,2} (1 draft, accepted), W2 {4,5,6,7} (2 rejected), W3 {0,3} (no
+    draft), W4 {4,5,6} (2 accepted); a prefill chunk of experts {6,7} that must not count; layer 2 always {0,1}."""
+    model = Model(num_experts=8, top_k=2, layers=(1, 2), shared_experts=1)
+    root = hand_trace(tmp_path / "k2", model, 2, [
+        (0, 0, "prefill", 0, None, (6, 7)), (0, 0, "prefill", 0, None, (6, 7)),
+        (1, 0, "verify", 0, None, (0, 1)), (1, 0, "verify", 1, True, (0, 2)),
+        (1, 1, "verify", 0, None, (4, 5)), (1, 1, "verify", 1, False, (4, 6)), (1, 1, "verify", 2, False, (7, 5)),
+        (2, 0, "decode", 0, None, (0, 3)),
+        (2, 1, "verify", 0, None, (4, 5)), (2, 1, "verify", 1, True, (5, 6)), (2, 1, "verify", 2, True, (4, 6)),
+    ], layer2=(0, 1))
+    rec = oracle.read_recording(root)
+    assert rec.masks.shape == (2, 4, 8)  # the prefill chunk is no window
+    assert oracle.tokens_per_step(rec) == pytest.approx(1 + 3 / 4)  # accepted 1, 0, 0, 2
+    assert oracle.tokens_per_step(rec, conditional=True) == pytest.approx(1 + 2 / 3 + 1 / 2)
+    assert oracle.tokens_read(rec) == pytest.approx(9 / 4)  # 2, 3, 1, 3 tokens
+    # layer 1 by hand, layer 2 is 2 everywhere; only 2 steps, so unions are of windows drawn at random
+    # B=2: pairs 7, 4, 6, 6, 4, 5 → 32/6; B=3: 8, 7, 7, 6 → 7; B=4 and above: all windows, 8
+    for batch, layer1 in ((1, 3.0), (2, 32 / 6), (3, 7.0), (4, 8.0), (9, 8.0)):
+        u, busiest, how = oracle.union(rec, batch)
+        assert u == pytest.approx((layer1 + 2) / 2) and busiest == pytest.approx(u), batch
+        assert how == ("all windows" if batch >= 4 else "drawn")
+    # EP=2 (experts 0-3 on rank 0): busiest of W1..W4 is 3, 4, 2, 3; of the pairs 4, 4, 3, 4, 4, 3 (Monte Carlo)
+    assert oracle.union(rec, 1, ep=2)[1] == pytest.approx((3.0 + 2) / 2, abs=0.02)
+    assert oracle.union(rec, 2, ep=2)[1] == pytest.approx((22 / 6 + 2) / 2, abs=0.02)
+    assert oracle.union(rec, 4, ep=2)[1] == pytest.approx((4 + 2) / 2)  # all windows: 4 and 4 on the two ranks
+    cost = Cost(c0_us=10.0, per_expert_us=1.0, per_row_us=0.5)
+    assert cost.step_us({"moe_layers": [1, 2], "top_k": 2, "shared_experts": 1}, 2.5, 2.5, 1, 2.25) == pytest.approx(
+        2 * (10 + (2.5 + 1) + 0.5 * 1 * 2.25 * (2 + 1)))
+    ep2 = Cost(c0_us=10.0, per_expert_us=1.0, per_row_us=0.5, ep=2)
+    assert ep2.step_us({"moe_layers": [1, 2], "top_k": 2, "shared_experts": 1}, 4.0, 3.0, 2, 2.0) == pytest.approx(
+        2 * (10 + (3 + 0.5) + 0.5 * 2 * 2.0 * (2 * 3 / 4 + 0.5)))
+
+
+def test_the_oracle_measures_unions_of_whole_steps_per_dp_rank(tmp_path: Path) -> None:
+    """Five decode steps of two requests: request 0 on {0,1}; request 1 on {2,3} at odd steps, {0,1} at even ones
+    (unions 4, 2, 4, 2, 4: 3.2); then a step mixing a decode with a prefill chunk (not a whole decoding step).
+    Drawn at random, two of the windows would give less; as two DP ranks, each rank's steps stay its own."""
+    model = Model(num_experts=8, top_k=2, layers=(1,))
+    rows: list[tuple[int, int, str, int, bool | None, tuple[int, ...]]] = []
+    for step in range(1, 6):
+        rows += [(step, 0, "decode", 0, None, (0, 1)), (step, 1, "decode", 0, None, (2, 3) if step % 2 else (0, 1))]
+    rows += [(6, 0, "decode", 0, None, (2, 3)), (6, 2, "prefill", 0, None, (4, 5)), (6, 2, "prefill", 0, None, (6, 7))]
+    rec = oracle.read_recording(hand_trace(tmp_path / "one", model, 0, rows))
+    assert len(rec.full_steps) == 5 and rec.masks.shape[1] == 11
+    assert oracle.union(rec, 2) == pytest.approx((16 / 5, 16 / 5, "measured"))
+    # B=1: no step ran one request; the 11 windows: 7 on {0,1}, 4 on {2,3}
+    assert oracle.union(rec, 1)[0] == pytest.approx(2.0)
+    for rank in (0, 1):
+        hand_trace(tmp_path / "dp" / f"dp{rank}", model, 0, rows)
+    both = oracle.read_recording(tmp_path / "dp")
+    assert len(both.full_steps) == 10 and oracle.union(both, 2)[2] == "measured"
+    assert oracle.union(both, 2)[0] == pytest.approx(16 / 5)
+    # B=4 is no rank's step: drawn from 22 windows, 14 on {0,1} and 8 on {2,3}
+    none_of_4 = 22 * 21 * 20 * 19  # C(22, 4)·4!: P(no window with e) = C(22 − n_e, 4) / C(22, 4)
+    drawn = 2 * (1 - 8 * 7 * 6 * 5 / none_of_4) + 2 * (1 - 14 * 13 * 12 * 11 / none_of_4)
+    assert oracle.union(both, 4) == pytest.approx((drawn, drawn, "drawn"))
+
+
+def test_the_decision_rule() -> None:
+    assert oracle.best_k({0: 1.0, 1: 1.2, 2: 1.2}) == 1  # ties to the smaller k
+    assert oracle.best_k({0: 1.0, 1: 0.9, 2: 0.95}) == 0  # none exceeds 1
+    assert oracle.best_k({0: 1.0, 1: 1.0}) == 0
+    assert oracle.margin({0: 1.0, 1: 1.1, 2: 1.21}) == pytest.approx(0.1)
+    assert oracle.margin({0: 1.0, 1: 0.9}) == pytest.approx(1 / 0.9 - 1)
+
+
+def test_the_exact_union_matches_enumeration(tmp_path: Path) -> None:
+    """Σ_e 1 − C(N−n_e, B)/C(N, B) against every B-subset of a small random trace's windows."""
+    model = Model(num_experts=12, top_k=2, layers=(1,))
+    tokens = verify_tokens(np.random.default_rng(5), model, requests=3, steps=3, k=2, accept_prob=0.5,
+                           variable_drafts=True)
+    rec = oracle.read_recording(write_trace(tmp_path / "t", tokens, model, k=2))
+    masks = rec.masks[0]
+    for batch in (2, 3, 5):
+        unions = [masks[list(subset)].any(axis=0).sum() for subset in itertools.combinations(range(len(masks)), batch)]
+        assert oracle.union(rec, batch)[0] == pytest.approx(np.mean(unions))
+
+
+# ---------------------------------------------------------------- the report against the oracle
+
+
+# Acceptances and costs (c0, per expert, per row µs) found by a search over the oracle's margins; all but ep4 also
+# decide differently at some B under the old rules (conditional rates, (k+1)·B rows per step).
+CASES = {
+    "variable-drafts": Case(accept={0: 0.0, 1: 0.9, 2: 0.3, 3: 0.7}, cost=Cost(40.0, 1.0, 4.21)),
+    "dp2": Case(accept={0: 0.0, 1: 0.9, 2: 0.7, 3: 0.7}, cost=Cost(40.0, 1.0, 5.82), requests=4, dp=2),
+    "ep4": Case(accept={0: 0.0, 1: 0.3, 2: 0.3, 3: 0.5}, cost=Cost(40.0, 1.0, 10.0, ep=4)),
+    "shared-experts": Case(accept={0: 0.0, 1: 0.9, 2: 0.3, 3: 0.7}, cost=Cost(80.0, 1.0, 6.49),
+                           model=Model(num_experts=64, top_k=2, shared_experts=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_report_recommends_the_oracles_k(name: str, tmp_path: Path) -> None:
+    agrees(CASES[name], tmp_path)
+
+
+def test_a_k_that_drafted_nothing_does_not_win(tmp_path: Path) -> None:
+    case = Case(accept={0: 0.0, 1: 0.9, 2: 0.0, 3: 0.7}, silent=(2,), cost=Cost(40.0, 1.0, 4.21))
+    decided = agrees(case, tmp_path)
+    assert all(k != 2 for k, _ in decided.values())
+    assert oracle.tokens_per_step(oracle.read_recording(tmp_path / "sweep" / "k2")) == 1.0
+
+
+def test_a_concurrency_above_the_windows_unions_them_all(tmp_path: Path) -> None:
+    case = Case(accept={0: 0.0, 1: 0.5, 2: 0.5, 3: 0.5}, cost=Cost(10.0, 1.0, 0.09), requests=2, steps=30,
+                batches=(1, 512))  # 60 windows per k
+    agrees(case, tmp_path, well_sampled=(1,))
+    assert all(oracle.union(rec, 512)[2] == "all windows" for rec in oracle.read_sweep(tmp_path / "sweep").values())
+
+
+def test_conditional_acceptance_rates_would_decide_otherwise(tmp_path: Path) -> None:
+    """With 0..k drafts per request-step, accepted-at-i over proposed-at-i overstates the tokens per step; the report
+    must decide on the unconditional ones."""
+    case = Case(accept={0: 0.0, 1: 0.7, 2: 0.5, 3: 0.7}, cost=Cost(80.0, 1.0, 3.39))
+    decided = agrees(case, tmp_path)
+    conditional = oracle.decide(oracle.read_sweep(tmp_path / "sweep"), list(case.batches), case.cost,
+                                conditional=True)
+    assert any(conditional[b][0] != decided[b][0] for b in case.batches), (conditional, decided)
