@@ -175,6 +175,8 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
     if _on_cpu_build():  # KV cache sized explicitly: the CPU backend's default fraction can exceed a NUMA node
         engine_args.setdefault("kv_cache_memory_bytes", 512 << 20)
         engine_args.setdefault("gpu_memory_utilization", 0.3)
+        if model.byte_tokens and model.dtype is None:  # the default model in float32: on a CPU with AMX tiles vLLM
+            engine_args.setdefault("attention_backend", "CPU_MLA")  # prefers AMX MLA, which takes no float32
     engine_args.pop("max_model_len", None)
     return {
         "out": str(trace_dir),

@@ -122,6 +122,7 @@ def agrees(case: Case, tmp_path: Path, well_sampled: tuple[int, ...] | None = No
         assert oracle.margin(decided[batch][1]) >= MARGIN, (batch, decided[batch])  # the design is not knife-edge
     assert len({k for k, _ in decided.values()}) >= 2, decided  # the best k depends on B
     summary = run_report(case, sweep, tmp_path)
+    assert summary["runs"][0]["checks"] == [], summary["runs"][0]["checks"]  # the self-check passes (DP = 2 too)
     rows = {row["batch"]: row for row in summary["decision"][0]["per_batch"]}
     mismatches = []
     for batch in case.batches:

@@ -44,6 +44,7 @@ def vllm_server(recording: dict[str, Any], log: Path, *extra: str) -> Iterator[s
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ensure_default_model()),
         "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+        "--attention-backend", "CPU_MLA",  # AMX MLA (preferred where the CPU has AMX tiles) takes no float32
         "--max-model-len", "512", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(512 << 20),
         "--speculative-config", json.dumps(spec), "--port", str(port), *extra,
     ]
