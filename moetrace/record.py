@@ -171,12 +171,14 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
     if max_model_len is None and token_prompts is not None:
         longest = max(len(t) for t in token_prompts) + request.max_tokens + k + 16
         max_model_len = min(model.max_positions or longest, ((longest + 255) // 256) * 256)
-    engine_args = dict(request.engine_args)
+    engine_args, spec_args = dict(request.engine_args), dict(request.spec_args)
     if _on_cpu_build():  # KV cache sized explicitly: the CPU backend's default fraction can exceed a NUMA node
         engine_args.setdefault("kv_cache_memory_bytes", 512 << 20)
         engine_args.setdefault("gpu_memory_utilization", 0.3)
         if model.byte_tokens and model.dtype is None:  # the default model in float32: on a CPU with AMX tiles vLLM
             engine_args.setdefault("attention_backend", "CPU_MLA")  # prefers AMX MLA, which takes no float32
+            if request.method == "mtp":  # the drafter's MLA layer picks its backend from the speculative config
+                spec_args.setdefault("attention_backend", "CPU_MLA")
     engine_args.pop("max_model_len", None)
     return {
         "out": str(trace_dir),
@@ -191,7 +193,7 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
         "method": request.method,
         "k": k,
         "drafter": request.drafter,
-        "spec_args": request.spec_args,
+        "spec_args": spec_args,
         "engine_args": engine_args,
         "max_tokens": request.max_tokens,
         "progress_file": str(progress_file),
