@@ -86,15 +86,26 @@ def window_masks(windows: pl.LazyFrame, num_experts: int) -> dict[int, tuple[Mas
     return out
 
 
-def measured_batch_unions(masks: Masks, steps: npt.NDArray[np.int64], batch: int,
-                          sizes: Mapping[int, int]) -> Masks:
-    """The union per step over the steps that ran exactly ``batch`` requests, all decoding (``sizes``), and whose
-    every request-step is in the rows (a step with rows missing is not measured)."""
-    starts = group_starts(steps)
-    windows = np.diff(np.append(starts, len(steps)))
-    ran = np.array([sizes.get(int(key), -1) for key in steps[starts]], dtype=np.int64)
-    unions: Masks = group_union(masks, starts)[(ran == batch) & (windows == batch)]
-    return unions
+@dataclass(frozen=True)
+class StepUnions:
+    """One layer's recorded steps: the union of each step's windows, how many windows the rows hold, and how many
+    requests the steps table says it ran, all decoding (-1: not a decoding step)."""
+
+    unions: Masks
+    windows: npt.NDArray[np.int64]
+    requests: npt.NDArray[np.int64]
+
+    @classmethod
+    def of(cls, masks: Masks, steps: npt.NDArray[np.int64], sizes: Mapping[int, int]) -> StepUnions:
+        starts = group_starts(steps)
+        return cls(group_union(masks, starts), np.diff(np.append(starts, len(steps))),
+                   np.array([sizes.get(int(key), -1) for key in steps[starts]], dtype=np.int64))
+
+    def ran(self, batch: int) -> Masks:
+        """The unions of the steps that ran exactly ``batch`` requests, all decoding, with every request-step in the
+        rows (a step with rows missing is not measured)."""
+        unions: Masks = self.unions[(self.requests == batch) & (self.windows == batch)]
+        return unions
 
 
 def sampled_batch_unions(masks: Masks, batch: int, samples: int, seed: int) -> tuple[Masks, bool]:
@@ -130,9 +141,11 @@ def batch_unions(counterfactual: WindowSample, recorded: Mapping[int, RecordedK]
             windows, _ = counterfactual.windows(k, False, MAX_WINDOWS)
             sizes = {}
         per_layer = window_masks(windows, num_experts)
+        by_step = {layer: StepUnions.of(masks, steps, sizes) for layer, (masks, steps) in per_layer.items()
+                   if at_k is not None}
         for batch in batches:
             for layer, (masks, steps) in sorted(per_layer.items()):
-                unions = measured_batch_unions(masks, steps, batch, sizes) if at_k is not None else masks[:0]
+                unions = by_step[layer].ran(batch) if at_k is not None else masks[:0]
                 measured_steps = len(unions)
                 source = Source.MEASURED
                 if measured_steps < MIN_MEASURED_STEPS:
@@ -152,24 +165,31 @@ def batch_unions(counterfactual: WindowSample, recorded: Mapping[int, RecordedK]
     return pl.DataFrame(rows, schema=SCHEMA)
 
 
+MONTE_CARLO_VALUES = 1 << 24  # random scores drawn at once for the uniform busiest rank (128 MiB of float64)
+
+
 def uniform_unions(num_experts: int, top_k: int, expert_rank: npt.NDArray[np.int64], ks: Sequence[int],
                    batches: Sequence[int], samples: int = 400, seed: int = 0) -> pl.DataFrame:
-    """batch_unions' rows for uniformly random routing (one row per batch and k, layer 0): the bound, and the
-    busiest rank by a seeded Monte Carlo of B(k+1) tokens each picking top_k distinct experts."""
+    """batch_unions' rows for uniformly random routing (one row per batch and k, layer 0): the bound and, over
+    several ranks, the busiest rank and ranks touched by a seeded Monte Carlo of B(k+1) tokens each picking top_k
+    distinct experts (fewer samples for large steps, so that a draw stays within ``MONTE_CARLO_VALUES``)."""
     rng = np.random.default_rng(seed)
     ranks = rank_masks(expert_rank, num_experts)
     rows = []
     for k in ks:
         for batch in batches:
             tokens = batch * (k + 1)
-            picks = np.argsort(rng.random((samples, tokens, num_experts)), axis=-1)[..., :top_k]
-            masks = np.bitwise_or.reduce(expert_masks(picks.reshape(-1, top_k), num_experts)
-                                         .reshape(samples, tokens, -1), axis=1)
-            on_rank = per_rank_counts(masks, ranks) if len(ranks) > 1 else count_experts(masks)[:, None]
             bound = uniform_unique_experts(num_experts, top_k, tokens)
+            busiest, touched = bound, 1.0
+            if len(ranks) > 1:
+                draws = max(8, min(samples, MONTE_CARLO_VALUES // (tokens * num_experts)))
+                picks = np.argsort(rng.random((draws, tokens, num_experts)), axis=-1)[..., :top_k]
+                masks = np.bitwise_or.reduce(expert_masks(picks.reshape(-1, top_k), num_experts)
+                                             .reshape(draws, tokens, -1), axis=1)
+                on_rank = per_rank_counts(masks, ranks)
+                busiest, touched = float(on_rank.max(axis=1).mean()), float((on_rank > 0).sum(axis=1).mean())
             rows.append({"batch": batch, "k": k, "layer": 0, "unique_experts": bound,
-                         "busiest_rank_experts": bound if len(ranks) == 1 else float(on_rank.max(axis=1).mean()),
-                         "ranks_touched": float((on_rank > 0).sum(axis=1).mean()), "uniform_bound": bound,
+                         "busiest_rank_experts": busiest, "ranks_touched": touched, "uniform_bound": bound,
                          "windows": 0, "steps": 0, "source": Source.UNIFORM.value})
     return pl.DataFrame(rows, schema=SCHEMA)
 

@@ -30,9 +30,22 @@ class Source(enum.Enum):
         """The one-character mark the terminal and the dashboard put beside a figure of this source."""
         return MARKS[self]
 
+    @property
+    def meaning(self) -> str:
+        return MEANINGS[self]
+
 
 MARKS = {Source.MEASURED: "", Source.ESTIMATED: "~", Source.COUNTERFACTUAL: "*", Source.LOWER_BOUND: "≥",
          Source.EXTRAPOLATED: "+", Source.GIVEN: "=", Source.UNIFORM: "u"}
+MEANINGS = {
+    Source.MEASURED: "read from the trace's own rows at the k (and concurrency) it ran",
+    Source.ESTIMATED: "drawn from the trace's own windows, combined as the trace did not run them",
+    Source.COUNTERFACTUAL: "windows of consecutive accepted tokens: a k the trace did not record",
+    Source.LOWER_BOUND: "fewer windows than asked for: the union of all of them",
+    Source.EXTRAPOLATED: "continued past what was measured (acceptance past the largest recorded k)",
+    Source.GIVEN: "stated by the user (--acceptance)",
+    Source.UNIFORM: "uniformly random routing, not the trace's",
+}
 RANKS = {source.value: source.rank for source in Source}
 
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from moetrace.analysis.sources import MARKS, Source
 from moetrace.cli import main
-from moetrace.report.dashboard import normalise, render_dashboard
+from moetrace.report.dashboard import render_dashboard
 from trace_builder import Model, decode_tokens, verify_tokens, write_trace
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -249,12 +249,3 @@ def test_the_dashboard_renders_from_the_summary_json_alone(sweep_report: tuple[P
     run = loaded["runs"][0]
     assert {"layers", "expert_load", "budget_curves"} <= set(run)
     assert len(run["expert_load"]) == len(run["layers"]) == 3
-    # an older summary: per-batch and decision rows with a boolean "extrapolated" and no acceptance_source
-    for row in [*run["prediction"]["per_batch"], *loaded["decision"][0]["per_batch"]]:
-        row.pop("acceptance_source", None)
-        row["extrapolated"] = row["k"] > max(SWEEP_K)
-    assert render_dashboard(loaded)
-    normalised = normalise(loaded)
-    assert [row["acceptance_source"] for row in normalised["runs"][0]["prediction"]["per_batch"]] == [
-        "extrapolated" if row["k"] > max(SWEEP_K) else "measured" for row in run["prediction"]["per_batch"]]
-    assert {row["acceptance_source"] for row in normalised["decision"][0]["per_batch"]} == {"measured"}
