@@ -73,7 +73,7 @@ TELEMETRY_SCHEMA = pa.schema(
     ]
 )
 
-# Keys the manifest must have (dotted paths), as the trace contract (README) promises to other tools.
+# Keys the manifest must have (dotted paths), as the trace contract (docs/trace-format.md) promises to other tools.
 REQUIRED_MANIFEST_KEYS = (
     "schema",
     "complete",
