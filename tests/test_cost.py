@@ -24,7 +24,7 @@ from moetrace.analysis.placement import linear_placement
 from moetrace.analysis.profile import PROFILE_PRESETS, Profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.cli import main
-from trace_builder import Model, decode_tokens, verify_tokens, write_trace
+from trace_builder import Model, decode_tokens, small_k2_trace, verify_tokens, write_trace
 
 SMALL = ModelShape(num_experts=64, top_k=8, num_layers=2, moe_layers=2, hidden_size=1000, expert_width=32,
                    shared_experts=1, expert_weight_bits=16, quant_group_size=None)
@@ -220,9 +220,7 @@ def test_uniform_busiest_rank_is_hand_computed_where_it_is_certain() -> None:
 
 @pytest.fixture
 def trace(tmp_path: Path) -> Path:
-    model = Model()
-    tokens = verify_tokens(np.random.default_rng(3), model, requests=2, steps=8, k=2, accept_prob=0.7)
-    return write_trace(tmp_path / "t-k2", tokens, model, k=2)
+    return small_k2_trace(tmp_path / "t-k2")
 
 
 def test_report_predicts_with_profile_and_calibration(trace: Path, tmp_path: Path) -> None:

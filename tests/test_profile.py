@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 import pytest
 from click.testing import CliRunner
@@ -13,7 +12,7 @@ from moetrace.analysis.cost import predict
 from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.profile import PROFILE_PRESETS, Profile, parse_profile
 from moetrace.analysis.shape import ModelShape
-from trace_builder import Model, verify_tokens, write_trace
+from trace_builder import small_k2_trace
 
 from moetrace.cli import main
 
@@ -162,9 +161,7 @@ def test_a_profile_at_four_tokens_predicts_as_its_one_token_equivalent() -> None
 
 @pytest.fixture
 def trace(tmp_path: Path) -> Path:
-    model = Model()
-    tokens = verify_tokens(np.random.default_rng(3), model, requests=2, steps=8, k=2, accept_prob=0.7)
-    return write_trace(tmp_path / "t-k2", tokens, model, k=2)
+    return small_k2_trace(tmp_path / "t-k2")
 
 
 def test_report_refuses_a_bare_share_above_one_in_one_line(trace: Path, tmp_path: Path) -> None:

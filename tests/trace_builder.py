@@ -231,3 +231,10 @@ def steps_frame(tokens: Tokens) -> pl.LazyFrame:
     frame = pl.from_arrow(steps_table(tokens))
     assert isinstance(frame, pl.DataFrame)
     return frame.lazy().with_columns(dp_rank=pl.lit(0, pl.UInt16))
+
+
+def small_k2_trace(root: Path) -> Path:
+    """A small n-gram-like trace at k=2 (2 requests, 8 steps, 70% acceptance) in ``root``."""
+    model = Model()
+    tokens = verify_tokens(np.random.default_rng(3), model, requests=2, steps=8, k=2, accept_prob=0.7)
+    return write_trace(root, tokens, model, k=2)
