@@ -25,7 +25,8 @@ console = Console()
 
 
 class Group(click.Group):
-    """Turns ``UserError`` into one line on stderr and exit code 1, never a traceback."""
+    """Turns ``UserError`` into one line on stderr and exit code 1, never a traceback; an error reading a trace's
+    data becomes one line naming the file, unless ``--debug`` (or ``MOETRACE_DEBUG=1``) asks for the traceback."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta["moetrace.args"] = list(args)  # to name a broken file if reading fails later
@@ -37,8 +38,11 @@ class Group(click.Group):
         except UserError as exc:
             fail(str(exc))
         except (pl.exceptions.PolarsError, pa.ArrowException) as exc:  # data that the footers did not vouch for
+            if ctx.params.get("debug"):
+                raise
             paths = [Path(arg) for arg in ctx.meta.get("moetrace.args", []) if Path(arg).exists()]
-            fail(unreadable_file(paths) or f"reading the trace failed: {str(exc).splitlines()[0]}")
+            fail((unreadable_file(paths) or f"reading the trace failed: {str(exc).splitlines()[0]}")
+                 + " (--debug shows the traceback)")
 
 
 def fail(message: str) -> NoReturn:
@@ -49,7 +53,9 @@ def fail(message: str) -> NoReturn:
 
 @click.group(cls=Group)
 @click.version_option(package_name="moetrace")
-def main() -> None:
+@click.option("--debug", is_flag=True, envvar="MOETRACE_DEBUG",
+              help="Show the traceback of an error reading a trace's data (also MOETRACE_DEBUG=1).")
+def main(debug: bool) -> None:
     """Record and analyse MoE expert routing during speculative-decoding verification in vLLM."""
 
 

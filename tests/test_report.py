@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,10 +109,15 @@ def test_sweep_and_side_by_side(tmp_path: Path, verify_trace: Path, sweep: Path,
     assert [row["k"] for row in run["acceptance_per_k"]] == [1, 2]
 
 
-def test_dashboard_is_not_overwritten_without_force(verify_trace: Path) -> None:
+def test_a_dashboard_is_rebuilt_but_a_users_file_is_not_overwritten_without_force(verify_trace: Path,
+                                                                                   tmp_path: Path) -> None:
     assert _invoke("report", verify_trace).exit_code == 0
-    _one_line_error(_invoke("report", verify_trace), "already exists", "--force")
-    assert _invoke("report", verify_trace, "--force").exit_code == 0
+    assert _invoke("report", verify_trace, "--json").exit_code == 0  # derived from the trace: rebuilt
+    mine = tmp_path / "notes.html"
+    mine.write_text("<p>my notes</p>")
+    _one_line_error(_invoke("report", verify_trace, "-o", mine), "already exists", "--force")
+    assert mine.read_text() == "<p>my notes</p>"
+    assert _invoke("report", verify_trace, "-o", mine, "--force").exit_code == 0
 
 
 def test_shape_preset_prices_at_real_size(tmp_path: Path, verify_trace: Path) -> None:
@@ -223,7 +229,12 @@ def test_corrupt_pages_under_an_intact_footer_fail_in_one_line_naming_the_file(v
 
     pq.read_schema(broken)  # the footer vouches for the file
     result = CliRunner().invoke(CLI, ["report", str(verify_trace), "--json"])
-    _one_line_error(result, str(broken), "unreadable Parquet data")
+    _one_line_error(result, str(broken), "unreadable Parquet data", "--debug")
+    for debug in (["--debug"], []):  # the flag, or the environment
+        traced = subprocess.run([sys.executable, "-m", "moetrace", *debug, "report", str(verify_trace), "--json",
+                                 "--force"], capture_output=True, text=True, timeout=120,
+                                env={**os.environ, **({} if debug else {"MOETRACE_DEBUG": "1"})})
+        assert traced.returncode != 0 and "Traceback (most recent call last)" in traced.stderr
 
 
 def test_files_with_float16_and_float32_weights_read_as_one_trace(verify_trace: Path) -> None:

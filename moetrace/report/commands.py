@@ -44,6 +44,21 @@ def _refuse_overwrite(path: Path, force: bool) -> None:
         raise UserError(f"{path}: already exists (use --force to overwrite)")
 
 
+DASHBOARD_MARK = b'<meta name="generator" content="moetrace report">'
+
+
+def _refuse_overwrite_unless_dashboard(path: Path, force: bool) -> None:
+    """A dashboard moetrace wrote is derived from the traces: rebuilt. Any other file is the user's: kept unless
+    ``force``."""
+    try:
+        with path.open("rb") as existing:
+            ours = DASHBOARD_MARK in existing.read(4096)
+    except OSError:
+        ours = False
+    if not ours:
+        _refuse_overwrite(path, force)
+
+
 def _calibration(path: Path | None) -> dict[str, Any] | None:
     if path is None:
         return None
@@ -121,7 +136,7 @@ def _coverage(value: float) -> float:
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Dashboard file [default: TRACE/report.html, or NAME-vs-NAME.report.html for several].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
-@click.option("--force", is_flag=True, help="Overwrite an existing dashboard.")
+@click.option("--force", is_flag=True, help="Overwrite a file at the dashboard's path that is not a moetrace dashboard.")
 def report(
     traces: tuple[Path, ...],
     k: int,
@@ -176,7 +191,7 @@ def report(
         raise UserError(f"--max-k {options.max_k}: must be at least --k {k}")
     check_k(options.max_k)
     dashboard = _dashboard_path(traces, output)
-    _refuse_overwrite(dashboard, force)
+    _refuse_overwrite_unless_dashboard(dashboard, force)
     analyses = [analyse_run(open_run(path, k), options) for path in traces]
     summary = summary_json(analyses, options)
     try:
