@@ -81,7 +81,8 @@ class WindowSample:
 
     def _whole_steps(self, share: float) -> pl.LazyFrame:
         rows = self.stepped.lazy()
-        return rows if share >= 1.0 else rows.filter(pl.col("step_key").hash(seed=1) % HASH_RANGE < int(share * HASH_RANGE))
+        return rows if share >= 1.0 else rows.filter(
+            pl.col("step_key").hash(seed=1) % HASH_RANGE < int(share * HASH_RANGE))
 
 
 def window_sample(routing: pl.LazyFrame, trace_k: int, columns: list[str],

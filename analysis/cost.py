@@ -10,7 +10,8 @@ step(k) = attention(k) + other GEMMs(k) + rest + MoE(k) + all-reduce(k), where f
   shared experts) and the rows routed to it; calibrated: ``c0 + per_expert·E + per_row·rows`` as measured; without
   a calibration, proportional to E (weight-read bound).
 - all-reduce(k): ``num_layers × allreduces_per_layer`` all-reduces of T × hidden × 2 bytes; calibrated: the
-  measured curve for that many GPUs (interpolated, made non-decreasing in bytes), else the ring model ``latency + 2(N−1)/N·bytes/bus bandwidth``
+  measured curve for that many GPUs (interpolated, made non-decreasing in bytes), else the ring model
+  ``latency + 2(N−1)/N·bytes/bus bandwidth``
   on the most GPUs measured: their measured curve read at the same bytes sent per GPU (scaled by the ratio of
   2(N−1)/N), the fitted line past the measured sizes (an extrapolation, labelled so); without a calibration: the
   profile's per-call time plus the extra bytes at a conservative bus bandwidth.

@@ -2,8 +2,9 @@
 that maximises it (0, "do not speculate", when no k beats plain decoding).
 
 At concurrency B a verification step reads the union of B requests' windows (``analysis.concurrency``) and moves
-B × the tokens a request-step reads (anchor + drafts proposed) through every all-reduce; each request still gains its own accepted drafts, so the speedup is
-tokens per step per request over the step-time ratio to k = 0 at the same B.
+B × the tokens a request-step reads (anchor + drafts proposed) through every all-reduce; each request still gains
+its own accepted drafts, so the speedup is tokens per step per request over the step-time ratio to k = 0 at the
+same B.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Pro
                       baselines: Mapping[int, float] | None = None,
                       drafting_ms: Mapping[int, Mapping[int, float]] | None = None,
                       scheduling_ms: Mapping[int, float] | None = None,
-                      sampling_ms: Mapping[int, Mapping[int, float]] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+                      sampling_ms: Mapping[int, Mapping[int, float]] | None = None
+                      ) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per (batch, k): the prediction table of ``analysis.cost.predict`` with the inputs' other columns beside it.
     ``inputs``: batch, k, tokens (what the step moves), unique_experts, busiest_rank_experts (per layer, one step of
     ``batch`` requests), tokens_per_step (per request) and their sources and sample sizes. ``baselines``: a measured

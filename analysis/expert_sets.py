@@ -19,7 +19,8 @@ def words_for(num_experts: int) -> int:
 
 
 def expert_lut(num_experts: int) -> Masks:
-    """[num_experts, words]: the one-expert bitset of every expert (expert ``e`` is bit ``e % 64`` of word ``e // 64``)."""
+    """[num_experts, words]: the one-expert bitset of every expert (expert ``e`` is bit ``e % 64`` of word
+    ``e // 64``)."""
     experts = np.arange(num_experts)
     lut = np.zeros((num_experts, words_for(num_experts)), dtype=np.uint64)
     lut[experts, experts >> 6] = np.left_shift(np.uint64(1), (experts & 63).astype(np.uint64))

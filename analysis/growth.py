@@ -216,7 +216,8 @@ class _TokenMajor:
     ) -> tuple[dict[str, npt.NDArray[np.int64]], npt.NDArray[np.integer]]:
         assert self.layers is not None
         width = len(self.layers)
-        if not np.array_equal(columns["layer"][:rows].reshape(-1, width), np.broadcast_to(self.layers, (rows // width, width))):
+        if not np.array_equal(columns["layer"][:rows].reshape(-1, width),
+                              np.broadcast_to(self.layers, (rows // width, width))):
             raise _NotTokenMajor
         keys: dict[str, npt.NDArray[np.int64]] = {}
         for name in self.keys:
@@ -258,7 +259,9 @@ class _WindowStats:
     def _add(sums: dict[int, npt.NDArray[np.int64]], k: int, values: npt.NDArray[np.int64]) -> None:
         sums[k] = sums[k] + values if k in sums else values
 
-    def rows(self, layers: npt.NDArray[np.int64], ks: Sequence[int], source: str, scope: str) -> list[dict[str, object]]:
+    def rows(
+        self, layers: npt.NDArray[np.int64], ks: Sequence[int], source: str, scope: str
+    ) -> list[dict[str, object]]:
         rows: list[dict[str, object]] = []
         for index in np.argsort(layers, kind="stable").tolist():
             for k in ks:
@@ -307,7 +310,9 @@ class _SequenceWindows:
         at = np.minimum(np.searchsorted(self.seen, request), len(self.seen) - 1)
         return np.where(self.seen[at] == request, self.last[at], self.NO_POSITION)
 
-    def add(self, request: npt.NDArray[np.int64], position: npt.NDArray[np.int64], experts: npt.NDArray[np.integer]) -> None:
+    def add(
+        self, request: npt.NDArray[np.int64], position: npt.NDArray[np.int64], experts: npt.NDArray[np.integer]
+    ) -> None:
         if (position <= self._last(request)).any():
             raise _NotTokenMajor  # a request went back to a position already passed
         held = [(r, self.pending.pop(r)) for r in np.unique(request).tolist() if r in self.pending]
@@ -335,7 +340,8 @@ class _SequenceWindows:
         return np.concatenate(requests), np.concatenate(positions), np.concatenate(experts)
 
     def _round(
-        self, request: npt.NDArray[np.int64], position: npt.NDArray[np.int64], experts: npt.NDArray[np.integer], final: bool
+        self, request: npt.NDArray[np.int64], position: npt.NDArray[np.int64], experts: npt.NDArray[np.integer],
+        final: bool,
     ) -> None:
         if len(request) == 0:
             return
@@ -378,7 +384,8 @@ class _SequenceWindows:
             name = f"union{width}" if width in reused else "union"
             if base:
                 base_starts, base_unions = built[base]
-                unions = window_union(base_unions, np.searchsorted(base_starts, chosen), width // base, self.scratch, name)
+                unions = window_union(base_unions, np.searchsorted(base_starts, chosen), width // base, self.scratch,
+                                      name)
             else:
                 unions = window_union(masks, chosen, width, self.scratch, name)
             if width in reused:

@@ -17,7 +17,8 @@ DP_RANK_SHIFT = 16  # step keys: step << 16 | dp_rank (dp_rank is uint16)
 def in_sequence() -> pl.Expr:
     """Routing rows of tokens that ended up in the sequence (see the module doc)."""
     phase = pl.col("phase").cast(pl.String)
-    return (phase == "decode") | ((phase == "verify") & ((pl.col("draft_pos") == 0) | pl.col("accepted").fill_null(False)))
+    return (phase == "decode") | (
+        (phase == "verify") & ((pl.col("draft_pos") == 0) | pl.col("accepted").fill_null(False)))
 
 
 def accepted_sequence(routing: pl.LazyFrame) -> pl.LazyFrame:

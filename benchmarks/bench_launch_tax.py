@@ -13,7 +13,8 @@ time and its ratio to the baseline's.
 
 Variants: ``none`` (baseline: no pack), ``mapped`` (the recorder's copier: one ``torch.cat`` straight into the
 ring of rows shared with the writer process, registered pinned memory that the GPU addresses), ``device-copy`` (the
-copier's fallback: pack into device memory, then copy into the ring), ``device-only`` (pack into device memory, nothing copied), ``batched`` (pack into a
+copier's fallback: pack into device memory, then copy into the ring), ``device-only`` (pack into device memory,
+nothing copied), ``batched`` (pack into a
 device ring, one copy to pinned memory every 16 steps), ``one-kernel`` (one plain copy of a step-sized device tensor
 into device memory: a kernel whose arguments are a few pointers, where the pack's ``torch.cat`` passes its inputs'
 table, some kilobytes, as arguments).

@@ -167,7 +167,8 @@ def idle_window_probe(worker: Any, read: bool, faults: bool = False) -> dict[str
     synced; the GPU idles from here) and ``sample_tokens``, on entry to ``execute_model`` and ``_model_forward`` (the
     forward's launch). With ``read``: the medians in µs of the steps since the last read (``IDLE_PARTS``,
     ``BUSY_PART`` and ``step_us``, sync to sync), the steps' mean and their sum (``steps_ms``: a median hides what
-    only some steps pay, such as prefills or timed steps), and forget them. None where the runner lacks one of the four (Model Runner V2).
+    only some steps pay, such as prefills or timed steps), and forget them. None where the runner lacks one of the
+    four (Model Runner V2).
     With ``faults`` (at install): each stamp also reads the engine thread's minor page faults, and a read says how
     many fell in each part of the steps, and in the steps of each kind of forward."""
     import bisect
@@ -920,8 +921,10 @@ def main() -> None:
                                           if a["steps"] and b["steps"]]) for part in parts}
                 for mode in modes[1:] if idle.get((batch, mode))}
         if hook_us:
-            report[str(batch)]["hook_us"] = {  # per mode, per function and forward kind: calls, median, mean, sum (µs or faults)
-                mode: {key: {"calls": len(v), "median": statistics.median(v), "mean": statistics.fmean(v), "sum": sum(v)}
+            # per mode, per function and forward kind: calls, median, mean, sum (µs or faults)
+            report[str(batch)]["hook_us"] = {
+                mode: {key: {"calls": len(v), "median": statistics.median(v), "mean": statistics.fmean(v),
+                             "sum": sum(v)}
                        for key, v in sorted(hook_us[(batch, mode)].items())}
                 for mode in modes if (batch, mode) in hook_us}
             for mode, per_key in report[str(batch)]["hook_us"].items():
@@ -934,7 +937,8 @@ def main() -> None:
                                    for part in (*IDLE_PARTS, BUSY_PART)},
                        "by_forward": {kind: statistics.median(r["faults_by_forward"].get(kind, 0)
                                                               for r in idle[(batch, mode)])
-                                      for kind in sorted({k for r in idle[(batch, mode)] for k in r["faults_by_forward"]})}}
+                                      for kind in sorted({k for r in idle[(batch, mode)]
+                                                          for k in r["faults_by_forward"]})}}
                 for mode in modes}
             for mode, counted in report[str(batch)]["faults"].items():
                 print(f"{batch:>5} {mode} page faults a round (median) by part: {counted['by_part']}; by forward: "

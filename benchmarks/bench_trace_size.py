@@ -99,7 +99,8 @@ def main() -> None:
             )
             (trace,) = [p for p in Path(scratch).iterdir() if p.is_dir()]
         report(f"recorded ({trace.name})", trace)
-        report("uniform-random routing, 60 layers", uniform_random_trace(Path(scratch) / "uniform", args.uniform_tokens))
+        report("uniform-random routing, 60 layers",
+               uniform_random_trace(Path(scratch) / "uniform", args.uniform_tokens))
 
 
 if __name__ == "__main__":

@@ -138,7 +138,8 @@ def match_client_outputs(trace_dir: Path, outputs: list[dict[str, Any]]) -> dict
 
     trace = open_trace(trace_dir)
     first_layer = int(trace.manifest["model"]["moe_layers"][0])
-    fed = (trace.routing().filter((pl.col("layer") == first_layer) & (pl.col("accepted").is_null() | pl.col("accepted")))
+    fed = (trace.routing()
+           .filter((pl.col("layer") == first_layer) & (pl.col("accepted").is_null() | pl.col("accepted")))
            .sort("request", "position").group_by("request", maintain_order=True)
            .agg("position", "token", prompt=(pl.col("phase") == "prefill").sum()).collect())
     by_prompt = {tuple(o["prompt_token_ids"]): o for o in outputs}

@@ -17,8 +17,9 @@ The wrapper around ``router._compute_routing`` has one mechanism for each way th
 
 After the forward, ``collect`` names rows [:T] of whichever mechanism ran (and says which: a forward that none
 of them wrote is refused, never recorded as zeros) as int32 columns: views of the routers' own tensors (made once
-per CUDA graph), left on the device for the recorder to pack and copy out without blocking. The wrapper never raises into the forward: an error inside it is kept in ``RoutingCapture.failed`` and
-the router's own result is returned untouched.
+per CUDA graph), left on the device for the recorder to pack and copy out without blocking. The wrapper never
+raises into the forward: an error inside it is kept in ``RoutingCapture.failed`` and the router's own result is
+returned untouched.
 """
 
 from __future__ import annotations

@@ -241,7 +241,8 @@ class RunnerV1:
             req_ids=batch.req_ids[:num_reqs],
             query_start=query_start,
             num_prompt_tokens=batch.num_prompt_tokens[:num_reqs].astype(np.int64),  # a copy: the runner reuses it
-            drafts=np.asarray(spec.num_draft_tokens, dtype=np.int64) if spec is not None else np.zeros(num_reqs, np.int64),
+            drafts=(np.asarray(spec.num_draft_tokens, dtype=np.int64) if spec is not None
+                    else np.zeros(num_reqs, np.int64)),
             positions=runner.positions,  # the same tensors every step: what the recorder packs can be kept
             input_ids=runner.input_ids.gpu,
         )

@@ -61,23 +61,36 @@ def main(debug: bool) -> None:
 
 @main.command()
 @click.argument("model", required=False)
-@click.option("--k", "ks", default="3", show_default=True, help="Draft length, or a sweep such as 0,1,2,3,4 (0 = no speculation).")
+@click.option("--k", "ks", default="3", show_default=True,
+              help="Draft length, or a sweep such as 0,1,2,3,4 (0 = no speculation).")
 @click.option("--method", default="ngram", show_default=True, help="Drafter: ngram, eagle3, mtp or draft_model.")
 @click.option("--drafter", help="Path of the draft model (eagle3, draft_model).")
-@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="JSONL with a 'prompt' field, or plain text lines. Default: built-in code, prose and structured text.")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
+              help="JSONL with a 'prompt' field, or plain text lines. "
+                   "Default: built-in code, prose and structured text.")
 @click.option("--num-prompts", type=int, help="Cycle the prompts to this many requests.")
 @click.option("--max-tokens", default=64, show_default=True, help="Tokens generated per request.")
 @click.option("--batch-size", default=8, show_default=True, help="Concurrent requests (vLLM max_num_seqs).")
 @click.option("--tp", default=1, show_default=True, help="Tensor-parallel size.")
-@click.option("--candidates", default=0, show_default=True, help="Also record the top-C router candidates and scores (C > top-k).")
+@click.option("--candidates", default=0, show_default=True,
+              help="Also record the top-C router candidates and scores (C > top-k).")
 @click.option("--no-token-ids", is_flag=True, help="Do not record input token ids.")
-@click.option("--out", default=Path("traces"), show_default=True, type=click.Path(path_type=Path), help="Where run directories are written.")
-@click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE", help="Extra vLLM engine argument (repeatable; VALUE parsed as JSON when it can be).")
-@click.option("--spec-arg", "spec_args", multiple=True, metavar="KEY=VALUE", help="Extra speculative_config entry (repeatable).")
-@click.option("--compiled", is_flag=True, help="Let vLLM compile (and capture CUDA graphs on GPU) instead of running eager.")
-@click.option("--recompute-from-logits", is_flag=True, help="Record every layer by recomputing its routing from the router logits (the path taken where the MoE kernel fuses routing), to check that path.")
-@click.option("--time-phases-every", type=int, metavar="N", help="Time the forward, sampling and drafting on one recorded step in N (the manifest's phases). Default: every step on the CPU, one in 64 on a GPU, where each timer costs the step microseconds.")
-@click.option("--rotate-seconds", default=10.0, show_default=True, help="Close the open Parquet file this often: the most a crash can lose.")
+@click.option("--out", default=Path("traces"), show_default=True, type=click.Path(path_type=Path),
+              help="Where run directories are written.")
+@click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
+              help="Extra vLLM engine argument (repeatable; VALUE parsed as JSON when it can be).")
+@click.option("--spec-arg", "spec_args", multiple=True, metavar="KEY=VALUE",
+              help="Extra speculative_config entry (repeatable).")
+@click.option("--compiled", is_flag=True,
+              help="Let vLLM compile (and capture CUDA graphs on GPU) instead of running eager.")
+@click.option("--recompute-from-logits", is_flag=True,
+              help="Record every layer by recomputing its routing from the router logits "
+                   "(the path taken where the MoE kernel fuses routing), to check that path.")
+@click.option("--time-phases-every", type=int, metavar="N",
+              help="Time the forward, sampling and drafting on one recorded step in N (the manifest's phases). "
+                   "Default: every step on the CPU, one in 64 on a GPU, where each timer costs the step microseconds.")
+@click.option("--rotate-seconds", default=10.0, show_default=True,
+              help="Close the open Parquet file this often: the most a crash can lose.")
 @click.option("--force", is_flag=True, help="Overwrite an existing run directory.")
 @click.option("--verbose", is_flag=True, help="Keep vLLM's INFO logs in engine.log.")
 def record(model: str | None, ks: str, method: str, drafter: str | None, prompts_file: Path | None,
@@ -156,12 +169,14 @@ def info(trace: Path, as_json: bool) -> None:
             + (Text("  random weights", style="yellow") if model.get("random_weights") else Text("")),
             highlight=False,
         )
-        console.print(f"  spec {m['spec']['method']} k={m['spec']['k']}  tp={m['parallel']['tp']} ep={m['parallel']['ep']}",
+        console.print(f"  spec {m['spec']['method']} k={m['spec']['k']}  "
+                      f"tp={m['parallel']['tp']} ep={m['parallel']['ep']}",
                       highlight=False)
         counts = m.get("counts")
         if counts:
             console.print("  counts " + ", ".join(f"{k} {v:,}" for k, v in counts.items()), highlight=False)
-        console.print(f"  readable now: {s['routing_rows_readable']:,} routing rows, {s['steps_rows_readable']:,} step rows",
+        console.print(f"  readable now: {s['routing_rows_readable']:,} routing rows, "
+                      f"{s['steps_rows_readable']:,} step rows",
                       highlight=False)
         for warning in t.warnings:
             err_console.print(Text("  warning: ", style="yellow") + Text(warning), highlight=False)

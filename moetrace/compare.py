@@ -67,7 +67,8 @@ def windows_after_finish(trace_dir: Path) -> pl.DataFrame:
     kept (the GPU did route them); a comparison with vLLM's counters leaves these windows out."""
     trace = open_trace(trace_dir)
     final_length = pl.DataFrame(
-        [(index, len(o["prompt_token_ids"]) + len(o["output_token_ids"])) for index, o in load_outputs(trace_dir).items()],
+        [(index, len(o["prompt_token_ids"]) + len(o["output_token_ids"]))
+         for index, o in load_outputs(trace_dir).items()],
         schema={"request": pl.UInt32, "final_length": pl.Int64}, orient="row")
     layer = int(trace.manifest["model"]["moe_layers"][0])
     anchors = (trace.routing().filter(pl.col("layer") == layer)
@@ -81,7 +82,8 @@ def agreeing_prefix(a_dir: Path, b_dir: Path) -> pl.DataFrame:
     """Per request (the caller's id): how many leading tokens (prompt + output) the two runs share, and the prompt
     length. Runs are matched on the caller's ids, not on request indices: a trace numbers requests in the order its
     runner first scheduled them, and Model Runner V2 orders each batch its own way."""
-    a_outputs, b_outputs = ({o["request_id"]: o for o in map(json.loads, (d / "outputs.jsonl").read_text().splitlines())}
+    a_outputs, b_outputs = ({o["request_id"]: o
+                             for o in map(json.loads, (d / "outputs.jsonl").read_text().splitlines())}
                             for d in (a_dir, b_dir))
     rows = []
     for request_id, a in a_outputs.items():

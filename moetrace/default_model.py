@@ -102,7 +102,8 @@ def read_packed_weights(path: Path, sha256: str | None) -> tuple[dict[str, Any],
     try:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError as exc:
-        raise UserError(f"the default model's weights are missing ({path}: {exc.strerror}); reinstall moetrace") from None
+        raise UserError(f"the default model's weights are missing ({path}: {exc.strerror}); "
+                        "reinstall moetrace") from None
     if sha256 is not None and digest != sha256:
         raise UserError(f"the default model's weights are corrupt ({path}: sha256 {digest[:12]}..., expected "
                         f"{sha256[:12]}...); reinstall moetrace")

@@ -141,7 +141,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise UserError(f"{path}: unreadable manifest (not a JSON object)")
     if manifest.get("schema") != SCHEMA_VERSION:
-        raise UserError(f"{path}: unknown schema version {manifest.get('schema')!r} (this moetrace reads {SCHEMA_VERSION})")
+        raise UserError(f"{path}: unknown schema version {manifest.get('schema')!r} "
+                        f"(this moetrace reads {SCHEMA_VERSION})")
     for key in REQUIRED_MANIFEST_KEYS:
         try:
             _get(manifest, key)

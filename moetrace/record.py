@@ -115,7 +115,8 @@ def resolve_model(model: str | None) -> ResolvedModel:
 
             path = Path(snapshot_download(model, local_files_only=True))
         except Exception:
-            raise UserError(f"model not found: {model} (not a directory, not in the local Hugging Face cache)") from None
+            raise UserError(f"model not found: {model} "
+                            "(not a directory, not in the local Hugging Face cache)") from None
     config_path = path / "config.json"
     try:
         config = json.loads(config_path.read_text())

@@ -5,8 +5,8 @@ that the engine process and the writer process both map (``SharedRows``); ``Trac
 and ``forward_ready`` (called where the GPU is busy with the next forward) hands the queued steps over in batches:
 one pickle of what is left of each step whose rows have landed (its request order, query starts, drafts, kept
 counts, and where its rows lie in the ring: a few hundred bytes) and one write down a non-blocking pipe to the writer
-process (``python -m moetrace.writer``), which copies the rows out of the ring, releasing them, and assembles rows, builds
-Arrow tables, compresses and writes. Done by a thread of the engine process, that work took
+process (``python -m moetrace.writer``), which copies the rows out of the ring, releasing them, and assembles rows,
+builds Arrow tables, compresses and writes. Done by a thread of the engine process, that work took
 the GIL from the engine loop at high step rates (measured on an H200: 4-5% of throughput). A file being written is
 named ``*.parquet.inprogress`` and renamed when closed, so a killed recording leaves every rotated file readable and
 marks the one it lost; if the engine process dies, the writer process still closes its files. Any error stops
@@ -640,7 +640,8 @@ class TraceFiles:
             "position": pa.array(per_row(joined("position"))),
             "phase": phase,
             "draft_pos": pa.array(per_row(joined("draft_pos"))),
-            "token": pa.array(per_row(joined("token"))) if with_tokens else pa.nulls(num_tokens * num_layers, pa.uint32()),
+            "token": (pa.array(per_row(joined("token"))) if with_tokens
+                      else pa.nulls(num_tokens * num_layers, pa.uint32())),
             "accepted": pa.array(accepted == 1, mask=accepted < 0),
             "layer": pa.array(np.tile(self.layers[:num_layers], num_tokens)),
             "experts": fixed_list(experts, self.top_k, pa.uint16()),

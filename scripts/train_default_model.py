@@ -12,7 +12,8 @@ amount towards under-loaded experts. The MTP layer learns the token after next, 
 
 Corpus: every ``.py`` file of a CPython standard library (no tests, no site-packages) except the held-out
 modules, whose text the built-in prompts draw on. Packed weights: linear weights as int8 with one float32 scale
-per output row (float16), the rest float32; the metadata holds the corpus identity, the seed, the command and the losses.
+per output row (float16), the rest float32; the metadata holds the corpus identity, the seed, the command and the
+losses.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class DenseMLP(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         hidden = CONFIG["hidden_size"]
-        self.gate_proj, self.up_proj, self.down_proj = linear(hidden, width), linear(hidden, width), linear(width, hidden)
+        self.gate_proj, self.up_proj, self.down_proj = (linear(hidden, width), linear(hidden, width),
+                                                        linear(width, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -342,7 +344,8 @@ def evaluate(model: TinyKimi, stream: torch.Tensor, settings: Settings, device: 
         sums[0] += main.item()
         sums[1] += mtp.item()
     model.train()
-    return {"valid_bits_per_byte": sums[0] / rounds / math.log(2), "valid_mtp_bits_per_byte": sums[1] / rounds / math.log(2)}
+    return {"valid_bits_per_byte": sums[0] / rounds / math.log(2),
+            "valid_mtp_bits_per_byte": sums[1] / rounds / math.log(2)}
 
 
 def train(settings: Settings, train_stream: torch.Tensor, valid_stream: torch.Tensor,
@@ -369,7 +372,8 @@ def train(settings: Settings, train_stream: torch.Tensor, valid_stream: torch.Te
         out_of_time = time.monotonic() - started > settings.max_minutes * 60
         if step % 100 == 0 or step == settings.steps - 1 or out_of_time:
             point = {"step": step, "seconds": round(time.monotonic() - started, 1),
-                     "train_bits_per_byte": main.item() / math.log(2), "train_mtp_bits_per_byte": mtp.item() / math.log(2)}
+                     "train_bits_per_byte": main.item() / math.log(2),
+                     "train_mtp_bits_per_byte": mtp.item() / math.log(2)}
             if step % 500 == 0 or step == settings.steps - 1 or out_of_time:
                 point.update(evaluate(model, valid_stream, settings, device))
             history.append(point)

@@ -55,7 +55,8 @@ def test_measured_growth_of_rows_out_of_recording_order_equals_the_recorded_orde
 
 
 def test_measured_matches_brute_force() -> None:
-    tokens = verify_tokens(np.random.default_rng(1), MODEL, requests=3, steps=12, k=3, accept_prob=0.6, variable_drafts=True)
+    tokens = verify_tokens(np.random.default_rng(1), MODEL, requests=3, steps=12, k=3, accept_prob=0.6,
+                           variable_drafts=True)
     rows = _rows(tokens)
     frame = measured_growth(decode_and_verify(routing_frame(tokens, MODEL)), MODEL.num_experts, 3,
                             linear_placement(16, EP))
@@ -79,7 +80,8 @@ def test_measured_matches_brute_force() -> None:
 
 
 def test_counterfactual_matches_brute_force() -> None:
-    tokens = verify_tokens(np.random.default_rng(2), MODEL, requests=2, steps=15, k=2, accept_prob=0.5, variable_drafts=True)
+    tokens = verify_tokens(np.random.default_rng(2), MODEL, requests=2, steps=15, k=2, accept_prob=0.5,
+                           variable_drafts=True)
     rows = _rows(tokens)
     frame = counterfactual_growth(routing_frame(tokens, MODEL), MODEL.num_experts, range(6), linear_placement(16, EP))
     for layer in MODEL.layers:
@@ -130,7 +132,8 @@ def test_growth_labels_sources_and_locality() -> None:
 
 
 def test_rejected_only_matches_brute_force() -> None:
-    tokens = verify_tokens(np.random.default_rng(6), MODEL, requests=3, steps=10, k=3, accept_prob=0.5, variable_drafts=True)
+    tokens = verify_tokens(np.random.default_rng(6), MODEL, requests=3, steps=10, k=3, accept_prob=0.5,
+                           variable_drafts=True)
     rows = _rows(tokens)
     frame = rejected_only_experts(decode_and_verify(routing_frame(tokens, MODEL)), 16)
     for layer in MODEL.layers:

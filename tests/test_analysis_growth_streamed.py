@@ -80,7 +80,8 @@ def test_streamed_matches_brute_force_across_batches(
     batch_rows: int, ep: int, monkeypatch: pytest.MonkeyPatch, general_path_calls: list[int]
 ) -> None:
     monkeypatch.setattr(growth_module, "BATCH_ROWS", batch_rows)
-    tokens = verify_tokens(np.random.default_rng(7), MODEL, requests=3, steps=25, k=3, accept_prob=0.6, variable_drafts=True)
+    tokens = verify_tokens(np.random.default_rng(7), MODEL, requests=3, steps=25, k=3, accept_prob=0.6,
+                           variable_drafts=True)
     routing = routing_frame(tokens, MODEL)
     result = counterfactual_growth(routing, MODEL.num_experts, KS, linear_placement(16, ep))
     assert not general_path_calls

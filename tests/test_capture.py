@@ -147,7 +147,8 @@ def test_candidates_are_the_top_selection_scores() -> None:
     for slot, router in enumerate(routers):
         # Written out here, not with the capture's own selection_scores: sigmoid of the logits plus the bias,
         # in float64, sorted by numpy.
-        selection = 1 / (1 + np.exp(-logits[:3, slot].double().numpy())) + router.e_score_correction_bias.double().numpy()
+        selection = (1 / (1 + np.exp(-logits[:3, slot].double().numpy()))
+                     + router.e_score_correction_bias.double().numpy())
         ids = np.argsort(-selection, axis=1, kind="stable")[:, :C]
         assert (rows["cand_ids"][:, slot].numpy() == ids).all()
         assert np.allclose(rows["cand_scores"][:, slot].numpy(), np.take_along_axis(selection, ids, axis=1), atol=1e-6)

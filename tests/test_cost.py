@@ -33,7 +33,8 @@ SMALL = ModelShape(num_experts=64, top_k=8, num_layers=2, moe_layers=2, hidden_s
 def _calibration(world_sizes: tuple[int, ...] = (2,)) -> dict[str, Any]:
     fit = {"model": "", "c0_us": 10.0, "per_expert_us": 2.0, "per_row_us": 0.5}
     measured = [{"world_size": n, "backend": "nccl",
-                 "points": [{"bytes": 2000, "tokens": 1, "time_us": 10.0}, {"bytes": 8000, "tokens": 4, "time_us": 13.0},
+                 "points": [{"bytes": 2000, "tokens": 1, "time_us": 10.0},
+                            {"bytes": 8000, "tokens": 4, "time_us": 13.0},
                             {"bytes": 16000, "tokens": 8, "time_us": 12.0}],
                  "fit": {"latency_us": 9.0, "bus_bandwidth_gbs": 2.0, "timing": "graph"}} for n in world_sizes]
     return {"schema": "moetrace-calibration/1", "device": {"name": "test", "count": 2},

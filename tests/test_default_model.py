@@ -64,7 +64,8 @@ def test_quantized_weights_come_back_within_half_a_step_of_each_row() -> None:
     error = (restored["model.layers.1.self_attn.kv_b_proj.weight"] - matrix).abs()
     assert bool((error <= step * 0.51 + 1e-7).all())
     expert = tensors["model.layers.2.mlp.experts.down_proj"][5]
-    assert torch.allclose(restored["model.layers.2.mlp.experts.5.down_proj.weight"], expert, atol=float(expert.abs().max()) / 127)
+    assert torch.allclose(restored["model.layers.2.mlp.experts.5.down_proj.weight"], expert,
+                          atol=float(expert.abs().max()) / 127)
     assert torch.equal(restored["model.layers.1.mlp.gate.weight"], tensors["model.layers.1.mlp.gate.weight"])
 
 

@@ -97,7 +97,9 @@ def test_k_beyond_the_trace_is_counterfactual_and_labelled(verify_trace: Path) -
     assert run["growth_at_k"]["measured_request"] is None and run["growth_at_k"]["counterfactual"] is not None
 
 
-def test_sweep_and_side_by_side(tmp_path: Path, verify_trace: Path, sweep: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sweep_and_side_by_side(
+    tmp_path: Path, verify_trace: Path, sweep: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     result = _invoke("report", verify_trace, sweep, "--k", "2")
     assert result.exit_code == 0, result.output
@@ -124,7 +126,8 @@ def test_shape_preset_prices_at_real_size(tmp_path: Path, verify_trace: Path) ->
     _one_line_error(_invoke("report", verify_trace, "--shape", "kimi-k2"), "kimi-k2", "384 experts")
     model = Model(num_experts=384, top_k=8, layers=(1, 2, 3))
     trace = write_trace(tmp_path / "kimi-tiny", decode_tokens(np.random.default_rng(1), model, 2, 40), model, k=0)
-    run = json.loads(_invoke("report", trace, "--k", "3", "--shape", "kimi-k2", "--tp", "8", "--json").stdout)["runs"][0]
+    run = json.loads(
+        _invoke("report", trace, "--k", "3", "--shape", "kimi-k2", "--tp", "8", "--json").stdout)["runs"][0]
     unique = run["bytes_at_k"]["unique_experts"]
     expert = 3 * 7168 * 2048 // 2 + 3 * 7168 * 2048 // 32 * 2
     assert run["bytes_at_k"]["expert_weight_bytes"] == pytest.approx((unique + 1) * expert * 60)
@@ -318,7 +321,8 @@ def test_the_self_check_passes_on_an_intact_sweep_and_every_recommendation_says_
         # 160 decoding request-steps at each of k = 0..3 (k = 1, 2 are cut from the k = 3 trace)
         assert row["status"] == "ok" and row["k"] is not None and row["windows"] == 160
     # tokens per step at the recorded k = 3: the acceptance table's, by hand from the steps table
-    steps = pl.read_parquet(tmp_path / "sweep" / "k3" / "steps").filter(pl.col("num_tokens") == pl.col("num_drafts") + 1)
+    steps = pl.read_parquet(tmp_path / "sweep" / "k3" / "steps").filter(
+        pl.col("num_tokens") == pl.col("num_drafts") + 1)
     measured = 1 + steps["num_accepted"].mean()
     predicted = {row["k"]: row for row in summary["runs"][0]["prediction"]["per_k"]}
     assert predicted[3]["tokens_per_step"] == pytest.approx(measured)

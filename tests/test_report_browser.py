@@ -173,7 +173,8 @@ def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
         point = _cell_point(page, heatmap, ASKED_K, 0)
         labels = page.evaluate(
             """([id, x, half]) => [...document.querySelectorAll('#' + id + ' .heatmap-label text')]
-                   .filter(t => { const b = t.getBoundingClientRect(); return Math.abs(b.left + b.width / 2 - x) < half; })
+                   .filter(t => { const b = t.getBoundingClientRect();
+                                  return Math.abs(b.left + b.width / 2 - x) < half; })
                    .map(t => t.textContent)""",
             [heatmap, point["x"], point["half"]],
         )
@@ -181,14 +182,16 @@ def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
         recorded = _cell_point(page, heatmap, SWEEP_K[-1], 0)
         labels_at_recorded = page.evaluate(
             """([id, x, half]) => [...document.querySelectorAll('#' + id + ' .heatmap-label text')]
-                   .filter(t => { const b = t.getBoundingClientRect(); return Math.abs(b.left + b.width / 2 - x) < half; })
+                   .filter(t => { const b = t.getBoundingClientRect();
+                                  return Math.abs(b.left + b.width / 2 - x) < half; })
                    .map(t => t.textContent)""",
             [heatmap, recorded["x"], recorded["half"]],
         )
         assert labels_at_recorded and not any(counterfactual in label for label in labels_at_recorded)
         page.mouse.move(point["x"], point["y"])
         page.wait_for_selector(f"#{heatmap} .hoverlayer .hovertext", timeout=5_000)
-        hover = page.eval_on_selector_all(f"#{heatmap} .hoverlayer .hovertext", "nodes => nodes.map(n => n.textContent)")
+        hover = page.eval_on_selector_all(f"#{heatmap} .hoverlayer .hovertext",
+                                          "nodes => nodes.map(n => n.textContent)")
         assert len(hover) == 1 and f"k={ASKED_K}" in hover[0] and f"counterfactual {counterfactual}" in hover[0], hover
 
         # (b) the decision table: a recommended k past which a larger (extrapolated) k may pay is "k+"

@@ -37,7 +37,9 @@ def manifest(k: int = 2) -> dict[str, object]:
     }
 
 
-def verify_step(step: int, rng: np.random.Generator, requests: int = 2, drafts: int = 2, accepted: int = 1) -> StepCapture:
+def verify_step(
+    step: int, rng: np.random.Generator, requests: int = 2, drafts: int = 2, accepted: int = 1
+) -> StepCapture:
     """``requests`` verify windows of ``drafts`` drafts each, the first ``accepted`` drafts accepted."""
     window = drafts + 1
     tokens = requests * window
@@ -60,7 +62,8 @@ def verify_step(step: int, rng: np.random.Generator, requests: int = 2, drafts: 
         steps_rows={
             "step": np.full(requests, step, np.uint32), "request": np.arange(requests, dtype=np.uint32),
             "num_tokens": np.full(requests, window, np.uint32), "num_drafts": np.full(requests, drafts, np.uint32),
-            "num_accepted": np.full(requests, accepted, np.uint32), "batch_size": np.full(requests, requests, np.uint32),
+            "num_accepted": np.full(requests, accepted, np.uint32),
+            "batch_size": np.full(requests, requests, np.uint32),
             "t_start_ns": np.full(requests, step, np.int64), "t_end_ns": np.full(requests, step + 1, np.int64),
         },
     )
@@ -98,7 +101,8 @@ def test_writer_rotates_files_orders_experts_by_weight_and_finalises_the_manifes
     assert first["experts"] == source.experts[0, 0][order].tolist()
     weights = np.stack(routing["weights"].to_numpy()).astype(np.float32)
     assert (np.diff(weights, axis=1) <= 0).all()
-    assert routing.filter(pl.col("draft_pos") == 0)["accepted"].null_count() == routing.filter(pl.col("draft_pos") == 0).height
+    assert (routing.filter(pl.col("draft_pos") == 0)["accepted"].null_count()
+            == routing.filter(pl.col("draft_pos") == 0).height)
 
 
 def test_killed_writer_leaves_closed_files_readable_and_the_open_one_reported(tmp_path: Path) -> None:

@@ -50,7 +50,9 @@ class Model:
 
 def random_routing(
     rng: np.random.Generator, tokens: int, model: Model, candidates: int = 0
-) -> tuple[npt.NDArray[np.uint16], npt.NDArray[np.float32], npt.NDArray[np.uint16] | None, npt.NDArray[np.float32] | None]:
+) -> tuple[
+    npt.NDArray[np.uint16], npt.NDArray[np.float32], npt.NDArray[np.uint16] | None, npt.NDArray[np.float32] | None
+]:
     """Uniformly random distinct top-k (or top-C candidates whose first top-k are the picks) per token and layer."""
     width = max(candidates, model.top_k)
     scores = rng.random((tokens, len(model.layers), model.num_experts), dtype=np.float32)

@@ -41,7 +41,8 @@ def model_shape(model: str) -> ModelShape:
     try:
         return shape_from_config(json.loads(config_path.read_text()))
     except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"--model {model}: cannot read {config_path} ({getattr(exc, 'strerror', None) or exc})") from None
+        raise UserError(f"--model {model}: cannot read {config_path} "
+                        f"({getattr(exc, 'strerror', None) or exc})") from None
     except ValueError as exc:
         raise UserError(f"--model {model}: {exc}") from None
 
@@ -63,8 +64,8 @@ def model_shape(model: str) -> ModelShape:
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Calibration file [default: calibration-<gpu>x<count>.json].")
 @click.option("--force", is_flag=True, help="Overwrite an existing calibration file.")
-def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp: int, ep: int, formats: str, max_gpus: int | None,
-              no_allreduce: bool, output: Path | None, force: bool) -> None:
+def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp: int, ep: int, formats: str,
+              max_gpus: int | None, no_allreduce: bool, output: Path | None, force: bool) -> None:
     """Measure, on the GPUs present, MoE expert time against unique experts and rows (bf16 and fp8 grouped GEMMs
     at the model's per-rank TP and EP shapes, with the weight bandwidth that INT4 is estimated from) and NCCL
     all-reduce time against message size for 2, 4, 8... GPUs; write the fitted curves as a calibration JSON

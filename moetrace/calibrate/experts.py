@@ -94,7 +94,7 @@ def time_calls(call: Callable[[int], object], device: torch.device, reps: int, r
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / reps)
-    del graph
+    graph = None  # release the captured graph now (the closure above still refers to the name)
     return statistics.median(samples), mode
 
 

@@ -323,7 +323,8 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(
             f"{head}: {fit['c0_us']:.1f} us + {fit['per_expert_us']:.2f} us/expert + {fit['per_row_us']:.3f} us/row"
             f"; marginal {curve['marginal_weight_gbs'] or 0:.0f} GB/s"
-            + (f", peak {curve['peak_weight_gbs']:.0f} GB/s, R2 {fit['r2']:.3f}" if not curve["estimated"] else " (est.)"))
+            + (f", peak {curve['peak_weight_gbs']:.0f} GB/s, R2 {fit['r2']:.3f}" if not curve["estimated"]
+               else " (est.)"))
     ar = doc["allreduce"]
     if ar.get("skipped"):
         lines.append(f"all-reduce skipped: {ar['skipped']}")

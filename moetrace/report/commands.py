@@ -112,8 +112,10 @@ def _coverage(value: float) -> float:
 @click.argument("traces", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--k", "k", type=int, default=3, show_default=True, help="Draft length the summary is for.")
 @click.option("--max-k", type=int, default=None, help="Largest k on the curves [default: max(8, --k)].")
-@click.option("--coverage", type=float, default=0.95, show_default=True, help="Routing-weight coverage target for budgets.")
-@click.option("--shape", "shape_preset", type=SHAPE_CHOICE, default=None, help="Price bytes at a real model's size instead of the manifest's.")
+@click.option("--coverage", type=float, default=0.95, show_default=True,
+              help="Routing-weight coverage target for budgets.")
+@click.option("--shape", "shape_preset", type=SHAPE_CHOICE, default=None,
+              help="Price bytes at a real model's size instead of the manifest's.")
 @click.option("--tp", type=int, default=None, help="Tensor-parallel size [default: the manifest's].")
 @click.option("--ep", type=int, default=None, help="Expert-parallel size [default: the manifest's].")
 @click.option("--placement", "placement_file", type=click.Path(path_type=Path), default=None,
@@ -136,7 +138,8 @@ def _coverage(value: float) -> float:
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Dashboard file [default: TRACE/report.html, or NAME-vs-NAME.report.html for several].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
-@click.option("--force", is_flag=True, help="Overwrite a file at the dashboard's path that is not a moetrace dashboard.")
+@click.option("--force", is_flag=True,
+              help="Overwrite a file at the dashboard's path that is not a moetrace dashboard.")
 def report(
     traces: tuple[Path, ...],
     k: int,
@@ -212,8 +215,10 @@ def report(
 @click.command()
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option("--k", "k", type=int, default=3, show_default=True, help="Draft length the budget is for.")
-@click.option("--coverage", type=float, default=0.95, show_default=True, help="Routing-weight share each layer must keep.")
-@click.option("--shape", "shape_preset", type=SHAPE_CHOICE, default=None, help="Price bytes saved at a real model's size.")
+@click.option("--coverage", type=float, default=0.95, show_default=True,
+              help="Routing-weight share each layer must keep.")
+@click.option("--shape", "shape_preset", type=SHAPE_CHOICE, default=None,
+              help="Price bytes saved at a real model's size.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("budgets.json"), show_default=True,
               help="Budget file to write.")
 @click.option("--force", is_flag=True, help="Overwrite an existing budget file.")

@@ -32,7 +32,7 @@ from moetrace.analysis.decision import (
     recommended_k,
     speedup_per_batch,
 )
-from moetrace.analysis.deployment import Deployment, deployment_for
+from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.growth import (
     COUNTERFACTUAL,
     MEASURED,
@@ -227,7 +227,8 @@ def measured_baselines(run: Run, steps: pl.DataFrame, options: Options) -> dict[
     if baseline is None:
         raise UserError(f"{run.path}: --profile measured needs a k=0 trace in the sweep (its steps are the baseline)")
     periods = steps.filter(pl.col("k") == 0)
-    found = {int(row["batch"]): float(row["period_ms"]) for row in periods.to_dicts() if row["batch"] in options.batches}
+    found = {int(row["batch"]): float(row["period_ms"]) for row in periods.to_dicts()
+             if row["batch"] in options.batches}
     if not found:
         have = ", ".join(str(b) for b in periods["batch"].to_list()) or "none"
         raise UserError(f"{baseline.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency "
