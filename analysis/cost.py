@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
@@ -180,30 +180,48 @@ def per_k_from_nearest(measured: Mapping[int, float], ks: Sequence[int], scale_w
 # ---------------------------------------------------------------- prediction
 
 
+@dataclass(frozen=True)
+class MeasuredSteps:
+    """What a sweep's own traces measured at one concurrency, ms per step (``--profile measured``).
+
+    ``baseline_ms``: the k=0 decode step (start to start). Per recorded k > 0 (a k not recorded takes the nearest
+    recorded k's): ``forward_growth_ms``, how much longer vLLM's forward ran than at k=0 (MoE, attention and dense
+    layers over more tokens, CUDA-graph padding); ``sampling_ms``, the rejection sampler's time over k=0's
+    sampling; ``drafting_ms``, the drafter's own time (already given at every k). ``scheduling_ms``: what async
+    scheduling off adds to every k > 0 step (a k=0 step recorded that way, less ``baseline_ms``)."""
+
+    baseline_ms: float
+    forward_growth_ms: Mapping[int, float] = field(default_factory=dict)
+    sampling_ms: Mapping[int, float] | None = None
+    drafting_ms: Mapping[int, float] | None = None
+    scheduling_ms: float | None = None
+
+
+def forward_beyond_moe(forward_growth_ms: Mapping[int, float], moe_growth_ms: Mapping[int, float],
+                       ks: Sequence[int]) -> dict[int, float]:
+    """Per k > 0 of ``ks``: how much more the forward grew than the calibrated MoE and all-reduce growth
+    (``moe_growth_ms``, per k) where a trace measured it, held from the nearest measured k elsewhere (negative where
+    the calibration prices more growth than the forward showed); empty when none was measured."""
+    beyond = {k: grew - moe_growth_ms[k] for k, grew in forward_growth_ms.items() if k > 0 and k in moe_growth_ms}
+    return per_k_from_nearest(beyond, ks, scale_with_k=False) if beyond else {}
+
+
 def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None,
             calibration: Mapping[str, Any] | None,
             one_token_busiest: float | None = None,
-            baseline_ms: float | None = None,
-            drafting_ms: Mapping[int, float] | None = None,
-            scheduling_ms: float | None = None,
-            sampling_ms: Mapping[int, float] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+            measured: MeasuredSteps | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Predicted step per k at ``deployment.batch`` requests per step. ``per_k`` has k, tokens (what the step moves),
     unique_experts, busiest_rank_experts (per layer, what one step of ``batch`` requests reads) and tokens_per_step
     (gained per request). A profile is a one-request step: components are scaled from a one-token step (top-k experts,
     ``one_token_busiest`` on the busiest rank; default: the k=0 row, right when batch is 1) to the step's
-    batch·(k+1) tokens. ``baseline_ms``, a k=0 step measured at this batch (start to start), replaces the profile:
-    MoE and all-reduce are the calibration's at every k, and what the calibration does not explain of the measured
-    step is held flat; ``drafting_ms`` (per k, measured with it) adds the drafter's own time to every step at k > 0,
-    and ``scheduling_ms`` what vLLM's scheduling for drafting adds to every step at k > 0 (async scheduling off:
-    a k=0 step measured that way, less the measured k=0 step), and ``sampling_ms`` (per k, measured) how much longer
-    vLLM's sampling (the rejection sampler) takes than at k=0.
+    batch·(k+1) tokens. ``measured`` (the sweep's own steps at this batch) replaces the profile: the k=0 step is
+    measured; MoE and all-reduce grow as calibrated, plus what the forward measured beyond that at the nearest
+    recorded k; the drafter, the rejection sampler and async scheduling off add what they measured.
     Returns the table and a description of the basis (mode, notes, checks)."""
     if profile is None and calibration is None:
         raise ValueError("a prediction needs a calibration, a profile, or both")
-    if baseline_ms is not None and (calibration is None or profile is not None):
+    if measured is not None and (calibration is None or profile is not None):
         raise ValueError("a measured k=0 step goes with a calibration (how MoE and all-reduce grow) and no profile")
-    if (drafting_ms is not None or scheduling_ms is not None or sampling_ms is not None) and baseline_ms is None:
-        raise ValueError("a measured drafter or scheduling time goes with a measured k=0 step (the same machine)")
     rows = per_k.sort("k").to_dicts()
     if not rows or rows[0]["k"] != 0:
         raise ValueError("per-k input must start at k=0")
@@ -224,7 +242,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
             fit, fmt_used, fit_notes = expert_fit(calibration, deployment.expert_config(), deployment.weight_format,
                                                   deployment.rank_shape())
         except ValueError as exc:
-            if baseline_ms is None or "copy_bandwidth_gbs" not in calibration:
+            if measured is None or "copy_bandwidth_gbs" not in calibration:
                 raise
             # with a measured k=0 step only the growth is priced: from bytes read, when no curve fits the shape
             per_rank = shape.expert_bytes / (1 if deployment.ep > 1 else deployment.tp)  # EP: whole experts
@@ -259,28 +277,38 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     allreduce_us = [ar_model.time_us(deployment.message_bytes(t)) if ar_model else 0.0 for t in tokens_list]
     anchor_allreduce_us = ar_model.time_us(deployment.message_bytes(anchor_tokens)) if ar_model else 0.0
 
-    if baseline_ms is not None:
+    ks = [int(r["k"]) for r in rows]
+    beyond = {k: 0.0 for k in ks}
+    if measured is not None:
         mode = "measured k=0 step, calibrated growth"
         moe = [shape.moe_layers * e / 1e3 for e in expert_us]
         ar = [n_ar * a / 1e3 for a in allreduce_us]
-        flat = baseline_ms - moe[0] - ar[0]
+        flat = measured.baseline_ms - moe[0] - ar[0]
         if flat < 0:
             notes.append(f"the calibration's MoE and all-reduce ({moe[0] + ar[0]:.3f} ms) exceed the measured k=0 "
-                         f"step ({baseline_ms:.3f} ms) at {deployment.batch} request(s): nothing else held flat")
+                         f"step ({measured.baseline_ms:.3f} ms) at {deployment.batch} request(s): nothing else held "
+                         f"flat")
             flat = 0.0
+        calibrated_growth = {k: m + a - moe[0] - ar[0] for k, m, a in zip(ks, moe, ar)}
+        beyond.update(forward_beyond_moe(measured.forward_growth_ms, calibrated_growth, ks))
         attention = other = [0.0 for _ in rows]
         rest = [flat for _ in rows]
         notes.append("k=0 step measured in the sweep's k=0 trace at each concurrency (decode step start to start, "
-                     "host scheduling included); MoE and all-reduce grow with k as calibrated; the rest of that step "
-                     "is held flat"
+                     "host scheduling included); MoE and all-reduce grow with k as calibrated, "
+                     + ("and the forward by what it grew beyond that in the sweep's traces (attention and dense "
+                        "layers over more tokens, CUDA-graph padding), from the nearest recorded k"
+                        if measured.forward_growth_ms else
+                        "the rest of the forward held flat (the traces did not time vLLM's forward)")
                      + ("; the drafter's own time per step as the sweep's traces measured it (the longer of its host "
                         "time and its device time), scaled with k from the nearest recorded k for a model drafter, "
-                        "held for n-gram" if drafting_ms is not None else
+                        "held for n-gram" if measured.drafting_ms is not None else
                         "; the drafter's own time is not in it (the traces did not measure it)")
-                     + (f"; k>0 steps run with async scheduling off as vLLM runs this drafter: {scheduling_ms:+.3f} ms "
-                        "per step, measured at k=0 (--k0-sync)" if scheduling_ms is not None else "")
+                     + (f"; k>0 steps run with async scheduling off as vLLM runs this drafter: "
+                        f"{measured.scheduling_ms:+.3f} ms per step, measured at k=0 (--k0-sync)"
+                        if measured.scheduling_ms is not None else "")
                      + ("; the rejection sampler's time over k=0's as the sweep's traces measured it, held from the "
-                        "nearest recorded k" if sampling_ms is not None else "; rejection sampling is not in it")
+                        "nearest recorded k" if measured.sampling_ms is not None else
+                        "; rejection sampling is not in it")
                      + "; bookkeeping is not in the prediction")
     elif profile is not None:
         mode = "profile anchored, calibrated growth" if calibration is not None else "profile, modelled growth"
@@ -303,10 +331,17 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         attention = other = rest = [0.0 for _ in rows]
         notes.append("no profile: attention, other GEMMs and the rest are left out, so step times cover MoE and "
                      "all-reduce only and the speedups are a lower bound")
-    drafting = [float(drafting_ms.get(int(r["k"]), 0.0)) if drafting_ms and r["k"] > 0 else 0.0 for r in rows]
-    scheduling = [scheduling_ms if scheduling_ms is not None and r["k"] > 0 else 0.0 for r in rows]
-    sampling = [float(sampling_ms.get(int(r["k"]), 0.0)) if sampling_ms and r["k"] > 0 else 0.0 for r in rows]
-    steps = [sum(parts) for parts in zip(moe, ar, attention, other, rest, drafting, scheduling, sampling)]
+    def at_k(values: Mapping[int, float] | float | None) -> list[float]:
+        """A measured per-step time on every k > 0 (0 at k = 0 and where not measured)."""
+        if isinstance(values, (int, float)):
+            return [float(values) if k > 0 else 0.0 for k in ks]
+        return [float(values.get(k, 0.0)) if values and k > 0 else 0.0 for k in ks]
+
+    drafting = at_k(measured.drafting_ms if measured else None)
+    scheduling = at_k(measured.scheduling_ms if measured else None)
+    sampling = at_k(measured.sampling_ms if measured else None)
+    forward = [beyond[k] for k in ks]
+    steps = [sum(parts) for parts in zip(moe, ar, attention, other, rest, forward, drafting, scheduling, sampling)]
     table = pl.DataFrame({
         "k": [int(r["k"]) for r in rows],
         "tokens": tokens_list,
@@ -319,9 +354,11 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "attention_ms": attention,
         "other_ms": other,
         "rest_ms": rest,
-        "drafting_ms": drafting if drafting_ms is not None else [None] * len(rows),  # None: not measured
-        "scheduling_ms": scheduling if scheduling_ms is not None else [None] * len(rows),
-        "sampling_ms": sampling if sampling_ms is not None else [None] * len(rows),
+        # None: not measured
+        "forward_beyond_moe_ms": forward if measured and measured.forward_growth_ms else [None] * len(rows),
+        "drafting_ms": drafting if measured and measured.drafting_ms is not None else [None] * len(rows),
+        "scheduling_ms": scheduling if measured and measured.scheduling_ms is not None else [None] * len(rows),
+        "sampling_ms": sampling if measured and measured.sampling_ms is not None else [None] * len(rows),
         "step_ms": steps,
         "step_ratio": [s / steps[0] for s in steps],
         "speedup": [float(r["tokens_per_step"]) / (s / steps[0]) for r, s in zip(rows, steps)],

@@ -15,7 +15,7 @@ from typing import Any
 
 import polars as pl
 
-from moetrace.analysis.cost import predict
+from moetrace.analysis.cost import MeasuredSteps, predict
 from moetrace.analysis.deployment import Deployment
 from moetrace.analysis.profile import Profile
 from moetrace.analysis.sources import Source
@@ -30,29 +30,21 @@ included: fewer, and the table says so instead of recommending."""
 
 def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Profile | None,
                       calibration: Mapping[str, Any] | None, one_token_busiest: float,
-                      baselines: Mapping[int, float] | None = None,
-                      drafting_ms: Mapping[int, Mapping[int, float]] | None = None,
-                      scheduling_ms: Mapping[int, float] | None = None,
-                      sampling_ms: Mapping[int, Mapping[int, float]] | None = None
-                      ) -> tuple[pl.DataFrame, dict[str, Any]]:
+                      measured: Mapping[int, MeasuredSteps] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per (batch, k): the prediction table of ``analysis.cost.predict`` with the inputs' other columns beside it.
     ``inputs``: batch, k, tokens (what the step moves), unique_experts, busiest_rank_experts (per layer, one step of
-    ``batch`` requests), tokens_per_step (per request) and their sources and sample sizes. ``baselines``: a measured
-    k=0 step (ms) per batch; only those batches are then predicted; ``drafting_ms``: per batch, the drafter's time
-    per step at each k (measured with them); ``scheduling_ms``: per batch, what async scheduling off adds to a step
-    at k > 0; ``sampling_ms``: per batch, the rejection sampler's time over k = 0's at each k."""
+    ``batch`` requests), tokens_per_step (per request) and their sources and sample sizes. ``measured``: per batch,
+    what the sweep's own steps measured there (``analysis.cost.MeasuredSteps``); only those batches are then
+    predicted."""
     frames = []
     basis: dict[str, Any] = {}
     joined = inputs.sort("batch", "k")
-    if baselines is not None:
-        joined = joined.filter(pl.col("batch").is_in(list(baselines)))
+    if measured is not None:
+        joined = joined.filter(pl.col("batch").is_in(list(measured)))
     for (batch,), per_k in joined.group_by("batch", maintain_order=True):
         size = int(str(batch))
         table, basis = predict(per_k, replace(deployment, batch=size), profile, calibration, one_token_busiest,
-                               None if baselines is None else baselines[size],
-                               None if drafting_ms is None else drafting_ms[size],
-                               None if scheduling_ms is None else scheduling_ms[size],
-                               None if sampling_ms is None else sampling_ms[size])
+                               None if measured is None else measured[size])
         beside = per_k.drop(*(name for name in table.columns if name != "k"), strict=False)
         frames.append(table.with_columns(batch=pl.lit(size, pl.Int32)).join(beside.drop("batch"), on="k"))
     basis.pop("batch", None)

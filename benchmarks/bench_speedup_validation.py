@@ -11,7 +11,7 @@
 
 Measured: output tokens per second at concurrency 1 (requests one after another) and 16 (48 requests through an
 engine that runs at most 16 at once), greedy, ``ignore_eos``, 256 tokens each, prefix caching off, over rounds that
-alternate the two concurrencies after a warm-up of the whole workload; one engine per (drafter, k), moetrace's
+alternate the two concurrencies after a warm-up of the whole workload, every round the same requests; one engine per (drafter, k), moetrace's
 hooks paused while timing (the engine exactly as vLLM built it). Then the hooks resume and the same workload is
 recorded once, so the trace is of what was timed. Dummy-weight models get spread routing (``spread_routing``).
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 CONCURRENCIES = (1, 16)
-REQUESTS = {1: 3, 16: 48}  # per timed round: 48 requests through 16 slots keep 16 running most of the round
+REQUESTS = {1: 8, 16: 48}  # per timed round: 48 requests through 16 slots keep 16 running most of the round
 PROMPT_CUTS = (1.0, 0.9, 0.8, 0.7, 0.6)  # each built-in prompt cut at these fractions: 50 distinct prompts
 
 
@@ -53,9 +53,11 @@ def distinct_prompts() -> list[str]:
     return out
 
 
-def workload(prompts: list[Any], concurrency: int, round_index: int) -> list[Any]:
-    count = REQUESTS[concurrency]
-    return [prompts[(round_index * count + i) % len(prompts)] for i in range(count)]
+def workload(prompts: list[Any], concurrency: int) -> list[Any]:
+    """The requests of every round at ``concurrency``, warm-up and recording included: the same prompts each time,
+    so the rounds differ only by noise and the trace's acceptance is the acceptance of what was timed (n-gram
+    acceptance differs from prompt to prompt)."""
+    return [prompts[i % len(prompts)] for i in range(REQUESTS[concurrency])]
 
 
 def timed_generate(llm: Any, requests: list[Any], concurrency: int, max_tokens: int) -> float:
@@ -188,16 +190,16 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
             raise RuntimeError("no MoE router found to spread")
         llm.collective_rpc("moetrace_pause")
         for concurrency in CONCURRENCIES:  # warm-up, the whole workload: Triton compiles each new batch shape
-            timed_generate(llm, workload(prompts, concurrency, rounds + 1), concurrency, max_tokens)
+            timed_generate(llm, workload(prompts, concurrency), concurrency, max_tokens)
         timings: dict[str, list[float]] = {str(c): [] for c in CONCURRENCIES}
         for round_index in range(rounds):
             order = CONCURRENCIES if round_index % 2 == 0 else CONCURRENCIES[::-1]
             for concurrency in order:
                 timings[str(concurrency)].append(
-                    timed_generate(llm, workload(prompts, concurrency, round_index), concurrency, max_tokens))
+                    timed_generate(llm, workload(prompts, concurrency), concurrency, max_tokens))
         before = spec_decode_counters(llm)
         llm.collective_rpc("moetrace_resume")
-        recorded = {str(c): timed_generate(llm, workload(prompts, c, 0), c, max_tokens) for c in CONCURRENCIES}
+        recorded = {str(c): timed_generate(llm, workload(prompts, c), c, max_tokens) for c in CONCURRENCIES}
         closed = [c for c in llm.collective_rpc("moetrace_close") if c is not None]
         # vLLM's counters over the recorded workload only: the cross-check of the trace's drafts and acceptances
         counters = {name: value - before.get(name, 0.0) for name, value in spec_decode_counters(llm).items()}
@@ -307,6 +309,44 @@ def report_prediction(sweep: Path, calibration: Path, scratch: Path, k0_sync: Pa
     return prediction
 
 
+def recorded_tok_s(trace: Path, max_tokens: int) -> dict[int, float]:
+    """Per concurrency: output tokens per second of the recorded workload, from the trace's own step bounds (the
+    first step's start to the last step's end of the requests recorded at that concurrency: prefill and the time
+    between steps included), so it tells the recorded decode steps apart from everything else a request waits for."""
+    import polars as pl
+
+    steps = pl.scan_parquet(str(trace / "steps" / "*.parquet"))
+    spans = (steps.group_by("request").agg(start=pl.col("t_start_ns").min(), end=pl.col("t_end_ns").max())
+             .sort("request").collect())
+    out, first = {}, 0
+    for concurrency in CONCURRENCIES:  # recorded in this order, REQUESTS[c] requests each
+        part = spans.slice(first, REQUESTS[concurrency])
+        first += REQUESTS[concurrency]
+        seconds = (int(part["end"].max()) - int(part["start"].min())) / 1e9  # type: ignore[arg-type]
+        out[concurrency] = part.height * max_tokens / seconds
+    return out
+
+
+def held_out_sweep(sweep: Path, k: int, scratch: Path) -> Path:
+    """A copy of ``sweep`` (links to its traces) in which the trace at ``k`` keeps its routing and steps but not its
+    timing of vLLM's calls (the manifest's ``phases``): the prediction at k then takes the forward's growth, the
+    rejection sampler and the drafter from the nearest other recorded k, as it must for a k nobody timed."""
+    out = scratch / f"{sweep.name}-without-k{k}-timing"
+    out.mkdir()
+    for trace in sorted(p for p in sweep.iterdir() if p.is_dir()):
+        if trace.name != f"k{k}":
+            (out / trace.name).symlink_to(trace.resolve())
+            continue
+        (out / trace.name).mkdir()
+        for part in trace.resolve().iterdir():
+            if part.name != "manifest.json":
+                (out / trace.name / part.name).symlink_to(part)
+        manifest = json.loads((trace / "manifest.json").read_text())
+        manifest.pop("phases", None)
+        (out / trace.name / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
 def compare(args: argparse.Namespace) -> None:
     """Predicted and measured speedup per (model, drafter, concurrency, k): throughput with the hooks paused, and
     the report's own check against the recorded decode steps (with the per-step time the prediction leaves out)."""
@@ -346,6 +386,9 @@ def compare(args: argparse.Namespace) -> None:
                 predicted = {(r["batch"], r["k"]): r for r in prediction["per_batch"]}
                 checked = {(r["batch"], r["k"]): r for r in prediction["against_trace"]}
                 for engine in (e for e in engines if e["method"] == method and e["k"] > 0):
+                    held_out = {(r["batch"], r["k"]): r for r in report_prediction(
+                        held_out_sweep(sweep, engine["k"], Path(scratch)), calibration, Path(scratch),
+                        k0_sync)["per_batch"]}
                     for concurrency in CONCURRENCIES:
                         key = (concurrency, engine["k"])
                         measured, interval = ratio_ci95(engine["tok_s"][str(concurrency)],
@@ -357,7 +400,14 @@ def compare(args: argparse.Namespace) -> None:
                             "predicted_speedup": row["speedup"] if row else None,
                             "measured_speedup": measured, "measured_ci95": interval,
                             "error": (row["speedup"] - measured) / measured if row else None,
+                            # predicted with this k's own timing of vLLM's calls left out (held_out_sweep)
+                            "held_out_predicted_speedup": held_out[key]["speedup"] if key in held_out else None,
+                            "held_out_error": ((held_out[key]["speedup"] - measured) / measured
+                                               if key in held_out else None),
                             "trace_measured_speedup": trace.get("measured_speedup"),
+                            "trace_wall_speedup": (recorded_tok_s(runs / engine["trace"], doc["max_tokens"])[concurrency]
+                                                   / recorded_tok_s(runs / baseline["trace"],
+                                                                    doc["max_tokens"])[concurrency]),
                             "trace_tokens_per_step": trace.get("measured_tokens_per_step"),
                             "trace_step_ms": trace.get("measured_step_ms"),
                             "predicted_step_ms": row["step_ms"] if row else None,
@@ -378,13 +428,15 @@ def compare(args: argparse.Namespace) -> None:
         return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
     print(f"{'model':<12} {'drafter':<6} {'B':>3} {'k':>2} {'predicted':>9} {'measured':>8} {'95% interval':>13} "
-          f"{'error':>6} {'trace ×':>7} {'step ms':>7} {'missing ms':>10} {'grew':>6} {'fwd':>6} {'moe':>6} "
+          f"{'error':>6} {'held out':>8} {'error':>6} {'wall ×':>6} {'trace ×':>7} {'step ms':>7} {'missing ms':>10} {'grew':>6} {'fwd':>6} {'moe':>6} "
           f"{'sample':>6} {'draft':>6} {'async':>6}")
     for r in rows:
         error = 100 * r["error"] if r["error"] is not None else None
+        held_error = 100 * r["held_out_error"] if r["held_out_error"] is not None else None
         print(f"{r['model']:<12} {r['drafter']:<6} {r['concurrency']:>3} {r['k']:>2} "
               f"{show(r['predicted_speedup'], 9)} {show(r['measured_speedup'], 8)} "
               f"{r['measured_ci95'][0]:>6.2f}-{r['measured_ci95'][1]:<6.2f} {show(error, 5, 0)}% "
+              f"{show(r['held_out_predicted_speedup'], 8)} {show(held_error, 5, 0)}% {show(r['trace_wall_speedup'], 6)} "
               f"{show(r['trace_measured_speedup'], 7)} {show(r['trace_step_ms'], 7)} "
               f"{show(r['unexplained_ms_per_step'], 10)} {show(r['trace_step_growth_ms'], 6)} "
               f"{show(r['trace_forward_growth_ms'], 6)} {show(r['predicted_moe_growth_ms'], 6)} "
@@ -396,11 +448,15 @@ def compare(args: argparse.Namespace) -> None:
                   + ", ".join(f"B={c} {v:.3f}" for c, v in facts["async_off_k0"].items()))
         for failed in facts["failed_engines"]:
             print(f"{model}: engine failed: {failed}")
+    held_errors = [abs(r["held_out_error"]) for r in rows if r["held_out_error"] is not None]
     if errors:
-        print(f"largest |predicted − measured| / measured: {100 * max(errors):.1f}%")
+        print(f"largest |predicted − measured| / measured: {100 * max(errors):.1f}%"
+              + (f"; with each k's own timing held out: {100 * max(held_errors):.1f}%" if held_errors else ""))
     if args.json is not None:
         args.json.write_text(json.dumps({"models": models, "rows": rows,
-                                         "largest_error": max(errors) if errors else None}, indent=2) + "\n")
+                                         "largest_error": max(errors) if errors else None,
+                                         "largest_held_out_error": max(held_errors) if held_errors else None},
+                                        indent=2) + "\n")
 
 
 def main() -> None:

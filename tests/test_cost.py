@@ -17,7 +17,15 @@ from click.testing import CliRunner
 
 from moetrace.analysis.acceptance import acceptance_curve, tokens_per_step
 from moetrace.analysis.concurrency import uniform_unions
-from moetrace.analysis.cost import expert_fit, allreduce_model, per_k_from_nearest, predict, ring_model
+from moetrace.analysis.cost import (
+    MeasuredSteps,
+    allreduce_model,
+    expert_fit,
+    forward_beyond_moe,
+    per_k_from_nearest,
+    predict,
+    ring_model,
+)
 from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.decision import speedup_per_batch
 from moetrace.analysis.placement import linear_placement
@@ -58,13 +66,13 @@ def test_a_measured_k0_step_grows_at_copy_bandwidth_where_no_curve_fits() -> Non
     # SMALL at tp1 has no curve; an expert is 3 × 1000 × 32 × 2 B = 192 kB: 1.92 us at 100 GB/s. k=1 reads
     # 12 + 1 shared experts against 8 + 1 in each of 2 MoE layers: 2 × 4 × 1.92 us more
     table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 1, 1), None, calibration,
-                           baseline_ms=5.0)
+                           measured=MeasuredSteps(5.0))
     k0, k1 = table.to_dicts()
     assert k0["step_ms"] == pytest.approx(5.0) and k1["step_ms"] - k0["step_ms"] == pytest.approx(2 * 4 * 1.92e-3)
     assert any("copy bandwidth (100 GB/s, 192.0 kB per expert per rank)" in note for note in basis["notes"])
     # under EP a rank holds whole experts: 192 kB each, and the busiest rank's experts are read
     ep_table, ep_basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 1, 2), None, calibration,
-                                 baseline_ms=5.0)
+                                 measured=MeasuredSteps(5.0))
     assert any("192.0 kB per expert per rank" in note for note in ep_basis["notes"])
     assert ep_table["step_ms"][1] > ep_table["step_ms"][0]
     with pytest.raises(ValueError, match="no expert curve for tp1"):  # without a measured step: no such shortcut
@@ -74,17 +82,15 @@ def test_a_measured_k0_step_grows_at_copy_bandwidth_where_no_curve_fits() -> Non
 def test_async_scheduling_off_adds_its_measured_time_to_every_step_that_drafts() -> None:
     args = (_per_k([8.0, 8.0], [1.0, 1.5]), deployment_for(SMALL, 1, 1), None, {**_calibration(),
                                                                                 "copy_bandwidth_gbs": 100.0})
-    plain, _ = predict(*args, baseline_ms=5.0)
-    table, basis = predict(*args, baseline_ms=5.0, scheduling_ms=0.75)
+    plain, _ = predict(*args, measured=MeasuredSteps(5.0))
+    table, basis = predict(*args, measured=MeasuredSteps(5.0, scheduling_ms=0.75))
     # same experts at both k: the step at k=1 is the k=0 step plus 0.75 ms, and the speedup 1.5 × 5 / 5.75
     assert table["scheduling_ms"].to_list() == [0.0, 0.75] and plain["scheduling_ms"].to_list() == [None, None]
     assert table["step_ms"].to_list() == pytest.approx([5.0, 5.75])
     assert table["speedup"][1] == pytest.approx(1.5 * 5.0 / 5.75)
     assert any("+0.750 ms per step, measured at k=0 (--k0-sync)" in note for note in basis["notes"])
-    with pytest.raises(ValueError, match="measured k=0 step"):
-        predict(*args, scheduling_ms=0.75)
     # the rejection sampler's measured time over k=0's adds the same way
-    sampled, basis = predict(*args, baseline_ms=5.0, sampling_ms={1: 0.25})
+    sampled, basis = predict(*args, measured=MeasuredSteps(5.0, sampling_ms={1: 0.25}))
     assert sampled["sampling_ms"].to_list() == [0.0, 0.25] and sampled["step_ms"][1] == pytest.approx(5.25)
     assert any("rejection sampler's time over k=0's" in note for note in basis["notes"])
 
@@ -156,7 +162,7 @@ def test_predict_calibration_only_by_hand() -> None:
 
 def test_predict_from_a_measured_k0_step_by_hand() -> None:
     table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None, _calibration(),
-                           baseline_ms=5.0)
+                           measured=MeasuredSteps(5.0))
     k0, k1 = table.to_dicts()
     # k=0: 2 layers × (10 + 2·(8+1) + 0.5·9) µs MoE and 4 all-reduces of 10 µs; the rest of the 5 ms is held flat
     assert k0["moe_ms"] == pytest.approx(0.065) and k0["allreduce_ms"] == pytest.approx(0.040)
@@ -166,11 +172,11 @@ def test_predict_from_a_measured_k0_step_by_hand() -> None:
     assert k1["speedup"] == pytest.approx(1.5 / (k1["step_ms"] / 5.0))
     assert basis["mode"] == "measured k=0 step, calibrated growth"
     small, small_basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None,
-                                 _calibration(), baseline_ms=0.05)
+                                 _calibration(), measured=MeasuredSteps(0.05))
     assert small["rest_ms"].to_list() == [0.0, 0.0] and any("exceed the measured" in n for n in small_basis["notes"])
     for profile, calibration in ((PROFILE_PRESETS["kimi-k2-tp8"], _calibration()), (None, None)):
         with pytest.raises(ValueError):
-            predict(_per_k([8.0], [1.0]), deployment_for(SMALL, 2, 1), profile, calibration, baseline_ms=5.0)
+            predict(_per_k([8.0], [1.0]), deployment_for(SMALL, 2, 1), profile, calibration, measured=MeasuredSteps(5.0))
 
 
 def test_a_measured_time_is_kept_where_recorded_and_scaled_or_held_elsewhere() -> None:
@@ -182,19 +188,38 @@ def test_a_measured_time_is_kept_where_recorded_and_scaled_or_held_elsewhere() -
     with pytest.raises(ValueError):
         per_k_from_nearest({}, range(3), False)
     table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None, _calibration(),
-                           baseline_ms=5.0, drafting_ms={1: 0.5})
+                           measured=MeasuredSteps(5.0, drafting_ms={1: 0.5}))
     k0, k1 = table.to_dicts()
     assert k0["drafting_ms"] == 0.0 and k1["drafting_ms"] == 0.5
     assert k1["step_ms"] == pytest.approx(5.0 - 0.105 + 0.090 + 0.044 + 0.5)
     assert any("drafter's own time per step" in note for note in basis["notes"])
-    with pytest.raises(ValueError, match="goes with a measured k=0 step"):
-        predict(_per_k([8.0], [1.0]), deployment_for(SMALL, 2, 1), None, _calibration(), drafting_ms={1: 0.5})
+
+
+def test_the_forward_grows_by_what_the_traces_measured_beyond_the_calibrated_moe() -> None:
+    # by hand: calibrated MoE + all-reduce growth 0.2 ms at k=1, 0.3 at k=2, 0.5 at k=3; the forward measured +1.0
+    # at k=1 and +2.0 at k=3: 0.8 and 1.5 beyond; k=2 takes k=1's (nearest, ties to the smaller), k=4 k=3's
+    assert forward_beyond_moe({1: 1.0, 3: 2.0}, {0: 0.0, 1: 0.2, 2: 0.3, 3: 0.5, 4: 0.7}, range(5)) == \
+        pytest.approx({1: 0.8, 2: 0.8, 3: 1.5, 4: 1.5})
+    assert forward_beyond_moe({}, {0: 0.0, 1: 0.2}, range(2)) == {}
+    # in predict: at a recorded k the step is the k=0 step plus the forward's measured growth (the calibrated MoE
+    # growth 2 × 4 × 1.92 µs at k=1 is inside it, not added again)
+    calibration = {**_calibration(), "copy_bandwidth_gbs": 100.0}
+    per_k = _per_k([8.0, 12.0, 12.0], [1.0, 1.5, 1.8])
+    table, basis = predict(per_k, deployment_for(SMALL, 1, 1), None, calibration,
+                           measured=MeasuredSteps(5.0, forward_growth_ms={1: 0.6}))
+    moe_growth = 2 * 4 * 1.92e-3
+    assert table["step_ms"].to_list() == pytest.approx([5.0, 5.6, 5.6])
+    assert table["forward_beyond_moe_ms"].to_list() == pytest.approx([0.0, 0.6 - moe_growth, 0.6 - moe_growth])
+    assert any("the forward by what it grew beyond that" in note for note in basis["notes"])
+    plain, _ = predict(per_k, deployment_for(SMALL, 1, 1), None, calibration, measured=MeasuredSteps(5.0))
+    assert plain["step_ms"][1] == pytest.approx(5.0 + moe_growth)
+    assert plain["forward_beyond_moe_ms"].to_list() == [None, None, None]
 
 
 def test_speedup_per_batch_predicts_only_the_batches_with_a_measured_k0_step() -> None:
     per_batch = pl.concat([_per_k([8.0, 12.0], [1.0, 1.5]).with_columns(batch=pl.lit(b, pl.Int32)) for b in (1, 4)])
     per_batch = per_batch.with_columns(uniform_bound=pl.col("unique_experts"), union_source=pl.lit("measured"))
-    table, _ = speedup_per_batch(per_batch, deployment_for(SMALL, 2, 1), None, _calibration(), 8.0, {4: 3.0})
+    table, _ = speedup_per_batch(per_batch, deployment_for(SMALL, 2, 1), None, _calibration(), 8.0, {4: MeasuredSteps(3.0)})
     assert table["batch"].unique().to_list() == [4]
     assert table.filter(pl.col("k") == 0)["step_ms"].item() == pytest.approx(3.0)
 

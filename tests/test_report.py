@@ -280,7 +280,8 @@ def test_measured_term_columns_show_only_where_the_traces_measured_them() -> Non
     row = {"k": 1, "tokens_per_step": 1.6, "acceptance_source": "measured", "union_source": "measured",
            "unique_experts": 12.0,
            "rank_experts": 13.0, "moe_ms": 1.0, "allreduce_ms": 0.0, "attention_ms": 0.5, "other_ms": 0.2,
-           "drafting_ms": None, "scheduling_ms": None, "sampling_ms": None, "step_ms": 3.0, "step_ratio": 1.1,
+           "forward_beyond_moe_ms": None, "drafting_ms": None, "scheduling_ms": None, "sampling_ms": None,
+           "step_ms": 3.0, "step_ratio": 1.1,
            "speedup": 1.45}
     basis = {"mode": "m", "tp": 1, "ep": 1, "weight_format": "bf16", "routing": "measured"}
 
@@ -289,7 +290,8 @@ def test_measured_term_columns_show_only_where_the_traces_measured_them() -> Non
         console.print(_prediction({"basis": basis, "per_k": [{**row, **measured}]}, 1))
         return console.export_text()
 
-    assert not {"draft", "sched", "rej"} & set(rendered().split())
+    assert not {"fwd+", "draft", "sched", "rej"} & set(rendered().split())
+    assert "fwd+" in rendered(forward_beyond_moe_ms=0.4)
     assert "draft" in rendered(drafting_ms=0.75) and "0.75" in rendered(drafting_ms=0.75)
     assert "sched" in rendered(scheduling_ms=0.5) and "rej" in rendered(sampling_ms=0.25)
     assert "rej" not in rendered(drafting_ms=0.75)

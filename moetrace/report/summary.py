@@ -23,7 +23,7 @@ from moetrace.analysis.acceptance import (
 from moetrace.analysis.budgets import WindowSample, budget_curves, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, union_means, uniform_unions
 from moetrace.analysis.consistency import disagreement, routing_gaps
-from moetrace.analysis.cost import MODEL_DRAFTERS, per_k_from_nearest
+from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps, per_k_from_nearest
 from moetrace.analysis.decision import (
     DEFAULT_BATCHES,
     PHASE_COLUMNS,
@@ -280,6 +280,27 @@ def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max
     return out
 
 
+def measured_steps(run: Run, steps: pl.DataFrame, options: Options) -> dict[int, MeasuredSteps]:
+    """Per asked concurrency the sweep's k=0 trace ran at: what the sweep's own steps measured there
+    (``analysis.cost.MeasuredSteps``; ``steps``: ``recorded_steps``)."""
+    baselines = measured_baselines(run, steps, options)
+    method = str(run.primary.manifest["spec"].get("method"))
+    grew = growth_over_k0(steps)
+    drafting = measured_per_k(steps, "drafting_ms", list(baselines), options.max_k, method in MODEL_DRAFTERS)
+    sampling = measured_per_k(grew, "sampling_growth_ms", list(baselines), options.max_k, scale_with_k=False)
+    scheduling = scheduling_costs(run, options.k0_sync, baselines) if options.k0_sync else None
+    out = {}
+    for batch, baseline in baselines.items():
+        # the forward's growth at this concurrency only: what it grew beyond the calibrated MoE depends on the
+        # experts a step of this many requests reads
+        forward = grew.filter((pl.col("batch") == batch) & (pl.col("k") > 0)).drop_nulls("forward_growth_ms")
+        out[batch] = MeasuredSteps(baseline, dict(zip(forward["k"].to_list(), forward["forward_growth_ms"].to_list())),
+                                   None if sampling is None else sampling[batch],
+                                   None if drafting is None else drafting[batch],
+                                   None if scheduling is None else scheduling[batch])
+    return out
+
+
 def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, ep: int, options: Options,
                    steps: pl.DataFrame | None, disagreements: dict[int, str]
                    ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
@@ -290,18 +311,10 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
     pred_shape, pred_tp, pred_ep, preset_notes = prediction_deployment(shape, tp, ep, options)
     one_token = inputs.filter((pl.col("batch") == 1) & (pl.col("k") == 0))
     one_token_busiest = float(one_token["busiest_rank_experts"].item()) if one_token.height else float(shape.top_k)
-    baselines = measured_baselines(run, steps, options) if steps is not None else None
-    drafting = sampling = None
-    if steps is not None and baselines:
-        method = str(run.primary.manifest["spec"].get("method"))
-        drafting = measured_per_k(steps, "drafting_ms", list(baselines), options.max_k, method in MODEL_DRAFTERS)
-        sampling = measured_per_k(growth_over_k0(steps), "sampling_growth_ms", list(baselines), options.max_k,
-                                  scale_with_k=False)
-    scheduling = scheduling_costs(run, options.k0_sync, baselines) if options.k0_sync and baselines else None
+    measured = measured_steps(run, steps, options) if steps is not None else None
     try:
         speedups, basis = speedup_per_batch(inputs, deployment_for(pred_shape, pred_tp, pred_ep),
-                                            options.profile, options.calibration, one_token_busiest, baselines,
-                                            drafting, scheduling, sampling)
+                                            options.profile, options.calibration, one_token_busiest, measured)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
     # the per-k table is for one request, or for the fewest requests predicted (--profile measured predicts only

@@ -135,10 +135,11 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
     title = (f"Predicted verify step{f' at {batch} requests per step' if batch != 1 else ''} ({basis['mode']}; "
              f"tp={basis['tp']}, ep={basis['ep']}, {basis['weight_format']} experts, routing {basis['routing']})")
     # a component is a column only where some k has it (measured mode has no attention or other GEMMs; the
-    # drafter, scheduling and sampling are measured only there): 80 columns are tight
+    # forward beyond MoE, drafter, scheduling and sampling are measured only there): 80 columns are tight
     parts = [(header, column, meaning) for header, column, meaning in (
         ("MoE", "moe_ms", "ms"), ("AR", "allreduce_ms", "all-reduce ms"), ("attn", "attention_ms", "attention ms"),
-        ("other", "other_ms", "other GEMMs ms"), ("draft", "drafting_ms", "drafter ms, as measured"),
+        ("other", "other_ms", "other GEMMs ms"), ("fwd+", "forward_beyond_moe_ms", "forward growth beyond MoE ms"),
+        ("draft", "drafting_ms", "drafter ms, as measured"),
         ("sched", "scheduling_ms", "async off ms"), ("rej", "sampling_ms", "rejection sampler ms over k=0's"))
         if column == "moe_ms" or any(row[column] for row in prediction["per_k"])]
     table = _table(title, [
