@@ -107,27 +107,31 @@ def batches_from(values: Sequence[int]) -> tuple[int, ...]:
 PHASE_COLUMNS = ("forward_ms", "sampling_ms", "drafting_ms")  # vLLM's calls a recorded step is timed in
 
 
-def growth_over_k0(measured: pl.DataFrame) -> pl.DataFrame:
+def growth_over_k0(measured: pl.DataFrame, reference: pl.DataFrame | None = None) -> pl.DataFrame:
     """``measured`` (k, batch, period_ms and the ``PHASE_COLUMNS`` per recorded trace and concurrency) with what each
     step grew against the k = 0 step at the same batch: baseline_ms (that step), step_growth_ms, forward_growth_ms
-    and sampling_growth_ms (null where k = 0 or the phase was not recorded)."""
-    baseline = measured.filter(pl.col("k") == 0).select(
-        "batch", baseline_ms=pl.col("period_ms"), forward_k0=pl.col("forward_ms"), sampling_k0=pl.col("sampling_ms"))
-    return (measured.join(baseline, on="batch", how="left")
+    and sampling_growth_ms (null where k = 0 or the phase was not recorded). The phases grow against
+    ``reference`` (batch, forward_ms, sampling_ms: a k = 0 trace run as the k > 0 steps were, e.g. with async
+    scheduling off, whose own price is counted apart), by default against ``measured``'s k = 0 rows."""
+    baseline = measured.filter(pl.col("k") == 0).select("batch", baseline_ms=pl.col("period_ms"))
+    phases = measured.filter(pl.col("k") == 0) if reference is None else reference
+    phases = phases.select("batch", forward_k0=pl.col("forward_ms"), sampling_k0=pl.col("sampling_ms"))
+    return (measured.join(baseline, on="batch", how="left").join(phases, on="batch", how="left")
             .with_columns(step_growth_ms=pl.col("period_ms") - pl.col("baseline_ms"),
                           forward_growth_ms=pl.col("forward_ms") - pl.col("forward_k0"),
                           sampling_growth_ms=pl.col("sampling_ms") - pl.col("sampling_k0"))
             .drop("forward_k0", "sampling_k0"))
 
 
-def against_trace(speedups: pl.DataFrame, measured: pl.DataFrame) -> pl.DataFrame:
+def against_trace(speedups: pl.DataFrame, measured: pl.DataFrame,
+                  reference: pl.DataFrame | None = None) -> pl.DataFrame:
     """Per (batch, k > 0) that the sweep recorded: the predicted step and speedup beside those its traces measured
     on the machine that recorded them, what the prediction leaves out per step (measured − predicted step), and
     where the recorded step grew against k = 0 (``growth_over_k0``): in vLLM's forward, in its sampling (the
     rejection sampler), and the drafter's own time. ``measured``: k, batch, period_ms, tokens_per_step
     (``analysis.acceptance.decode_step_periods`` of each trace, k = 0 included: the speedup is over it, at the same
-    batch), and the ``PHASE_COLUMNS`` (null where not timed)."""
-    at_k = (growth_over_k0(measured).filter((pl.col("k") > 0) & pl.col("baseline_ms").is_not_null())
+    batch), and the ``PHASE_COLUMNS`` (null where not timed); ``reference``: as ``growth_over_k0`` takes it."""
+    at_k = (growth_over_k0(measured, reference).filter((pl.col("k") > 0) & pl.col("baseline_ms").is_not_null())
             .with_columns(measured_speedup=pl.col("tokens_per_step") / (pl.col("period_ms") / pl.col("baseline_ms"))))
     return (
         speedups.select("batch", "k", predicted_step_ms="step_ms", predicted_tokens_per_step="tokens_per_step",

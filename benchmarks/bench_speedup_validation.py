@@ -11,9 +11,9 @@
 
 Measured: output tokens per second at concurrency 1 (requests one after another) and 16 (48 requests through an
 engine that runs at most 16 at once), greedy, ``ignore_eos``, 256 tokens each, prefix caching off, over rounds that
-alternate the two concurrencies after a warm-up of the whole workload, every round the same requests; one engine per (drafter, k), moetrace's
-hooks paused while timing (the engine exactly as vLLM built it). Then the hooks resume and the same workload is
-recorded once, so the trace is of what was timed. Dummy-weight models get spread routing (``spread_routing``).
+alternate the two concurrencies after a warm-up of the whole workload, every round the same requests; one engine
+per (drafter, k), moetrace's hooks paused while timing (the engine exactly as vLLM built it). Then the hooks resume
+and the same workload is recorded once, so the trace is of what was timed. Dummy-weight models get spread routing (``spread_routing``).
 
 Baseline: k = 0 (no speculation) on the same GPU, same workload, same run. Measured speedup = median tok/s at k
 over median tok/s at k = 0; its 95% interval bootstraps the rounds of both engines.
@@ -405,9 +405,9 @@ def compare(args: argparse.Namespace) -> None:
                             "held_out_error": ((held_out[key]["speedup"] - measured) / measured
                                                if key in held_out else None),
                             "trace_measured_speedup": trace.get("measured_speedup"),
-                            "trace_wall_speedup": (recorded_tok_s(runs / engine["trace"], doc["max_tokens"])[concurrency]
-                                                   / recorded_tok_s(runs / baseline["trace"],
-                                                                    doc["max_tokens"])[concurrency]),
+                            "trace_wall_speedup": (
+                                recorded_tok_s(runs / engine["trace"], doc["max_tokens"])[concurrency]
+                                / recorded_tok_s(runs / baseline["trace"], doc["max_tokens"])[concurrency]),
                             "trace_tokens_per_step": trace.get("measured_tokens_per_step"),
                             "trace_step_ms": trace.get("measured_step_ms"),
                             "predicted_step_ms": row["step_ms"] if row else None,
@@ -428,7 +428,8 @@ def compare(args: argparse.Namespace) -> None:
         return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
     print(f"{'model':<12} {'drafter':<6} {'B':>3} {'k':>2} {'predicted':>9} {'measured':>8} {'95% interval':>13} "
-          f"{'error':>6} {'held out':>8} {'error':>6} {'wall ×':>6} {'trace ×':>7} {'step ms':>7} {'missing ms':>10} {'grew':>6} {'fwd':>6} {'moe':>6} "
+          f"{'error':>6} {'held out':>8} {'error':>6} {'wall ×':>6} {'trace ×':>7} {'step ms':>7} {'missing ms':>10} "
+          f"{'grew':>6} {'fwd':>6} {'moe':>6} "
           f"{'sample':>6} {'draft':>6} {'async':>6}")
     for r in rows:
         error = 100 * r["error"] if r["error"] is not None else None
@@ -436,7 +437,8 @@ def compare(args: argparse.Namespace) -> None:
         print(f"{r['model']:<12} {r['drafter']:<6} {r['concurrency']:>3} {r['k']:>2} "
               f"{show(r['predicted_speedup'], 9)} {show(r['measured_speedup'], 8)} "
               f"{r['measured_ci95'][0]:>6.2f}-{r['measured_ci95'][1]:<6.2f} {show(error, 5, 0)}% "
-              f"{show(r['held_out_predicted_speedup'], 8)} {show(held_error, 5, 0)}% {show(r['trace_wall_speedup'], 6)} "
+              f"{show(r['held_out_predicted_speedup'], 8)} {show(held_error, 5, 0)}% "
+              f"{show(r['trace_wall_speedup'], 6)} "
               f"{show(r['trace_measured_speedup'], 7)} {show(r['trace_step_ms'], 7)} "
               f"{show(r['unexplained_ms_per_step'], 10)} {show(r['trace_step_growth_ms'], 6)} "
               f"{show(r['trace_forward_growth_ms'], 6)} {show(r['predicted_moe_growth_ms'], 6)} "

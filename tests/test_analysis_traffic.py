@@ -127,7 +127,7 @@ def test_step_times_take_decode_steps_only_and_speedup_is_per_request_throughput
         "t_end_ns": [8_000_000, 8_000_000, 14_000_000, 14_000_000, 36_000_000, 36_000_000], "dp_rank": [0] * 6,
     }).lazy()
     (times,) = step_times(steps).to_dicts()
-    assert times == {"decode_steps": 2, "step_ms": 5.0, "requests_per_step": 2.0}  # median of 4 ms and 6 ms
+    assert times == {"decode_steps": 2, "step_ms": 5.0, "requests_per_step": 2.0}  # mean of 4 ms and 6 ms
     per_k = pl.DataFrame({"k": [0, 2], "tokens_per_step": [1.0, 1.6], "step_ms": [4.0, 5.0]}).lazy()
     speedups = measured_speedup(per_k)["measured_speedup"].to_list()
     assert speedups == pytest.approx([1.0, (1.6 / 5.0) / (1.0 / 4.0)])
@@ -137,10 +137,10 @@ def test_step_times_take_decode_steps_only_and_speedup_is_per_request_throughput
 
 def test_decode_step_periods_time_consecutive_decode_steps_of_one_concurrency() -> None:
     ms = 1_000_000
-    # (step, requests, start ms, prefill?): step 0 holds a prefill chunk; steps 1-3 decode 2 requests; steps 4-5
-    # decode 1; step 6 is not recorded, so 5 -> 7 is no pair
-    plan = [(0, 2, 0, True), (1, 2, 10, False), (2, 2, 14, False), (3, 2, 20, False), (4, 1, 30, False),
-            (5, 1, 33, False), (7, 1, 50, False), (8, 1, 52, False)]
+    # (step, requests, start ms, prefill?): step 0 holds a prefill chunk; steps 1-4 decode 2 requests; steps 5-6
+    # decode 1; step 7 is not recorded, so 6 -> 8 is no pair
+    plan = [(0, 2, 0, True), (1, 2, 10, False), (2, 2, 14, False), (3, 2, 20, False), (4, 2, 31, False),
+            (5, 1, 40, False), (6, 1, 43, False), (8, 1, 60, False), (9, 1, 62, False)]
     rows: dict[str, list[int]] = {"step": [], "request": [], "num_tokens": [], "num_drafts": [], "num_accepted": [],
                                   "t_start_ns": [], "t_end_ns": []}
     for step, requests, start, prefill in plan:
@@ -149,14 +149,15 @@ def test_decode_step_periods_time_consecutive_decode_steps_of_one_concurrency() 
             rows["request"].append(request)
             rows["num_tokens"].append(5 if prefill and request == 0 else 3)
             rows["num_drafts"].append(0 if prefill and request == 0 else 2)
-            rows["num_accepted"].append(1 if step != 8 else 3)  # the last step starts no pair: not counted
+            rows["num_accepted"].append(1 if step != 9 else 3)  # the last step starts no pair: not counted
             rows["t_start_ns"].append(start * ms)
             rows["t_end_ns"].append(start * ms + ms)
     periods = decode_step_periods(pl.DataFrame(rows).with_columns(dp_rank=pl.lit(0)).lazy()).to_dicts()
-    # batch 2: 1 -> 2 (4 ms) and 2 -> 3 (6 ms); batch 1: 4 -> 5 (3 ms) and 7 -> 8 (2 ms); 0 -> 1 has a prefill,
-    # 3 -> 4 changes the request count
+    # batch 2: 1 -> 2 (4 ms), 2 -> 3 (6 ms), 3 -> 4 (11 ms): the mean, 7 ms, is what a request waits per step over
+    # them (the median would say 6); batch 1: 5 -> 6 (3 ms) and 8 -> 9 (2 ms); 0 -> 1 has a prefill, 4 -> 5
+    # changes the request count
     assert periods == [{"batch": 1, "decode_steps": 2, "period_ms": 2.5, "tokens_per_step": 2.0},
-                       {"batch": 2, "decode_steps": 2, "period_ms": 5.0, "tokens_per_step": 2.0}]
+                       {"batch": 2, "decode_steps": 3, "period_ms": 7.0, "tokens_per_step": 2.0}]
 
 
 def test_decode_step_periods_pair_each_data_parallel_ranks_own_steps() -> None:

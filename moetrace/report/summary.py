@@ -120,6 +120,7 @@ class RunAnalysis:
 # above it they come from a deterministic sample (4M rows took 22 s per k on 2 cores, so 60M rows took minutes per
 # k); the report says so.
 MIN_BASELINE_STEPS = 5  # decode step pairs a measured k=0 step time rests on
+MIN_PHASE_CALLS = 3  # timed calls a phase's median rests on
 MAX_BUDGET_WINDOWS = 5_000
 MAX_BUDGET_WINDOWS_ALL_LAYERS = 30_000
 
@@ -194,7 +195,7 @@ def recorded_steps(run: Run) -> pl.DataFrame:
     least ``MIN_BASELINE_STEPS`` step pairs measured them, with what those steps spent in vLLM's calls
     (``recorded_phases``): the baseline and the check of --profile measured."""
     per_trace = [decode_periods(t).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
-    return pl.concat(per_trace).join(recorded_phases(run), on=["k", "batch"], how="left")
+    return pl.concat(per_trace).join(recorded_phases(run.traces), on=["k", "batch"], how="left")
 
 
 def decode_periods(trace: Trace) -> pl.DataFrame:
@@ -203,15 +204,16 @@ def decode_periods(trace: Trace) -> pl.DataFrame:
     return decode_step_periods(trace.steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
 
 
-def recorded_phases(run: Run) -> pl.DataFrame:
+def recorded_phases(traces: Sequence[Trace]) -> pl.DataFrame:
     """Per (k, batch): ms per step in vLLM's forward, sampling and drafting calls (``PHASE_COLUMNS``), from each
     trace's manifest ``phases``: the longer of the host and device medians (the step waits for the longer); null
-    where a trace did not time them (a trace without drafts has no drafting)."""
+    where a trace did not time them (a trace without drafts has no drafting) or timed fewer than
+    ``MIN_PHASE_CALLS`` calls (a median of one or two calls can be a one-off: a new batch shape compiling)."""
     rows = [{"k": trace.k, "batch": int(batch), "phase": f"{phase}_ms",
              "ms": max(float(timing["host_ms_median"]), float(timing.get("device_ms_median") or 0.0))}
-            for trace in run.traces
+            for trace in traces
             for phase, per_batch in (trace.manifest.get("phases") or {}).items()
-            for batch, timing in per_batch.items()]
+            for batch, timing in per_batch.items() if int(timing.get("calls", 0)) >= MIN_PHASE_CALLS]
     schema = {"k": pl.Int32, "batch": pl.Int32, **{name: pl.Float64 for name in PHASE_COLUMNS}}
     if not rows:
         return pl.DataFrame(schema=schema)
@@ -236,10 +238,9 @@ def measured_baselines(run: Run, steps: pl.DataFrame, options: Options) -> dict[
     return found
 
 
-def scheduling_costs(run: Run, path: Path, baselines: dict[int, float]) -> dict[int, float]:
-    """Per concurrency of ``baselines`` (the sweep's k=0 step, ms): how much longer a k=0 decode step took in the
-    trace at ``path``, recorded with async scheduling off, which vLLM switches off to draft with n-gram: what every
-    k>0 step pays for that switch."""
+def sync_trace(run: Run, path: Path) -> Trace:
+    """``--k0-sync``: the trace at ``path``, checked to be a k=0 recording of the sweep's model with async scheduling
+    off, beside a sweep whose k=0 ran with it on and whose k>0 traces ran with it off (as vLLM drafts n-gram)."""
     trace = open_trace(path)
     if trace.k != 0:
         raise UserError(f"{path}: --k0-sync needs one trace recorded at k=0")
@@ -255,10 +256,17 @@ def scheduling_costs(run: Run, path: Path, baselines: dict[int, float]) -> dict[
     drafting = [t for t in run.traces if t.k > 0 and t.manifest.get("capture", {}).get("async_scheduling") is True]
     if drafting:
         raise UserError(f"{path}: --k0-sync, but {drafting[0].path} drafted with async scheduling on")
+    return trace
+
+
+def scheduling_costs(trace: Trace, baselines: dict[int, float]) -> dict[int, float]:
+    """Per concurrency of ``baselines`` (the sweep's k=0 step, ms): how much longer a k=0 decode step took in
+    ``sync_trace``, recorded with async scheduling off, which vLLM switches off to draft with n-gram: what every
+    k>0 step pays for that switch."""
     found = {int(row["batch"]): float(row["period_ms"]) for row in decode_periods(trace).to_dicts()}
     missing = [batch for batch in baselines if batch not in found]
     if missing:
-        raise UserError(f"{path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency {missing[0]} "
+        raise UserError(f"{trace.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency {missing[0]} "
                         f"(has: {', '.join(map(str, sorted(found))) or 'none'})")
     return {batch: found[batch] - baseline for batch, baseline in baselines.items()}
 
@@ -280,15 +288,16 @@ def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max
     return out
 
 
-def measured_steps(run: Run, steps: pl.DataFrame, options: Options) -> dict[int, MeasuredSteps]:
+def measured_steps(run: Run, steps: pl.DataFrame, options: Options, sync: Trace | None) -> dict[int, MeasuredSteps]:
     """Per asked concurrency the sweep's k=0 trace ran at: what the sweep's own steps measured there
-    (``analysis.cost.MeasuredSteps``; ``steps``: ``recorded_steps``)."""
+    (``analysis.cost.MeasuredSteps``; ``steps``: ``recorded_steps``; ``sync``: the ``--k0-sync`` trace, the k=0
+    steps run as the k>0 steps were, against which their phases grow)."""
     baselines = measured_baselines(run, steps, options)
     method = str(run.primary.manifest["spec"].get("method"))
-    grew = growth_over_k0(steps)
+    grew = growth_over_k0(steps, None if sync is None else recorded_phases([sync]))
     drafting = measured_per_k(steps, "drafting_ms", list(baselines), options.max_k, method in MODEL_DRAFTERS)
     sampling = measured_per_k(grew, "sampling_growth_ms", list(baselines), options.max_k, scale_with_k=False)
-    scheduling = scheduling_costs(run, options.k0_sync, baselines) if options.k0_sync else None
+    scheduling = None if sync is None else scheduling_costs(sync, baselines)
     out = {}
     for batch, baseline in baselines.items():
         # the forward's growth at this concurrency only: what it grew beyond the calibrated MoE depends on the
@@ -302,7 +311,7 @@ def measured_steps(run: Run, steps: pl.DataFrame, options: Options) -> dict[int,
 
 
 def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, ep: int, options: Options,
-                   steps: pl.DataFrame | None, disagreements: dict[int, str]
+                   steps: pl.DataFrame | None, sync: Trace | None, disagreements: dict[int, str]
                    ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
     """Per (batch, k) predicted steps, the per-k prediction at the fewest requests predicted, and the recommended
     k per batch, from ``step_inputs`` (at the prediction's placement)."""
@@ -311,7 +320,7 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
     pred_shape, pred_tp, pred_ep, preset_notes = prediction_deployment(shape, tp, ep, options)
     one_token = inputs.filter((pl.col("batch") == 1) & (pl.col("k") == 0))
     one_token_busiest = float(one_token["busiest_rank_experts"].item()) if one_token.height else float(shape.top_k)
-    measured = measured_steps(run, steps, options) if steps is not None else None
+    measured = measured_steps(run, steps, options, sync) if steps is not None else None
     try:
         speedups, basis = speedup_per_batch(inputs, deployment_for(pred_shape, pred_tp, pred_ep),
                                             options.profile, options.calibration, one_token_busiest, measured)
@@ -406,6 +415,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
                              float(one_token.item()) if len(one_token) else 1.0)
     speedups = prediction = decision = basis = None
     steps = recorded_steps(run) if options.measured_baseline else None
+    sync = sync_trace(run, options.k0_sync) if steps is not None and options.k0_sync else None
     prediction_note = None
     if options.predicts:
         _, _, pred_ep, _ = prediction_deployment(shape, tp, ep, options)
@@ -413,12 +423,13 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
             run, sample, shape, expert_placement(trace, pred_ep, options.placement_file), options)
         try:
             speedups, prediction, decision, basis = run_prediction(run, pred_inputs, shape, tp, ep, options, steps,
-                                                                   disagreements)
+                                                                   sync, disagreements)
         except UserError as exc:
             if options.preset is None:  # the user asked for this prediction
                 raise
             prediction_note = f"no prediction: {exc} (give --calibration or --profile for this deployment)"
-    checked = against_trace(speedups, steps) if steps is not None and speedups is not None else None
+    checked = (against_trace(speedups, steps, None if sync is None else recorded_phases([sync]))
+               if steps is not None and speedups is not None else None)
     analysis = RunAnalysis(
         run=run,
         shape=shape,

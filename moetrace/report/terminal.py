@@ -96,7 +96,7 @@ def _acceptance(run: dict[str, Any]) -> Table:
     table = _table("Acceptance per recorded k, and what it delivered on the recording machine", [
         ("k", ""), ("windows", "decoding request-steps"), ("drafts", "mean drafts per window with drafts"),
         ("read", "tokens a request-step read"), ("tok/step", "tokens gained per request-step"),
-        ("step ms", "median decode step, drafting included"),
+        ("step ms", "mean decode step, drafting included"),
         ("×", "measured speedup over k=0 (tokens per request per second)"),
         ("rate by position", "share of windows that accepted at least i drafts (i:rate; they sum to tok/step − 1)")])
     for row in run["acceptance_per_k"]:
