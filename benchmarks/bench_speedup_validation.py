@@ -13,7 +13,8 @@ Measured: output tokens per second at concurrency 1 (requests one after another)
 engine that runs at most 16 at once), greedy, ``ignore_eos``, 256 tokens each, prefix caching off, over rounds that
 alternate the two concurrencies after a warm-up of the whole workload, every round the same requests; one engine
 per (drafter, k), moetrace's hooks paused while timing (the engine exactly as vLLM built it). Then the hooks resume
-and the same workload is recorded once, so the trace is of what was timed. Dummy-weight models get spread routing (``spread_routing``).
+and the same workload is recorded once, so the trace is of what was timed. Dummy-weight models get spread routing
+(``spread_routing``).
 
 Baseline: k = 0 (no speculation) on the same GPU, same workload, same run. Measured speedup = median tok/s at k
 over median tok/s at k = 0; its 95% interval bootstraps the rounds of both engines.
