@@ -104,11 +104,19 @@ def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
     same requests count in which every request was decoding; how many such pairs there were; and the tokens each
     request gained per step in them (1 + accepted drafts). This is what each request waits per step, and what it
     gets for it: the mean, not the median, because throughput pays every step (the slow tail of verification
-    steps is real: on an H200 a k = 4 step's mean is 6% above its median)."""
+    steps is real: on an H200 a k = 4 step's mean is 6% above its median).
+
+    ``prefill_ms_per_token``: the time of the steps of that many requests that held a prefill chunk (their
+    duration, not the idle time after them) per token their decoding steps gained: what a request pays outside
+    decode steps for each token it gets, the same work at every k (0 where no step held a prefill)."""
+    per_step = decode_steps(steps)
     following = [pl.col(name).shift(-1).over("dp_rank").alias(f"next_{name}")
                  for name in ("step", "decoding", "requests", "t_start_ns")]
+    outside = per_step.group_by(batch=pl.col("requests").cast(pl.Int32)).agg(
+        prefill_ms=((pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6).filter(~pl.col("decoding")).sum(),
+        decoded=pl.col("kept").filter(pl.col("decoding")).sum())
     return (
-        decode_steps(steps).sort("dp_rank", "step")
+        per_step.sort("dp_rank", "step")
         .with_columns(following)
         .filter(pl.col("decoding") & pl.col("next_decoding") & (pl.col("next_step") == pl.col("step") + 1)
                 & (pl.col("next_requests") == pl.col("requests")))
@@ -116,6 +124,9 @@ def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
         .agg(decode_steps=pl.len().cast(pl.Int64),
              period_ms=((pl.col("next_t_start_ns") - pl.col("t_start_ns")) / 1e6).mean().cast(pl.Float64),
              tokens_per_step=(pl.col("kept").sum() / pl.col("requests").sum()).cast(pl.Float64))
+        .join(outside, on="batch", how="left")
+        .with_columns(prefill_ms_per_token=(pl.col("prefill_ms") / pl.col("decoded")).cast(pl.Float64))
+        .drop("prefill_ms", "decoded")
         .sort("batch")
         .collect()
     )

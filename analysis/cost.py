@@ -188,13 +188,25 @@ class MeasuredSteps:
     recorded k's): ``forward_growth_ms``, how much longer vLLM's forward ran than at k=0 (MoE, attention and dense
     layers over more tokens, CUDA-graph padding); ``sampling_ms``, the rejection sampler's time over k=0's
     sampling; ``drafting_ms``, the drafter's own time (already given at every k). ``scheduling_ms``: what async
-    scheduling off adds to every k > 0 step (a k=0 step recorded that way, less ``baseline_ms``)."""
+    scheduling off adds to every k > 0 step (a k=0 step recorded that way, less ``baseline_ms``).
+    ``prefill_ms_per_token``: what the k=0 trace's steps that held a prefill took per token its decoding steps
+    gained at this concurrency (``analysis.acceptance.decode_step_periods``), held at every k: the speedup is then
+    of the recorded workload's throughput, prefill included (``end_to_end_speedup``)."""
 
     baseline_ms: float
     forward_growth_ms: Mapping[int, float] = field(default_factory=dict)
     sampling_ms: Mapping[int, float] | None = None
     drafting_ms: Mapping[int, float] | None = None
     scheduling_ms: float | None = None
+    prefill_ms_per_token: float = 0.0
+
+
+def end_to_end_speedup(step0_ms: float, tokens0: float, step_ms: float, tokens: float, prefill_ms_per_token: float
+                       ) -> float:
+    """Tokens per second at k over k = 0 for a request that also waits ``prefill_ms_per_token`` outside decode steps
+    for each token it gets (its prompt's prefill, the same work at every k): (step0/tokens0 + p) / (step/tokens + p).
+    With p = 0 this is the decode steps' speedup, tokens per step over the step-time ratio."""
+    return (step0_ms / tokens0 + prefill_ms_per_token) / (step_ms / tokens + prefill_ms_per_token)
 
 
 def forward_beyond_moe(forward_growth_ms: Mapping[int, float], moe_growth_ms: Mapping[int, float],
@@ -309,6 +321,10 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
                      + ("; the rejection sampler's time over k=0's as the sweep's traces measured it, held from the "
                         "nearest recorded k" if measured.sampling_ms is not None else
                         "; rejection sampling is not in it")
+                     + (f"; the speedup is of the recorded workload's throughput: its k=0 steps that held a prefill "
+                        f"took {measured.prefill_ms_per_token:.3f} ms per token gained, the same at every k"
+                        if measured.prefill_ms_per_token else "; the k=0 trace held no prefill step at this "
+                        "concurrency: the speedup is the decode steps'")
                      + "; bookkeeping is not in the prediction")
     elif profile is not None:
         mode = "profile anchored, calibrated growth" if calibration is not None else "profile, modelled growth"
@@ -341,6 +357,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     scheduling = at_k(measured.scheduling_ms if measured else None)
     sampling = at_k(measured.sampling_ms if measured else None)
     forward = [beyond[k] for k in ks]
+    prefill = measured.prefill_ms_per_token if measured else 0.0
     steps = [sum(parts) for parts in zip(moe, ar, attention, other, rest, forward, drafting, scheduling, sampling)]
     table = pl.DataFrame({
         "k": [int(r["k"]) for r in rows],
@@ -361,7 +378,9 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "sampling_ms": sampling if measured and measured.sampling_ms is not None else [None] * len(rows),
         "step_ms": steps,
         "step_ratio": [s / steps[0] for s in steps],
-        "speedup": [float(r["tokens_per_step"]) / (s / steps[0]) for r, s in zip(rows, steps)],
+        "prefill_ms_per_token": [prefill] * len(rows),
+        "speedup": [end_to_end_speedup(steps[0], float(rows[0]["tokens_per_step"]), s, float(r["tokens_per_step"]),
+                                       prefill) for r, s in zip(rows, steps)],
         "expert_layer_us": expert_us if calibration is not None else [None] * len(rows),
         "allreduce_call_us": allreduce_us,
     })

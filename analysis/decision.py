@@ -113,7 +113,9 @@ def growth_over_k0(measured: pl.DataFrame, reference: pl.DataFrame | None = None
     and sampling_growth_ms (null where k = 0 or the phase was not recorded). The phases grow against
     ``reference`` (batch, forward_ms, sampling_ms: a k = 0 trace run as the k > 0 steps were, e.g. with async
     scheduling off, whose own price is counted apart), by default against ``measured``'s k = 0 rows."""
-    baseline = measured.filter(pl.col("k") == 0).select("batch", baseline_ms=pl.col("period_ms"))
+    baseline = measured.filter(pl.col("k") == 0).select(
+        "batch", baseline_ms=pl.col("period_ms"), baseline_tokens_per_step=pl.col("tokens_per_step"),
+        baseline_prefill_ms_per_token=pl.col("prefill_ms_per_token"))
     phases = measured.filter(pl.col("k") == 0) if reference is None else reference
     phases = phases.select("batch", forward_k0=pl.col("forward_ms"), sampling_k0=pl.col("sampling_ms"))
     return (measured.join(baseline, on="batch", how="left").join(phases, on="batch", how="left")
@@ -128,11 +130,16 @@ def against_trace(speedups: pl.DataFrame, measured: pl.DataFrame,
     """Per (batch, k > 0) that the sweep recorded: the predicted step and speedup beside those its traces measured
     on the machine that recorded them, what the prediction leaves out per step (measured − predicted step), and
     where the recorded step grew against k = 0 (``growth_over_k0``): in vLLM's forward, in its sampling (the
-    rejection sampler), and the drafter's own time. ``measured``: k, batch, period_ms, tokens_per_step
-    (``analysis.acceptance.decode_step_periods`` of each trace, k = 0 included: the speedup is over it, at the same
-    batch), and the ``PHASE_COLUMNS`` (null where not timed); ``reference``: as ``growth_over_k0`` takes it."""
+    rejection sampler), and the drafter's own time. ``measured``: k, batch, period_ms, tokens_per_step,
+    prefill_ms_per_token (``analysis.acceptance.decode_step_periods`` of each trace, k = 0 included: the speedup is
+    over it, at the same batch, each trace's own prefill time per token included as ``analysis.cost.
+    end_to_end_speedup`` includes it), and the ``PHASE_COLUMNS`` (null where not timed); ``reference``: as
+    ``growth_over_k0`` takes it."""
+    per_token = pl.col("period_ms") / pl.col("tokens_per_step") + pl.col("prefill_ms_per_token")
+    baseline_per_token = (pl.col("baseline_ms") / pl.col("baseline_tokens_per_step")
+                          + pl.col("baseline_prefill_ms_per_token"))
     at_k = (growth_over_k0(measured, reference).filter((pl.col("k") > 0) & pl.col("baseline_ms").is_not_null())
-            .with_columns(measured_speedup=pl.col("tokens_per_step") / (pl.col("period_ms") / pl.col("baseline_ms"))))
+            .with_columns(measured_speedup=baseline_per_token / per_token))
     return (
         speedups.select("batch", "k", predicted_step_ms="step_ms", predicted_tokens_per_step="tokens_per_step",
                         predicted_speedup="speedup")

@@ -100,7 +100,8 @@ def test_against_trace_sets_the_prediction_beside_the_recorded_steps_by_hand() -
     speedups = pl.DataFrame({"batch": [1, 1, 4, 4], "k": [0, 2, 0, 2], "step_ms": [10.0, 11.0, 12.0, 14.0],
                              "tokens_per_step": [1.0, 2.5, 1.0, 2.5], "speedup": [1.0, 2.5 / 1.1, 1.0, 2.5 * 12 / 14]})
     measured = pl.DataFrame({"k": [0, 2, 0], "batch": [1, 1, 4], "period_ms": [10.0, 15.0, 12.5],
-                             "tokens_per_step": [1.0, 2.4, 1.0], "forward_ms": [8.0, 9.5, 9.0],
+                             "tokens_per_step": [1.0, 2.4, 1.0], "prefill_ms_per_token": [0.0, 0.0, 0.0],
+                             "forward_ms": [8.0, 9.5, 9.0],
                              "sampling_ms": [0.5, 1.25, 0.5], "drafting_ms": [None, 2.0, None]})
     (row,) = against_trace(speedups, measured).to_dicts()  # batch 4 has no recorded k = 2 steps
     assert (row["batch"], row["k"]) == (1, 2)

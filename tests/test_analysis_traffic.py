@@ -155,9 +155,11 @@ def test_decode_step_periods_time_consecutive_decode_steps_of_one_concurrency() 
     periods = decode_step_periods(pl.DataFrame(rows).with_columns(dp_rank=pl.lit(0)).lazy()).to_dicts()
     # batch 2: 1 -> 2 (4 ms), 2 -> 3 (6 ms), 3 -> 4 (11 ms): the mean, 7 ms, is what a request waits per step over
     # them (the median would say 6); batch 1: 5 -> 6 (3 ms) and 8 -> 9 (2 ms); 0 -> 1 has a prefill, 4 -> 5
-    # changes the request count
-    assert periods == [{"batch": 1, "decode_steps": 2, "period_ms": 2.5, "tokens_per_step": 2.0},
-                       {"batch": 2, "decode_steps": 3, "period_ms": 7.0, "tokens_per_step": 2.0}]
+    # changes the request count. The prefill step of 2 requests took 1 ms (its 9 ms before step 1 are idle) while
+    # the 4 decoding steps of 2 requests gained 2 × 2 tokens each: 1/16 ms per token; batch 1 had no prefill
+    assert periods == [
+        {"batch": 1, "decode_steps": 2, "period_ms": 2.5, "tokens_per_step": 2.0, "prefill_ms_per_token": 0.0},
+        {"batch": 2, "decode_steps": 3, "period_ms": 7.0, "tokens_per_step": 2.0, "prefill_ms_per_token": 0.0625}]
 
 
 def test_decode_step_periods_pair_each_data_parallel_ranks_own_steps() -> None:
@@ -167,4 +169,5 @@ def test_decode_step_periods_pair_each_data_parallel_ranks_own_steps() -> None:
              "t_start_ns": (10 * step + 3 * rank) * ms, "t_end_ns": (10 * step + 3 * rank + 2) * ms}
             for rank in (0, 1) for step in range(6)]
     (period,) = decode_step_periods(pl.DataFrame(rows).lazy()).to_dicts()
-    assert period == {"batch": 1, "decode_steps": 10, "period_ms": 10.0, "tokens_per_step": 1.0}
+    assert period == {"batch": 1, "decode_steps": 10, "period_ms": 10.0, "tokens_per_step": 1.0,
+                      "prefill_ms_per_token": 0.0}

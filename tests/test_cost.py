@@ -212,6 +212,13 @@ def test_the_forward_grows_by_what_the_traces_measured_beyond_the_calibrated_moe
     assert table["step_ms"].to_list() == pytest.approx([5.0, 5.6, 5.6])
     assert table["forward_beyond_moe_ms"].to_list() == pytest.approx([0.0, 0.6 - moe_growth, 0.6 - moe_growth])
     assert any("the forward by what it grew beyond that" in note for note in basis["notes"])
+    # a request that also waits 0.5 ms of prefill per token it gets: (5 + 0.5) / (5.6 / 1.5 + 0.5) at k=1, against
+    # 1.5 / (5.6 / 5) from the decode steps alone
+    with_prefill, _ = predict(per_k, deployment_for(SMALL, 1, 1), None, calibration,
+                              measured=MeasuredSteps(5.0, forward_growth_ms={1: 0.6}, prefill_ms_per_token=0.5))
+    assert table["speedup"][1] == pytest.approx(1.5 / (5.6 / 5.0))
+    assert with_prefill["speedup"][1] == pytest.approx(5.5 / (5.6 / 1.5 + 0.5))
+    assert with_prefill["prefill_ms_per_token"].to_list() == [0.5] * 3
     plain, _ = predict(per_k, deployment_for(SMALL, 1, 1), None, calibration, measured=MeasuredSteps(5.0))
     assert plain["step_ms"][1] == pytest.approx(5.0 + moe_growth)
     assert plain["forward_beyond_moe_ms"].to_list() == [None, None, None]
@@ -295,6 +302,14 @@ def stretch_steps(trace: Path, factor: float) -> None:
         pq.write_table(table, part)
 
 
+def prefill_per_token(trace: Path) -> float:
+    """Brute force over the steps table: 0.5 ms (the builder's step length) per step that held a prefill chunk, over
+    the tokens (1 + accepted) of the other steps' request-steps."""
+    rows = pq.read_table(trace / "steps").to_pylist()
+    prefill_steps = {r["step"] for r in rows if r["num_tokens"] != r["num_drafts"] + 1}
+    return 0.5 * len(prefill_steps) / sum(r["num_accepted"] + 1 for r in rows if r["step"] not in prefill_steps)
+
+
 def with_phases(trace: Path, phases: dict[str, Any]) -> None:
     manifest = json.loads((trace / "manifest.json").read_text())
     manifest["phases"] = phases
@@ -333,11 +348,15 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     assert {row["drafting_ms"] for row in rows if row["k"] > 0} == {0.25}
     # sampling took 0.2 ms a step at k=2 (the longer of host and device), 0.1 at k=0: 0.1 more, held for every k
     assert [row["sampling_ms"] for row in rows if row["k"] > 0] == pytest.approx([0.1] * 8)
-    # beside the recorded k=2 steps (the builder starts a step every 1 ms at every k): the speedup they measured
-    # is their tokens per step, and what the prediction leaves out is 1 ms minus its predicted step
+    # beside the recorded k=2 steps (the builder starts a step every 1 ms at every k, each 0.5 ms long): the speedup
+    # they measured is per token, 1 ms over tokens per step, plus each trace's prefill steps' 0.5 ms per token its
+    # decoding steps gained; what the prediction leaves out is 1 ms minus its predicted step
     (checked,) = prediction["against_trace"]
     assert (checked["batch"], checked["k"]) == (2, 2)
-    assert checked["measured_speedup"] == pytest.approx(checked["measured_tokens_per_step"])
+    p0, p2 = prefill_per_token(tmp_path / "sweep" / "k0"), prefill_per_token(k2)
+    assert p0 == 0.0 and 0 < p2 < 0.1  # the k=0 builder writes no prefill step, the k=2 one a prompt of 4 tokens
+    assert checked["measured_speedup"] == pytest.approx((1.0 + p0) / (1.0 / checked["measured_tokens_per_step"] + p2))
+    assert next(row["prefill_ms_per_token"] for row in rows if row["k"] == 2) == pytest.approx(p0)
     predicted_k2 = next(row["step_ms"] for row in rows if row["k"] == 2)
     assert checked["unexplained_ms"] == pytest.approx(1.0 - predicted_k2)
     # where the recorded step grew against k=0: not at all (1 ms apart at both), of which forward 0.8 - 0.7,

@@ -281,6 +281,7 @@ def test_measured_term_columns_show_only_where_the_traces_measured_them() -> Non
            "unique_experts": 12.0,
            "rank_experts": 13.0, "moe_ms": 1.0, "allreduce_ms": 0.0, "attention_ms": 0.5, "other_ms": 0.2,
            "forward_beyond_moe_ms": None, "drafting_ms": None, "scheduling_ms": None, "sampling_ms": None,
+           "prefill_ms_per_token": 0.0,
            "step_ms": 3.0, "step_ratio": 1.1,
            "speedup": 1.45}
     basis = {"mode": "m", "tp": 1, "ep": 1, "weight_format": "bf16", "routing": "measured"}
@@ -290,7 +291,8 @@ def test_measured_term_columns_show_only_where_the_traces_measured_them() -> Non
         console.print(_prediction({"basis": basis, "per_k": [{**row, **measured}]}, 1))
         return console.export_text()
 
-    assert not {"fwd+", "draft", "sched", "rej"} & set(rendered().split())
+    assert not {"fwd+", "draft", "sched", "rej", "pre"} & set(rendered().split())
+    assert "pre" in rendered(prefill_ms_per_token=0.2)
     assert "fwd+" in rendered(forward_beyond_moe_ms=0.4)
     assert "draft" in rendered(drafting_ms=0.75) and "0.75" in rendered(drafting_ms=0.75)
     assert "sched" in rendered(scheduling_ms=0.5) and "rej" in rendered(sampling_ms=0.25)

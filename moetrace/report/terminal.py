@@ -140,7 +140,8 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
         ("MoE", "moe_ms", "ms"), ("AR", "allreduce_ms", "all-reduce ms"), ("attn", "attention_ms", "attention ms"),
         ("other", "other_ms", "other GEMMs ms"), ("fwd+", "forward_beyond_moe_ms", "forward growth beyond MoE ms"),
         ("draft", "drafting_ms", "drafter ms, as measured"),
-        ("sched", "scheduling_ms", "async off ms"), ("rej", "sampling_ms", "rejection sampler ms over k=0's"))
+        ("sched", "scheduling_ms", "async off ms"), ("rej", "sampling_ms", "rejection sampler ms over k=0's"),
+        ("pre", "prefill_ms_per_token", "prefill ms per token gained, held from k=0"))
         if column == "moe_ms" or any(row[column] for row in prediction["per_k"])]
     table = _table(title, [
         ("k", ""), ("tok", "tokens per step"), ("uniq", "unique experts per layer"), ("rank", "busiest rank's experts"),
