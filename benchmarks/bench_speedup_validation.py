@@ -10,7 +10,8 @@
     python benchmarks/bench_speedup_validation.py compare runs --json benchmarks/results/speedup-validation.json
 
 Measured: output tokens per second at concurrency 1 (requests one after another) and 16 (48 requests through an
-engine that runs at most 16 at once), greedy, ``ignore_eos``, 256 tokens each, prefix caching off, over rounds that
+engine that runs at most 16 at once), greedy, ``ignore_eos``, 192 to 320 tokens each (256 on average, ``LENGTHS``),
+prefix caching off, over rounds that
 alternate the two concurrencies after a warm-up of the whole workload, every round the same requests; one engine
 per (drafter, k), moetrace's hooks paused while timing (the engine exactly as vLLM built it). Then the hooks resume
 and the same workload is recorded once, so the trace is of what was timed. Dummy-weight models get spread routing
@@ -37,6 +38,10 @@ from typing import Any
 CONCURRENCIES = (1, 16)
 REQUESTS = {1: 8, 16: 48}  # per timed round: 48 requests through 16 slots keep 16 running most of the round
 PROMPT_CUTS = (1.0, 0.9, 0.8, 0.7, 0.6)  # each built-in prompt cut at these fractions: 50 distinct prompts
+# output lengths, as fractions of --max-tokens, request by request: requests of one wave end at different steps at
+# every k, k = 0 included, as a server's do (equal lengths end a wave of 16 together at k = 0 only, so prefills come
+# 16 at a time there and one by one under speculation, which is the benchmark's doing, not speculation's)
+LENGTHS = (0.75, 1.125, 0.875, 1.25, 1.0)
 
 
 def distinct_prompts() -> list[str]:
@@ -61,16 +66,23 @@ def workload(prompts: list[Any], concurrency: int) -> list[Any]:
     return [prompts[i % len(prompts)] for i in range(REQUESTS[concurrency])]
 
 
+def output_lengths(count: int, max_tokens: int, lengths: tuple[float, ...] = LENGTHS) -> list[int]:
+    """Tokens each of ``count`` requests generates (``lengths`` in turn, fractions of ``max_tokens``)."""
+    return [round(max_tokens * lengths[i % len(lengths)]) for i in range(count)]
+
+
 def timed_generate(llm: Any, requests: list[Any], concurrency: int, max_tokens: int) -> float:
-    """Output tokens per second of ``requests`` at ``concurrency`` (1: one ``generate`` per request)."""
+    """Output tokens per second of ``requests`` at ``concurrency`` (1: one ``generate`` per request), each request
+    generating its ``output_lengths`` tokens."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    groups = [[r] for r in requests] if concurrency == 1 else [requests]
+    params = [SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+              for length in output_lengths(len(requests), max_tokens)]
+    groups = [[i] for i in range(len(requests))] if concurrency == 1 else [list(range(len(requests)))]
     started = time.perf_counter()
     generated = 0
     for group in groups:
-        outputs = llm.generate(group, params, use_tqdm=False)
+        outputs = llm.generate([requests[i] for i in group], [params[i] for i in group], use_tqdm=False)
         generated += sum(len(o.outputs[0].token_ids) for o in outputs)
     return generated / (time.perf_counter() - started)
 
@@ -233,7 +245,7 @@ def measure(args: argparse.Namespace) -> None:
     doc: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {
         "model": args.model, "tp": args.tp, "vllm_version": vllm_version(),
         "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
-        "cuda_graphs": not args.eager, "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "cuda_graphs": not args.eager, "max_tokens": args.max_tokens, "lengths": list(LENGTHS), "rounds": args.rounds,
         "requests": {str(c): n for c, n in REQUESTS.items()},
         "command": "python benchmarks/bench_speedup_validation.py " + " ".join(sys.argv[1:]),
         "engines": [],
@@ -310,7 +322,7 @@ def report_prediction(sweep: Path, calibration: Path, scratch: Path, k0_sync: Pa
     return prediction
 
 
-def recorded_tok_s(trace: Path, max_tokens: int) -> dict[int, float]:
+def recorded_tok_s(trace: Path, max_tokens: int, lengths: tuple[float, ...]) -> dict[int, float]:
     """Per concurrency: output tokens per second of the recorded workload, from the trace's own step bounds (the
     first step's start to the last step's end of the requests recorded at that concurrency: prefill and the time
     between steps included), so it tells the recorded decode steps apart from everything else a request waits for."""
@@ -324,7 +336,7 @@ def recorded_tok_s(trace: Path, max_tokens: int) -> dict[int, float]:
         part = spans.slice(first, REQUESTS[concurrency])
         first += REQUESTS[concurrency]
         seconds = (int(part["end"].max()) - int(part["start"].min())) / 1e9  # type: ignore[arg-type]
-        out[concurrency] = part.height * max_tokens / seconds
+        out[concurrency] = sum(output_lengths(part.height, max_tokens, lengths)) / seconds
     return out
 
 
@@ -362,6 +374,7 @@ def compare(args: argparse.Namespace) -> None:
             model = doc["model"]
             calibration = runs / f"calibration-{model}.json"
             engines = [e for e in doc["engines"] if "tok_s" in e]
+            lengths = tuple(doc.get("lengths", [1.0]))  # measured before output lengths varied: all max_tokens
             baseline = next((e for e in engines if e["k"] == 0 and e["method"] != "sync"), None)
             if baseline is None or not calibration.exists():
                 print(f"{model}: no k=0 engine or no {calibration.name}: skipped")
@@ -407,8 +420,8 @@ def compare(args: argparse.Namespace) -> None:
                                                if key in held_out else None),
                             "trace_measured_speedup": trace.get("measured_speedup"),
                             "trace_wall_speedup": (
-                                recorded_tok_s(runs / engine["trace"], doc["max_tokens"])[concurrency]
-                                / recorded_tok_s(runs / baseline["trace"], doc["max_tokens"])[concurrency]),
+                                recorded_tok_s(runs / engine["trace"], doc["max_tokens"], lengths)[concurrency]
+                                / recorded_tok_s(runs / baseline["trace"], doc["max_tokens"], lengths)[concurrency]),
                             "trace_tokens_per_step": trace.get("measured_tokens_per_step"),
                             "trace_step_ms": trace.get("measured_step_ms"),
                             "predicted_step_ms": row["step_ms"] if row else None,
