@@ -19,6 +19,7 @@ from moetrace.analysis.cost import MeasuredSteps, predict
 from moetrace.analysis.deployment import Deployment
 from moetrace.analysis.profile import Profile
 from moetrace.analysis.sources import Source
+from moetrace.schema import TIMED_CALLS
 
 DEFAULT_BATCHES = (1, 8, 32, 128)
 
@@ -104,7 +105,7 @@ def batches_from(values: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
-PHASE_COLUMNS = ("forward_ms", "sampling_ms", "drafting_ms")  # vLLM's calls a recorded step is timed in
+PHASE_COLUMNS = tuple(f"{call}_ms" for call in TIMED_CALLS)  # vLLM's calls a recorded step is timed in
 
 
 def growth_over_k0(measured: pl.DataFrame, reference: pl.DataFrame | None = None) -> pl.DataFrame:

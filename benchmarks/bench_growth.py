@@ -42,7 +42,7 @@ def trace_dir(cache: Path, tokens: int, layers: int) -> Path:
 def generate(root: Path, tokens: int, layers: int) -> None:
     """Token-major rows like the recorder writes them (step, then request, then layer), with the recorder's Parquet
     options (moetrace.writer.PARQUET_OPTIONS)."""
-    from moetrace.schema import FOOTER_SCHEMA_KEY, PHASES, SCHEMA_VERSION, routing_schema
+    from moetrace.schema import FOOTER_SCHEMA_KEY, TOKEN_PHASES, SCHEMA_VERSION, routing_schema
     from moetrace.writer import PARQUET_OPTIONS
 
     rng = np.random.default_rng(0)
@@ -52,7 +52,7 @@ def generate(root: Path, tokens: int, layers: int) -> None:
     steps_per_file = max(1, ROWS_PER_FILE // (REQUESTS * layers))
     # Weights are never read by the benchmark: one block of sorted random weights, repeated.
     block = np.sort(rng.random((1 << 16, TOP_K), dtype=np.float32), axis=1)[:, ::-1].astype(np.float16)
-    phases = pa.array(PHASES)
+    phases = pa.array(TOKEN_PHASES)
     for part, first in enumerate(range(0, steps, steps_per_file)):
         count = min(steps_per_file, steps - first)
         rows = count * REQUESTS * layers
@@ -69,7 +69,7 @@ def generate(root: Path, tokens: int, layers: int) -> None:
                 "step": step,
                 "request": request,
                 "position": step + 100,
-                "phase": pa.DictionaryArray.from_arrays(np.full(rows, PHASES.index("decode"), np.int8), phases),
+                "phase": pa.DictionaryArray.from_arrays(np.full(rows, TOKEN_PHASES.index("decode"), np.int8), phases),
                 "draft_pos": np.zeros(rows, np.uint8),
                 "token": pa.nulls(rows, pa.uint32()),
                 "accepted": pa.nulls(rows, pa.bool_()),

@@ -42,6 +42,9 @@ PROMPT_CUTS = (1.0, 0.9, 0.8, 0.7, 0.6)  # each built-in prompt cut at these fra
 # every k, k = 0 included, as a server's do (equal lengths end a wave of 16 together at k = 0 only, so prefills come
 # 16 at a time there and one by one under speculation, which is the benchmark's doing, not speculation's)
 LENGTHS = (0.75, 1.125, 0.875, 1.25, 1.0)
+# the recording times vLLM's calls one step in 8, not the recorder's 1 in 64 on a GPU: a k = 4 run of 16 requests
+# has about 150 decode steps, too few for 64 (the timed rounds run with the hooks paused, so this costs them nothing)
+TIME_PHASES_EVERY = 8
 
 
 def distinct_prompts() -> list[str]:
@@ -115,7 +118,8 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
     # Every round does the same work: no prefix cache hits on prompts an earlier round sent.
     engine_args["enable_prefix_caching"] = False
     request = RecordRequest(model=model_path, ks=ks, method=method, batch_size=max(CONCURRENCIES), tp=tp,
-                            max_tokens=max_tokens, out=out, eager=eager, engine_args=engine_args)
+                            max_tokens=max_tokens, out=out, eager=eager, engine_args=engine_args,
+                            time_phases_every=TIME_PHASES_EVERY)
     settings = engine_settings(request, resolve_model(model_path), k, trace_dir, prompts,
                                trace_dir / "progress")
     settings["token_prompts"] = [encode_text(p) for p in prompts]  # bytes: inside both models' vocabularies

@@ -56,6 +56,7 @@ from moetrace.hooks.capture import (
 from moetrace.hooks.manifest import worker_manifest
 from moetrace.hooks.vllm_api import ForwardPlan, HookPoint, StepInputs, WorkerApi, require_fields
 from moetrace.hooks.rows import PackedLayout, StepRecord
+from moetrace.schema import TIMED_CALLS
 from moetrace.writer import RingRows, SharedRows, TraceWriter, ring_capacity
 
 log = logging.getLogger("moetrace")
@@ -135,7 +136,7 @@ class Recorder:
         self._pending: PendingStep | None = None
         self.own_ns = {"step": 0, "graph": 0, "hand_over": 0, "layout": 0, "sample": 0, "sample_tokens": 0,
                        "phase_timing": 0}
-        self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in PHASES}
+        self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in TIMED_CALLS}
         self._timing_phase = 0.0  # a Weyl sequence: steps timed evenly, never in step with a periodic workload
         self._time_next = False  # whether the next step is timed: decided once a forward is launched
         self._advance_timing()
@@ -469,9 +470,6 @@ def _already_read(plan: ForwardPlan) -> ForwardPlan:
     return plan
 
 
-# forward: from the step's start (the ``step`` hook) to sampling (its input preparation and the forward's launch;
-# on the device, the forward's kernels); sampling: _sample; drafting: propose_draft_token_ids
-PHASES = ("forward", "sampling", "drafting")
 # A GPU step of a few ms is timed one in 64: each CUDA event record costs it 35 µs on some hosts (gVisor), three of
 # them while the GPU idles; thousands of steps still give each phase's median hundreds of timed calls.
 TIMED_STEP_EVERY_ON_CUDA = 64

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from moetrace.schema import PHASES
+from moetrace.schema import TOKEN_PHASES
 from moetrace.writer import RingRows, SharedRows, StepCapture
 
-PREFILL, DECODE, VERIFY = (np.int8(PHASES.index(p)) for p in ("prefill", "decode", "verify"))
+PREFILL, DECODE, VERIFY = (np.int8(TOKEN_PHASES.index(p)) for p in ("prefill", "decode", "verify"))
 NOT_A_DRAFT = -1
 
 

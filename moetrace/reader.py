@@ -260,10 +260,29 @@ def open_trace(directory: Path) -> Trace:
     )
 
 
+def holds_run(directory: Path) -> bool:
+    """A trace, or a sweep (a folder holding traces)."""
+    return is_trace(directory) or any(is_trace(child) for child in directory.iterdir() if child.is_dir())
+
+
+def run_path(path: Path) -> Path:
+    """``path`` where it is a trace or a sweep; else the one run below it, so the folder given to ``moetrace record
+    --out`` (which writes OUT/RUN/k<k>) is enough. A folder of several runs is refused, naming them."""
+    if not path.is_dir() or holds_run(path):
+        return path
+    runs = sorted(child for child in path.iterdir() if child.is_dir() and holds_run(child))
+    if len(runs) > 1:
+        names = ", ".join(run.name for run in runs[:4]) + (", …" if len(runs) > 4 else "")
+        raise UserError(f"{path}: holds {len(runs)} runs ({names}): give one of them")
+    return runs[0] if runs else path
+
+
 def open_traces(path: Path) -> list[Trace]:
-    """A trace directory, or a parent holding one trace per k (a sweep), ordered by k."""
+    """A trace directory, or a parent holding one trace per k (a sweep), ordered by k; or a folder holding one
+    such run (``run_path``)."""
     if not path.exists():
         raise UserError(f"{path}: no such trace")
+    path = run_path(path)
     if is_trace(path):
         return [open_trace(path)]
     children = sorted(p for p in path.iterdir() if is_trace(p)) if path.is_dir() else []

@@ -19,7 +19,11 @@ TELEMETRY_DIR = "telemetry"
 FOOTER_SCHEMA_KEY = b"moetrace.schema"
 FOOTER_RUN_KEY = b"moetrace.run_id"
 
-PHASES = ("prefill", "decode", "verify")
+TOKEN_PHASES = ("prefill", "decode", "verify")  # routing ``phase``: what the token's step did for its request
+# manifest ``phases``: the vLLM calls a recorded step is timed in. forward: from the step's start in execute_model
+# to sampling (input preparation and the forward's launch; on the device, the forward's kernels); sampling:
+# _sample (the rejection sampler under speculation); drafting: propose_draft_token_ids
+TIMED_CALLS = ("forward", "sampling", "drafting")
 MAX_K = 16
 
 

@@ -44,7 +44,7 @@ from moetrace.schema import (
     FOOTER_RUN_KEY,
     FOOTER_SCHEMA_KEY,
     MANIFEST_NAME,
-    PHASES,
+    TOKEN_PHASES,
     ROUTING_DIR,
     SCHEMA_VERSION,
     STEPS_DIR,
@@ -81,7 +81,7 @@ class StepCapture:
     step: int
     request: npt.NDArray[np.uint32]  # [T]
     position: npt.NDArray[np.uint32]  # [T]
-    phase: npt.NDArray[np.int8]  # [T] index into PHASES
+    phase: npt.NDArray[np.int8]  # [T] index into TOKEN_PHASES
     draft_pos: npt.NDArray[np.uint8]  # [T]
     token: npt.NDArray[np.uint32] | None  # [T], None when token ids are off
     accepted: npt.NDArray[np.int8]  # [T] 1 accepted, 0 rejected, -1 not a draft
@@ -413,6 +413,16 @@ class TraceWriter:
         if reason is not None and self._shared is not None:  # a killed engine's trace still says why it stopped
             self._shared.set_failure(reason)
 
+    @property
+    def steps_waiting(self) -> int:
+        """Steps submitted and not yet handed over to the writer process (batched by ``forward_ready``)."""
+        return len(self._waiting)
+
+    @property
+    def bytes_unsent(self) -> int:
+        """Bytes handed over but not yet written to the writer process's pipe."""
+        return len(self._backlog)
+
     def submit(self, step: StepCapture | Pending) -> None:
         """Queue one step (pickled by the next ``forward_ready``); never blocks and never raises."""
         if self.failed is None and self._shared is not None:  # None once closed
@@ -630,7 +640,7 @@ class TraceFiles:
 
         step = np.concatenate([np.full(len(c.request), c.step, dtype=np.uint32) for c in captures])
         phase = pa.DictionaryArray.from_arrays(
-            pa.array(per_row(joined("phase")), type=pa.int8()), pa.array(PHASES, type=pa.string())
+            pa.array(per_row(joined("phase")), type=pa.int8()), pa.array(TOKEN_PHASES, type=pa.string())
         )
         accepted = per_row(joined("accepted"))
         with_tokens = all(c.token is not None for c in captures)

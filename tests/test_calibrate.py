@@ -65,9 +65,18 @@ def test_group_offsets_and_weight_bytes() -> None:
 def test_expert_layer_matches_a_reference_on_cpu() -> None:
     pool = ExpertPool(hidden=32, width=16, pool=6, fmt="bf16", device=CPU)
     assert pool.check() is None
+    torch.manual_seed(7)
     call, rows = pool.layer_call(experts=3, rows=7)
-    out = call(1)  # second window: experts 3, 4, 5
+    out = call(1)  # second window: experts 3, 4, 5, holding rows 0-2, 3-4 and 5-6
     assert isinstance(out, torch.Tensor) and out.shape == (rows, 32)
+    torch.manual_seed(7)  # the same input the call drew
+    x = torch.randn(rows, 32).to(torch.bfloat16).float()
+    expected = []
+    for expert, (first, end) in zip((3, 4, 5), ((0, 3), (3, 5), (5, 7))):
+        h = x[first:end] @ pool.w13[expert].float().T  # [rows, 2·width]: gate, then up
+        expected.append((torch.nn.functional.silu(h[:, :16]) * h[:, 16:]) @ pool.w2[expert].float().T)
+    reference = torch.cat(expected)
+    assert float((out.float() - reference).norm() / reference.norm()) < 0.02  # bf16 rounding of h and the result
     fp8 = ExpertPool(hidden=32, width=16, pool=2, fmt="fp8", device=CPU)
     reason = fp8.check()
     assert reason is None or "cpu" in reason.lower() or "Error" in reason  # CPU torch has no fp8 grouped GEMM

@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 from moetrace.cli import main
 from moetrace.report.commands import budget, report
 from moetrace.report.summary import RANDOM_WEIGHTS_NOTE
-from trace_builder import Model, decode_tokens, verify_tokens, write_trace
+from trace_builder import Model, decode_tokens, small_k2_trace, verify_tokens, write_trace
 
 HOSTILE = "<script>alert(1)</script>"
 CLI = main
@@ -363,3 +363,15 @@ def test_a_truncated_routing_file_is_flagged_and_no_k_is_recommended(tmp_path: P
     terminal = CliRunner().invoke(CLI, ["report", str(sweep), "--k", "3", "--batch", "1,4", "-o",
                                         str(tmp_path / "t.html"), "--force"], catch_exceptions=False)
     assert "B=1: no recommendation: routing and steps disagree at k=3" in " ".join(terminal.stdout.split())
+
+
+def test_the_record_out_folder_is_enough_when_it_holds_one_run(tmp_path: Path) -> None:
+    # moetrace record --out OUT writes OUT/RUN/k<k>: OUT alone names the run; the dashboard goes into the run
+    small_k2_trace(tmp_path / "out" / "run-a" / "k2")
+    result = _invoke("report", tmp_path / "out", "--k", "2", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["runs"][0]["path"] == str(tmp_path / "out" / "run-a")
+    assert (tmp_path / "out" / "run-a" / "report.html").exists() and not (tmp_path / "out" / "report.html").exists()
+    small_k2_trace(tmp_path / "out" / "run-b" / "k2")
+    _one_line_error(_invoke("report", tmp_path / "out", "--k", "2"), "holds 2 runs (run-a, run-b): give one of them")
+    assert _invoke("report", tmp_path / "out" / "run-b", "--k", "2").exit_code == 0

@@ -43,7 +43,7 @@ def test_a_pickled_step_record_is_the_same_record() -> None:
 def test_the_assembled_rows_follow_the_batch_layout() -> None:
     rows = pickle.loads(pickle.dumps(record())).assemble()
     assert rows.request.tolist() == [4, 4, 4, 4, 0, 2, 2, 2]
-    assert rows.phase.tolist() == [0, 0, 0, 0, 1, 2, 2, 2]  # prefill, decode, verify (schema.PHASES order)
+    assert rows.phase.tolist() == [0, 0, 0, 0, 1, 2, 2, 2]  # prefill, decode, verify (schema.TOKEN_PHASES order)
     assert rows.draft_pos.tolist() == [0, 0, 0, 0, 0, 0, 1, 2]
     assert rows.accepted.tolist() == [-1, -1, -1, -1, -1, -1, 1, 0]  # kept 2 = anchor + the first draft
     assert rows.token is not None and rows.token.tolist() == list(range(100, 108))

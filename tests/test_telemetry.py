@@ -3,6 +3,8 @@ sees none)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -16,9 +18,22 @@ from moetrace.telemetry import TelemetrySampler
 GPUS = gpu_inventory()["gpus"]
 
 
-def test_without_gpus_the_inventory_says_why() -> None:
+def gpus_the_driver_lists() -> int:
+    """GPUs as the driver's own tool lists them (``nvidia-smi -L``), else 0 where it is not installed."""
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        return 0
+    listed = subprocess.run([tool, "-L"], capture_output=True, text=True, timeout=60)
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+
+
+def test_the_inventory_lists_the_gpus_the_driver_lists_else_says_why() -> None:
     inventory = gpu_inventory()
-    assert (inventory["note"] is None) == bool(inventory["gpus"])
+    assert len(inventory["gpus"]) == gpus_the_driver_lists()
+    if inventory["gpus"]:
+        assert inventory["note"] is None and inventory["driver"]
+    else:
+        assert inventory["note"].startswith("no NVIDIA GPU visible (") and inventory["driver"] is None
 
 
 def test_the_cpu_model_is_read_from_cpuinfo_else_from_python(tmp_path: Path) -> None:

@@ -196,10 +196,10 @@ def test_the_engine_side_never_waits_for_a_step_and_sends_it_once_ready_in_order
         writer._forward(wait=False)  # not ready: stays on the engine side
         writer.submit(verify_step(1, rng))
         writer._forward(wait=False)  # ready, but behind step 0: order is kept
-        assert len(writer._waiting) == 2
+        assert writer.steps_waiting == 2
         writer.submit(verify_step(2, rng))
         writer._forward(wait=False)  # step 0 became ready on this poll: all three go
-        assert not writer._waiting
+        assert not writer.steps_waiting
     final = writer.close()
     assert final["complete"] and final["counts"]["steps"] == 3
     steps = open_trace(tmp_path).steps().collect()["step"].unique().sort().to_list()
@@ -270,10 +270,10 @@ def test_the_engine_thread_hands_steps_over_in_batches_not_a_pickle_per_step(
     for step in range(HAND_OVER_STEPS - 1):
         writer.submit(verify_step(step, rng))
         writer.forward_ready()
-    assert len(writer._waiting) == HAND_OVER_STEPS - 1 and not writer._backlog, "nothing handed over yet"
+    assert writer.steps_waiting == HAND_OVER_STEPS - 1 and not writer.bytes_unsent, "nothing handed over yet"
     writer.submit(verify_step(HAND_OVER_STEPS - 1, rng))
     writer.forward_ready()
-    assert not writer._waiting and not writer._backlog, "the whole batch went down the pipe at once"
+    assert not writer.steps_waiting and not writer.bytes_unsent, "the whole batch went down the pipe at once"
     assert writer.close()["counts"]["steps"] == HAND_OVER_STEPS
 
     layout = PackedLayout(layers=len(LAYERS), top_k=TOP_K, candidates=0, token_ids=True)
@@ -285,7 +285,7 @@ def test_the_engine_thread_hands_steps_over_in_batches_not_a_pickle_per_step(
     writer.submit(NotReadyYet(StepRecord(0, 0, 1, np.array([0], dtype=np.uint32), np.array([0, 6]), np.array([6]),
                                          np.array([0]), np.array([0]), where, layout), polls=0))
     writer.forward_ready()
-    assert not writer._waiting, "a ring filling up is handed over at once"
+    assert not writer.steps_waiting, "a ring filling up is handed over at once"
     assert writer.close()["counts"]["steps"] == 1
 
 
@@ -359,7 +359,7 @@ if {unsent}:  # two more steps queued by the engine thread, not yet time to hand
     for step in (5, 6):
         writer.submit(verify_step(step, rng))
     writer.forward_ready()
-    assert len(writer._waiting) == 2 and not writer._backlog, "the two steps wait for the next hand-over"
+    assert writer.steps_waiting == 2 and not writer.bytes_unsent, "the two steps wait for the next hand-over"
 if {stopped}:  # recording stops as the recorder stops it, and the engine serves on until killed
     writer.failed = "a fault inside the forward"
 os.kill(os.getpid(), signal.SIGKILL)
@@ -484,5 +484,5 @@ def test_steps_the_engine_thread_left_queued_are_forwarded_once_it_goes_quiet(tm
     deadline = time.monotonic() + 10
     while writer.steps < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert writer.steps == 1 and not writer._waiting
+    assert writer.steps == 1 and not writer.steps_waiting
     writer.close()

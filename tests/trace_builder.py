@@ -13,7 +13,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moetrace.schema import FOOTER_SCHEMA_KEY, PHASES, SCHEMA_VERSION, STEPS_SCHEMA, routing_schema
+from moetrace.schema import FOOTER_SCHEMA_KEY, TOKEN_PHASES, SCHEMA_VERSION, STEPS_SCHEMA, routing_schema
 
 
 @dataclass
@@ -144,13 +144,13 @@ def routing_table(tokens: Tokens, model: Model) -> pa.Table:
     def fixed(values: npt.NDArray[Any], arrow_type: pa.DataType) -> pa.Array:
         return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), type=arrow_type), values.shape[-1])
 
-    phase_index = np.asarray([PHASES.index(p) for p in tokens.phase], dtype=np.int8)
+    phase_index = np.asarray([TOKEN_PHASES.index(p) for p in tokens.phase], dtype=np.int8)
     candidates = 0 if tokens.cand_experts is None else tokens.cand_experts.shape[-1]
     columns: dict[str, pa.Array] = {
         "step": pa.array(per_row(tokens.step)),
         "request": pa.array(per_row(tokens.request)),
         "position": pa.array(per_row(tokens.position)),
-        "phase": pa.DictionaryArray.from_arrays(pa.array(per_row(phase_index)), pa.array(PHASES)),
+        "phase": pa.DictionaryArray.from_arrays(pa.array(per_row(phase_index)), pa.array(TOKEN_PHASES)),
         "draft_pos": pa.array(per_row(tokens.draft_pos)),
         "token": pa.array(per_row(tokens.position % 256 if tokens.token is None else tokens.token).astype(np.uint32)),
         "accepted": pa.array([a for a in tokens.accepted for _ in range(layers)], type=pa.bool_()),

@@ -17,6 +17,7 @@ from moetrace.analysis.shape import SHAPE_PRESETS
 from moetrace.errors import UserError
 from moetrace.report.dashboard import render_dashboard
 from moetrace.analysis.decision import DEFAULT_BATCHES, batches_from
+from moetrace.reader import run_path
 from moetrace.report.inputs import DEFAULT_PREDICTION, check_k, model_shape, open_run
 from moetrace.report.summary import (
     Options,
@@ -35,7 +36,8 @@ def _dashboard_path(traces: tuple[Path, ...], output: Path | None) -> Path:
     if output is not None:
         return output
     if len(traces) == 1:
-        return traces[0] / "report.html" if traces[0].is_dir() else Path(f"{traces[0].name}.report.html")
+        run = run_path(traces[0])
+        return run / "report.html" if run.is_dir() else Path(f"{run.name}.report.html")
     return Path("-vs-".join(path.name for path in traces)[:120] + ".report.html")
 
 

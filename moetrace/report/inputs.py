@@ -14,7 +14,7 @@ import polars as pl
 from moetrace.analysis.placement import explicit_placement, linear_placement, round_robin_placement
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.errors import UserError
-from moetrace.reader import Trace, open_traces
+from moetrace.reader import Trace, open_traces, run_path
 from moetrace.schema import MAX_K
 
 
@@ -68,7 +68,9 @@ class Run:
 
 
 def open_run(path: Path, k: int) -> Run:
-    """Open a trace or sweep; the primary trace is the one recorded at ``k``, else the one with the largest k."""
+    """Open a trace or sweep (or the folder holding one: ``moetrace.reader.run_path``); the primary trace is the one
+    recorded at ``k``, else the one with the largest k."""
+    path = run_path(path) if path.exists() else path
     traces = open_traces(path)
     for trace in traces:
         if trace.routing().select(pl.len()).collect().item() == 0:
