@@ -220,15 +220,17 @@ def forward_beyond_moe(forward_growth_ms: Mapping[int, float], moe_growth_ms: Ma
 
 def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None,
             calibration: Mapping[str, Any] | None,
-            one_token_busiest: float | None = None,
+            anchor: tuple[float, float] | None = None,
             measured: MeasuredSteps | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Predicted step per k at ``deployment.batch`` requests per step. ``per_k`` has k, tokens (what the step moves),
     unique_experts, busiest_rank_experts (per layer, what one step of ``batch`` requests reads) and tokens_per_step
-    (gained per request). A profile is a one-request step: components are scaled from a one-token step (top-k experts,
-    ``one_token_busiest`` on the busiest rank; default: the k=0 row, right when batch is 1) to the step's
-    batch·(k+1) tokens. ``measured`` (the sweep's own steps at this batch) replaces the profile: the k=0 step is
-    measured; MoE and all-reduce grow as calibrated, plus what the forward measured beyond that at the nearest
-    recorded k; the drafter, the rejection sampler and async scheduling off add what they measured.
+    (gained per request). A profile is one request's step of ``profile.tokens`` tokens (a window of tokens − 1
+    drafts): components are scaled from that step to each step's tokens; its MoE from ``anchor``, the unique
+    experts and the busiest rank's experts per layer such a step reads (default: the row of per_k that moves that
+    many tokens, right when batch is 1; a one-token step reads top-k experts, at most top-k on a rank).
+    ``measured`` (the sweep's own steps at this batch) replaces the profile: the k=0 step is measured; MoE and
+    all-reduce grow as calibrated, plus what the forward measured beyond that at the nearest recorded k; the drafter,
+    the rejection sampler and async scheduling off add what they measured.
     Returns the table and a description of the basis (mode, notes, checks)."""
     if profile is None and calibration is None:
         raise ValueError("a prediction needs a calibration, a profile, or both")
@@ -246,8 +248,12 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     tokens_list = [float(r["tokens"]) for r in rows]
     work = [deployment.rank_work(r["unique_experts"], r["busiest_rank_experts"], t) for r, t in zip(rows, tokens_list)]
     anchor_tokens = float(profile.tokens) if profile is not None else 1.0
-    busiest_one = float(rows[0]["busiest_rank_experts"]) if one_token_busiest is None else one_token_busiest
-    anchor_work = deployment.rank_work(float(shape.top_k), min(busiest_one, float(shape.top_k)), anchor_tokens)
+    if anchor is None:
+        at = next((r for r in rows if float(r["tokens"]) == anchor_tokens), rows[0])
+        anchor = (float(at["unique_experts"]), float(at["busiest_rank_experts"]))
+    if anchor_tokens == 1.0:  # one token reads exactly top-k experts
+        anchor = (float(shape.top_k), min(anchor[1], float(shape.top_k)))
+    anchor_work = deployment.rank_work(anchor[0], min(anchor[1], anchor[0]), anchor_tokens)
     if calibration is not None:
         check_calibration(calibration)
         try:

@@ -30,7 +30,7 @@ included: fewer, and the table says so instead of recommending."""
 
 
 def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Profile | None,
-                      calibration: Mapping[str, Any] | None, one_token_busiest: float,
+                      calibration: Mapping[str, Any] | None, anchor: tuple[float, float],
                       measured: Mapping[int, MeasuredSteps] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per (batch, k): the prediction table of ``analysis.cost.predict`` with the inputs' other columns beside it.
     ``inputs``: batch, k, tokens (what the step moves), unique_experts, busiest_rank_experts (per layer, one step of
@@ -44,7 +44,7 @@ def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Pro
         joined = joined.filter(pl.col("batch").is_in(list(measured)))
     for (batch,), per_k in joined.group_by("batch", maintain_order=True):
         size = int(str(batch))
-        table, basis = predict(per_k, replace(deployment, batch=size), profile, calibration, one_token_busiest,
+        table, basis = predict(per_k, replace(deployment, batch=size), profile, calibration, anchor,
                                None if measured is None else measured[size])
         beside = per_k.drop(*(name for name in table.columns if name != "k"), strict=False)
         frames.append(table.with_columns(batch=pl.lit(size, pl.Int32)).join(beside.drop("batch"), on="k"))

@@ -7,7 +7,8 @@ Units, in the text form ``step=12.1ms,allreduce=51.5%,moe=0.111,attention=15.3%,
 - shares (allreduce, moe, attention, other): ``N%`` or a bare fraction in [0, 1]; together at most 100%;
 - growth per extra token (attention_growth, other_growth): the same, per token, in [0, 1];
 - step: a positive time with ``ms``, ``us``/``µs`` or ``s``; a bare number is ms;
-- tokens: a positive whole number, no unit (only 1 is accepted: see ``profile_from_mapping``).
+- tokens: a positive whole number, no unit: the profile is one request's step of that many tokens (a verification
+  window of tokens − 1 drafts; 1: a plain decode step).
 
 Anything else is a one-line ``ValueError`` naming the key, the value and what is accepted: a bare number above 1 is
 never read as a percentage.
@@ -137,9 +138,7 @@ def _value(name: str, key: str, value: object) -> float | int:
 
 
 def profile_from_mapping(values: Mapping[str, Any], source: str) -> Profile:
-    """A profile from KEY → value (text with units, or numbers as bare values). Only a one-token profile is accepted:
-    ``predict`` anchors a profile's MoE share at a one-token step's experts (top-k unique, with the profile's tokens'
-    rows), so the MoE of a profile measured at T > 1 tokens would be read as a one-token step's and over-scaled."""
+    """A profile from KEY → value (text with units, or numbers as bare values)."""
     fields: dict[str, Any] = {}
     given: dict[str, str] = {}
     for key, value in values.items():
@@ -153,10 +152,6 @@ def profile_from_mapping(values: Mapping[str, Any], source: str) -> Profile:
     missing = [name for name in REQUIRED if name not in fields]
     if missing:
         raise ValueError(f"profile: missing {', '.join(missing)} (give step, allreduce, moe, attention and other)")
-    if fields.get("tokens", 1) != 1:
-        raise ValueError(f"profile {given['tokens']}={fields['tokens']}: only a one-token step (tokens=1) is accepted: "
-                         f"the prediction anchors MoE at one token's experts, so a {fields['tokens']}-token profile's "
-                         f"MoE would be mis-scaled")
     total = sum(fields[name] for name in SHARES)
     if total > 1.0 + SUM_TOLERANCE:
         raise ValueError(f"profile: shares allreduce+moe+attention+other sum to {100 * total:.6g}%, more than 100% "

@@ -50,7 +50,7 @@ def speedups_table(speedup: list[float], acceptance: list[str], windows: int = 1
 def test_speedup_per_batch_is_tokens_over_the_step_ratio_at_the_same_concurrency() -> None:
     table = per_batch([(1, 0, 2.0), (1, 1, 3.0), (4, 0, 6.0), (4, 1, 10.0), (8, 0, 12.0), (8, 1, 30.0)])
     speedups, basis = speedup_per_batch(table, Deployment(SHAPE, tp=1, ep=1, weight_format="bf16"), None,
-                                        CALIBRATION, one_token_busiest=2.0)
+                                        CALIBRATION, anchor=(2.0, 2.0))
     by_key = {(r["batch"], r["k"]): r for r in speedups.to_dicts()}
     assert by_key[(1, 0)]["step_ms"] == pytest.approx(0.012)  # 10 + 2 experts, µs → ms
     assert by_key[(1, 1)]["speedup"] == pytest.approx(1.5 / (13 / 12))
@@ -87,7 +87,7 @@ def test_a_profile_is_scaled_from_one_token_to_batch_times_k_plus_one_tokens() -
     profile = Profile(step_ms=10.0, allreduce=0.0, moe=0.5, attention=0.2, other_gemm=0.1)
     table = per_batch([(4, 0, 6.0), (4, 1, 10.0)])
     speedups, _ = speedup_per_batch(table, Deployment(SHAPE, tp=1, ep=1, weight_format="bf16"), profile,
-                                    CALIBRATION, one_token_busiest=2.0)
+                                    CALIBRATION, anchor=(2.0, 2.0))
     k0, k1 = speedups.sort("k").to_dicts()
     assert k0["moe_ms"] == pytest.approx(10.0 * 0.5 * 16 / 12)  # 6 experts vs one token's 2, at 10 µs + 1 µs each
     assert k1["moe_ms"] == pytest.approx(10.0 * 0.5 * 20 / 12)

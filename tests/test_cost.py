@@ -227,7 +227,7 @@ def test_the_forward_grows_by_what_the_traces_measured_beyond_the_calibrated_moe
 def test_speedup_per_batch_predicts_only_the_batches_with_a_measured_k0_step() -> None:
     per_batch = pl.concat([_per_k([8.0, 12.0], [1.0, 1.5]).with_columns(batch=pl.lit(b, pl.Int32)) for b in (1, 4)])
     per_batch = per_batch.with_columns(uniform_bound=pl.col("unique_experts"), union_source=pl.lit("measured"))
-    table, _ = speedup_per_batch(per_batch, deployment_for(SMALL, 2, 1), None, _calibration(), 8.0,
+    table, _ = speedup_per_batch(per_batch, deployment_for(SMALL, 2, 1), None, _calibration(), (8.0, 8.0),
                                  {4: MeasuredSteps(3.0)})
     assert table["batch"].unique().to_list() == [4]
     assert table.filter(pl.col("k") == 0)["step_ms"].item() == pytest.approx(3.0)

@@ -83,13 +83,10 @@ def test_step_takes_ms_us_or_s_and_a_bare_number_is_ms() -> None:
     assert error(text(step="12.1kg")) == f"profile step=12.1kg: {STEP_RULE}"
 
 
-def test_tokens_is_a_positive_whole_number_and_only_one_is_accepted() -> None:
-    assert parse_profile(text(tokens="1")).tokens == 1
+def test_tokens_is_a_positive_whole_number() -> None:
+    assert parse_profile(text(tokens="1")).tokens == 1 and parse_profile(text(tokens="4")).tokens == 4
     for bad in ("0", "1.5", "1tok", "-1"):
         assert error(text(tokens=bad)) == f"profile tokens={bad}: {TOKENS_RULE}"
-    refused = error(text(tokens="4"))
-    assert refused.startswith("profile tokens=4: only a one-token step (tokens=1) is accepted")
-    assert "MoE" in refused
 
 
 def test_json_numbers_follow_the_bare_number_rules_and_strings_the_text_rules() -> None:
@@ -149,9 +146,6 @@ def test_the_one_token_equivalent_predicts_the_measured_four_token_step() -> Non
     assert steps[2] == pytest.approx(5 * 20 / 24 + 1.94 + 0.99 + 2.0, rel=1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason="predict anchors a profile's MoE at a one-token step's experts (top-k + "
-                                        "shared) with its tokens' rows, not at the experts of the profile's own "
-                                        "T-token step, so parse_profile refuses tokens != 1")
 def test_a_profile_at_four_tokens_predicts_as_its_one_token_equivalent() -> None:
     four, _ = predict(PER_K, deployment_for(SHAPE, 1, 1), FOUR_TOKENS, None)
     one, _ = predict(PER_K, deployment_for(SHAPE, 1, 1), ONE_TOKEN, None)
@@ -176,3 +170,18 @@ def test_report_refuses_a_bare_share_above_one_in_one_line(trace: Path, tmp_path
         assert result.exit_code == 1, result.output
         assert "Traceback" not in result.output
         assert [line for line in result.output.splitlines() if line.strip()] == [message]
+
+
+def test_report_anchors_a_profile_at_its_own_window_of_tokens(trace: Path) -> None:
+    # measured at 3 tokens (one request's window at k=2): the prediction at k=2, batch 1, is the profile's own 10 ms
+    profile = "step=10ms,allreduce=0,moe=50%,attention=20%,other=10%,tokens=3"
+    result = CliRunner().invoke(main, ["report", str(trace), "--force", "--json", "--profile", profile],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    per_k = json.loads(result.stdout)["runs"][0]["prediction"]["per_k"]
+    assert next(row["step_ms"] for row in per_k if row["k"] == 2) == pytest.approx(10.0, rel=1e-9)
+    too_long = CliRunner().invoke(main, ["report", str(trace), "--force", "--profile",
+                                         profile.replace("tokens=3", "tokens=12")], catch_exceptions=False)
+    assert too_long.exit_code == 1 and "Traceback" not in too_long.output
+    assert too_long.output.strip() == ("error: --profile tokens=12: its step is one request's window of 12 tokens, "
+                                       "k=11: give --max-k 11 or more")

@@ -320,12 +320,17 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
     if options.acceptance is None and max(t.k for t in run.traces) == 0:
         raise UserError(f"{run.primary.path}: no verified drafts to measure acceptance from; give --acceptance RATE")
     pred_shape, pred_tp, pred_ep, preset_notes = prediction_deployment(shape, tp, ep, options)
-    one_token = inputs.filter((pl.col("batch") == 1) & (pl.col("k") == 0))
-    one_token_busiest = float(one_token["busiest_rank_experts"].item()) if one_token.height else float(shape.top_k)
+    # the step a profile measured: one request's window of its tokens (k = tokens - 1), read at batch 1
+    tokens = options.profile.tokens if options.profile is not None else 1
+    at = inputs.filter((pl.col("batch") == 1) & (pl.col("k") == tokens - 1))
+    if at.is_empty():
+        raise UserError(f"--profile tokens={tokens}: its step is one request's window of {tokens} tokens, "
+                        f"k={tokens - 1}: give --max-k {tokens - 1} or more")
+    anchor = (float(at["unique_experts"].item()), float(at["busiest_rank_experts"].item()))
     measured = measured_steps(run, steps, options, sync) if steps is not None else None
     try:
         speedups, basis = speedup_per_batch(inputs, deployment_for(pred_shape, pred_tp, pred_ep),
-                                            options.profile, options.calibration, one_token_busiest, measured)
+                                            options.profile, options.calibration, anchor, measured)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
     # the per-k table is for one request, or for the fewest requests predicted (--profile measured predicts only
