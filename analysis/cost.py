@@ -1,6 +1,6 @@
 """Cost model: predicted verify-step time, tokens per step and speedup per k, from routing growth, acceptance and a
-calibration (``moetrace calibrate``) and/or a measured step profile. Pure functions on plain data; Polars out. No
-torch here.
+calibration (``moetrace calibrate``, read by ``analysis.calibration``) and/or a measured step profile. Pure
+functions on plain data; Polars out. No torch here.
 
 step(k) = attention(k) + other GEMMs(k) + rest + MoE(k) + all-reduce(k), where for a step of T tokens (B requests
 × the tokens a request-step reads at k: measured where the sweep recorded k, else k+1):
@@ -25,139 +25,26 @@ the speedup, since the left-out parts grow less than MoE). Tokens per step = 1 +
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
 
+from moetrace.analysis.calibration import (
+    DEFAULT_BUS_BANDWIDTH_GBS,
+    AllReduceModel,
+    allreduce_model,
+    bandwidth_fit,
+    check_calibration,
+    expert_fit,
+    expert_time_us,
+    ring_model,
+)
 from moetrace.analysis.deployment import Deployment, ring_factor
 from moetrace.analysis.profile import Profile
 
-CALIBRATION_SCHEMA = "moetrace-calibration/1"
-DEFAULT_BUS_BANDWIDTH_GBS = 100.0  # profile-only all-reduce growth: conservative for small NCCL messages
 LEVEL_WARNING = 2.0  # calibrated MoE over the profile's at the anchor: past this factor either way, a warning
-
-
-# ---------------------------------------------------------------- calibration
-
-
-def check_calibration(doc: Mapping[str, Any]) -> None:
-    if doc.get("schema") != CALIBRATION_SCHEMA:
-        raise ValueError(f"schema {doc.get('schema')!r}, expected {CALIBRATION_SCHEMA!r}")
-    for key in ("experts", "int4_estimate", "allreduce", "device"):
-        if key not in doc:
-            raise ValueError(f"missing {key!r}")
-
-
-def expert_fit(doc: Mapping[str, Any], config: str, fmt: str,
-               rank_shape: tuple[int, int, int] | None = None) -> tuple[dict[str, Any], str, list[str]]:
-    """The fitted expert curve of ``config`` (e.g. "tp8", "ep8") in ``fmt`` (bf16, fp8, int4), else the narrowest
-    format measured for that config; returns the fit, the format used, and notes. Without a curve of that config,
-    one measured at the same per-rank work serves (``rank_shape``: hidden size, expert width and experts per rank:
-    Kimi-K2's tp8 curve is a model of its per-GPU shape's tp1)."""
-    curves = [c for c in list(doc["experts"]) + list(doc["int4_estimate"]) if c.get("fit")]
-    mine = [c for c in curves if c["config"] == config]
-    notes = []
-    if not mine and rank_shape is not None and doc.get("shape", {}).get("hidden_size") == rank_shape[0]:
-        same_work = [c for c in curves if (c.get("width"), c.get("experts_per_rank")) == rank_shape[1:]]
-        if same_work:
-            mine = [c for c in same_work if c["config"] == same_work[0]["config"]]
-            notes.append(f"no expert curve for {config}: {mine[0]['config']}'s serves, measured at the same per-rank "
-                         f"work ({rank_shape[0]}×{rank_shape[1]} experts, {rank_shape[2]} per rank)")
-    if not mine:
-        have = sorted({c["config"] for c in curves})
-        raise ValueError(f"no expert curve for {config} (has: {', '.join(have) or 'none'})")
-    chosen = next((c for c in mine if c["format"] == fmt), None)
-    if chosen is None:
-        chosen = min(mine, key=lambda c: c["weight_bits"])
-        notes.append(f"calibration has no {fmt} expert curve for {config}: using {chosen['format']}")
-    if chosen.get("estimated"):
-        notes.append(f"{config} {chosen['format']} expert time is estimated, not measured: {chosen.get('note', '')}")
-    return dict(chosen["fit"]), str(chosen["format"]), notes
-
-
-def bandwidth_fit(doc: Mapping[str, Any], bytes_per_expert: float) -> dict[str, Any]:
-    """An expert curve from the calibration's device copy bandwidth alone: each expert's weights read once, no
-    fixed cost (a lower bound on how expert time grows with the experts read)."""
-    return {"c0_us": 0.0, "per_expert_us": bytes_per_expert / (float(doc["copy_bandwidth_gbs"]) * 1e3),
-            "per_row_us": 0.0}
-
-
-def expert_time_us(fit: Mapping[str, Any], experts: float, rows: float) -> float:
-    return float(fit["c0_us"]) + float(fit["per_expert_us"]) * experts + float(fit["per_row_us"]) * rows
-
-
-def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
-    xs = [p[0] for p in points]
-    i = bisect.bisect_left(xs, x)
-    if i < len(xs) and xs[i] == x:
-        return points[i][1]
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
-@dataclass(frozen=True)
-class AllReduceModel:
-    """Time of one all-reduce across ``world_size`` GPUs against message bytes."""
-
-    world_size: int
-    points: tuple[tuple[float, float], ...]  # measured (bytes, µs), sorted; empty for a pure ring model
-    latency_us: float
-    bus_bandwidth_gbs: float
-    extrapolated: bool
-    basis: str
-    byte_scale: float = 1.0  # points measured on fewer GPUs are read at the same bytes sent per GPU
-
-    def time_us(self, nbytes: float) -> float:
-        if self.world_size < 2:
-            return 0.0
-        scaled = nbytes * self.byte_scale
-        if self.points and self.points[0][0] <= scaled <= self.points[-1][0]:
-            return _interpolate(self.points, scaled)
-        return self.latency_us + ring_factor(self.world_size) * nbytes / (self.bus_bandwidth_gbs * 1e3)
-
-
-def ring_model(world_size: int, latency_us: float, bus_bandwidth_gbs: float, basis: str,
-               extrapolated: bool = True) -> AllReduceModel:
-    return AllReduceModel(world_size, (), latency_us, bus_bandwidth_gbs, extrapolated, basis)
-
-
-def monotone_points(points: Sequence[Mapping[str, Any]]) -> tuple[tuple[float, float], ...]:
-    """Measured (bytes, µs) of the decode sizes, sorted, each time raised to the largest at fewer bytes: a larger
-    message is never faster, and dips of a few percent between sizes are noise or a protocol switch."""
-    decode = sorted((float(p["bytes"]), float(p["time_us"])) for p in points if p.get("tokens") is not None)
-    out: list[tuple[float, float]] = []
-    for nbytes, time_us in decode:
-        out.append((nbytes, max(time_us, out[-1][1]) if out else time_us))
-    return tuple(out)
-
-
-def allreduce_model(doc: Mapping[str, Any], world_size: int) -> AllReduceModel | None:
-    """The measured curve for ``world_size`` GPUs; else the ring model fitted on the most GPUs measured (labelled
-    an extrapolation); None when the calibration measured no all-reduce."""
-    measured = [m for m in doc["allreduce"].get("measured", []) if m.get("fit")]
-    if not measured:
-        return None
-    exact = [m for m in measured if m["world_size"] == world_size]
-    if exact:
-        m = exact[0]
-        return AllReduceModel(world_size, monotone_points(m["points"]), float(m["fit"]["latency_us"]),
-                              float(m["fit"]["bus_bandwidth_gbs"] or DEFAULT_BUS_BANDWIDTH_GBS), False,
-                              f"measured on {world_size} GPUs ({m['backend']}, {m['fit'].get('timing', 'eager')})")
-    base = max(measured, key=lambda m: m["world_size"])
-    fit = base["fit"]
-    bandwidth = float(fit["bus_bandwidth_gbs"] or DEFAULT_BUS_BANDWIDTH_GBS)
-    m = int(base["world_size"])
-    ring_n, ring_m = ring_factor(world_size), ring_factor(m)
-    return AllReduceModel(
-        world_size, monotone_points(base["points"]), float(fit["latency_us"]), bandwidth, True,
-        f"EXTRAPOLATED from {m} GPUs: ring model, the {m}-GPU curve read at the same bytes per GPU "
-        f"(2(N−1)/N × message: ×{ring_n / ring_m:.2f}), so the latency is {m}-GPU latency (a lower bound: NCCL's "
-        f"ring latency grows with its 2(N−1) steps); past the measured sizes {fit['latency_us']:.1f} us + "
-        f"2(N−1)/N·bytes / {bandwidth:.0f} GB/s",
-        byte_scale=ring_n / ring_m)
 
 
 # ---------------------------------------------------------------- drafting

@@ -19,13 +19,10 @@ from typing import Any
 import click
 import polars as pl
 
-from moetrace.analysis.cost import (
-    deployment_for,
-    geometric_acceptance,
-    predict,
-    tokens_per_step,
-    uniform_routing,
-)
+from moetrace.analysis.acceptance import tokens_per_step
+from moetrace.analysis.concurrency import union_means, uniform_unions
+from moetrace.analysis.cost import predict
+from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.placement import linear_placement
 from moetrace.analysis.profile import PROFILE_PRESETS
 from moetrace.analysis.shape import SHAPE_PRESETS
@@ -90,11 +87,12 @@ def prediction_tables(doc: dict[str, Any], acceptance: float, max_k: int) -> lis
     shape = SHAPE_PRESETS["kimi-k2"]
     profile = PROFILE_PRESETS["kimi-k2-tp8"]
     ks = range(max_k + 1)
-    tokens = pl.Series([tokens_per_step(geometric_acceptance(acceptance, k)) for k in ks])
+    tokens = pl.Series([tokens_per_step([acceptance ** i for i in range(1, k + 1)]) for k in ks])
     lines = []
     for name, tp, ep in (("TP=8", 8, 1), ("EP=8, linear placement", 1, 8)):
-        per_k = uniform_routing(shape.num_experts, shape.top_k, linear_placement(shape.num_experts, ep), ks)
-        per_k = per_k.with_columns(tokens_per_step=tokens)
+        unions = uniform_unions(shape.num_experts, shape.top_k, linear_placement(shape.num_experts, ep), ks, [1])
+        per_k = union_means(unions).sort("k").with_columns(tokens=pl.col("k").cast(pl.Float64) + 1,
+                                                          tokens_per_step=tokens)
         lines += [f"### {name}: uniform routing, acceptance {acceptance} per draft, INT4 experts", ""]
         for profile_used, calibration in ((profile, None), (profile, doc), (None, doc)):
             table, basis = predict(per_k, deployment_for(shape, tp, ep), profile_used, calibration)
@@ -109,7 +107,7 @@ def prediction_tables(doc: dict[str, Any], acceptance: float, max_k: int) -> lis
                     f"| {r['k']} | {r['tokens_per_step']:.3f} | {r['rank_experts']:.2f} | {r['moe_ms']:.2f} | "
                     f"{r['allreduce_ms']:.2f} | {r['attention_ms']:.2f} | {r['other_ms']:.2f} | {r['step_ms']:.2f} "
                     f"| {r['step_ratio']:.3f} | {r['speedup']:.2f} |")
-            check = basis.get("calibrated_at_k0")
+            check = basis.get("calibrated_at_anchor")
             if check:
                 lines.append(f"\nAt k=0 the calibration alone gives MoE {check['moe_ms']:.2f} ms (profile "
                              f"{check['profile_moe_ms']:.2f}) and all-reduce {check['allreduce_ms']:.2f} ms "

@@ -7,7 +7,7 @@ from typing import Any
 import polars as pl
 import pytest
 
-from moetrace.analysis.cost import CALIBRATION_SCHEMA
+from moetrace.analysis.calibration import CALIBRATION_SCHEMA
 from moetrace.analysis.deployment import Deployment
 from moetrace.analysis.decision import against_trace, recommended_k, speedup_per_batch
 from moetrace.analysis.profile import Profile

@@ -17,15 +17,8 @@ from click.testing import CliRunner
 
 from moetrace.analysis.acceptance import acceptance_curve, tokens_per_step
 from moetrace.analysis.concurrency import uniform_unions
-from moetrace.analysis.cost import (
-    MeasuredSteps,
-    allreduce_model,
-    expert_fit,
-    forward_beyond_moe,
-    per_k_from_nearest,
-    predict,
-    ring_model,
-)
+from moetrace.analysis.calibration import allreduce_model, expert_fit, ring_model
+from moetrace.analysis.cost import MeasuredSteps, forward_beyond_moe, per_k_from_nearest, predict
 from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.decision import speedup_per_batch
 from moetrace.analysis.placement import linear_placement

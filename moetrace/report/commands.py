@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 
 from moetrace.analysis.budgets import smallest_budgets
-from moetrace.analysis.cost import check_calibration
+from moetrace.analysis.calibration import check_calibration
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED
 from moetrace.analysis.profile import PROFILE_PRESETS, Profile, parse_profile
 from moetrace.analysis.shape import SHAPE_PRESETS
@@ -19,14 +19,8 @@ from moetrace.report.dashboard import render_dashboard
 from moetrace.analysis.decision import DEFAULT_BATCHES, batches_from
 from moetrace.reader import run_path
 from moetrace.report.inputs import DEFAULT_PREDICTION, check_k, model_shape, open_run
-from moetrace.report.summary import (
-    Options,
-    analyse_run,
-    budget_curves_per_k,
-    sample_note,
-    summary_json,
-    trace_windows,
-)
+from moetrace.report.payload import summary_json
+from moetrace.report.summary import Options, analyse_run, budget_curves_per_k, sample_note, trace_windows
 from moetrace.report.terminal import print_budget_table, print_summary
 
 SHAPE_CHOICE = click.Choice(sorted(SHAPE_PRESETS))

@@ -1,9 +1,9 @@
-"""Runs every analysis over each TRACE argument and gathers the results into one summary (the JSON form is what
-``--json`` prints; the terminal tables and the dashboard render the same data)."""
+"""Runs every analysis over each TRACE argument (``analyse_run``: one ``RunAnalysis`` per TRACE: growth, budgets,
+acceptance, the prediction and the decision, and the self-check); ``report.measured`` gathers what --profile
+measured takes from the sweep, ``report.payload`` shapes the summary JSON the terminal and the dashboard render."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,19 +16,15 @@ from moetrace.analysis.acceptance import (
     acceptance_by_position,
     acceptance_per_k,
     acceptance_summary,
-    decode_step_periods,
     measured_speedup,
     step_times,
 )
 from moetrace.analysis.budgets import WindowSample, budget_curves, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, union_means, uniform_unions
 from moetrace.analysis.consistency import disagreement, routing_gaps
-from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps, per_k_from_nearest
 from moetrace.analysis.decision import (
     DEFAULT_BATCHES,
-    PHASE_COLUMNS,
     against_trace,
-    growth_over_k0,
     recommended_k,
     speedup_per_batch,
 )
@@ -36,9 +32,6 @@ from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.growth import (
     COUNTERFACTUAL,
     MEASURED,
-    PER_BATCH,
-    PER_REQUEST,
-    best_window_estimate,
     decode_and_verify,
     growth,
     rejected_only_experts,
@@ -46,11 +39,11 @@ from moetrace.analysis.growth import (
 from moetrace.analysis.load import expert_load
 from moetrace.analysis.profile import Profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
-from moetrace.analysis.sources import least_direct_expr
 from moetrace.analysis.traffic import step_bytes
 from moetrace.errors import UserError
-from moetrace.reader import SWEEP_MODEL_KEYS, Trace, first_difference, open_trace
+from moetrace.reader import Trace
 from moetrace.report.inputs import PredictionPreset, Run, expert_placement, model_shape, parallel_size
+from moetrace.report.measured import measured_steps, recorded_phases, recorded_steps, sync_trace
 
 RANDOM_WEIGHTS_NOTE = "routing of a random-weight model: says nothing about a trained model's routing"
 
@@ -119,8 +112,6 @@ class RunAnalysis:
 # Budget curves per layer and k from at most this many windows per layer (and about this many over all layers):
 # above it they come from a deterministic sample (4M rows took 22 s per k on 2 cores, so 60M rows took minutes per
 # k); the report says so.
-MIN_BASELINE_STEPS = 5  # decode step pairs a measured k=0 step time rests on
-MIN_PHASE_CALLS = 3  # timed calls a phase's median rests on
 MAX_BUDGET_WINDOWS = 5_000
 MAX_BUDGET_WINDOWS_ALL_LAYERS = 30_000
 
@@ -190,128 +181,6 @@ def prediction_deployment(trace_shape: ModelShape, tp: int, ep: int,
     return shape, preset_tp, preset_ep, []
 
 
-def recorded_steps(run: Run) -> pl.DataFrame:
-    """Every trace's decode steps per concurrency (``analysis.acceptance.decode_step_periods``, with k), where at
-    least ``MIN_BASELINE_STEPS`` step pairs measured them, with what those steps spent in vLLM's calls
-    (``recorded_phases``): the baseline and the check of --profile measured."""
-    per_trace = [decode_periods(t).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
-    return pl.concat(per_trace).join(recorded_phases(run.traces), on=["k", "batch"], how="left")
-
-
-def decode_periods(trace: Trace) -> pl.DataFrame:
-    """``analysis.acceptance.decode_step_periods`` of ``trace`` at the concurrencies with at least
-    ``MIN_BASELINE_STEPS`` step pairs (fewer measure no step time worth predicting from)."""
-    return decode_step_periods(trace.steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
-
-
-def recorded_phases(traces: Sequence[Trace]) -> pl.DataFrame:
-    """Per (k, batch): ms per step in vLLM's forward, sampling and drafting calls (``PHASE_COLUMNS``), from each
-    trace's manifest ``phases``: the longer of the host and device medians (the step waits for the longer); null
-    where a trace did not time them (a trace without drafts has no drafting) or timed fewer than
-    ``MIN_PHASE_CALLS`` calls (a median of one or two calls can be a one-off: a new batch shape compiling)."""
-    rows = [{"k": trace.k, "batch": int(batch), "phase": f"{phase}_ms",
-             "ms": max(float(timing["host_ms_median"]), float(timing.get("device_ms_median") or 0.0))}
-            for trace in traces
-            for phase, per_batch in (trace.manifest.get("phases") or {}).items()
-            for batch, timing in per_batch.items() if int(timing.get("calls", 0)) >= MIN_PHASE_CALLS]
-    schema = {"k": pl.Int32, "batch": pl.Int32, **{name: pl.Float64 for name in PHASE_COLUMNS}}
-    if not rows:
-        return pl.DataFrame(schema=schema)
-    wide = pl.DataFrame(rows).pivot(on="phase", index=["k", "batch"], values="ms")
-    return wide.with_columns(pl.lit(None, pl.Float64).alias(name) for name in PHASE_COLUMNS
-                             if name not in wide.columns).select(pl.col(name).cast(t) for name, t in schema.items())
-
-
-def measured_baselines(run: Run, steps: pl.DataFrame, options: Options) -> dict[int, float]:
-    """The k=0 trace's decode step (start to start, ms) at each asked concurrency it has steps of (``steps``:
-    ``recorded_steps``)."""
-    baseline = next((trace for trace in run.traces if trace.k == 0), None)
-    if baseline is None:
-        raise UserError(f"{run.path}: --profile measured needs a k=0 trace in the sweep (its steps are the baseline)")
-    periods = steps.filter(pl.col("k") == 0)
-    found = {int(row["batch"]): float(row["period_ms"]) for row in periods.to_dicts()
-             if row["batch"] in options.batches}
-    if not found:
-        have = ", ".join(str(b) for b in periods["batch"].to_list()) or "none"
-        raise UserError(f"{baseline.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency "
-                        f"{', '.join(map(str, options.batches))} to measure the k=0 step at (has: {have})")
-    return found
-
-
-def sync_trace(run: Run, path: Path) -> Trace:
-    """``--k0-sync``: the trace at ``path``, checked to be a k=0 recording of the sweep's model with async scheduling
-    off, beside a sweep whose k=0 ran with it on and whose k>0 traces ran with it off (as vLLM drafts n-gram)."""
-    trace = open_trace(path)
-    if trace.k != 0:
-        raise UserError(f"{path}: --k0-sync needs one trace recorded at k=0")
-    if trace.manifest.get("capture", {}).get("async_scheduling") is True:
-        raise UserError(f"{path}: recorded with async scheduling on; --k0-sync needs it off")
-    k0 = next(t for t in run.traces if t.k == 0)
-    if k0.manifest.get("capture", {}).get("async_scheduling") is False:
-        raise UserError(f"{path}: the sweep's k=0 trace ran with async scheduling off already: no --k0-sync needed")
-    differs = first_difference(run.primary.manifest, trace.manifest, SWEEP_MODEL_KEYS)
-    if differs is not None:
-        key, mine, theirs = differs
-        raise UserError(f"{path}: not the sweep's model: {key} {theirs!r}, the sweep has {mine!r}")
-    drafting = [t for t in run.traces if t.k > 0 and t.manifest.get("capture", {}).get("async_scheduling") is True]
-    if drafting:
-        raise UserError(f"{path}: --k0-sync, but {drafting[0].path} drafted with async scheduling on")
-    return trace
-
-
-def scheduling_costs(trace: Trace, baselines: dict[int, float]) -> dict[int, float]:
-    """Per concurrency of ``baselines`` (the sweep's k=0 step, ms): how much longer a k=0 decode step took in
-    ``sync_trace``, recorded with async scheduling off, which vLLM switches off to draft with n-gram: what every
-    k>0 step pays for that switch."""
-    found = {int(row["batch"]): float(row["period_ms"]) for row in decode_periods(trace).to_dicts()}
-    missing = [batch for batch in baselines if batch not in found]
-    if missing:
-        raise UserError(f"{trace.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency {missing[0]} "
-                        f"(has: {', '.join(map(str, sorted(found))) or 'none'})")
-    return {batch: found[batch] - baseline for batch, baseline in baselines.items()}
-
-
-def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max_k: int,
-                   scale_with_k: bool) -> dict[int, dict[int, float]] | None:
-    """Per concurrency of ``batches``: ``column`` of ``recorded_steps`` (ms per step) at every k up to ``max_k``, from
-    what the sweep's k > 0 traces measured at that concurrency, or at the nearest one that has it
-    (``analysis.cost.per_k_from_nearest`` across k); None when no trace measured it."""
-    timed = steps.filter(pl.col("k") > 0).drop_nulls(column)
-    if timed.is_empty():
-        return None
-    recorded = sorted(set(timed["batch"].to_list()))
-    out = {}
-    for batch in batches:
-        at = timed.filter(pl.col("batch") == min(recorded, key=lambda b: (abs(b - batch), b)))
-        out[batch] = per_k_from_nearest(dict(zip(at["k"].to_list(), at[column].to_list())), range(max_k + 1),
-                                        scale_with_k)
-    return out
-
-
-def measured_steps(run: Run, steps: pl.DataFrame, options: Options, sync: Trace | None) -> dict[int, MeasuredSteps]:
-    """Per asked concurrency the sweep's k=0 trace ran at: what the sweep's own steps measured there
-    (``analysis.cost.MeasuredSteps``; ``steps``: ``recorded_steps``; ``sync``: the ``--k0-sync`` trace, the k=0
-    steps run as the k>0 steps were, against which their phases grow)."""
-    baselines = measured_baselines(run, steps, options)
-    method = str(run.primary.manifest["spec"].get("method"))
-    grew = growth_over_k0(steps, None if sync is None else recorded_phases([sync]))
-    drafting = measured_per_k(steps, "drafting_ms", list(baselines), options.max_k, method in MODEL_DRAFTERS)
-    sampling = measured_per_k(grew, "sampling_growth_ms", list(baselines), options.max_k, scale_with_k=False)
-    scheduling = None if sync is None else scheduling_costs(sync, baselines)
-    out = {}
-    prefill = {int(row["batch"]): float(row["prefill_ms_per_token"] or 0.0)
-               for row in steps.filter(pl.col("k") == 0).to_dicts()}
-    for batch, baseline in baselines.items():
-        # the forward's growth at this concurrency only: what it grew beyond the calibrated MoE depends on the
-        # experts a step of this many requests reads
-        forward = grew.filter((pl.col("batch") == batch) & (pl.col("k") > 0)).drop_nulls("forward_growth_ms")
-        out[batch] = MeasuredSteps(baseline, dict(zip(forward["k"].to_list(), forward["forward_growth_ms"].to_list())),
-                                   None if sampling is None else sampling[batch],
-                                   None if drafting is None else drafting[batch],
-                                   None if scheduling is None else scheduling[batch], prefill[batch])
-    return out
-
-
 def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, ep: int, options: Options,
                    steps: pl.DataFrame | None, sync: Trace | None, disagreements: dict[int, str]
                    ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
@@ -327,7 +196,7 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
         raise UserError(f"--profile tokens={tokens}: its step is one request's window of {tokens} tokens, "
                         f"k={tokens - 1}: give --max-k {tokens - 1} or more")
     anchor = (float(at["unique_experts"].item()), float(at["busiest_rank_experts"].item()))
-    measured = measured_steps(run, steps, options, sync) if steps is not None else None
+    measured = measured_steps(run, steps, options.batches, options.max_k, sync) if steps is not None else None
     try:
         speedups, basis = speedup_per_batch(inputs, deployment_for(pred_shape, pred_tp, pred_ep),
                                             options.profile, options.calibration, anchor, measured)
@@ -464,194 +333,3 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     )
     analysis.checks = self_check(analysis)
     return analysis
-
-
-def growth_overview(growth_table: pl.DataFrame) -> pl.DataFrame:
-    """Per k, the mean over layers of each series: measured per request and per batch, counterfactual, the uniform
-    bound, locality, and the per-rank view of the best per-request estimate (measured where recorded)."""
-    series = (
-        growth_table.group_by("k")
-        .agg(
-            *[
-                pl.col("unique_experts").filter((pl.col("source") == source) & (pl.col("scope") == scope)).mean()
-                .alias(name)
-                for name, source, scope in (
-                    ("measured_request", MEASURED, PER_REQUEST),
-                    ("measured_batch", MEASURED, PER_BATCH),
-                    ("counterfactual", COUNTERFACTUAL, PER_REQUEST),
-                )
-            ],
-            pl.col("uniform_bound").drop_nulls().first(),
-        )
-    )
-    best = (
-        best_window_estimate(growth_table.lazy())
-        .group_by("k")
-        .agg(
-            least_direct_expr("source").alias("source"),
-            pl.col("unique_experts").mean().alias("best"),
-            pl.col("busiest_rank_experts").mean(),
-            pl.col("ranks_touched").mean(),
-        )
-        .collect()
-    )
-    return (
-        series.join(best, on="k")
-        .with_columns(locality=pl.col("best") / pl.col("uniform_bound"))
-        .select(
-            "k", "source", "measured_request", "measured_batch", "counterfactual", "uniform_bound", "locality",
-            "busiest_rank_experts", "ranks_touched",
-        )
-        .sort("k")
-    )
-
-
-def notes(analysis: RunAnalysis, k: int) -> list[str]:
-    found = []
-    if analysis.manifest["model"].get("random_weights"):
-        found.append(RANDOM_WEIGHTS_NOTE)
-    if analysis.run.primary.k < k:
-        found.append(
-            f"recorded at k={analysis.run.primary.k}: figures at k={k} are counterfactual "
-            f"(windows of {k + 1} consecutive accepted tokens)"
-        )
-    if analysis.budget_source == COUNTERFACTUAL:
-        found.append(f"budgets at k={max(k, 1)} use counterfactual windows of accepted tokens")
-    sampled = sample_note(analysis.budget_share)
-    if sampled is not None:
-        found.append(sampled)
-    if analysis.prediction_note is not None:
-        found.append(analysis.prediction_note)
-    if analysis.prediction_basis is not None and analysis.prediction_basis["allreduce_extrapolated"]:
-        found.append(f"prediction: all-reduce time is {analysis.prediction_basis['allreduce']}")
-    found += [f"k={k}: routing and steps disagree: {what}" for k, what in sorted(analysis.disagreements.items())]
-    return found + analysis.checks + analysis.run.warnings
-
-
-def prediction_summary(analysis: RunAnalysis, k: int) -> dict[str, Any] | None:
-    if analysis.prediction is None:
-        return None
-    at_k = analysis.prediction.filter(pl.col("k") == k).to_dicts()
-    return {"basis": analysis.prediction_basis, "at_k": at_k[0] if at_k else None,
-            "per_k": analysis.prediction.to_dicts(),
-            "per_batch": analysis.speedups.to_dicts() if analysis.speedups is not None else [],
-            "against_trace": analysis.against_trace.to_dicts() if analysis.against_trace is not None else []}
-
-
-def budget_summary(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:
-    chosen = analysis.budgets
-    budgets = chosen["budget"]
-    return {
-        "k": max(analysis.k, 1),
-        "source": analysis.budget_source,
-        "coverage_target": coverage,
-        "min_budget": int(budgets.min()) if len(budgets) else None,  # type: ignore[arg-type]
-        "median_budget": float(budgets.median()) if len(budgets) else None,  # type: ignore[arg-type]
-        "max_budget": int(budgets.max()) if len(budgets) else None,  # type: ignore[arg-type]
-        # per verification window, over the model's MoE layers (mean per recorded layer × MoE layers)
-        "bytes_saved_per_window": float(chosen["bytes_saved"].mean()) * analysis.shape.moe_layers  # type: ignore[arg-type]
-        if len(chosen)
-        else None,
-        "per_layer": chosen.to_dicts(),
-    }
-
-
-def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] | None:
-    """Per concurrency: the recommended k, its predicted speedup, what it rests on, and the expert budget per
-    request window at that k (experts and bytes it saves, priced at the prediction's shape)."""
-    if analysis.decision is None or analysis.prediction_basis is None:
-        return None
-    basis = analysis.prediction_basis
-    rows = []
-    for row in analysis.decision.to_dicts():
-        budget = None
-        if row["k"] is not None and row["k"] >= 1:
-            chosen = smallest_budgets(analysis.budget_curves.filter(pl.col("k") == row["k"]).drop("k").lazy(),
-                                      options.coverage)
-            saved = float(chosen["experts_saved"].mean()) if len(chosen) else 0.0  # type: ignore[arg-type]
-            budget = {
-                "median": float(chosen["budget"].median()) if len(chosen) else None,  # type: ignore[arg-type]
-                "experts_saved_per_layer": saved,
-                "bytes_saved_per_window": saved * basis["expert_bytes"] * basis["moe_layers"],
-                "shape": basis["shape"],
-                "source": MEASURED if analysis.run.primary.k == row["k"] else COUNTERFACTUAL,
-            }
-        rows.append({**row, "budget": budget})
-    return {
-        "drafter": analysis.manifest["spec"].get("method") or "none",
-        "label": analysis.run.label,
-        "acceptance": "measured" if options.acceptance is None else f"given {options.acceptance:g} per draft",
-        "based_on": basis["preset"] or " + ".join(
-            part for part in (basis["calibration"], basis.get("profile")) if part),
-        "coverage_target": options.coverage,
-        "shape": basis["shape"] if basis["shape"] != "manifest" else f"{analysis.manifest['model'].get('name')} "
-                                                                      "(as recorded)",
-        "per_batch": rows,
-    }
-
-
-def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any]:
-    """Everything the terminal shows, as plain JSON-able data."""
-    k = options.k
-    runs = []
-    for analysis in analyses:
-        model = analysis.manifest["model"]
-        overview = growth_overview(analysis.growth)
-        bytes_at_k = analysis.step_bytes.filter(pl.col("k") == k).to_dicts()
-        runs.append(
-            {
-                "label": analysis.run.label,
-                "path": str(analysis.run.path),
-                "model": str(model.get("name")),
-                "random_weights": bool(model.get("random_weights")),
-                "spec_method": analysis.manifest["spec"].get("method"),
-                "recorded_k": [trace.k for trace in analysis.run.traces],
-                "primary_k": analysis.run.primary.k,
-                "source_at_k": analysis.source_at_k,
-                "shape": options.shape_preset or f"{model.get('name')} (as recorded)",
-                "tp": analysis.tp,
-                "ep": analysis.ep,
-                "notes": notes(analysis, k),
-                "growth_at_k": next(iter(overview.filter(pl.col("k") == k).to_dicts()), None),
-                "growth_overview": overview.to_dicts(),
-                "bytes_at_k": bytes_at_k[0] if bytes_at_k else None,
-                "acceptance_per_k": analysis.acceptance_per_k.to_dicts(),
-                "step_reads": analysis.unions.to_dicts(),
-                "checks": analysis.checks,
-                "disagreements": {str(k): what for k, what in analysis.disagreements.items()},
-                "acceptance_by_position": analysis.acceptance_by_position.to_dicts(),
-                "rejected_only": analysis.rejected_only.to_dicts(),
-                "budget": budget_summary(analysis, options.coverage),
-                "prediction": prediction_summary(analysis, k),
-                "growth": analysis.growth.to_dicts(),
-                "step_bytes": analysis.step_bytes.to_dicts(),
-                **dashboard_data(analysis),
-            }
-        )
-    decisions = [decision for decision in (decision_summary(a, options) for a in analyses) if decision]
-    warnings = [f"{analysis.run.label}: {line}" for analysis in analyses
-                for line in [*(f"k={k}: routing and steps disagree: {what}"
-                               for k, what in sorted(analysis.disagreements.items())), *analysis.checks]]
-    warnings += [f"{decision['label']}: no recommendation at {row['batch']} request(s) per step: {row['status']}"
-                 for decision in decisions for row in decision["per_batch"] if row["status"] != "ok"]
-    return {"decision": decisions, "warnings": warnings, "k": k, "coverage_target": options.coverage, "runs": runs}
-
-
-def dashboard_data(analysis: RunAnalysis) -> dict[str, Any]:
-    """What the dashboard plots beyond the terminal's figures, as plain lists: the recorded MoE ``layers``, the
-    ``expert_load`` matrix (picks per expert, one row per layer of ``layers``) and the ``budget_curves`` per k and
-    layer (routing weight kept at each budget, with the source of the windows: measured at the recorded k, else
-    counterfactual)."""
-    layers = sorted({int(layer) for layer in [*analysis.growth["layer"].to_list(), *analysis.load["layer"].to_list()]})
-    row_of = {layer: row for row, layer in enumerate(layers)}
-    load = [[0] * analysis.shape.num_experts for _ in layers]
-    for layer, expert, picks in analysis.load.select("layer", "expert", "picks").iter_rows():
-        load[row_of[int(layer)]][int(expert)] = int(picks)
-    curves = (
-        analysis.budget_curves.sort("k", "layer", "budget")
-        .group_by("k", "layer", maintain_order=True)
-        .agg("budget", "coverage")
-        .with_columns(source=pl.when(pl.col("k") == analysis.run.primary.k).then(pl.lit(MEASURED))
-                      .otherwise(pl.lit(COUNTERFACTUAL)))
-    )
-    return {"layers": layers, "expert_load": load, "budget_curves": curves.to_dicts()}

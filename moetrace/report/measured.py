@@ -1,0 +1,142 @@
+"""``--profile measured``: what a sweep's own recorded steps measured on the machine that recorded it (decode step
+periods, vLLM's timed calls, the ``--k0-sync`` trace), gathered per concurrency as ``analysis.cost.MeasuredSteps``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import polars as pl
+
+from moetrace.analysis.acceptance import decode_step_periods
+from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps, per_k_from_nearest
+from moetrace.analysis.decision import PHASE_COLUMNS, growth_over_k0
+from moetrace.errors import UserError
+from moetrace.reader import SWEEP_MODEL_KEYS, Trace, first_difference, open_trace
+from moetrace.report.inputs import Run
+
+MIN_BASELINE_STEPS = 5  # decode step pairs a measured k=0 step time rests on
+MIN_PHASE_CALLS = 3  # timed calls a phase's median rests on
+
+
+def recorded_steps(run: Run) -> pl.DataFrame:
+    """Every trace's decode steps per concurrency (``analysis.acceptance.decode_step_periods``, with k), where at
+    least ``MIN_BASELINE_STEPS`` step pairs measured them, with what those steps spent in vLLM's calls
+    (``recorded_phases``): the baseline and the check of --profile measured."""
+    per_trace = [decode_periods(t).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
+    return pl.concat(per_trace).join(recorded_phases(run.traces), on=["k", "batch"], how="left")
+
+
+def decode_periods(trace: Trace) -> pl.DataFrame:
+    """``analysis.acceptance.decode_step_periods`` of ``trace`` at the concurrencies with at least
+    ``MIN_BASELINE_STEPS`` step pairs (fewer measure no step time worth predicting from)."""
+    return decode_step_periods(trace.steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
+
+
+def recorded_phases(traces: Sequence[Trace]) -> pl.DataFrame:
+    """Per (k, batch): ms per step in vLLM's forward, sampling and drafting calls (``PHASE_COLUMNS``), from each
+    trace's manifest ``phases``: the longer of the host and device medians (the step waits for the longer); null
+    where a trace did not time them (a trace without drafts has no drafting) or timed fewer than
+    ``MIN_PHASE_CALLS`` calls (a median of one or two calls can be a one-off: a new batch shape compiling)."""
+    rows = [{"k": trace.k, "batch": int(batch), "phase": f"{phase}_ms",
+             "ms": max(float(timing["host_ms_median"]), float(timing.get("device_ms_median") or 0.0))}
+            for trace in traces
+            for phase, per_batch in (trace.manifest.get("phases") or {}).items()
+            for batch, timing in per_batch.items() if int(timing.get("calls", 0)) >= MIN_PHASE_CALLS]
+    schema = {"k": pl.Int32, "batch": pl.Int32, **{name: pl.Float64 for name in PHASE_COLUMNS}}
+    if not rows:
+        return pl.DataFrame(schema=schema)
+    wide = pl.DataFrame(rows).pivot(on="phase", index=["k", "batch"], values="ms")
+    return wide.with_columns(pl.lit(None, pl.Float64).alias(name) for name in PHASE_COLUMNS
+                             if name not in wide.columns).select(pl.col(name).cast(t) for name, t in schema.items())
+
+
+def measured_baselines(run: Run, steps: pl.DataFrame, batches: Sequence[int]) -> dict[int, float]:
+    """The k=0 trace's decode step (start to start, ms) at each of ``batches`` it has steps of (``steps``:
+    ``recorded_steps``)."""
+    baseline = next((trace for trace in run.traces if trace.k == 0), None)
+    if baseline is None:
+        raise UserError(f"{run.path}: --profile measured needs a k=0 trace in the sweep (its steps are the baseline)")
+    periods = steps.filter(pl.col("k") == 0)
+    found = {int(row["batch"]): float(row["period_ms"]) for row in periods.to_dicts()
+             if row["batch"] in batches}
+    if not found:
+        have = ", ".join(str(b) for b in periods["batch"].to_list()) or "none"
+        raise UserError(f"{baseline.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency "
+                        f"{', '.join(map(str, batches))} to measure the k=0 step at (has: {have})")
+    return found
+
+
+def sync_trace(run: Run, path: Path) -> Trace:
+    """``--k0-sync``: the trace at ``path``, checked to be a k=0 recording of the sweep's model with async scheduling
+    off, beside a sweep whose k=0 ran with it on and whose k>0 traces ran with it off (as vLLM drafts n-gram)."""
+    trace = open_trace(path)
+    if trace.k != 0:
+        raise UserError(f"{path}: --k0-sync needs one trace recorded at k=0")
+    if trace.manifest.get("capture", {}).get("async_scheduling") is True:
+        raise UserError(f"{path}: recorded with async scheduling on; --k0-sync needs it off")
+    k0 = next(t for t in run.traces if t.k == 0)
+    if k0.manifest.get("capture", {}).get("async_scheduling") is False:
+        raise UserError(f"{path}: the sweep's k=0 trace ran with async scheduling off already: no --k0-sync needed")
+    differs = first_difference(run.primary.manifest, trace.manifest, SWEEP_MODEL_KEYS)
+    if differs is not None:
+        key, mine, theirs = differs
+        raise UserError(f"{path}: not the sweep's model: {key} {theirs!r}, the sweep has {mine!r}")
+    drafting = [t for t in run.traces if t.k > 0 and t.manifest.get("capture", {}).get("async_scheduling") is True]
+    if drafting:
+        raise UserError(f"{path}: --k0-sync, but {drafting[0].path} drafted with async scheduling on")
+    return trace
+
+
+def scheduling_costs(trace: Trace, baselines: dict[int, float]) -> dict[int, float]:
+    """Per concurrency of ``baselines`` (the sweep's k=0 step, ms): how much longer a k=0 decode step took in
+    ``sync_trace``, recorded with async scheduling off, which vLLM switches off to draft with n-gram: what every
+    k>0 step pays for that switch."""
+    found = {int(row["batch"]): float(row["period_ms"]) for row in decode_periods(trace).to_dicts()}
+    missing = [batch for batch in baselines if batch not in found]
+    if missing:
+        raise UserError(f"{trace.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency {missing[0]} "
+                        f"(has: {', '.join(map(str, sorted(found))) or 'none'})")
+    return {batch: found[batch] - baseline for batch, baseline in baselines.items()}
+
+
+def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max_k: int,
+                   scale_with_k: bool) -> dict[int, dict[int, float]] | None:
+    """Per concurrency of ``batches``: ``column`` of ``recorded_steps`` (ms per step) at every k up to ``max_k``, from
+    what the sweep's k > 0 traces measured at that concurrency, or at the nearest one that has it
+    (``analysis.cost.per_k_from_nearest`` across k); None when no trace measured it."""
+    timed = steps.filter(pl.col("k") > 0).drop_nulls(column)
+    if timed.is_empty():
+        return None
+    recorded = sorted(set(timed["batch"].to_list()))
+    out = {}
+    for batch in batches:
+        at = timed.filter(pl.col("batch") == min(recorded, key=lambda b: (abs(b - batch), b)))
+        out[batch] = per_k_from_nearest(dict(zip(at["k"].to_list(), at[column].to_list())), range(max_k + 1),
+                                        scale_with_k)
+    return out
+
+
+def measured_steps(run: Run, steps: pl.DataFrame, batches: Sequence[int], max_k: int,
+                   sync: Trace | None) -> dict[int, MeasuredSteps]:
+    """Per concurrency of ``batches`` the sweep's k=0 trace ran at, for k up to ``max_k``: what the sweep's own
+    steps measured there (``analysis.cost.MeasuredSteps``; ``steps``: ``recorded_steps``; ``sync``: the
+    ``--k0-sync`` trace, the k=0 steps run as the k>0 steps were, against which their phases grow)."""
+    baselines = measured_baselines(run, steps, batches)
+    method = str(run.primary.manifest["spec"].get("method"))
+    grew = growth_over_k0(steps, None if sync is None else recorded_phases([sync]))
+    drafting = measured_per_k(steps, "drafting_ms", list(baselines), max_k, method in MODEL_DRAFTERS)
+    sampling = measured_per_k(grew, "sampling_growth_ms", list(baselines), max_k, scale_with_k=False)
+    scheduling = None if sync is None else scheduling_costs(sync, baselines)
+    out = {}
+    prefill = {int(row["batch"]): float(row["prefill_ms_per_token"] or 0.0)
+               for row in steps.filter(pl.col("k") == 0).to_dicts()}
+    for batch, baseline in baselines.items():
+        # the forward's growth at this concurrency only: what it grew beyond the calibrated MoE depends on the
+        # experts a step of this many requests reads
+        forward = grew.filter((pl.col("batch") == batch) & (pl.col("k") > 0)).drop_nulls("forward_growth_ms")
+        out[batch] = MeasuredSteps(baseline, dict(zip(forward["k"].to_list(), forward["forward_growth_ms"].to_list())),
+                                   None if sampling is None else sampling[batch],
+                                   None if drafting is None else drafting[batch],
+                                   None if scheduling is None else scheduling[batch], prefill[batch])
+    return out

@@ -1,0 +1,204 @@
+"""The summary JSON of a report: what ``--json`` prints, and the one source the terminal tables and the dashboard
+render, shaped from each TRACE's ``RunAnalysis``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+from moetrace.analysis.budgets import smallest_budgets
+from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, PER_BATCH, PER_REQUEST, best_window_estimate
+from moetrace.analysis.sources import least_direct_expr
+from moetrace.report.summary import RANDOM_WEIGHTS_NOTE, Options, RunAnalysis, sample_note
+
+
+def growth_overview(growth_table: pl.DataFrame) -> pl.DataFrame:
+    """Per k, the mean over layers of each series: measured per request and per batch, counterfactual, the uniform
+    bound, locality, and the per-rank view of the best per-request estimate (measured where recorded)."""
+    series = (
+        growth_table.group_by("k")
+        .agg(
+            *[
+                pl.col("unique_experts").filter((pl.col("source") == source) & (pl.col("scope") == scope)).mean()
+                .alias(name)
+                for name, source, scope in (
+                    ("measured_request", MEASURED, PER_REQUEST),
+                    ("measured_batch", MEASURED, PER_BATCH),
+                    ("counterfactual", COUNTERFACTUAL, PER_REQUEST),
+                )
+            ],
+            pl.col("uniform_bound").drop_nulls().first(),
+        )
+    )
+    best = (
+        best_window_estimate(growth_table.lazy())
+        .group_by("k")
+        .agg(
+            least_direct_expr("source").alias("source"),
+            pl.col("unique_experts").mean().alias("best"),
+            pl.col("busiest_rank_experts").mean(),
+            pl.col("ranks_touched").mean(),
+        )
+        .collect()
+    )
+    return (
+        series.join(best, on="k")
+        .with_columns(locality=pl.col("best") / pl.col("uniform_bound"))
+        .select(
+            "k", "source", "measured_request", "measured_batch", "counterfactual", "uniform_bound", "locality",
+            "busiest_rank_experts", "ranks_touched",
+        )
+        .sort("k")
+    )
+
+
+def notes(analysis: RunAnalysis, k: int) -> list[str]:
+    found = []
+    if analysis.manifest["model"].get("random_weights"):
+        found.append(RANDOM_WEIGHTS_NOTE)
+    if analysis.run.primary.k < k:
+        found.append(
+            f"recorded at k={analysis.run.primary.k}: figures at k={k} are counterfactual "
+            f"(windows of {k + 1} consecutive accepted tokens)"
+        )
+    if analysis.budget_source == COUNTERFACTUAL:
+        found.append(f"budgets at k={max(k, 1)} use counterfactual windows of accepted tokens")
+    sampled = sample_note(analysis.budget_share)
+    if sampled is not None:
+        found.append(sampled)
+    if analysis.prediction_note is not None:
+        found.append(analysis.prediction_note)
+    if analysis.prediction_basis is not None and analysis.prediction_basis["allreduce_extrapolated"]:
+        found.append(f"prediction: all-reduce time is {analysis.prediction_basis['allreduce']}")
+    found += [f"k={k}: routing and steps disagree: {what}" for k, what in sorted(analysis.disagreements.items())]
+    return found + analysis.checks + analysis.run.warnings
+
+
+def prediction_summary(analysis: RunAnalysis, k: int) -> dict[str, Any] | None:
+    if analysis.prediction is None:
+        return None
+    at_k = analysis.prediction.filter(pl.col("k") == k).to_dicts()
+    return {"basis": analysis.prediction_basis, "at_k": at_k[0] if at_k else None,
+            "per_k": analysis.prediction.to_dicts(),
+            "per_batch": analysis.speedups.to_dicts() if analysis.speedups is not None else [],
+            "against_trace": analysis.against_trace.to_dicts() if analysis.against_trace is not None else []}
+
+
+def budget_summary(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:
+    chosen = analysis.budgets
+    budgets = chosen["budget"]
+    return {
+        "k": max(analysis.k, 1),
+        "source": analysis.budget_source,
+        "coverage_target": coverage,
+        "min_budget": int(budgets.min()) if len(budgets) else None,  # type: ignore[arg-type]
+        "median_budget": float(budgets.median()) if len(budgets) else None,  # type: ignore[arg-type]
+        "max_budget": int(budgets.max()) if len(budgets) else None,  # type: ignore[arg-type]
+        # per verification window, over the model's MoE layers (mean per recorded layer × MoE layers)
+        "bytes_saved_per_window": float(chosen["bytes_saved"].mean()) * analysis.shape.moe_layers  # type: ignore[arg-type]
+        if len(chosen)
+        else None,
+        "per_layer": chosen.to_dicts(),
+    }
+
+
+def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] | None:
+    """Per concurrency: the recommended k, its predicted speedup, what it rests on, and the expert budget per
+    request window at that k (experts and bytes it saves, priced at the prediction's shape)."""
+    if analysis.decision is None or analysis.prediction_basis is None:
+        return None
+    basis = analysis.prediction_basis
+    rows = []
+    for row in analysis.decision.to_dicts():
+        budget = None
+        if row["k"] is not None and row["k"] >= 1:
+            chosen = smallest_budgets(analysis.budget_curves.filter(pl.col("k") == row["k"]).drop("k").lazy(),
+                                      options.coverage)
+            saved = float(chosen["experts_saved"].mean()) if len(chosen) else 0.0  # type: ignore[arg-type]
+            budget = {
+                "median": float(chosen["budget"].median()) if len(chosen) else None,  # type: ignore[arg-type]
+                "experts_saved_per_layer": saved,
+                "bytes_saved_per_window": saved * basis["expert_bytes"] * basis["moe_layers"],
+                "shape": basis["shape"],
+                "source": MEASURED if analysis.run.primary.k == row["k"] else COUNTERFACTUAL,
+            }
+        rows.append({**row, "budget": budget})
+    return {
+        "drafter": analysis.manifest["spec"].get("method") or "none",
+        "label": analysis.run.label,
+        "acceptance": "measured" if options.acceptance is None else f"given {options.acceptance:g} per draft",
+        "based_on": basis["preset"] or " + ".join(
+            part for part in (basis["calibration"], basis.get("profile")) if part),
+        "coverage_target": options.coverage,
+        "shape": basis["shape"] if basis["shape"] != "manifest" else f"{analysis.manifest['model'].get('name')} "
+                                                                      "(as recorded)",
+        "per_batch": rows,
+    }
+
+
+def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any]:
+    """Everything the terminal shows, as plain JSON-able data."""
+    k = options.k
+    runs = []
+    for analysis in analyses:
+        model = analysis.manifest["model"]
+        overview = growth_overview(analysis.growth)
+        bytes_at_k = analysis.step_bytes.filter(pl.col("k") == k).to_dicts()
+        runs.append(
+            {
+                "label": analysis.run.label,
+                "path": str(analysis.run.path),
+                "model": str(model.get("name")),
+                "random_weights": bool(model.get("random_weights")),
+                "spec_method": analysis.manifest["spec"].get("method"),
+                "recorded_k": [trace.k for trace in analysis.run.traces],
+                "primary_k": analysis.run.primary.k,
+                "source_at_k": analysis.source_at_k,
+                "shape": options.shape_preset or f"{model.get('name')} (as recorded)",
+                "tp": analysis.tp,
+                "ep": analysis.ep,
+                "notes": notes(analysis, k),
+                "growth_at_k": next(iter(overview.filter(pl.col("k") == k).to_dicts()), None),
+                "growth_overview": overview.to_dicts(),
+                "bytes_at_k": bytes_at_k[0] if bytes_at_k else None,
+                "acceptance_per_k": analysis.acceptance_per_k.to_dicts(),
+                "step_reads": analysis.unions.to_dicts(),
+                "checks": analysis.checks,
+                "disagreements": {str(k): what for k, what in analysis.disagreements.items()},
+                "acceptance_by_position": analysis.acceptance_by_position.to_dicts(),
+                "rejected_only": analysis.rejected_only.to_dicts(),
+                "budget": budget_summary(analysis, options.coverage),
+                "prediction": prediction_summary(analysis, k),
+                "growth": analysis.growth.to_dicts(),
+                "step_bytes": analysis.step_bytes.to_dicts(),
+                **dashboard_data(analysis),
+            }
+        )
+    decisions = [decision for decision in (decision_summary(a, options) for a in analyses) if decision]
+    warnings = [f"{analysis.run.label}: {line}" for analysis in analyses
+                for line in [*(f"k={k}: routing and steps disagree: {what}"
+                               for k, what in sorted(analysis.disagreements.items())), *analysis.checks]]
+    warnings += [f"{decision['label']}: no recommendation at {row['batch']} request(s) per step: {row['status']}"
+                 for decision in decisions for row in decision["per_batch"] if row["status"] != "ok"]
+    return {"decision": decisions, "warnings": warnings, "k": k, "coverage_target": options.coverage, "runs": runs}
+
+
+def dashboard_data(analysis: RunAnalysis) -> dict[str, Any]:
+    """What the dashboard plots beyond the terminal's figures, as plain lists: the recorded MoE ``layers``, the
+    ``expert_load`` matrix (picks per expert, one row per layer of ``layers``) and the ``budget_curves`` per k and
+    layer (routing weight kept at each budget, with the source of the windows: measured at the recorded k, else
+    counterfactual)."""
+    layers = sorted({int(layer) for layer in [*analysis.growth["layer"].to_list(), *analysis.load["layer"].to_list()]})
+    row_of = {layer: row for row, layer in enumerate(layers)}
+    load = [[0] * analysis.shape.num_experts for _ in layers]
+    for layer, expert, picks in analysis.load.select("layer", "expert", "picks").iter_rows():
+        load[row_of[int(layer)]][int(expert)] = int(picks)
+    curves = (
+        analysis.budget_curves.sort("k", "layer", "budget")
+        .group_by("k", "layer", maintain_order=True)
+        .agg("budget", "coverage")
+        .with_columns(source=pl.when(pl.col("k") == analysis.run.primary.k).then(pl.lit(MEASURED))
+                      .otherwise(pl.lit(COUNTERFACTUAL)))
+    )
+    return {"layers": layers, "expert_load": load, "budget_curves": curves.to_dicts()}
