@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from moetrace.errors import UserError
 from moetrace.schema import (
     FOOTER_SCHEMA_KEY,
+    INPROGRESS_SUFFIX,
     MANIFEST_NAME,
     REQUIRED_MANIFEST_KEYS,
     ROUTING_DIR,
@@ -29,7 +30,6 @@ from moetrace.schema import (
     TELEMETRY_DIR,
     routing_schema,
 )
-from moetrace.writer import INPROGRESS_SUFFIX
 
 
 @dataclass

@@ -13,6 +13,7 @@ MANIFEST_NAME = "manifest.json"
 ROUTING_DIR = "routing"
 STEPS_DIR = "steps"
 TELEMETRY_DIR = "telemetry"
+INPROGRESS_SUFFIX = ".inprogress"  # a table file being written: renamed without it once closed
 
 # Key under which every Parquet footer carries the schema version (and the run id), so one file read alone
 # still says what it is.

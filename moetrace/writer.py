@@ -43,18 +43,18 @@ import pyarrow.parquet as pq
 from moetrace.schema import (
     FOOTER_RUN_KEY,
     FOOTER_SCHEMA_KEY,
+    INPROGRESS_SUFFIX,
     MANIFEST_NAME,
-    TOKEN_PHASES,
     ROUTING_DIR,
     SCHEMA_VERSION,
     STEPS_DIR,
     STEPS_SCHEMA,
+    TOKEN_PHASES,
     routing_schema,
 )
 
 log = logging.getLogger("moetrace")
 
-INPROGRESS_SUFFIX = ".inprogress"
 
 # How every moetrace Parquet file is encoded (benchmarks write theirs the same way).
 PARQUET_OPTIONS: dict[str, Any] = {

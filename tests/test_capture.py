@@ -406,3 +406,16 @@ def test_the_engine_side_never_imports_the_analysis_stack() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd="/")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_reader_never_imports_the_recording_side() -> None:
+    """Recording and analysis meet only through the trace files: the reader needs the contract (moetrace.schema),
+    not the writer or the hooks."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, moetrace.reader\n"
+             "print(sorted(m for m in sys.modules if m == 'moetrace.writer' or m.startswith('moetrace.hooks')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd="/")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
