@@ -110,11 +110,12 @@ def resolve_model(model: str | None) -> ResolvedModel:
                              int(CONFIG["num_experts_per_tok"]))
     path = Path(model).expanduser()
     if not path.is_dir():
-        try:
-            from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+        try:
             path = Path(snapshot_download(model, local_files_only=True))
-        except Exception:
+        except (LocalEntryNotFoundError, HFValidationError):  # not cached, or not a repository id at all
             raise UserError(f"model not found: {model} "
                             "(not a directory, not in the local Hugging Face cache)") from None
     config_path = path / "config.json"

@@ -24,6 +24,10 @@ def refuse(args: list[str]) -> str:
 
 def test_missing_model_path_is_refused(tmp_path: Path) -> None:
     assert "model not found" in refuse(["record", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
+    # a repository id not in the local Hugging Face cache, and a name that is no repository id at all
+    for model in ("moetrace-tests/never-cached", "not an id"):
+        assert refuse(["record", model, "--out", str(tmp_path)]) == (
+            f"error: model not found: {model} (not a directory, not in the local Hugging Face cache)")
 
 
 def test_dense_model_is_refused(tmp_path: Path) -> None:
