@@ -182,6 +182,43 @@ def info(trace: Path, as_json: bool) -> None:
             err_console.print(Text("  warning: ", style="yellow") + Text(warning), highlight=False)
 
 
+@main.command()
+@click.argument("summary", type=click.Path(path_type=Path))
+@click.option("--vllm-spec-schedule", "vllm_spec", is_flag=True, required=True,
+              help="vLLM's dynamic speculative-decoding schedule (num_speculative_tokens_per_batch_size).")
+@click.option("--drafter", "label", default=None, help="Which run's decision, by its label, when SUMMARY has several.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="File to write [default: SUMMARY's name with .vllm-spec-schedule.json].")
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+def export(summary: Path, vllm_spec: bool, label: str | None, output: Path | None, force: bool) -> None:
+    """Write what SUMMARY (the JSON of `moetrace report --json`) decided in an engine's own format: with
+    --vllm-spec-schedule, the recommended k per concurrency as the speculative-config keys vLLM reads (method,
+    num_speculative_tokens, num_speculative_tokens_per_batch_size); merge them into --speculative-config."""
+    from moetrace.export import vllm_spec_schedule
+
+    try:
+        decisions = json.loads(summary.read_text())["decision"]
+    except FileNotFoundError:
+        raise UserError(f"{summary}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise UserError(f"{summary}: not the JSON of `moetrace report --json` ({type(exc).__name__})") from None
+    chosen = [d for d in decisions if label is None or d.get("label") == label]
+    if len(chosen) != 1:
+        labels = ", ".join(str(d.get("label")) for d in decisions) or "none"
+        raise UserError(f"{summary}: {'no' if not chosen else 'several'} decisions"
+                        f"{f' labelled {label}' if label else ''}; give --drafter LABEL (labels: {labels})")
+    try:
+        schedule = vllm_spec_schedule(chosen[0])
+    except ValueError as exc:
+        raise UserError(f"{summary}: {exc}") from None
+    target = output or summary.with_name(f"{summary.stem}.vllm-spec-schedule.json")
+    if target.exists() and not force:
+        raise UserError(f"{target}: already exists (use --force to overwrite)")
+    target.write_text(json.dumps(schedule, indent=2) + "\n")
+    click.echo(f"{target}: {schedule['method']} {schedule['num_speculative_tokens_per_batch_size']}")
+    click.echo(f"next: vllm serve MODEL --speculative-config \"$(cat {target})\"")
+
+
 main.add_command(report)
 main.add_command(budget)
 main.add_command(calibrate)

@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 from moetrace.cli import main
 from moetrace.report.commands import budget, report
 from moetrace.report.summary import RANDOM_WEIGHTS_NOTE
-from trace_builder import Model, decode_tokens, small_k2_trace, verify_tokens, write_trace
+from trace_builder import Model, decode_tokens, small_k2_trace, verify_tokens, well_sampled_sweep, write_trace
 
 HOSTILE = "<script>alert(1)</script>"
 CLI = main
@@ -299,17 +299,6 @@ def test_measured_term_columns_show_only_where_the_traces_measured_them() -> Non
     assert "rej" not in rendered(drafting_ms=0.75)
 
 
-def _well_sampled_sweep(root: Path, ks: tuple[int, ...] = (0, 3)) -> Path:
-    """A sweep with enough decoding request-steps at every k for a recommendation (4 requests × 40 steps)."""
-    model = Model(num_experts=64, top_k=2)
-    for k in ks:
-        tokens = (verify_tokens(np.random.default_rng(k), model, requests=4, steps=40, k=k, accept_prob=0.6,
-                                variable_drafts=True) if k else decode_tokens(np.random.default_rng(k), model,
-                                                                               requests=4, steps=40))
-        write_trace(root / f"k{k}", tokens, model, k=k)
-    return root
-
-
 def _json_report(path: Path, tmp_path: Path, *extra: str) -> tuple[Result, dict[str, Any]]:
     result = CliRunner().invoke(CLI, ["report", str(path), "--k", "3", "--batch", "1,4", "--json", "-o",
                                       str(tmp_path / "r.html"), "--force", *extra], catch_exceptions=False)
@@ -319,7 +308,7 @@ def _json_report(path: Path, tmp_path: Path, *extra: str) -> tuple[Result, dict[
 
 def test_the_self_check_passes_on_an_intact_sweep_and_every_recommendation_says_what_it_rests_on(
         tmp_path: Path) -> None:
-    result, summary = _json_report(_well_sampled_sweep(tmp_path / "sweep"), tmp_path)
+    result, summary = _json_report(well_sampled_sweep(tmp_path / "sweep"), tmp_path)
     assert summary["warnings"] == [] and summary["runs"][0]["checks"] == [] and "warning" not in result.stderr
     for row in summary["decision"][0]["per_batch"]:
         # 160 decoding request-steps at each of k = 0..3 (k = 1, 2 are cut from the k = 3 trace)
@@ -342,7 +331,7 @@ def test_the_self_check_names_both_numbers_when_the_prediction_strays_from_the_m
         return original(inputs.with_columns(pl.col("tokens_per_step") * 1.2), *args)
 
     monkeypatch.setattr(summary_module, "speedup_per_batch", conditional_tokens)
-    result, summary = _json_report(_well_sampled_sweep(tmp_path / "sweep"), tmp_path)
+    result, summary = _json_report(well_sampled_sweep(tmp_path / "sweep"), tmp_path)
     checks = " ".join(summary["runs"][0]["checks"])
     assert "tokens per step at k=3" in checks and "acceptance table measured" in checks and "+20.0%" in checks
     assert "self-check" in result.stderr
@@ -350,7 +339,7 @@ def test_the_self_check_names_both_numbers_when_the_prediction_strays_from_the_m
 
 @pytest.mark.parametrize("which", [0, 1])
 def test_a_truncated_routing_file_is_flagged_and_no_k_is_recommended(tmp_path: Path, which: int) -> None:
-    sweep = _well_sampled_sweep(tmp_path / "sweep")
+    sweep = well_sampled_sweep(tmp_path / "sweep")
     part = sorted((sweep / "k3" / "routing").glob("*.parquet"))[which]
     data = part.read_bytes()
     part.write_bytes(data[: len(data) // 2])

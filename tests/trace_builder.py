@@ -240,3 +240,14 @@ def small_k2_trace(root: Path) -> Path:
     model = Model()
     tokens = verify_tokens(np.random.default_rng(3), model, requests=2, steps=8, k=2, accept_prob=0.7)
     return write_trace(root, tokens, model, k=2)
+
+
+def well_sampled_sweep(root: Path, ks: tuple[int, ...] = (0, 3)) -> Path:
+    """A sweep with enough decoding request-steps at every k for a recommendation (4 requests × 40 steps)."""
+    model = Model(num_experts=64, top_k=2)
+    for k in ks:
+        tokens = (verify_tokens(np.random.default_rng(k), model, requests=4, steps=40, k=k, accept_prob=0.6,
+                                variable_drafts=True) if k else decode_tokens(np.random.default_rng(k), model,
+                                                                               requests=4, steps=40))
+        write_trace(root / f"k{k}", tokens, model, k=k)
+    return root
