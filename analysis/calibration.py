@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moetrace.analysis.deployment import ring_factor
+from moetrace.calibrate import SCHEMA as CALIBRATION_SCHEMA  # plain Python: no torch on the analysis side
 
-CALIBRATION_SCHEMA = "moetrace-calibration/1"
 DEFAULT_BUS_BANDWIDTH_GBS = 100.0  # profile-only all-reduce growth: conservative for small NCCL messages
 
 
