@@ -106,27 +106,32 @@ def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
     gets for it: the mean, not the median, because throughput pays every step (the slow tail of verification
     steps is real: on an H200 a k = 4 step's mean is 6% above its median).
 
-    ``prefill_ms_per_token``: the time of the steps of that many requests that held a prefill chunk (their
-    duration, not the idle time after them) per token their decoding steps gained: what a request pays outside
-    decode steps for each token it gets, the same work at every k (0 where no step held a prefill)."""
-    per_step = decode_steps(steps)
+    ``prefill_ms_per_token``: what the steps of that many requests that held a prefill chunk took beyond a decode
+    step (each from its start to the next step's, less ``period_ms``), per token a request gained in all steps of
+    that many requests (tokens gained ÷ requests per step; a prefill step decodes its other requests too): what a
+    request waits outside decode steps for each token it gets (0 where no step held a prefill)."""
     following = [pl.col(name).shift(-1).over("dp_rank").alias(f"next_{name}")
                  for name in ("step", "decoding", "requests", "t_start_ns")]
+    per_step = decode_steps(steps).sort("dp_rank", "step").with_columns(following).with_columns(
+        # start to the next step's start where the rank's next step was recorded, else the step's own duration
+        period_ms=(pl.when(pl.col("next_step") == pl.col("step") + 1).then(pl.col("next_t_start_ns"))
+                   .otherwise(pl.col("t_end_ns")) - pl.col("t_start_ns")) / 1e6)
     outside = per_step.group_by(batch=pl.col("requests").cast(pl.Int32)).agg(
-        prefill_ms=((pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6).filter(~pl.col("decoding")).sum(),
-        decoded=pl.col("kept").filter(pl.col("decoding")).sum())
+        prefill_steps=(~pl.col("decoding")).sum(),
+        prefill_ms=pl.col("period_ms").filter(~pl.col("decoding")).sum(),
+        gained=pl.col("kept").sum())
+    excess = pl.max_horizontal(pl.col("prefill_ms") - pl.col("prefill_steps") * pl.col("period_ms"), pl.lit(0.0))
     return (
-        per_step.sort("dp_rank", "step")
-        .with_columns(following)
+        per_step
         .filter(pl.col("decoding") & pl.col("next_decoding") & (pl.col("next_step") == pl.col("step") + 1)
                 & (pl.col("next_requests") == pl.col("requests")))
         .group_by(batch=pl.col("requests").cast(pl.Int32))
         .agg(decode_steps=pl.len().cast(pl.Int64),
-             period_ms=((pl.col("next_t_start_ns") - pl.col("t_start_ns")) / 1e6).mean().cast(pl.Float64),
+             period_ms=pl.col("period_ms").mean().cast(pl.Float64),
              tokens_per_step=(pl.col("kept").sum() / pl.col("requests").sum()).cast(pl.Float64))
         .join(outside, on="batch", how="left")
-        .with_columns(prefill_ms_per_token=(pl.col("prefill_ms") / pl.col("decoded")).cast(pl.Float64))
-        .drop("prefill_ms", "decoded")
+        .with_columns(prefill_ms_per_token=(excess * pl.col("batch") / pl.col("gained")).cast(pl.Float64))
+        .drop("prefill_steps", "prefill_ms", "gained")
         .sort("batch")
         .collect()
     )

@@ -76,24 +76,38 @@ class MeasuredSteps:
     layers over more tokens, CUDA-graph padding); ``sampling_ms``, the rejection sampler's time over k=0's
     sampling; ``drafting_ms``, the drafter's own time (already given at every k). ``scheduling_ms``: what async
     scheduling off adds to every k > 0 step (a k=0 step recorded that way, less ``baseline_ms``).
-    ``prefill_ms_per_token``: what the k=0 trace's steps that held a prefill took per token its decoding steps
-    gained at this concurrency (``analysis.acceptance.decode_step_periods``), held at every k: the speedup is then
-    of the recorded workload's throughput, prefill included (``end_to_end_speedup``)."""
+    ``prefill_ms_per_token``: per recorded k (k=0 included), what that trace's steps that held a prefill took per
+    token a request gained in its decoding steps at this concurrency (``analysis.acceptance.decode_step_periods``);
+    a k > 0 not recorded takes the nearest recorded k > 0's. Measured per k, not held from k=0: requests that
+    start together end together at k=0 and their prompts are prefilled in one step, while under speculation they
+    end at scattered steps and are admitted one step each. The speedup is then of the recorded workload's
+    throughput, prefill included (``end_to_end_speedup``)."""
 
     baseline_ms: float
     forward_growth_ms: Mapping[int, float] = field(default_factory=dict)
     sampling_ms: Mapping[int, float] | None = None
     drafting_ms: Mapping[int, float] | None = None
     scheduling_ms: float | None = None
-    prefill_ms_per_token: float = 0.0
+    prefill_ms_per_token: Mapping[int, float] = field(default_factory=dict)
 
 
-def end_to_end_speedup(step0_ms: float, tokens0: float, step_ms: float, tokens: float, prefill_ms_per_token: float
-                       ) -> float:
-    """Tokens per second at k over k = 0 for a request that also waits ``prefill_ms_per_token`` outside decode steps
-    for each token it gets (its prompt's prefill, the same work at every k): (step0/tokens0 + p) / (step/tokens + p).
-    With p = 0 this is the decode steps' speedup, tokens per step over the step-time ratio."""
-    return (step0_ms / tokens0 + prefill_ms_per_token) / (step_ms / tokens + prefill_ms_per_token)
+def end_to_end_speedup(step0_ms: float, tokens0: float, prefill0_ms_per_token: float,
+                       step_ms: float, tokens: float, prefill_ms_per_token: float) -> float:
+    """Tokens per second at k over k = 0 for a request that also waits outside decode steps, for each token it gets,
+    the prefill steps' time (``prefill0_ms_per_token`` at k = 0, ``prefill_ms_per_token`` at k):
+    (step0/tokens0 + p0) / (step/tokens + p). With no prefill this is the decode steps' speedup, tokens per step
+    over the step-time ratio."""
+    return (step0_ms / tokens0 + prefill0_ms_per_token) / (step_ms / tokens + prefill_ms_per_token)
+
+
+def prefill_per_k(measured: Mapping[int, float], ks: Sequence[int]) -> dict[int, float]:
+    """Prefill ms per token gained at every k of ``ks``: k = 0's as recorded (0 when not), each k > 0 its own or the
+    nearest recorded k > 0's, k = 0's where no k > 0 recorded one."""
+    speculated = {k: ms for k, ms in measured.items() if k > 0}
+    out = {0: float(measured.get(0, 0.0))}
+    if speculated:
+        return out | per_k_from_nearest(speculated, ks, scale_with_k=False)
+    return out | {k: out[0] for k in ks if k > 0}
 
 
 def forward_beyond_moe(forward_growth_ms: Mapping[int, float], moe_growth_ms: Mapping[int, float],
@@ -188,12 +202,13 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         mode = "measured k=0 step, calibrated growth"
         moe = [shape.moe_layers * e / 1e3 for e in expert_us]
         ar = [n_ar * a / 1e3 for a in allreduce_us]
+        # the step is the measured k=0 step plus growth: where the calibration's level is above it, only its growth
+        # counts (what is left of the step, below, is then negative)
         flat = measured.baseline_ms - moe[0] - ar[0]
         if flat < 0:
             notes.append(f"the calibration's MoE and all-reduce ({moe[0] + ar[0]:.3f} ms) exceed the measured k=0 "
-                         f"step ({measured.baseline_ms:.3f} ms) at {deployment.batch} request(s): nothing else held "
-                         f"flat")
-            flat = 0.0
+                         f"step ({measured.baseline_ms:.3f} ms) at {deployment.batch} request(s): only their growth "
+                         f"with k is used")
         calibrated_growth = {k: m + a - moe[0] - ar[0] for k, m, a in zip(ks, moe, ar)}
         beyond.update(forward_beyond_moe(measured.forward_growth_ms, calibrated_growth, ks))
         attention = other = [0.0 for _ in rows]
@@ -214,10 +229,10 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
                      + ("; the rejection sampler's time over k=0's as the sweep's traces measured it, held from the "
                         "nearest recorded k" if measured.sampling_ms is not None else
                         "; rejection sampling is not in it")
-                     + (f"; the speedup is of the recorded workload's throughput: its k=0 steps that held a prefill "
-                        f"took {measured.prefill_ms_per_token:.3f} ms per token gained, the same at every k"
-                        if measured.prefill_ms_per_token else "; the k=0 trace held no prefill step at this "
-                        "concurrency: the speedup is the decode steps'")
+                     + ("; the speedup is of the recorded workload's throughput: the steps that held a prefill, per "
+                        "token a request gained, as each recorded k measured them (a k not recorded: the nearest "
+                        "recorded k > 0)" if any(measured.prefill_ms_per_token.values()) else
+                        "; the traces held no prefill step at this concurrency: the speedup is the decode steps'")
                      + "; bookkeeping is not in the prediction")
     elif profile is not None:
         mode = "profile anchored, calibrated growth" if calibration is not None else "profile, modelled growth"
@@ -250,7 +265,8 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     scheduling = at_k(measured.scheduling_ms if measured else None)
     sampling = at_k(measured.sampling_ms if measured else None)
     forward = [beyond[k] for k in ks]
-    prefill = measured.prefill_ms_per_token if measured else 0.0
+    prefill_at = prefill_per_k(measured.prefill_ms_per_token if measured else {}, ks)
+    prefill = [prefill_at[k] for k in ks]
     steps = [sum(parts) for parts in zip(moe, ar, attention, other, rest, forward, drafting, scheduling, sampling)]
     table = pl.DataFrame({
         "k": [int(r["k"]) for r in rows],
@@ -271,9 +287,9 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "sampling_ms": sampling if measured and measured.sampling_ms is not None else [None] * len(rows),
         "step_ms": steps,
         "step_ratio": [s / steps[0] for s in steps],
-        "prefill_ms_per_token": [prefill] * len(rows),
-        "speedup": [end_to_end_speedup(steps[0], float(rows[0]["tokens_per_step"]), s, float(r["tokens_per_step"]),
-                                       prefill) for r, s in zip(rows, steps)],
+        "prefill_ms_per_token": prefill,
+        "speedup": [end_to_end_speedup(steps[0], float(rows[0]["tokens_per_step"]), prefill[0], s,
+                                       float(r["tokens_per_step"]), p) for r, s, p in zip(rows, steps, prefill)],
         "expert_layer_us": expert_us if calibration is not None else [None] * len(rows),
         "allreduce_call_us": allreduce_us,
     })

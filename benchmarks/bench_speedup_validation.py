@@ -14,8 +14,10 @@ engine that runs at most 16 at once), greedy, ``ignore_eos``, 192 to 320 tokens 
 prefix caching off, over rounds that
 alternate the two concurrencies after a warm-up of the whole workload, every round the same requests; one engine
 per (drafter, k), moetrace's hooks paused while timing (the engine exactly as vLLM built it). Then the hooks resume
-and the same workload is recorded once, so the trace is of what was timed. Dummy-weight models get spread routing
-(``spread_routing``).
+and as many rounds of the same workload are recorded, so the trace is of what was timed, over as many rounds: a
+round's throughput varies by up to ±10% on the H200 (host jitter, and under speculation which requests end
+together), so a trace of one round can sit 10% from the timed rounds' median. Dummy-weight models get spread
+routing (``spread_routing``).
 
 Baseline: k = 0 (no speculation) on the same GPU, same workload, same run. Measured speedup = median tok/s at k
 over median tok/s at k = 0; its 95% interval bootstraps the rounds of both engines.
@@ -88,6 +90,20 @@ def timed_generate(llm: Any, requests: list[Any], concurrency: int, max_tokens: 
         outputs = llm.generate([requests[i] for i in group], [params[i] for i in group], use_tqdm=False)
         generated += sum(len(o.outputs[0].token_ids) for o in outputs)
     return generated / (time.perf_counter() - started)
+
+
+def round_order(round_index: int) -> tuple[int, ...]:
+    """The concurrencies of one round in the order they run: alternating, so neither always runs first."""
+    return CONCURRENCIES if round_index % 2 == 0 else CONCURRENCIES[::-1]
+
+
+def run_rounds(llm: Any, prompts: list[Any], rounds: int, max_tokens: int) -> dict[str, list[float]]:
+    """Tokens per second of ``rounds`` rounds of the workload, per concurrency."""
+    out: dict[str, list[float]] = {str(c): [] for c in CONCURRENCIES}
+    for round_index in range(rounds):
+        for concurrency in round_order(round_index):
+            out[str(concurrency)].append(timed_generate(llm, workload(prompts, concurrency), concurrency, max_tokens))
+    return out
 
 
 def slice_model_dir(model: str, out: Path) -> Path:
@@ -190,7 +206,7 @@ def build_llm_within(settings: dict[str, Any], seconds: float) -> Any:
 
 
 def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start_timeout_s: float) -> dict[str, Any]:
-    """Start one engine, time ``rounds`` rounds with the hooks paused, record one more, close the trace."""
+    """Start one engine, time ``rounds`` rounds with the hooks paused, record as many, close the trace."""
     from moetrace.engine import engine_prompts, spec_decode_counters
     from moetrace.schema import MANIFEST_NAME
     from moetrace.writer import write_json_atomic
@@ -208,15 +224,10 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
         llm.collective_rpc("moetrace_pause")
         for concurrency in CONCURRENCIES:  # warm-up, the whole workload: Triton compiles each new batch shape
             timed_generate(llm, workload(prompts, concurrency), concurrency, max_tokens)
-        timings: dict[str, list[float]] = {str(c): [] for c in CONCURRENCIES}
-        for round_index in range(rounds):
-            order = CONCURRENCIES if round_index % 2 == 0 else CONCURRENCIES[::-1]
-            for concurrency in order:
-                timings[str(concurrency)].append(
-                    timed_generate(llm, workload(prompts, concurrency), concurrency, max_tokens))
+        timings = run_rounds(llm, prompts, rounds, max_tokens)
         before = spec_decode_counters(llm)
         llm.collective_rpc("moetrace_resume")
-        recorded = {str(c): timed_generate(llm, workload(prompts, c), c, max_tokens) for c in CONCURRENCIES}
+        recorded = run_rounds(llm, prompts, rounds, max_tokens)
         closed = [c for c in llm.collective_rpc("moetrace_close") if c is not None]
         # vLLM's counters over the recorded workload only: the cross-check of the trace's drafts and acceptances
         counters = {name: value - before.get(name, 0.0) for name, value in spec_decode_counters(llm).items()}
@@ -326,22 +337,33 @@ def report_prediction(sweep: Path, calibration: Path, scratch: Path, k0_sync: Pa
     return prediction
 
 
-def recorded_tok_s(trace: Path, max_tokens: int, lengths: tuple[float, ...]) -> dict[int, float]:
-    """Per concurrency: output tokens per second of the recorded workload, from the trace's own step bounds (the
-    first step's start to the last step's end of the requests recorded at that concurrency: prefill and the time
-    between steps included), so it tells the recorded decode steps apart from everything else a request waits for."""
+def recorded_tok_s(trace: Path, max_tokens: int, lengths: tuple[float, ...], rounds: int) -> dict[int, float]:
+    """Per concurrency: output tokens per second of the recorded workload, from the trace's own step bounds (per
+    recorded round, the first step's start to the last step's end of the requests recorded at that concurrency:
+    prefill and the time between steps included; the median over rounds), so it tells the recorded decode steps
+    apart from everything else a request waits for."""
     import polars as pl
 
     steps = pl.scan_parquet(str(trace / "steps" / "*.parquet"))
     spans = (steps.group_by("request").agg(start=pl.col("t_start_ns").min(), end=pl.col("t_end_ns").max())
              .sort("request").collect())
-    out, first = {}, 0
-    for concurrency in CONCURRENCIES:  # recorded in this order, REQUESTS[c] requests each
-        part = spans.slice(first, REQUESTS[concurrency])
-        first += REQUESTS[concurrency]
-        seconds = (int(part["end"].max()) - int(part["start"].min())) / 1e9  # type: ignore[arg-type]
-        out[concurrency] = sum(output_lengths(part.height, max_tokens, lengths)) / seconds
-    return out
+    rates: dict[int, list[float]] = {c: [] for c in CONCURRENCIES}
+    first = 0
+    for round_index in range(rounds):  # recorded in round_order, REQUESTS[c] requests each
+        for concurrency in round_order(round_index):
+            part = spans.slice(first, REQUESTS[concurrency])
+            first += REQUESTS[concurrency]
+            seconds = (int(part["end"].max()) - int(part["start"].min())) / 1e9  # type: ignore[arg-type]
+            rates[concurrency].append(sum(output_lengths(part.height, max_tokens, lengths)) / seconds)
+    if first != spans.height:
+        raise SystemExit(f"{trace}: {spans.height} requests recorded, {first} expected from {rounds} round(s)")
+    return {c: statistics.median(r) for c, r in rates.items()}
+
+
+def recorded_rounds(engine: dict[str, Any]) -> int:
+    """Rounds an engine recorded (one, before the recording repeated the timed rounds)."""
+    rates = next(iter(engine["recorded_tok_s"].values()))
+    return len(rates) if isinstance(rates, list) else 1
 
 
 def held_out_sweep(sweep: Path, k: int, scratch: Path) -> Path:
@@ -424,8 +446,10 @@ def compare(args: argparse.Namespace) -> None:
                                                if key in held_out else None),
                             "trace_measured_speedup": trace.get("measured_speedup"),
                             "trace_wall_speedup": (
-                                recorded_tok_s(runs / engine["trace"], doc["max_tokens"], lengths)[concurrency]
-                                / recorded_tok_s(runs / baseline["trace"], doc["max_tokens"], lengths)[concurrency]),
+                                recorded_tok_s(runs / engine["trace"], doc["max_tokens"], lengths,
+                                               recorded_rounds(engine))[concurrency]
+                                / recorded_tok_s(runs / baseline["trace"], doc["max_tokens"], lengths,
+                                                 recorded_rounds(baseline))[concurrency]),
                             "trace_tokens_per_step": trace.get("measured_tokens_per_step"),
                             "trace_step_ms": trace.get("measured_step_ms"),
                             "predicted_step_ms": row["step_ms"] if row else None,

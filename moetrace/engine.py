@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from moetrace.hooks.plugin import ENV_VAR, WORKER_EXTENSION
-from moetrace.schema import MANIFEST_NAME
+from moetrace.schema import ENGINE_ROUTED_EXPERTS_NAME, MANIFEST_NAME
 from moetrace.writer import write_json_atomic
 
 SPEC_METHODS = ("ngram", "eagle3", "mtp", "draft_model")
@@ -130,11 +130,24 @@ def generate_and_record(llm: Any, settings: dict[str, Any]) -> int:
                 )
                 + "\n"
             )
+    save_engine_routed_experts(outputs, out / ENGINE_ROUTED_EXPERTS_NAME)
     failed = next((c["error"] for c in closed if not c["complete"]), None if closed else "closing the trace failed")
     if failed is not None:
         print(f"moetrace: recording stopped, the trace is incomplete: {failed}", file=sys.stderr)
         return 2
     return 0
+
+
+def save_engine_routed_experts(outputs: list[Any], path: Path) -> None:
+    """vLLM's own routed experts per request (``CompletionOutput.routed_experts``, ``[tokens, layers, top_k]``, where
+    the engine ran with ``enable_return_routed_experts``), as one array per request id in ``path`` (``.npz``):
+    what ``moetrace import`` reads, beside the trace that recorded the same run."""
+    import numpy as np
+
+    arrays = {o.request_id: o.outputs[0].routed_experts for o in outputs
+              if getattr(o.outputs[0], "routed_experts", None) is not None}
+    if arrays:
+        np.savez_compressed(path, **arrays)
 
 
 def spec_decode_counters(llm: Any) -> dict[str, float]:

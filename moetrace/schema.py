@@ -10,6 +10,7 @@ import pyarrow as pa
 
 SCHEMA_VERSION = "moetrace/1"
 MANIFEST_NAME = "manifest.json"
+ENGINE_ROUTED_EXPERTS_NAME = "vllm-routed-experts.npz"  # vLLM's own arrays, when the engine returned them
 ROUTING_DIR = "routing"
 STEPS_DIR = "steps"
 TELEMETRY_DIR = "telemetry"

@@ -155,11 +155,13 @@ def test_decode_step_periods_time_consecutive_decode_steps_of_one_concurrency() 
     periods = decode_step_periods(pl.DataFrame(rows).with_columns(dp_rank=pl.lit(0)).lazy()).to_dicts()
     # batch 2: 1 -> 2 (4 ms), 2 -> 3 (6 ms), 3 -> 4 (11 ms): the mean, 7 ms, is what a request waits per step over
     # them (the median would say 6); batch 1: 5 -> 6 (3 ms) and 8 -> 9 (2 ms); 0 -> 1 has a prefill, 4 -> 5
-    # changes the request count. The prefill step of 2 requests took 1 ms (its 9 ms before step 1 are idle) while
-    # the 4 decoding steps of 2 requests gained 2 × 2 tokens each: 1/16 ms per token; batch 1 had no prefill
+    # changes the request count. The prefill step of 2 requests ran 10 ms to step 1's start, 3 ms more than a
+    # decode step of 2 requests; the 5 steps of 2 requests gained 2 tokens per request each (the prefill step's
+    # rows are 1 + 1 accepted in this builder), 10 per request: 3/10 ms per token a request gained; batch 1 had no
+    # prefill
     assert periods == [
         {"batch": 1, "decode_steps": 2, "period_ms": 2.5, "tokens_per_step": 2.0, "prefill_ms_per_token": 0.0},
-        {"batch": 2, "decode_steps": 3, "period_ms": 7.0, "tokens_per_step": 2.0, "prefill_ms_per_token": 0.0625}]
+        {"batch": 2, "decode_steps": 3, "period_ms": 7.0, "tokens_per_step": 2.0, "prefill_ms_per_token": 0.3}]
 
 
 def test_decode_step_periods_pair_each_data_parallel_ranks_own_steps() -> None:

@@ -166,7 +166,11 @@ def test_predict_from_a_measured_k0_step_by_hand() -> None:
     assert basis["mode"] == "measured k=0 step, calibrated growth"
     small, small_basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None,
                                  _calibration(), measured=MeasuredSteps(0.05))
-    assert small["rest_ms"].to_list() == [0.0, 0.0] and any("exceed the measured" in n for n in small_basis["notes"])
+    # the calibration's 0.105 ms at k=0 is above the measured 0.05 ms step: the step stays anchored at what was
+    # measured and only the calibration's growth (0.134 - 0.105 ms) is added at k=1
+    assert small["step_ms"].to_list() == pytest.approx([0.05, 0.05 - 0.105 + 0.090 + 0.044])
+    assert small["rest_ms"].to_list() == pytest.approx([0.05 - 0.105] * 2)
+    assert any("only their growth" in n for n in small_basis["notes"])
     for profile, calibration in ((PROFILE_PRESETS["kimi-k2-tp8"], _calibration()), (None, None)):
         with pytest.raises(ValueError):
             predict(_per_k([8.0], [1.0]), deployment_for(SMALL, 2, 1), profile, calibration,
@@ -208,10 +212,18 @@ def test_the_forward_grows_by_what_the_traces_measured_beyond_the_calibrated_moe
     # a request that also waits 0.5 ms of prefill per token it gets: (5 + 0.5) / (5.6 / 1.5 + 0.5) at k=1, against
     # 1.5 / (5.6 / 5) from the decode steps alone
     with_prefill, _ = predict(per_k, deployment_for(SMALL, 1, 1), None, calibration,
-                              measured=MeasuredSteps(5.0, forward_growth_ms={1: 0.6}, prefill_ms_per_token=0.5))
+                              measured=MeasuredSteps(5.0, forward_growth_ms={1: 0.6},
+                                                     prefill_ms_per_token={0: 0.5}))
     assert table["speedup"][1] == pytest.approx(1.5 / (5.6 / 5.0))
     assert with_prefill["speedup"][1] == pytest.approx(5.5 / (5.6 / 1.5 + 0.5))
     assert with_prefill["prefill_ms_per_token"].to_list() == [0.5] * 3
+    # prefills measured per k: k=2 recorded 1.5 ms per token (under speculation prompts come one step each), so k=1,
+    # not recorded, takes k=2's, not k=0's: (5 + 0.5) / (5.6 / 1.5 + 1.5)
+    per_k_prefill, _ = predict(per_k, deployment_for(SMALL, 1, 1), None, calibration,
+                               measured=MeasuredSteps(5.0, forward_growth_ms={1: 0.6},
+                                                      prefill_ms_per_token={0: 0.5, 2: 1.5}))
+    assert per_k_prefill["prefill_ms_per_token"].to_list() == [0.5, 1.5, 1.5]
+    assert per_k_prefill["speedup"][1] == pytest.approx(5.5 / (5.6 / 1.5 + 1.5))
     plain, _ = predict(per_k, deployment_for(SMALL, 1, 1), None, calibration, measured=MeasuredSteps(5.0))
     assert plain["step_ms"][1] == pytest.approx(5.0 + moe_growth)
     assert plain["forward_beyond_moe_ms"].to_list() == [None, None, None]
@@ -295,12 +307,37 @@ def stretch_steps(trace: Path, factor: float) -> None:
         pq.write_table(table, part)
 
 
-def prefill_per_token(trace: Path) -> float:
-    """Brute force over the steps table: 0.5 ms (the builder's step length) per step that held a prefill chunk, over
-    the tokens (1 + accepted) of the other steps' request-steps."""
-    rows = pq.read_table(trace / "steps").to_pylist()
-    prefill_steps = {r["step"] for r in rows if r["num_tokens"] != r["num_drafts"] + 1}
-    return 0.5 * len(prefill_steps) / sum(r["num_accepted"] + 1 for r in rows if r["step"] not in prefill_steps)
+def prefill_per_token(trace: Path, batch: int) -> float:
+    """Brute force over the steps table, at ``batch`` requests per step: what the steps that held a prefill chunk
+    ran (start to the next step's start) beyond the mean decode step (consecutive decoding steps of that many
+    requests, start to start), per token a request gained in all steps of that many requests."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for row in pq.read_table(trace / "steps").to_pylist():
+        by_step.setdefault(row["step"], []).append(row)
+    order = sorted(by_step)
+    start = {s: by_step[s][0]["t_start_ns"] / 1e6 for s in order}
+    prefill = {s: any(r["num_tokens"] != r["num_drafts"] + 1 for r in by_step[s]) for s in order}
+    mine = [s for s in order if len(by_step[s]) == batch and s + 1 in by_step]
+    decode_periods = [start[s + 1] - start[s] for s in mine if not prefill[s] and not prefill[s + 1]
+                      and len(by_step[s + 1]) == batch]
+    excess = sum(start[s + 1] - start[s] for s in mine if prefill[s]) - sum(map(prefill.get, mine)) * (
+        sum(decode_periods) / len(decode_periods))
+    gained = sum(r["num_accepted"] + 1 for s in order if len(by_step[s]) == batch for r in by_step[s])
+    return max(excess, 0.0) * batch / gained
+
+
+def delay_after_prefill(trace: Path, ms: float) -> None:
+    """Every step after one that held a prefill chunk starts ``ms`` later (as do all after it)."""
+    table = pq.read_table(trace / "steps")
+    rows = table.to_pylist()
+    prefill_steps = sorted({r["step"] for r in rows if r["num_tokens"] != r["num_drafts"] + 1})
+    for row in rows:
+        shift = int(ms * 1e6) * sum(step < row["step"] for step in prefill_steps)
+        row["t_start_ns"] += shift
+        row["t_end_ns"] += shift
+    for part in (trace / "steps").iterdir():
+        part.unlink()
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), trace / "steps" / "part-00000.parquet")
 
 
 def with_phases(trace: Path, phases: dict[str, Any]) -> None:
@@ -315,6 +352,8 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
                 model, k=0)
     k2 = write_trace(tmp_path / "sweep" / "k2", verify_tokens(np.random.default_rng(1), model, requests=2, steps=10,
                                                               k=2, accept_prob=0.7), model, k=2)
+
+    delay_after_prefill(k2, 3.0)  # a prefill step at k=2 takes 3 ms more than a decode step
 
     def timed(host: float, device: float | None) -> dict[str, Any]:
         return {"calls": 10, "host_ms_median": host, "device_ms_median": device}
@@ -342,14 +381,15 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     # sampling took 0.2 ms a step at k=2 (the longer of host and device), 0.1 at k=0: 0.1 more, held for every k
     assert [row["sampling_ms"] for row in rows if row["k"] > 0] == pytest.approx([0.1] * 8)
     # beside the recorded k=2 steps (the builder starts a step every 1 ms at every k, each 0.5 ms long): the speedup
-    # they measured is per token, 1 ms over tokens per step, plus each trace's prefill steps' 0.5 ms per token its
-    # decoding steps gained; what the prediction leaves out is 1 ms minus its predicted step
+    # they measured is per token, 1 ms over tokens per step, plus each trace's prefill steps' time beyond a decode
+    # step per token a request gained; what the prediction leaves out is 1 ms minus its predicted step
     (checked,) = prediction["against_trace"]
     assert (checked["batch"], checked["k"]) == (2, 2)
-    p0, p2 = prefill_per_token(tmp_path / "sweep" / "k0"), prefill_per_token(k2)
-    assert p0 == 0.0 and 0 < p2 < 0.1  # the k=0 builder writes no prefill step, the k=2 one a prompt of 4 tokens
+    p0, p2 = prefill_per_token(tmp_path / "sweep" / "k0", 2), prefill_per_token(k2, 2)
+    assert p0 == 0.0 and p2 > 0.05  # the k=0 builder writes no prefill step, the k=2 one with 3 ms more
     assert checked["measured_speedup"] == pytest.approx((1.0 + p0) / (1.0 / checked["measured_tokens_per_step"] + p2))
-    assert next(row["prefill_ms_per_token"] for row in rows if row["k"] == 2) == pytest.approx(p0)
+    # the prediction at a recorded k takes that k's prefill steps; a k not recorded the nearest recorded k > 0's
+    assert [row["prefill_ms_per_token"] for row in rows] == pytest.approx([p0] + [p2] * 8)
     predicted_k2 = next(row["step_ms"] for row in rows if row["k"] == 2)
     assert checked["unexplained_ms"] == pytest.approx(1.0 - predicted_k2)
     # where the recorded step grew against k=0: not at all (1 ms apart at both), of which forward 0.8 - 0.7,

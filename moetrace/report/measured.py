@@ -129,8 +129,9 @@ def measured_steps(run: Run, steps: pl.DataFrame, batches: Sequence[int], max_k:
     sampling = measured_per_k(grew, "sampling_growth_ms", list(baselines), max_k, scale_with_k=False)
     scheduling = None if sync is None else scheduling_costs(sync, baselines)
     out = {}
-    prefill = {int(row["batch"]): float(row["prefill_ms_per_token"] or 0.0)
-               for row in steps.filter(pl.col("k") == 0).to_dicts()}
+    prefill: dict[int, dict[int, float]] = {}
+    for row in steps.drop_nulls("prefill_ms_per_token").to_dicts():
+        prefill.setdefault(int(row["batch"]), {})[int(row["k"])] = float(row["prefill_ms_per_token"])
     for batch, baseline in baselines.items():
         # the forward's growth at this concurrency only: what it grew beyond the calibrated MoE depends on the
         # experts a step of this many requests reads
@@ -138,5 +139,5 @@ def measured_steps(run: Run, steps: pl.DataFrame, batches: Sequence[int], max_k:
         out[batch] = MeasuredSteps(baseline, dict(zip(forward["k"].to_list(), forward["forward_growth_ms"].to_list())),
                                    None if sampling is None else sampling[batch],
                                    None if drafting is None else drafting[batch],
-                                   None if scheduling is None else scheduling[batch], prefill[batch])
+                                   None if scheduling is None else scheduling[batch], prefill.get(batch, {}))
     return out

@@ -141,7 +141,7 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
         ("other", "other_ms", "other GEMMs ms"), ("fwd+", "forward_beyond_moe_ms", "forward growth beyond MoE ms"),
         ("draft", "drafting_ms", "drafter ms, as measured"),
         ("sched", "scheduling_ms", "async off ms"), ("rej", "sampling_ms", "rejection sampler ms over k=0's"),
-        ("pre", "prefill_ms_per_token", "prefill ms per token gained, held from k=0"))
+        ("pre", "prefill_ms_per_token", "prefill ms per token a request gained, as measured at the nearest recorded k"))
         if column == "moe_ms" or any(row[column] for row in prediction["per_k"])]
     table = _table(title, [
         ("k", ""), ("tok", "tokens per step"), ("uniq", "unique experts per layer"), ("rank", "busiest rank's experts"),
