@@ -182,6 +182,45 @@ def info(trace: Path, as_json: bool) -> None:
             err_console.print(Text("  warning: ", style="yellow") + Text(warning), highlight=False)
 
 
+@main.command("import")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--outputs", type=click.Path(path_type=Path),
+              help="With a .npz: the JSONL of its requests' token ids [default: outputs.jsonl beside it].")
+@click.option("--model", help="The model the engine ran: a folder with config.json or a cached Hugging Face id "
+                              "[default: the embedded default model].")
+@click.option("--prompt-start", default=0, show_default=True,
+              help="The routed_experts_prompt_start the requests were sent with.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Trace directory to write [default: SOURCE's name with -trace].")
+@click.option("--force", is_flag=True, help="Overwrite an existing trace directory.")
+def import_routing(source: Path, outputs: Path | None, model: str | None, prompt_start: int, output: Path | None,
+                   force: bool) -> None:
+    """Write the routing vLLM returned (enable_return_routed_experts) as a moetrace trace: SOURCE is a .npz of
+    arrays per request id (with the JSONL of their token ids) or a .jsonl of HTTP completion responses (sent with
+    return_token_ids). The trace holds the tokens each request kept: growth per k is counterfactual; it has no
+    acceptance, router weights, timing or batching."""
+    from moetrace.imports import vllm_http, vllm_offline, write_imported_trace
+    from moetrace.record import resolve_model
+
+    if prompt_start < 0:
+        raise UserError(f"--prompt-start: {prompt_start} is negative")
+    if source.suffix == ".npz":
+        outputs = outputs or source.with_name("outputs.jsonl")
+        requests, files, form = vllm_offline(source, outputs, prompt_start), [source, outputs], "offline arrays"
+    elif source.suffix == ".jsonl":
+        requests, files, form = vllm_http(source, prompt_start), [source], "HTTP completion responses"
+    else:
+        raise UserError(f"{source}: give a .npz of routed-experts arrays or a .jsonl of completion responses")
+    target = output or source.with_name(f"{source.stem}-trace")
+    manifest = write_imported_trace(requests, resolve_model(model), {
+        "engine": "vllm", "format": f"routed experts, {form}", "files": [str(f) for f in files],
+        "prompt_start": prompt_start}, target, force)
+    counts = manifest["counts"]
+    console.print(f"imported {len(manifest['requests'])} requests, {counts['tokens']:,} tokens, "
+                  f"{len(manifest['model']['moe_layers'])} MoE layers into {target}", highlight=False, soft_wrap=True)
+    console.print(f"next: moetrace report {target}", highlight=False, soft_wrap=True)
+
+
 @main.command()
 @click.argument("summary", type=click.Path(path_type=Path))
 @click.option("--vllm-spec-schedule", "vllm_spec", is_flag=True, required=True,

@@ -25,6 +25,7 @@ from moetrace.schema import (
     REQUIRED_MANIFEST_KEYS,
     ROUTING_DIR,
     SCHEMA_VERSION,
+    SOURCE_LACKS,
     STEPS_DIR,
     STEPS_SCHEMA,
     TELEMETRY_DIR,
@@ -59,6 +60,12 @@ class Trace:
             return {request * size + index: rid for index, rank in enumerate(self.ranks)
                     for request, rid in rank.request_ids().items()}
         return dict(enumerate(self.manifest.get("requests") or []))
+
+    def lacks(self, what: str) -> bool:
+        """Whether the trace's source could not know ``what`` (one of ``SOURCE_LACKS``: an imported trace)."""
+        if what not in SOURCE_LACKS:
+            raise ValueError(f"unknown source field {what!r}")
+        return what in (self.manifest.get("source") or {}).get("lacks", ())
 
     @property
     def dp_rank(self) -> int:

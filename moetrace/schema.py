@@ -27,6 +27,9 @@ TOKEN_PHASES = ("prefill", "decode", "verify")  # routing ``phase``: what the to
 # _sample (the rejection sampler under speculation); drafting: propose_draft_token_ids
 TIMED_CALLS = ("forward", "sampling", "drafting")
 MAX_K = 16
+# manifest ``source.lacks`` (a trace imported from an engine's own routing, ``moetrace import``): what that source
+# cannot know, so the report leaves out what rests on it
+SOURCE_LACKS = ("rejected_drafts", "router_weights", "acceptance", "step_timing", "batching")
 
 
 def routing_schema(top_k: int, candidates: int = 0, weight_type: pa.DataType = pa.float16()) -> pa.Schema:

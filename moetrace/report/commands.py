@@ -227,6 +227,8 @@ def budget(trace: Path, k: int, coverage: float, shape_preset: str | None, outpu
     _coverage(coverage)
     _refuse_overwrite(output, force)
     run = open_run(trace, k)
+    if run.primary.lacks("router_weights"):
+        raise UserError(f"{trace}: imported without router weights: no budget by routing-weight coverage")
     shape = model_shape(run.primary, shape_preset)
     curves, share = budget_curves_per_k(run, trace_windows(run), range(k, k + 1), shape.expert_bytes)
     curves = curves.drop("k")

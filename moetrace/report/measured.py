@@ -23,6 +23,10 @@ def recorded_steps(run: Run) -> pl.DataFrame:
     """Every trace's decode steps per concurrency (``analysis.acceptance.decode_step_periods``, with k), where at
     least ``MIN_BASELINE_STEPS`` step pairs measured them, with what those steps spent in vLLM's calls
     (``recorded_phases``): the baseline and the check of --profile measured."""
+    untimed = [str(t.path) for t in run.traces if t.lacks("step_timing")]
+    if untimed:
+        raise UserError(f"{untimed[0]}: imported without step timing: nothing measured to predict from (give "
+                        f"--calibration or --profile instead of --profile measured)")
     per_trace = [decode_periods(t).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
     return pl.concat(per_trace).join(recorded_phases(run.traces), on=["k", "batch"], how="left")
 

@@ -62,7 +62,12 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
             f"recorded at k={analysis.run.primary.k}: figures at k={k} are counterfactual "
             f"(windows of {k + 1} consecutive accepted tokens)"
         )
-    if analysis.budget_source == COUNTERFACTUAL:
+    source = analysis.manifest.get("source")
+    if source is not None:
+        found.append(f"imported from {source['engine']} ({source['format']}): it holds {source['holds']}; it has no "
+                     + ", ".join(what.replace("_", " ") for what in source["lacks"])
+                     + (": no expert budgets" if analysis.run.primary.lacks("router_weights") else ""))
+    if analysis.budget_source == COUNTERFACTUAL and len(analysis.budgets):
         found.append(f"budgets at k={max(k, 1)} use counterfactual windows of accepted tokens")
     sampled = sample_note(analysis.budget_share)
     if sampled is not None:

@@ -278,12 +278,16 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     )
     per_k = measured_speedup(pl.concat(
         [pl.concat([acceptance_summary(t.steps()), step_times(t.steps())], how="horizontal")
-         .with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
+         .with_columns(k=pl.lit(t.k, pl.Int32))
+         .with_columns(step_ms=pl.lit(None, pl.Float64) if t.lacks("step_timing") else pl.col("step_ms"))
+         for t in run.traces]
     ).select("k", pl.exclude("k")).lazy())
     disagreements = {t.k: found for t in run.traces
                      if (found := disagreement(routing_gaps(t.routing(), t.steps()))) is not None}
     sample = trace_windows(run)
     curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape.expert_bytes)
+    if trace.lacks("router_weights"):  # budgets are by routing-weight coverage
+        curves = curves.clear()
     at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
     inputs = step_inputs(run, sample, shape, placement, options)
     one_token = inputs.filter((pl.col("batch") == 1) & (pl.col("k") == 0))["ranks_touched"]

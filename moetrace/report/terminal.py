@@ -291,7 +291,8 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
                 console.print(Text(f"  {line}", style="dim"))
             if run["prediction"]["against_trace"]:
                 console.print(_against_trace(run["prediction"]["against_trace"]))
-        console.print(_budget(run["budget"]))
+        if run["budget"]["per_layer"]:
+            console.print(_budget(run["budget"]))
     if len(summary["runs"]) > 1:
         console.print(_comparison(summary))
 

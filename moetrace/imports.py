@@ -1,0 +1,312 @@
+"""Routing an engine recorded itself, written as a moetrace v1 trace (``moetrace import``).
+
+vLLM returns the experts each token was routed to when it runs with ``enable_return_routed_experts``: per request
+an array ``[tokens, layers, top_k]`` (``CompletionOutput.routed_experts`` offline; base64 ``.npy`` in each HTTP
+completion choice's ``routed_experts``). Row i is the token at position ``prompt_start + i`` (the request's
+``routed_experts_prompt_start``), up to the last token but one (the last sampled token never ran through the
+model). Layers are all decoder layers: dense ones come back as rows of zeros.
+
+Such rows are the tokens a request kept: prompt, anchors, accepted drafts. They hold no rejected draft, no router
+weight, no acceptance, no step timing and no batching; the manifest's ``source`` says so (``SOURCE_LACKS``), the
+trace is a k = 0 trace of kept tokens (its growth per k is counterfactual), and its weights are NaN.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import os
+import shutil
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moetrace.analysis.shape import config_value
+from moetrace.errors import UserError
+from moetrace.record import ResolvedModel
+from moetrace.schema import (
+    FOOTER_RUN_KEY,
+    FOOTER_SCHEMA_KEY,
+    MANIFEST_NAME,
+    ROUTING_DIR,
+    SCHEMA_VERSION,
+    SOURCE_LACKS,
+    STEPS_DIR,
+    STEPS_SCHEMA,
+    TOKEN_PHASES,
+    routing_schema,
+)
+from moetrace.writer import PARQUET_OPTIONS, write_json_atomic
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request's routing as the engine returned it: ``routed`` [T, L, K] (any integer dtype), the rows of
+    positions ``prompt_start`` .. ``prompt_start + T - 1``; ``tokens``: the request's prompt and output ids, where
+    the source has them."""
+
+    request_id: str
+    routed: npt.NDArray[Any]
+    prompt_length: int
+    prompt_start: int
+    tokens: list[int] | None
+    where: str  # file (and line) it came from, for messages
+
+
+def vllm_offline(arrays: Path, outputs: Path, prompt_start: int) -> list[EngineRequest]:
+    """Requests from a ``.npz`` of vLLM's routed experts, one array per request id (``moetrace record`` keeps them
+    as ``vllm-routed-experts.npz`` when the engine returns them; ``np.savez(path, **{o.request_id:
+    o.outputs[0].routed_experts for o in outputs})`` does the same), and a JSONL of the same requests' token ids
+    (one object per line: ``request_id``, ``prompt_token_ids``, ``output_token_ids``, as ``moetrace record`` writes
+    ``outputs.jsonl``)."""
+    try:
+        with np.load(arrays, allow_pickle=False) as loaded:
+            routed = {name: loaded[name] for name in loaded.files}
+    except FileNotFoundError:
+        raise UserError(f"{arrays}: no such file") from None
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise UserError(f"{arrays}: not a readable .npz of routed-experts arrays ({exc})") from None
+    if not routed:
+        raise UserError(f"{arrays}: holds no arrays")
+    ids: dict[str, dict[str, Any]] = {}
+    for number, line in enumerate(read_lines(outputs), 1):
+        try:
+            record = json.loads(line)
+            ids[str(record["request_id"])] = record
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"{outputs}:{number}: not an object with a request_id") from None
+    requests = []
+    for request_id, array in routed.items():
+        record = ids.get(request_id)
+        if record is None:
+            raise UserError(f"{outputs}: no line for request {request_id!r} of {arrays}")
+        prompt, output = token_ids(record, "prompt_token_ids", f"{outputs}"), token_ids(
+            record, "output_token_ids", f"{outputs}")
+        requests.append(EngineRequest(request_id, array, len(prompt), prompt_start, prompt + output,
+                                      f"{arrays}[{request_id}]"))
+    return requests
+
+
+def vllm_http(responses: Path, prompt_start: int) -> list[EngineRequest]:
+    """Requests from a JSONL of vLLM completion responses (one response per line) whose choices carry
+    ``routed_experts`` (base64 ``.npy``), ``prompt_token_ids`` and ``token_ids`` (the request's
+    ``return_token_ids``)."""
+    requests = []
+    for number, line in enumerate(read_lines(responses), 1):
+        where = f"{responses}:{number}"
+        try:
+            response = json.loads(line)
+            choices = response["choices"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"{where}: not a completion response (no choices)") from None
+        for choice in choices:
+            encoded = choice.get("routed_experts")
+            if encoded is None:
+                raise UserError(f"{where}: a choice without routed_experts (was the server started with "
+                                f"--enable-return-routed-experts?)")
+            try:
+                array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+            except (binascii.Error, ValueError, OSError, EOFError) as exc:
+                raise UserError(f"{where}: routed_experts is not a base64 .npy ({exc})") from None
+            prompt = token_ids(choice if "prompt_token_ids" in choice else response, "prompt_token_ids", where,
+                               hint="send return_token_ids: true")
+            output = token_ids(choice, "token_ids", where, hint="send return_token_ids: true")
+            requests.append(EngineRequest(f"{response.get('id', number)}-{choice.get('index', 0)}", array,
+                                          len(prompt), prompt_start, prompt + output, where))
+    return requests
+
+
+def read_lines(path: Path) -> list[str]:
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: unreadable ({exc})") from None
+    if not lines:
+        raise UserError(f"{path}: empty")
+    return lines
+
+
+def token_ids(record: dict[str, Any], key: str, where: str, hint: str = "") -> list[int]:
+    ids = record.get(key)
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise UserError(f"{where}: no {key}" + (f" ({hint})" if hint else ""))
+    return ids
+
+
+def checked_rows(request: EngineRequest, num_experts: int, top_k: int) -> npt.NDArray[np.int64]:
+    """``request.routed`` as int64 [T, L, K], checked: three dimensions, top-k wide, an integer dtype, one row per
+    token the request ran (prompt from ``prompt_start`` and output but the last), ids below ``num_experts`` (or
+    -1 padding)."""
+    routed = request.routed
+    if routed.ndim != 3 or routed.shape[2] != top_k:
+        raise UserError(f"{request.where}: shape {list(routed.shape)}, not [tokens, layers, {top_k}] (the model's "
+                        f"top-k)")
+    if not np.issubdtype(routed.dtype, np.integer):
+        raise UserError(f"{request.where}: dtype {routed.dtype}, not an integer type (uint8/uint16/int32)")
+    if request.tokens is not None and routed.shape[0] != len(request.tokens) - 1 - request.prompt_start:
+        raise UserError(f"{request.where}: {routed.shape[0]} rows for {len(request.tokens)} tokens from position "
+                        f"{request.prompt_start}: expected {len(request.tokens) - 1 - request.prompt_start} "
+                        f"(truncated, or another routed_experts_prompt_start: --prompt-start)")
+    rows = routed.astype(np.int64)
+    if (rows >= num_experts).any():
+        raise UserError(f"{request.where}: expert id {int(rows.max())} but the model has {num_experts} experts "
+                        f"(physical ids of redundant experts? only logical ids can be imported)")
+    if ((rows < 0) & (rows != -1)).any():
+        raise UserError(f"{request.where}: negative expert ids other than -1 padding")
+    padding = rows == -1
+    if (padding.any(axis=2) & ~padding.all(axis=2)).any():
+        raise UserError(f"{request.where}: -1 padding in part of a token's experts")
+    return rows
+
+
+def moe_layers_from(rows: list[npt.NDArray[np.int64]], expected: int, where: str) -> list[int]:
+    """The layers that routed: in every other layer each row repeats one id (vLLM's dense layers come back as
+    zeros). A layer mixing both, or a count other than the config's MoE layers, is an error."""
+    layers = rows[0].shape[1]
+    if any(r.shape[1] != layers for r in rows):
+        raise UserError(f"{where}: requests disagree on the number of layers")
+    moe = []
+    for layer in range(layers):
+        per_row = np.concatenate([r[:, layer, :] for r in rows])
+        per_row = per_row[(per_row != -1).all(axis=1)]
+        distinct = np.array([len(set(row.tolist())) == row.size for row in per_row], dtype=bool)
+        if distinct.all() and distinct.size:
+            moe.append(layer)
+        elif distinct.any():
+            raise UserError(f"{where}: layer {layer} has rows with repeated expert ids beside routed rows")
+    if len(moe) != expected:
+        raise UserError(f"{where}: {len(moe)} layers routed ({moe}), the model config says {expected} MoE layers")
+    return moe
+
+
+def model_manifest(model: ResolvedModel, config: dict[str, Any], moe_layers: list[int]) -> dict[str, Any]:
+    """The manifest's ``model`` for an imported trace, from the model's config (the engine's dtype and quantisation
+    are not in its routing: bf16 experts assumed)."""
+    return {
+        "name": model.name,
+        "path": str(model.path),
+        "architecture": (config.get("architectures") or ["?"])[0],
+        "random_weights": False,  # not in the routing: the engine ran the weights it loaded
+        "num_layers": int(config_value(config, "num_hidden_layers") or 0),
+        "moe_layers": moe_layers,
+        "num_experts": model.num_experts,
+        "top_k": model.top_k,
+        "shared_experts": int(config_value(config, "n_shared_experts") or 0),
+        "hidden_size": int(config_value(config, "hidden_size") or 0),
+        "expert_width": int(config_value(config, "moe_intermediate_size", "intermediate_size") or 0),
+        "scoring_func": config_value(config, "scoring_func"),
+        "dtype": "bfloat16",
+        "expert_weight_bits": 16,
+        "quant_group_size": None,
+    }
+
+
+def routing_and_steps(requests: list[EngineRequest], rows: list[npt.NDArray[np.int64]], moe_layers: list[int],
+                      top_k: int) -> tuple[pa.Table, pa.Table, int]:
+    """The routing and steps tables of ``requests``: one step for a request's prompt rows, one per output row
+    (a request alone in it, no timing: the source has neither), rows of -1 padding left out. Also the padding
+    rows left out."""
+    layer_count = len(moe_layers)
+    columns: dict[str, list[Any]] = {name: [] for name in ("step", "request", "position", "phase", "token")}
+    experts: list[npt.NDArray[np.int64]] = []
+    steps: dict[str, list[int]] = {name: [] for name in STEPS_SCHEMA.names}
+    step, padding = 0, 0
+    for index, (request, routed) in enumerate(zip(requests, rows)):
+        kept = routed[:, moe_layers, :]  # [T, L, K]
+        padded = (kept == -1).all(axis=2)
+        if (padded != padded.all(axis=1, keepdims=True)).any():
+            raise UserError(f"{request.where}: -1 padding in part of a token's MoE layers")
+        padding += int(padded[:, 0].sum())
+        positions = request.prompt_start + np.flatnonzero(~padded[:, 0])
+        prompt = positions[positions < request.prompt_length]
+        for group in ([prompt] if prompt.size else []) + [positions[i:i + 1] for i in
+                                                           range(prompt.size, positions.size)]:
+            is_prompt = int(group[0]) < request.prompt_length
+            for position in group.tolist():
+                columns["step"].append(step)
+                columns["request"].append(index)
+                columns["position"].append(position)
+                columns["phase"].append(TOKEN_PHASES.index("prefill" if is_prompt else "decode"))
+                columns["token"].append(None if request.tokens is None else request.tokens[position])
+                experts.append(kept[position - request.prompt_start])
+            for name, value in (("step", step), ("request", index), ("num_tokens", len(group)), ("num_drafts", 0),
+                                ("num_accepted", 0), ("batch_size", 1), ("t_start_ns", 0), ("t_end_ns", 0)):
+                steps[name].append(value)
+            step += 1
+    tokens = len(columns["step"])
+    by_token = np.stack(experts) if experts else np.zeros((0, layer_count, top_k), np.int64)
+
+    def per_row(values: list[int]) -> npt.NDArray[Any]:
+        return np.repeat(np.asarray(values), layer_count)
+
+    ids = by_token.reshape(-1).astype(np.uint16)
+    table = pa.Table.from_pydict({
+        "step": pa.array(per_row(columns["step"]).astype(np.uint32)),
+        "request": pa.array(per_row(columns["request"]).astype(np.uint32)),
+        "position": pa.array(per_row(columns["position"]).astype(np.uint32)),
+        "phase": pa.DictionaryArray.from_arrays(pa.array(per_row(columns["phase"]).astype(np.int8)),
+                                                pa.array(TOKEN_PHASES)),
+        "draft_pos": pa.array(np.zeros(tokens * layer_count, np.uint8)),
+        "token": pa.array([t for t in columns["token"] for _ in range(layer_count)], type=pa.uint32()),
+        "accepted": pa.nulls(tokens * layer_count, pa.bool_()),
+        "layer": pa.array(np.tile(np.asarray(moe_layers, np.uint16), tokens)),
+        "experts": pa.FixedSizeListArray.from_arrays(pa.array(ids), top_k),
+        "weights": pa.FixedSizeListArray.from_arrays(
+            pa.array(np.full(ids.size, np.nan, np.float16)), top_k),
+    }, schema=routing_schema(top_k))
+    return table, pa.Table.from_pydict(steps, schema=STEPS_SCHEMA), padding
+
+
+def write_imported_trace(requests: list[EngineRequest], model: ResolvedModel, source: dict[str, Any], out: Path,
+                         force: bool) -> dict[str, Any]:
+    """Check ``requests`` against ``model`` and write them as one trace at ``out`` (all or nothing: into a
+    sibling directory renamed into place). Returns the manifest."""
+    if out.exists() and not force:
+        raise UserError(f"{out} exists (--force to overwrite)")
+    config = json.loads((model.path / "config.json").read_text())
+    top_k = int(model.top_k or 0)
+    moe_count = len(range(int(config_value(config, "first_k_dense_replace") or 0),
+                          int(config_value(config, "num_hidden_layers") or 0)))
+    rows = [checked_rows(r, model.num_experts, top_k) for r in requests]
+    moe_layers = moe_layers_from(rows, moe_count, str(source["files"][0]))
+    routing, steps, padding = routing_and_steps(requests, rows, moe_layers, top_k)
+    run_id = out.name
+    manifest = {
+        "schema": SCHEMA_VERSION,
+        "run_id": run_id,
+        "complete": True,
+        "model": model_manifest(model, config, moe_layers),
+        "parallel": {"tp": 1, "ep": 1, "pp": 1, "dp": 1, "expert_placement": "linear"},
+        "spec": {"method": None, "k": 0},
+        "capture": {"candidates": 0, "token_ids": all(r.tokens is not None for r in requests)},
+        "source": {**source, "holds": "the tokens each request kept (prompt, anchors, accepted drafts)",
+                   "lacks": list(SOURCE_LACKS), "padding_rows": padding},
+        "requests": [r.request_id for r in requests],
+        "counts": {"steps": steps.num_rows, "tokens": routing.num_rows // len(moe_layers), "drafts": 0,
+                   "accepted": 0, "routing_rows": routing.num_rows, "routing_files": 1},
+    }
+    staging = out.with_name(f".{out.name}.importing")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        footer = {FOOTER_SCHEMA_KEY: SCHEMA_VERSION.encode(), FOOTER_RUN_KEY: run_id.encode()}
+        for name, table in ((ROUTING_DIR, routing), (STEPS_DIR, steps)):
+            (staging / name).mkdir(parents=True)
+            pq.write_table(table.replace_schema_metadata(footer), staging / name / "part-00000.parquet",
+                           **PARQUET_OPTIONS)
+        write_json_atomic(staging / MANIFEST_NAME, manifest)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
