@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,7 @@ class Recorder:
             rows=self.ring,
         )
         self.request_index: dict[str, int] = {}
+        self._guarded = Guard(self._stop)
         self.step = 0
         # A recording window under `vllm serve`: close after this many steps or seconds (None: until shutdown).
         self.window_steps: int | None = settings.get("steps")
@@ -231,32 +233,28 @@ class Recorder:
         routing if its routers ran. Under sync scheduling the GPU idles from vLLM's sync until the forward is
         launched, so nothing else happens here but on timed steps: whether the step is recorded is read once its
         forward is launched."""
-        self._t_start = time.monotonic_ns()  # step bounds: CLOCK_MONOTONIC, one clock for every process of a host
-        self._scheduled, self._step_kwargs, self._plan = scheduler_output, kwargs, None
-        if self.capture.ran:  # outside CUDA graphs the routers' Python ran and kept references to their outputs
-            self.capture.begin_step()
-        if self._time_next or self._timing:  # a timed step begins, or the last one ended without sampling
-            self._begin_timed_step()
+        with self._guarded:
+            self._t_start = time.monotonic_ns()  # step bounds: CLOCK_MONOTONIC, one clock for a host's processes
+            self._scheduled, self._step_kwargs, self._plan = scheduler_output, kwargs, None
+            if self.capture.ran:  # outside CUDA graphs the routers' Python ran and kept references to their outputs
+                self.capture.begin_step()
+            if self._time_next or self._timing:  # a timed step begins, or the last one ended without sampling
+                self._begin_timed_step()
         return original(scheduler_output, *args, **kwargs)
 
     def _begin_timed_step(self) -> None:
         """A timed step begins (``_time_next``): its forward phase is timed from here on, and its drafting hooked, if
         it is a request's step."""
         timed, self._time_next, self._timing = self._time_next, False, False
-        if not timed or self.writer.failed is not None:
-            return
-        try:
-            if self._is_recorded():
-                self.own_ns["step"] += time.monotonic_ns() - self._t_start
-                began = time.perf_counter_ns()
-                for point in self._timed_only:
-                    self._hook(point)
-                self._forward_events = self.phases["forward"].start()
-                self._forward_began = time.perf_counter_ns()
-                self.own_ns["phase_timing"] += self._forward_began - began
-                self._timing = True
-        except Exception as exc:
-            self._stop(exc)
+        if timed and self.writer.failed is None and self._is_recorded():
+            self.own_ns["step"] += time.monotonic_ns() - self._t_start
+            began = time.perf_counter_ns()
+            for point in self._timed_only:
+                self._hook(point)
+            self._forward_events = self.phases["forward"].start()
+            self._forward_began = time.perf_counter_ns()
+            self.own_ns["phase_timing"] += self._forward_began - began
+            self._timing = True
 
     def _advance_timing(self) -> None:
         """Decide whether the next step is timed (one in ``timing_every``), once the forward is launched: before it,
@@ -277,14 +275,12 @@ class Recorder:
         """Note which CUDA graph (if any) the forward replays, and every DP rank's tokens in it: vLLM says so only in
         this call (its arguments, its result, or its forward context), read as it returns."""
         result = original(*args, **kwargs)
-        if self.writer.failed is None:
-            began = time.perf_counter_ns() if self._timing else 0
-            try:
+        with self._guarded:
+            if self.writer.failed is None:
+                began = time.perf_counter_ns() if self._timing else 0
                 self._plan = (_already_read, plan(result, *args, **kwargs), (), {})
-            except Exception as exc:
-                self._stop(exc)
-            if self._timing:
-                self.own_ns["graph"] += time.perf_counter_ns() - began
+                if self._timing:
+                    self.own_ns["graph"] += time.perf_counter_ns() - began
         return result
 
     def forward_planned_at_launch(self, original: Callable[..., Any], plan: Callable[..., ForwardPlan], *args: Any,
@@ -296,37 +292,28 @@ class Recorder:
         return result
 
     def forward_launched(self) -> None:
-        """The GPU runs the step's forward (called as sampling begins): hand the last steps over, then queue this
-        step's copy."""
+        """The GPU runs the step's forward (called as sampling begins, under the caller's guard): hand the last steps
+        over, then queue this step's copy."""
         if self._timing and self._forward_events is not None:
             ended = time.perf_counter_ns()
-            try:
-                self._batch = len(self._scheduled.num_scheduled_tokens)
-                self.phases["forward"].end(self._batch, self._forward_events, ended - self._forward_began)
-            except Exception as exc:
-                self._stop(exc)
+            self._batch = len(self._scheduled.num_scheduled_tokens)
+            self.phases["forward"].end(self._batch, self._forward_events, ended - self._forward_began)
             self.own_ns["phase_timing"] += time.perf_counter_ns() - ended
         self._forward_events = None
         began = time.perf_counter_ns() if self._timing else 0
         self.writer.forward_ready()
         if self._phases_in_flight:  # a timed step's events: read once they have completed
-            try:
-                for timing in self.phases.values():
-                    timing.read_done()
-                self._phases_in_flight = any(timing.in_flight for timing in self.phases.values())
-            except Exception as exc:
-                self._stop(exc)
+            for timing in self.phases.values():
+                timing.read_done()
+            self._phases_in_flight = any(timing.in_flight for timing in self.phases.values())
         handed = time.perf_counter_ns() if self._timing else 0
         self._pending = None
         plan, self._plan = self._plan, None
         if self.writer.failed is None and self._is_recorded():
-            try:
-                read, result, args, kwargs = plan if plan is not None else (_already_read, (None, None), (), {})
-                self._pending = self._layout(*read(result, *args, **kwargs))
-                if self._windowed:  # here, not between vLLM's sync and the next launch
-                    self._window_ends = self._window_over()
-            except Exception as exc:
-                self._stop(exc)
+            read, result, args, kwargs = plan if plan is not None else (_already_read, (None, None), (), {})
+            self._pending = self._layout(*read(result, *args, **kwargs))
+            if self._windowed:  # here, not between vLLM's sync and the next launch
+                self._window_ends = self._window_over()
         self._scheduled = self._step_kwargs = None
         self._advance_timing()
         if self._timing:
@@ -335,11 +322,9 @@ class Recorder:
 
     def capture_model(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Model Runner V2 builds its CUDA-graph manager after load: hook it now, before its graphs are captured."""
-        try:
+        with self._guarded:
             self.install()
             self.model_runner.name_full_graphs(self.capture.name_captured)
-        except Exception as exc:
-            self._stop(exc)
         return original(*args, **kwargs)
 
     def sample(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -347,24 +332,23 @@ class Recorder:
         async scheduling also counts the tokens each request kept (accepted drafts + 1) on the device, copied
         without blocking."""
         sampled = self._timed("sampling", original, *args, **kwargs)
-        began = time.perf_counter_ns() if self._timing else 0
-        pending = self._pending
-        if pending is not None and self.writer.failed is None:
-            try:
+        with self._guarded:
+            began = time.perf_counter_ns() if self._timing else 0
+            pending = self._pending
+            if pending is not None and self.writer.failed is None:
                 if not self.sampled_on_host:
                     pending.kept = to_host(self.model_runner.kept_on_device(sampled)[: len(pending.requests)])
                     pending.copied = copied_event()  # now after both copies
                 pending.t_end = time.monotonic_ns()
-            except Exception as exc:
-                self._stop(exc)
-        if self._timing:
-            self.own_ns["sample"] += time.perf_counter_ns() - began
+            if self._timing:
+                self.own_ns["sample"] += time.perf_counter_ns() - began
         return sampled
 
     def propose_draft_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Hooked for a timed step only (``HookPoint.timed_only``): vLLM's sync has passed, so on other steps the
         drafter is called with no hook between."""
-        self._unhook_timed_only()
+        with self._guarded:
+            self._unhook_timed_only()
         return self._timed("drafting", original, *args, **kwargs)
 
     def _timed(self, phase: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -375,21 +359,17 @@ class Recorder:
         timing = self.phases[phase]
         began = time.perf_counter_ns()
         events = None
-        if self.writer.failed is None:
-            try:
+        with self._guarded:
+            if self.writer.failed is None:
                 events = timing.start()
-            except Exception as exc:
-                self._stop(exc)
         called = time.perf_counter_ns()
         try:
             return call(*args, **kwargs)
         finally:
             returned = time.perf_counter_ns()
-            if events is not None:
-                try:
+            with self._guarded:
+                if events is not None:
                     timing.end(self._batch, events, returned - called)
-                except Exception as exc:
-                    self._stop(exc)
             self.own_ns["phase_timing"] += called - began + time.perf_counter_ns() - returned
 
     def sample_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -398,12 +378,13 @@ class Recorder:
         tokens there (the scheduler trims those lists later) and queue the step (handed over once the next forward
         is launched, or by the writer's idle forwarder). The GPU idles from vLLM's sync to the next launch, so
         nothing else is done after it."""
-        self.forward_launched()
+        with self._guarded:
+            self.forward_launched()
         output = original(*args, **kwargs)
-        began = time.perf_counter_ns() if self._timing else 0
-        pending, self._pending = self._pending, None
-        if pending is not None and pending.t_end:  # (the writer drops what it is given once recording failed)
-            try:
+        with self._guarded:
+            began = time.perf_counter_ns() if self._timing else 0
+            pending, self._pending = self._pending, None
+            if pending is not None and pending.t_end:  # (the writer drops what it is given once recording failed)
                 if pending.kept is None:
                     pending.kept = self.model_runner.kept_on_host(output)
                     if pending.kept is None:
@@ -413,11 +394,9 @@ class Recorder:
                 if self._window_ends:  # the engine runs on unhooked; the trace is closed beside it
                     self.uninstall()
                     threading.Thread(target=self.close, name="moetrace-close").start()
-            except Exception as exc:
-                self._stop(exc)
-        if self._timing:
-            self.own_ns["sample_tokens"] += time.perf_counter_ns() - began
-            self._timing, self._phases_in_flight = False, True
+            if self._timing:
+                self.own_ns["sample_tokens"] += time.perf_counter_ns() - began
+                self._timing, self._phases_in_flight = False, True
         return output
 
     def engine_thread_us_per_step(self) -> dict[str, float]:
@@ -431,7 +410,10 @@ class Recorder:
         log.warning("moetrace: recording stopped, the engine keeps serving (%s)", reason)
         if self.writer.failed is None:
             self.writer.failed = reason
-        self.uninstall()  # the engine runs on exactly as without moetrace
+        try:
+            self.uninstall()  # the engine runs on exactly as without moetrace
+        except Exception as again:
+            log.warning("moetrace: unhooking after that failed too (%s: %s)", type(again).__name__, again)
 
     # -- batch layout ---------------------------------------------------------------------------------------
 
@@ -463,6 +445,27 @@ class Recorder:
             packed=RingRows(where.offset, num_tokens, where.end),  # padding rows, if any, left out
             layout=self.layout,
         )
+
+
+class Guard:
+    """The one guard around moetrace's own work in every hook (``with recorder._guarded:``): an exception stops
+    recording, said in the log and the manifest, and never reaches vLLM (vLLM's own calls run outside it). A plain
+    context manager, not a generator: entered several times a step on the engine thread."""
+
+    __slots__ = ("stop",)
+
+    def __init__(self, stop: Callable[[BaseException], None]) -> None:
+        self.stop = stop
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, trace: TracebackType | None
+                 ) -> bool:
+        if isinstance(exc, Exception):
+            self.stop(exc)
+            return True  # swallowed: the engine carries on unhooked
+        return False
 
 
 def _already_read(plan: ForwardPlan) -> ForwardPlan:

@@ -45,6 +45,8 @@ GRAPH_MANAGER_V2_FIELDS = ("graphs", "run_fullgraph", "run_pw_graph")
 # V2 warms its kernels up at start-up (``vllm/v1/worker/gpu/warmup.py``) by running batches of requests of its own
 # through execute_model and sample_tokens: their ids start so.
 WARMUP_REQUEST_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
+# What the recorder reads on a step's ``SchedulerOutput`` (a dataclass, ``vllm.v1.core.sched.output``).
+SCHEDULER_OUTPUT_FIELDS = ("total_num_scheduled_tokens", "num_scheduled_tokens")
 ROUTER_FIELDS = ("_compute_routing", "global_num_experts", "top_k")
 MOE_RUNNER_FIELDS = ("router", "layer_id", "layer_name", "is_monolithic")
 
@@ -357,6 +359,10 @@ class GraphsNamingCaptures(dict[Any, Any]):
 @cache
 def worker_api() -> WorkerApi:
     """Resolve the worker-side internals once per process; raises ``VllmApiError`` naming what is missing."""
+    schedule = {f.name for f in dataclasses.fields(symbol("vllm.v1.core.sched.output.SchedulerOutput"))}
+    for field in SCHEDULER_OUTPUT_FIELDS:
+        if field not in schedule:
+            raise missing(f"SchedulerOutput.{field} (vllm.v1.core.sched.output)")
     return WorkerApi(
         version=vllm_version(),
         moe_runner_cls=symbol("vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner"),

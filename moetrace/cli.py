@@ -195,25 +195,29 @@ def info(trace: Path, as_json: bool) -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing trace directory.")
 def import_routing(source: Path, outputs: Path | None, model: str | None, prompt_start: int, output: Path | None,
                    force: bool) -> None:
-    """Write the routing vLLM returned (enable_return_routed_experts) as a moetrace trace: SOURCE is a .npz of
-    arrays per request id (with the JSONL of their token ids) or a .jsonl of HTTP completion responses (sent with
-    return_token_ids). The trace holds the tokens each request kept: growth per k is counterfactual; it has no
-    acceptance, router weights, timing or batching."""
-    from moetrace.imports import vllm_http, vllm_offline, write_imported_trace
+    """Write the routing an engine returned as a moetrace trace: SOURCE is a .npz of vLLM's arrays per request id
+    (enable_return_routed_experts; with the JSONL of their token ids), or a .jsonl of HTTP responses: vLLM
+    completions (sent with return_token_ids) or SGLang /generate responses (return_routed_experts). The trace
+    holds the tokens each request kept: growth per k is counterfactual; it has no acceptance, router weights,
+    timing or batching."""
+    from moetrace.imports import http_responses, model_layers, vllm_offline, write_imported_trace
     from moetrace.record import resolve_model
 
     if prompt_start < 0:
         raise UserError(f"--prompt-start: {prompt_start} is negative")
+    resolved = resolve_model(model)
     if source.suffix == ".npz":
         outputs = outputs or source.with_name("outputs.jsonl")
         requests, files, form = vllm_offline(source, outputs, prompt_start), [source, outputs], "offline arrays"
     elif source.suffix == ".jsonl":
-        requests, files, form = vllm_http(source, prompt_start), [source], "HTTP completion responses"
+        requests = http_responses(source, prompt_start, model_layers(resolved), int(resolved.top_k or 0))
+        files, form = [source], "HTTP responses"
     else:
-        raise UserError(f"{source}: give a .npz of routed-experts arrays or a .jsonl of completion responses")
+        raise UserError(f"{source}: give a .npz of routed-experts arrays or a .jsonl of HTTP responses")
+    engine = " and ".join(sorted({r.engine for r in requests}))
     target = output or source.with_name(f"{source.stem}-trace")
-    manifest = write_imported_trace(requests, resolve_model(model), {
-        "engine": "vllm", "format": f"routed experts, {form}", "files": [str(f) for f in files],
+    manifest = write_imported_trace(requests, resolved, {
+        "engine": engine, "format": f"routed experts, {form}", "files": [str(f) for f in files],
         "prompt_start": prompt_start}, target, force)
     counts = manifest["counts"]
     console.print(f"imported {len(manifest['requests'])} requests, {counts['tokens']:,} tokens, "
@@ -222,17 +226,36 @@ def import_routing(source: Path, outputs: Path | None, model: str | None, prompt
 
 
 @main.command()
-@click.argument("summary", type=click.Path(path_type=Path))
-@click.option("--vllm-spec-schedule", "vllm_spec", is_flag=True, required=True,
-              help="vLLM's dynamic speculative-decoding schedule (num_speculative_tokens_per_batch_size).")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--vllm-spec-schedule", "vllm_spec", is_flag=True,
+              help="SOURCE is the JSON of `moetrace report --json`: vLLM's dynamic speculative-decoding schedule "
+                   "(num_speculative_tokens_per_batch_size).")
+@click.option("--sglang-expert-location", "sglang_location", is_flag=True,
+              help="SOURCE is a trace: SGLang's --init-expert-location file from its decode and verification load.")
 @click.option("--drafter", "label", default=None, help="Which run's decision, by its label, when SUMMARY has several.")
+@click.option("--ep", type=int, default=None,
+              help="With --sglang-expert-location: expert-parallel ranks; writes a physical_to_logical_map instead "
+                   "of logical_count.")
+@click.option("--redundant", default=0, show_default=True, help="With --ep: extra expert replicas per layer.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="File to write [default: SUMMARY's name with .vllm-spec-schedule.json].")
+              help="File to write [default: SOURCE's name with .vllm-spec-schedule.json or "
+                   ".sglang-expert-location.json].")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
-def export(summary: Path, vllm_spec: bool, label: str | None, output: Path | None, force: bool) -> None:
-    """Write what SUMMARY (the JSON of `moetrace report --json`) decided in an engine's own format: with
-    --vllm-spec-schedule, the recommended k per concurrency as the speculative-config keys vLLM reads (method,
-    num_speculative_tokens, num_speculative_tokens_per_batch_size); merge them into --speculative-config."""
+def export(source: Path, vllm_spec: bool, sglang_location: bool, label: str | None, ep: int | None, redundant: int,
+           output: Path | None, force: bool) -> None:
+    """Write what moetrace found in an engine's own format: with --vllm-spec-schedule, the recommended k per
+    concurrency of SOURCE (the JSON of `moetrace report --json`) as the speculative-config keys vLLM reads
+    (method, num_speculative_tokens, num_speculative_tokens_per_batch_size); with --sglang-expert-location, the
+    expert load of SOURCE (a trace) in decode and verification as SGLang's --init-expert-location file."""
+    if vllm_spec == sglang_location:
+        raise UserError("give one of --vllm-spec-schedule or --sglang-expert-location")
+    if vllm_spec:
+        export_vllm_spec_schedule(source, label, output, force)
+    else:
+        export_sglang_expert_location(source, ep, redundant, output, force)
+
+
+def export_vllm_spec_schedule(summary: Path, label: str | None, output: Path | None, force: bool) -> None:
     from moetrace.export import vllm_spec_schedule
 
     try:
@@ -256,6 +279,44 @@ def export(summary: Path, vllm_spec: bool, label: str | None, output: Path | Non
     target.write_text(json.dumps(schedule, indent=2) + "\n")
     click.echo(f"{target}: {schedule['method']} {schedule['num_speculative_tokens_per_batch_size']}")
     click.echo(f"next: vllm serve MODEL --speculative-config \"$(cat {target})\"")
+
+
+
+
+def export_sglang_expert_location(trace_path: Path, ep: int | None, redundant: int, output: Path | None,
+                                  force: bool) -> None:
+    from moetrace.analysis.growth import decode_and_verify
+    from moetrace.analysis.load import expert_load
+    from moetrace.export import sglang_logical_count, sglang_physical_to_logical_map
+    from moetrace.report.inputs import open_run
+    from moetrace.schema import MAX_K
+
+    if ep is None and redundant:
+        raise UserError("--redundant places replicas: give --ep too")
+    target = output or trace_path.with_name(f"{trace_path.name}.sglang-expert-location.json")
+    if target.exists() and not force:
+        raise UserError(f"{target}: already exists (use --force to overwrite)")
+    trace = open_run(trace_path, MAX_K).primary
+    model = trace.manifest["model"]
+    experts, moe_layers = int(model["num_experts"]), [int(layer) for layer in model["moe_layers"]]
+    layers = int(model.get("num_layers") or max(moe_layers) + 1)
+    load = expert_load(decode_and_verify(trace.routing()), experts)
+    counts = sglang_logical_count({(int(r["layer"]), int(r["expert"])): int(r["picks"]) for r in load.to_dicts()},
+                                  layers, experts)
+    if ep is None:
+        document: dict[str, Any] = {"logical_count": counts.tolist()}
+        what = f"logical_count [{layers}, {experts}]"
+    else:
+        try:
+            mapping = sglang_physical_to_logical_map(counts, moe_layers, ep, redundant)
+        except ValueError as exc:
+            raise UserError(f"--ep {ep} --redundant {redundant}: {exc}") from None
+        document = {"physical_to_logical_map": mapping.tolist()}  # alone: SGLang passes every key on
+        what = f"physical_to_logical_map [{layers}, {experts + redundant}] over {ep} ranks"
+    target.write_text(json.dumps(document) + "\n")
+    click.echo(f"{target}: {what}, from {int(counts.sum()):,} expert picks in decode and verification")
+    click.echo(f"next: python -m sglang.launch_server --model-path MODEL --init-expert-location {target}"
+               + (f" --ep-size {ep} --ep-num-redundant-experts {redundant}" if ep is not None else ""))
 
 
 main.add_command(report)

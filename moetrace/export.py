@@ -1,13 +1,20 @@
-"""What a report decided, in an engine's own format: ``moetrace export SUMMARY --vllm-spec-schedule`` turns the
+"""What moetrace found, in an engine's own format. ``moetrace export SUMMARY --vllm-spec-schedule`` turns the
 decision table of ``moetrace report --json`` into vLLM's dynamic speculative-decoding schedule
 (``SpeculativeConfig.num_speculative_tokens_per_batch_size``, vLLM 0.32: inclusive batch-size ranges, each with
-the number of speculative tokens to run at it). Plain data in and out; no vLLM import."""
+the number of speculative tokens to run at it). ``moetrace export TRACE --sglang-expert-location`` turns a trace's
+expert load in decode and verification into SGLang's ``--init-expert-location`` file (``logical_count``, or with
+``--ep`` a ``physical_to_logical_map``). Plain data in and out; no engine import."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from moetrace.analysis.placement import replicated_placement
 
 LAST_BATCH = 65536  # the last range runs to here: vLLM reads its schedule up to its own max_num_seqs
 
@@ -46,3 +53,26 @@ def vllm_spec_schedule(decision: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError("no concurrency pays for speculation (k = 0 at every one): nothing to schedule")
     return {"method": decision["drafter"], "num_speculative_tokens": largest,
             "num_speculative_tokens_per_batch_size": schedule}
+
+
+def sglang_logical_count(picks: Mapping[tuple[int, int], int], num_layers: int, num_experts: int
+                         ) -> npt.NDArray[np.int64]:
+    """``logical_count`` [num_layers, num_experts] as SGLang's ``--init-expert-location`` reads it (every decoder
+    layer, dense ones all zero): the picks of each (layer, expert)."""
+    counts = np.zeros((num_layers, num_experts), dtype=np.int64)
+    for (layer, expert), count in picks.items():
+        counts[layer, expert] = count
+    return counts
+
+
+def sglang_physical_to_logical_map(logical_count: npt.NDArray[np.int64], moe_layers: Sequence[int], ep: int,
+                                   redundant: int) -> npt.NDArray[np.int64]:
+    """``physical_to_logical_map`` [num_layers, num_experts + redundant]: per MoE layer
+    ``analysis.placement.replicated_placement`` of its picks; a dense layer's slots in logical order, its extra
+    slots on the first experts (SGLang reads a row for every decoder layer)."""
+    layers, experts = logical_count.shape
+    slots = experts + redundant
+    rows = np.tile(np.arange(slots, dtype=np.int64) % experts, (layers, 1))
+    for layer in moe_layers:
+        rows[layer] = replicated_placement(logical_count[layer].tolist(), ep, redundant)
+    return rows

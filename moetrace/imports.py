@@ -6,6 +6,11 @@ completion choice's ``routed_experts``). Row i is the token at position ``prompt
 ``routed_experts_prompt_start``), up to the last token but one (the last sampled token never ran through the
 model). Layers are all decoder layers: dense ones come back as rows of zeros.
 
+SGLang returns the same with ``--enable-return-routed-experts`` and a request's ``return_routed_experts``: base64
+of the raw int32 bytes in ``meta_info["routed_experts"]`` of a ``/generate`` response, rows ``[tokens, layers,
+top_k]`` in C order over positions ``routed_experts_start_len`` .. prompt + output − 2
+(``sglang/srt/state_capturer/routed_experts.py``, ``extract_routed_experts_from_meta_info``, SGLang 0.5.23).
+
 Such rows are the tokens a request kept: prompt, anchors, accepted drafts. They hold no rejected draft, no router
 weight, no acceptance, no step timing and no batching; the manifest's ``source`` says so (``SOURCE_LACKS``), the
 trace is a k = 0 trace of kept tokens (its growth per k is counterfactual), and its weights are NaN.
@@ -50,13 +55,15 @@ from moetrace.writer import PARQUET_OPTIONS, write_json_atomic
 @dataclass(frozen=True)
 class EngineRequest:
     """One request's routing as the engine returned it: ``routed`` [T, L, K] (any integer dtype), the rows of
-    positions ``prompt_start`` .. ``prompt_start + T - 1``; ``tokens``: the request's prompt and output ids, where
-    the source has them."""
+    positions ``prompt_start`` .. ``prompt_start + T - 1`` of a sequence of ``length`` tokens (prompt and output);
+    ``tokens``: their ids, where the source has them."""
 
+    engine: str  # vllm or sglang
     request_id: str
     routed: npt.NDArray[Any]
     prompt_length: int
     prompt_start: int
+    length: int
     tokens: list[int] | None
     where: str  # file (and line) it came from, for messages
 
@@ -90,38 +97,79 @@ def vllm_offline(arrays: Path, outputs: Path, prompt_start: int) -> list[EngineR
             raise UserError(f"{outputs}: no line for request {request_id!r} of {arrays}")
         prompt, output = token_ids(record, "prompt_token_ids", f"{outputs}"), token_ids(
             record, "output_token_ids", f"{outputs}")
-        requests.append(EngineRequest(request_id, array, len(prompt), prompt_start, prompt + output,
-                                      f"{arrays}[{request_id}]"))
+        requests.append(EngineRequest("vllm", request_id, array, len(prompt), prompt_start, len(prompt) + len(output),
+                                      prompt + output, f"{arrays}[{request_id}]"))
     return requests
 
 
-def vllm_http(responses: Path, prompt_start: int) -> list[EngineRequest]:
-    """Requests from a JSONL of vLLM completion responses (one response per line) whose choices carry
-    ``routed_experts`` (base64 ``.npy``), ``prompt_token_ids`` and ``token_ids`` (the request's
-    ``return_token_ids``)."""
+def http_responses(responses: Path, prompt_start: int, layers: int, top_k: int) -> list[EngineRequest]:
+    """Requests from a JSONL of HTTP responses, one per line: vLLM completion responses (``choices``) or SGLang
+    ``/generate`` responses (``meta_info``), told apart line by line."""
     requests = []
     for number, line in enumerate(read_lines(responses), 1):
         where = f"{responses}:{number}"
         try:
             response = json.loads(line)
-            choices = response["choices"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{where}: not a completion response (no choices)") from None
-        for choice in choices:
-            encoded = choice.get("routed_experts")
-            if encoded is None:
-                raise UserError(f"{where}: a choice without routed_experts (was the server started with "
-                                f"--enable-return-routed-experts?)")
-            try:
-                array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
-            except (binascii.Error, ValueError, OSError, EOFError) as exc:
-                raise UserError(f"{where}: routed_experts is not a base64 .npy ({exc})") from None
-            prompt = token_ids(choice if "prompt_token_ids" in choice else response, "prompt_token_ids", where,
-                               hint="send return_token_ids: true")
-            output = token_ids(choice, "token_ids", where, hint="send return_token_ids: true")
-            requests.append(EngineRequest(f"{response.get('id', number)}-{choice.get('index', 0)}", array,
-                                          len(prompt), prompt_start, prompt + output, where))
+        except json.JSONDecodeError:
+            raise UserError(f"{where}: not JSON") from None
+        if isinstance(response, dict) and isinstance(response.get("choices"), list):
+            requests += vllm_response(response, prompt_start, where)
+        elif isinstance(response, dict) and isinstance(response.get("meta_info"), dict):
+            requests.append(sglang_response(response, prompt_start, layers, top_k, where, number))
+        else:
+            raise UserError(f"{where}: neither a vLLM completion response (choices) nor an SGLang /generate "
+                            f"response (meta_info)")
     return requests
+
+
+def vllm_response(response: dict[str, Any], prompt_start: int, where: str) -> list[EngineRequest]:
+    """The requests of one vLLM completion response whose choices carry ``routed_experts`` (base64 ``.npy``),
+    ``prompt_token_ids`` and ``token_ids`` (the request's ``return_token_ids``)."""
+    requests = []
+    for choice in response["choices"]:
+        encoded = choice.get("routed_experts")
+        if encoded is None:
+            raise UserError(f"{where}: a choice without routed_experts (was the server started with "
+                            f"--enable-return-routed-experts?)")
+        try:
+            array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+        except (binascii.Error, ValueError, OSError, EOFError) as exc:
+            raise UserError(f"{where}: routed_experts is not a base64 .npy ({exc})") from None
+        prompt = token_ids(choice if "prompt_token_ids" in choice else response, "prompt_token_ids", where,
+                           hint="send return_token_ids: true")
+        output = token_ids(choice, "token_ids", where, hint="send return_token_ids: true")
+        requests.append(EngineRequest("vllm", f"{response.get('id')}-{choice.get('index', 0)}", array, len(prompt),
+                                      prompt_start, len(prompt) + len(output), prompt + output, where))
+    return requests
+
+
+def sglang_response(response: dict[str, Any], prompt_start: int, layers: int, top_k: int, where: str,
+                    number: int) -> EngineRequest:
+    """One SGLang ``/generate`` response: ``meta_info`` with ``routed_experts`` (base64 of raw int32, C order
+    [tokens, layers, top_k]), ``prompt_tokens`` and ``completion_tokens`` (token ids: the prompt's are not in
+    the response, so none are kept)."""
+    meta = response["meta_info"]
+    encoded = meta.get("routed_experts")
+    if not isinstance(encoded, str):
+        raise UserError(f"{where}: no meta_info.routed_experts (was the server started with "
+                        f"--enable-return-routed-experts and the request sent with return_routed_experts?)")
+    prompt, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        raise UserError(f"{where}: meta_info lacks prompt_tokens or completion_tokens")
+    try:
+        flat = np.frombuffer(base64.b64decode(encoded, validate=True), dtype=np.int32)
+    except (binascii.Error, ValueError) as exc:
+        raise UserError(f"{where}: meta_info.routed_experts is not base64 of int32 ({exc})") from None
+    if flat.size % (layers * top_k):
+        raise UserError(f"{where}: {flat.size} expert ids are not whole rows of {layers} layers x top-{top_k} (the "
+                        f"model's)")
+    return EngineRequest("sglang", str(meta.get("id", number)), flat.reshape(-1, layers, top_k), prompt, prompt_start,
+                         prompt + completion, None, where)
+
+
+def model_layers(model: ResolvedModel) -> int:
+    """The decoder layers of ``model`` (its config's ``num_hidden_layers``): an engine returns a row for each."""
+    return int(config_value(json.loads((model.path / "config.json").read_text()), "num_hidden_layers") or 0)
 
 
 def read_lines(path: Path) -> list[str]:
@@ -153,10 +201,10 @@ def checked_rows(request: EngineRequest, num_experts: int, top_k: int) -> npt.ND
                         f"top-k)")
     if not np.issubdtype(routed.dtype, np.integer):
         raise UserError(f"{request.where}: dtype {routed.dtype}, not an integer type (uint8/uint16/int32)")
-    if request.tokens is not None and routed.shape[0] != len(request.tokens) - 1 - request.prompt_start:
-        raise UserError(f"{request.where}: {routed.shape[0]} rows for {len(request.tokens)} tokens from position "
-                        f"{request.prompt_start}: expected {len(request.tokens) - 1 - request.prompt_start} "
-                        f"(truncated, or another routed_experts_prompt_start: --prompt-start)")
+    if routed.shape[0] != request.length - 1 - request.prompt_start:
+        raise UserError(f"{request.where}: {routed.shape[0]} rows for {request.length} tokens from position "
+                        f"{request.prompt_start}: expected {request.length - 1 - request.prompt_start} "
+                        f"(truncated, or another prompt start: --prompt-start)")
     rows = routed.astype(np.int64)
     if (rows >= num_experts).any():
         raise UserError(f"{request.where}: expert id {int(rows.max())} but the model has {num_experts} experts "

@@ -1,5 +1,7 @@
 """``moetrace export --vllm-spec-schedule``: the report's decision as vLLM's dynamic speculative-decoding schedule,
-checked by hand and by vLLM 0.32's own parser and batch-size lookup."""
+checked by hand and by vLLM 0.32's own parser and batch-size lookup; ``--sglang-expert-location``: a trace's expert
+load as SGLang's ``--init-expert-location`` file, checked by a brute-force count and by the rules SGLang's parser
+applies (its parser cannot run here: see the test)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
 from moetrace.cli import main
+from moetrace.analysis.placement import replicated_placement
 from moetrace.export import LAST_BATCH, vllm_spec_schedule
 from trace_builder import small_k2_trace, well_sampled_sweep
 
@@ -114,3 +118,67 @@ def test_a_cpu_engine_runs_the_exported_schedule(tmp_path: Path) -> None:
     # both ranges ran: steps after a step of 4 requests drafted 1 at most, after 1 or 2 requests up to 4
     assert {allowed[requests] for requests, _ in pairs} == {1, 4}
     assert max(drafts for requests, drafts in pairs if allowed[requests] == 4) > 1
+
+
+def test_replicas_go_to_the_most_picked_per_replica_and_ranks_fill_heaviest_first() -> None:
+    # by hand: picks 8, 4, 2, 2 over 2 ranks with 2 extra replicas: expert 0 (8 per replica) gets the first, then
+    # 0 and 1 tie at 4 per replica: the lower id, 0, gets the second (3 replicas of 8/3 each). Heaviest first into
+    # the least-loaded rank with room (3 slots each): 1 (4) -> r0; 0 -> r1 (2.7); 0 -> r1 (5.3, r0 has 4); 0 -> r0
+    # (6.7); 2 -> r1 (7.3, full); 3 -> r0 (8.7)
+    slots = replicated_placement([8, 4, 2, 2], ep=2, redundant=2).tolist()
+    assert sorted(slots) == [0, 0, 0, 1, 2, 3]
+    assert slots == [1, 0, 3, 0, 0, 2]
+    with pytest.raises(ValueError, match="do not split evenly"):
+        replicated_placement([1, 1, 1], ep=2, redundant=0)
+
+
+def brute_force_picks(trace: Path) -> dict[tuple[int, int], int]:
+    """Picks per (layer, expert) over the trace's decode and verify rows, one row at a time."""
+    picks: dict[tuple[int, int], int] = {}
+    for row in pq.read_table(trace / "routing").to_pylist():
+        if row["phase"] != "prefill":
+            for expert in row["experts"]:
+                picks[(row["layer"], expert)] = picks.get((row["layer"], expert), 0) + 1
+    return picks
+
+
+def test_sglang_expert_location_holds_the_traces_load_as_sglangs_parser_reads_it(tmp_path: Path) -> None:
+    """SGLang's own parser (``sglang.srt.eplb.expert_location.compute_initial_expert_location_metadata``, 0.5.23)
+    cannot run without a server: it needs SGLang's published runtime context and a full ``ModelConfig`` (its
+    ``init_by_mapping`` / ``init_by_eplb`` read both), and importing it pulls in orjson, msgspec and SGLang's server
+    arguments. So this checks the rules it applies: a .json whose only key is ``physical_to_logical_map`` (the dict
+    is passed on as keyword arguments) with a row per decoder layer and ids in [0, experts), or one with
+    ``logical_count`` [layers, experts]; SGLang itself checks neither, and a negative id wraps around silently."""
+    trace = small_k2_trace(tmp_path / "trace")
+    manifest = json.loads((trace / "manifest.json").read_text())
+    experts, moe_layers = manifest["model"]["num_experts"], manifest["model"]["moe_layers"]
+    layers = max(moe_layers) + 1
+    done = CliRunner().invoke(main, ["export", str(trace), "--sglang-expert-location"])
+    assert done.exit_code == 0, done.output
+    count = json.loads((tmp_path / "trace.sglang-expert-location.json").read_text())
+    assert list(count) == ["logical_count"] and len(count["logical_count"]) == layers
+    expected = brute_force_picks(trace)
+    assert {(layer, expert): n for layer, row in enumerate(count["logical_count"]) for expert, n in enumerate(row)
+            if n} == expected
+    mapped = subprocess.run([sys.executable, "-m", "moetrace", "export", str(trace), "--sglang-expert-location",
+                             "--ep", "4", "--redundant", "8", "-o", str(tmp_path / "map.json")],
+                            capture_output=True, text=True, check=False)
+    assert mapped.returncode == 0, mapped.stderr
+    doc = json.loads((tmp_path / "map.json").read_text())
+    assert list(doc) == ["physical_to_logical_map"]
+    table = doc["physical_to_logical_map"]
+    assert len(table) == layers and all(len(row) == experts + 8 for row in table)
+    for layer in moe_layers:  # every expert has a slot; ids in range; the rank loads balanced
+        row = table[layer]
+        assert set(row) == set(range(experts)) and min(row) >= 0
+        replicas = {e: row.count(e) for e in set(row)}
+        per_rank = len(row) // 4
+        rank_load = [sum(expected.get((layer, e), 0) / replicas[e] for e in row[r * per_rank:(r + 1) * per_rank])
+                     for r in range(4)]
+        linear = [sum(expected.get((layer, e), 0) for e in range(r * experts // 4, (r + 1) * experts // 4))
+                  for r in range(4)]
+        assert max(rank_load) <= max(linear)
+    bad = CliRunner().invoke(main, ["export", str(trace), "--sglang-expert-location", "--ep", "3", "--force"])
+    assert bad.exit_code == 1 and "do not split evenly over 3 ranks" in bad.output
+    neither = CliRunner().invoke(main, ["export", str(trace)])
+    assert neither.exit_code == 1 and "give one of" in neither.output

@@ -220,3 +220,23 @@ def test_record_keeps_vllms_arrays_by_request_id_when_the_engine_returns_them(tm
     save_engine_routed_experts([SimpleNamespace(request_id="0", outputs=[SimpleNamespace(routed_experts=None)])],
                                tmp_path / "none.npz")
     assert not (tmp_path / "none.npz").exists()
+
+
+def test_sglang_generate_responses_carry_raw_int32_rows(tmp_path: Path) -> None:
+    """SGLang 0.5.23 (``extract_routed_experts_from_meta_info``): base64 of the int32 bytes, C order [tokens,
+    layers, top_k], over prompt + output − 1 tokens; dense layers as zeros."""
+    array = routed(9, 4).astype(np.int32)  # 5 prompt + 4 completion tokens
+    meta = {"id": "s1", "prompt_tokens": 5, "completion_tokens": 4,
+            "routed_experts": base64.b64encode(array.tobytes()).decode()}
+    (tmp_path / "generate.jsonl").write_text(json.dumps({"text": "...", "meta_info": meta}) + "\n")
+    result = import_trace(str(tmp_path / "generate.jsonl"))
+    assert result.exit_code == 0, result.output
+    trace = tmp_path / "generate-trace"
+    rows = imported_rows(trace).sort("position", "layer")
+    assert np.array_equal(np.stack(rows["experts"].to_list()).reshape(8, 3, TOP_K), array[:, 1:, :])
+    assert rows["token"].null_count() == rows.height  # the prompt's ids are not in the response
+    assert json.loads((trace / "manifest.json").read_text())["source"]["engine"] == "sglang"
+    meta["routed_experts"] = base64.b64encode(array.tobytes()[:-4]).decode()
+    (tmp_path / "generate.jsonl").write_text(json.dumps({"meta_info": meta}) + "\n")
+    result = CliRunner().invoke(main, ["import", str(tmp_path / "generate.jsonl"), "--force"])
+    assert result.exit_code == 1 and "not whole rows of 4 layers x top-8" in result.output

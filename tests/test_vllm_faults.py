@@ -29,6 +29,12 @@ def renamed_inside_the_forward(worker):
         raise AttributeError("'ForwardContext' object has no attribute 'batch_descriptor'")
     worker._moetrace_recorder.capture.keep = keep
 
+def schedule_renamed(worker):
+    # What a release that renamed a SchedulerOutput field looks like, read as the forward is launched (outside it).
+    def is_warmup(scheduler_output):
+        raise AttributeError("'SchedulerOutput' object has no attribute 'total_num_scheduled_tokens'")
+    worker._moetrace_recorder.model_runner.is_warmup = is_warmup
+
 def router_no_longer_called(worker):
     # What a release that stops calling _compute_routing looks like: the wrapped method is never reached.
     from moetrace.hooks.capture import unwrap_router
@@ -80,7 +86,8 @@ def calls_while_the_gpu_idles_seen(worker):
 
 if __name__ == "__main__":
     out, fault = Path(sys.argv[1]), sys.argv[2]
-    untimed = 1 << 40 if fault == "calls_while_the_gpu_idles" else None  # no step timed: on a GPU 63 in 64 are not
+    # no step timed, as 63 in 64 on a GPU: what runs on an untimed step is what most steps run
+    untimed = 1 << 40 if fault in ("calls_while_the_gpu_idles", "schedule_renamed") else None
     request = RecordRequest(model=None, ks=[2], batch_size=4, max_tokens=16, out=out, time_phases_every=untimed)
     settings = engine_settings(request, resolve_model(None), 2, out / "trace", list(BUILTIN_PROMPTS)[:4],
                                out / "progress")
@@ -101,7 +108,8 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize(
     ("fault", "reason"),
-    [("renamed_inside_the_forward", "batch_descriptor"), ("router_no_longer_called", "no router ran in this forward")],
+    [("renamed_inside_the_forward", "batch_descriptor"), ("router_no_longer_called", "no router ran in this forward"),
+     ("schedule_renamed", "total_num_scheduled_tokens")],
 )
 def test_a_fault_inside_the_forward_stops_recording_with_the_reason_and_generation_completes(
     fault: str, reason: str, tmp_path: Path
@@ -151,7 +159,8 @@ def test_between_vllms_sync_and_the_next_launch_the_recorder_only_notes_the_step
     (seen,) = result["seen"]
     assert set(seen["idle"]) <= {"Recorder.step_begins", "Recorder.forward_planned_at_launch",
                                  "RoutingCapture.begin_step", "RunnerV1.kept_on_host", "TraceWriter.failed",
-                                 "TraceWriter.submit", "EngineRecord.set_submitted"}, seen["idle"]
+                                 "TraceWriter.submit", "EngineRecord.set_submitted", "Guard.__enter__",
+                                 "Guard.__exit__"}, seen["idle"]
     for after_the_launch in ("RunnerV1.forward_plan", "Recorder.forward_launched", "Recorder._layout",
                              "TraceWriter.forward_ready", "Recorder._is_recorded"):
         assert after_the_launch in seen["busy"] and after_the_launch not in seen["idle"]
