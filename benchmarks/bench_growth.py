@@ -41,9 +41,9 @@ def trace_dir(cache: Path, tokens: int, layers: int) -> Path:
 
 def generate(root: Path, tokens: int, layers: int) -> None:
     """Token-major rows like the recorder writes them (step, then request, then layer), with the recorder's Parquet
-    options (moetrace.writer.PARQUET_OPTIONS)."""
+    options (moetrace.trace_files.PARQUET_OPTIONS)."""
     from moetrace.schema import FOOTER_SCHEMA_KEY, TOKEN_PHASES, SCHEMA_VERSION, routing_schema
-    from moetrace.writer import PARQUET_OPTIONS
+    from moetrace.trace_files import PARQUET_OPTIONS
 
     rng = np.random.default_rng(0)
     schema = routing_schema(TOP_K).with_metadata({FOOTER_SCHEMA_KEY: SCHEMA_VERSION.encode()})

@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-from moetrace.hooks.recorder import StepCopier, int32_column
-from moetrace.writer import RingRows, SharedRows
+from moetrace.hooks.transfer import StepCopier, int32_column
+from moetrace.ring import RingRows, SharedRows
 
 VARIANTS = ("none", "mapped", "device-copy", "device-only", "batched", "one-kernel")
 BATCHED_STEPS = 16

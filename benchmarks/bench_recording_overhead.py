@@ -339,7 +339,7 @@ def set_mode(worker: Any, mode: str) -> None:
     mapped, block = vars(worker).setdefault("_bench_copier", (copier._mapped, copier._block))  # as it was built
     copier._mapped, copier._block = mapped, block
     if mode in ("writer-off", "no-copy"):
-        from moetrace.writer import RingRows
+        from moetrace.ring import RingRows
 
         recorder.writer.submit = lambda item: None
         recorder.ring.reserve = lambda count: RingRows(0, count, 0)  # never released: the same rows each step
@@ -520,9 +520,9 @@ HOOK_WORK = (("moetrace.hooks.recorder", "Recorder", "_layout"), ("moetrace.writ
              # the parts of the two above: inputs copied, routing found, columns made, packed, made ready, sent
              ("moetrace.hooks.vllm_api", "RunnerV1", "step_inputs"),
              ("moetrace.hooks.capture", "RoutingCapture", "collect"),
-             ("moetrace.hooks.recorder", "PackingColumns", "columns"),
-             ("moetrace.hooks.recorder", "StepCopier", "copy"),
-             ("moetrace.hooks.recorder", "PendingStep", "ready"), ("moetrace.writer", "TraceWriter", "_drain"))
+             ("moetrace.hooks.transfer", "PackingColumns", "columns"),
+             ("moetrace.hooks.transfer", "StepCopier", "copy"),
+             ("moetrace.hooks.transfer", "PendingStep", "ready"), ("moetrace.writer", "TraceWriter", "_drain"))
 # vLLM's own calls on Model Runner V1, timed beneath the hooks in every mode: the input preparation's parts (the
 # recorder's step and graph hooks wrap the first and third, so their time is not in these), the forward's launch,
 # the rejection sampler, and the sync (its wait says how long the GPU ran past the host), so "on" minus "off" says

@@ -209,7 +209,7 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
     """Start one engine, time ``rounds`` rounds with the hooks paused, record as many, close the trace."""
     from moetrace.engine import engine_prompts, spec_decode_counters
     from moetrace.schema import MANIFEST_NAME
-    from moetrace.writer import write_json_atomic
+    from moetrace.trace_files import write_json_atomic
 
     started = time.perf_counter()
     llm = build_llm_within(settings, start_timeout_s)

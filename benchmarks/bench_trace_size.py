@@ -41,7 +41,8 @@ def uniform_random_trace(directory: Path, tokens: int, seed: int = 0) -> Path:
     import numpy as np
 
     from moetrace.schema import SCHEMA_VERSION
-    from moetrace.writer import StepCapture, TraceWriter
+    from moetrace.trace_files import StepCapture
+    from moetrace.writer import TraceWriter
 
     rng = np.random.default_rng(seed)
     layers, top_k, experts, batch = list(range(1, 61)), 8, 384, 32

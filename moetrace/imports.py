@@ -49,7 +49,7 @@ from moetrace.schema import (
     TOKEN_PHASES,
     routing_schema,
 )
-from moetrace.writer import PARQUET_OPTIONS, write_json_atomic
+from moetrace.trace_files import PARQUET_OPTIONS, write_json_atomic
 
 
 @dataclass(frozen=True)

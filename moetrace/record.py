@@ -27,7 +27,7 @@ from moetrace.host import gpu_inventory
 from moetrace.prompts import load_prompts
 from moetrace.schema import MANIFEST_NAME, MAX_K
 from moetrace.telemetry import TelemetrySampler
-from moetrace.writer import write_json_atomic
+from moetrace.trace_files import write_json_atomic
 
 # Keys under which configs name their routed-expert count (DeepSeek/Kimi, Qwen-MoE, Mixtral, ERNIE).
 

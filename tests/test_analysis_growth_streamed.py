@@ -13,6 +13,7 @@ import pytest
 from polars.testing import assert_frame_equal
 
 import moetrace.analysis.growth as growth_module
+import moetrace.analysis.streamed_windows as streamed_module
 from moetrace.analysis.expert_sets import MaskTable, expert_masks, window_union
 from moetrace.analysis.growth import counterfactual_growth
 from moetrace.analysis.placement import linear_placement
@@ -79,7 +80,7 @@ def general_path_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_streamed_matches_brute_force_across_batches(
     batch_rows: int, ep: int, monkeypatch: pytest.MonkeyPatch, general_path_calls: list[int]
 ) -> None:
-    monkeypatch.setattr(growth_module, "BATCH_ROWS", batch_rows)
+    monkeypatch.setattr(streamed_module, "BATCH_ROWS", batch_rows)
     tokens = verify_tokens(np.random.default_rng(7), MODEL, requests=3, steps=25, k=3, accept_prob=0.6,
                            variable_drafts=True)
     routing = routing_frame(tokens, MODEL)
@@ -104,7 +105,7 @@ def _shuffled(frame: pl.DataFrame, seed: int) -> pl.LazyFrame:
 def test_other_layouts_take_the_general_path(
     layout: str, monkeypatch: pytest.MonkeyPatch, general_path_calls: list[int]
 ) -> None:
-    monkeypatch.setattr(growth_module, "BATCH_ROWS", 12)
+    monkeypatch.setattr(streamed_module, "BATCH_ROWS", 12)
     tokens = verify_tokens(np.random.default_rng(8), MODEL, requests=2, steps=20, k=2, accept_prob=0.5)
     frame = routing_frame(tokens, MODEL).collect()
     if layout == "shuffled":

@@ -18,7 +18,7 @@ from moetrace.hooks.capture import (
 )
 from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.vllm_api import StepInputs
-from moetrace.writer import SharedRows
+from moetrace.ring import SharedRows
 
 E, K, L, C = 32, 4, 3, 6  # experts, top-k, layers, candidates
 SIZES = (1, 2, 4, 8)
@@ -321,7 +321,7 @@ def step_inputs(positions: torch.Tensor, input_ids: torch.Tensor, num_tokens: in
 def test_a_padded_graph_step_packs_its_rows_first_from_a_list_made_once_that_reads_each_steps_values() -> None:
     """A CUDA graph padded to 4 rows, 3 of them this step's: the columns are the graph's own and the runner's
     persistent buffers, listed once, so the next step's values (written in place) are what the next pack reads."""
-    from moetrace.hooks.recorder import PackingColumns, StepCopier
+    from moetrace.hooks.transfer import PackingColumns, StepCopier
 
     graph_ids = torch.tensor([[1, 2], [3, 4], [5, 6], [-7, -7]], dtype=torch.int32)  # row 4: padding
     positions = torch.arange(16, dtype=torch.int64)  # the runner's buffers, longer than any step
@@ -367,7 +367,7 @@ def test_a_step_copied_after_the_forward_holds_what_it_wrote_after_the_next_step
     """The copy is queued after the forward (a slow kernel, then the step's values, on vLLM's stream) and before the
     next step's inputs overwrite the buffers: a sync of vLLM's stream then finds the copy landed in the shared ring
     and untouched, whether the GPU packs into the ring itself (mapped) or packs on the device and copies."""
-    from moetrace.hooks.recorder import StepCopier
+    from moetrace.hooks.transfer import StepCopier
 
     ring = SharedRows.create(100, 8)  # steps wrap around it
     copier = StepCopier(torch.device("cuda"), ring, 64)
@@ -400,7 +400,8 @@ def test_the_engine_side_never_imports_the_analysis_stack() -> None:
     import sys
 
     engine_side = ["moetrace.hooks.plugin", "moetrace.hooks.recorder", "moetrace.hooks.capture",
-                   "moetrace.hooks.rows", "moetrace.hooks.manifest", "moetrace.hooks.vllm_api", "moetrace.writer"]
+                   "moetrace.hooks.rows", "moetrace.hooks.manifest", "moetrace.hooks.vllm_api", "moetrace.writer",
+                   "moetrace.ring", "moetrace.trace_files"]
     probe = (f"import importlib, sys\nfor name in {engine_side!r}: importlib.import_module(name)\n"
              "print(sorted(m for m in ('polars', 'plotly', 'rich', 'click') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd="/")
@@ -415,7 +416,8 @@ def test_the_reader_never_imports_the_recording_side() -> None:
     import sys
 
     probe = ("import sys, moetrace.reader\n"
-             "print(sorted(m for m in sys.modules if m == 'moetrace.writer' or m.startswith('moetrace.hooks')))")
+             "print(sorted(m for m in sys.modules if m in ('moetrace.writer', 'moetrace.ring', 'moetrace.trace_files')"
+             " or m.startswith('moetrace.hooks')))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd="/")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -22,7 +22,9 @@ from moetrace.hooks.rows import PackedLayout, StepRecord
 from moetrace.reader import open_trace, open_traces
 from moetrace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION
 import moetrace.writer
-from moetrace.writer import HAND_OVER_STEPS, RingRows, SharedRows, StepCapture, TraceWriter
+from moetrace.ring import RingRows, SharedRows
+from moetrace.trace_files import StepCapture
+from moetrace.writer import HAND_OVER_STEPS, TraceWriter
 
 LAYERS = [1, 2, 3]
 TOP_K = 8
