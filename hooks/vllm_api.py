@@ -109,6 +109,24 @@ def expert_placement(num_experts: int, ep: int, strategy: str) -> list[int]:
     return owner
 
 
+# vLLM's default EPLB policy and the maps it derives from a placement (vllm/distributed/eplb).
+EPLB_POLICY_PATH = "vllm.distributed.eplb.policy.default.DefaultEplbPolicy"
+EPLB_LOGICAL_MAPS_PATH = "vllm.distributed.eplb.eplb_state.compute_logical_maps"
+
+
+def eplb_placement(load: npt.NDArray[np.int64], ep: int, redundant: int) -> dict[str, Any]:
+    """vLLM's default EPLB policy run on ``load`` [layers, experts] for ``ep`` ranks on one node with ``redundant``
+    extra slots (one expert group): its ``physical_to_logical_map`` [layers, experts + redundant], and the
+    ``logical_to_physical_map`` and ``logical_replica_count`` vLLM derives from it, as lists."""
+    policy = symbol(EPLB_POLICY_PATH)
+    logical_maps = symbol(EPLB_LOGICAL_MAPS_PATH)
+    weight = torch.from_numpy(np.asarray(load, dtype=np.float64))
+    physical = policy.rebalance_experts(weight, load.shape[1] + redundant, 1, 1, ep).to(torch.int64)
+    logical, replicas = logical_maps(physical, load.shape[1])
+    return {"physical_to_logical_map": physical.tolist(), "logical_to_physical_map": logical.tolist(),
+            "logical_replica_count": replicas.tolist()}
+
+
 def require_fields(obj: Any, fields: tuple[str, ...], what: str) -> None:
     for field in fields:
         if not hasattr(obj, field):

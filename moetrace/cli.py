@@ -232,27 +232,34 @@ def import_routing(source: Path, outputs: Path | None, model: str | None, prompt
                    "(num_speculative_tokens_per_batch_size).")
 @click.option("--sglang-expert-location", "sglang_location", is_flag=True,
               help="SOURCE is a trace: SGLang's --init-expert-location file from its decode and verification load.")
+@click.option("--eplb", is_flag=True,
+              help="SOURCE is a trace: its decode and verification load per layer and expert, and vLLM's default "
+                   "EPLB policy's placement from it (needs --ep).")
 @click.option("--drafter", "label", default=None, help="Which run's decision, by its label, when SUMMARY has several.")
 @click.option("--ep", type=int, default=None,
-              help="With --sglang-expert-location: expert-parallel ranks; writes a physical_to_logical_map instead "
-                   "of logical_count.")
-@click.option("--redundant", default=0, show_default=True, help="With --ep: extra expert replicas per layer.")
+              help="Expert-parallel ranks: with --eplb, those vLLM places on; with --sglang-expert-location, writes "
+                   "a physical_to_logical_map instead of logical_count.")
+@click.option("--redundant", default=0, show_default=True, help="With --ep: extra expert slots per layer.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="File to write [default: SOURCE's name with .vllm-spec-schedule.json or "
-                   ".sglang-expert-location.json].")
+              help="File to write [default: SOURCE's name with .vllm-spec-schedule.json, "
+                   ".sglang-expert-location.json or .eplb.json].")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
-def export(source: Path, vllm_spec: bool, sglang_location: bool, label: str | None, ep: int | None, redundant: int,
-           output: Path | None, force: bool) -> None:
+def export(source: Path, vllm_spec: bool, sglang_location: bool, eplb: bool, label: str | None, ep: int | None,
+           redundant: int, output: Path | None, force: bool) -> None:
     """Write what moetrace found in an engine's own format: with --vllm-spec-schedule, the recommended k per
     concurrency of SOURCE (the JSON of `moetrace report --json`) as the speculative-config keys vLLM reads
     (method, num_speculative_tokens, num_speculative_tokens_per_batch_size); with --sglang-expert-location, the
-    expert load of SOURCE (a trace) in decode and verification as SGLang's --init-expert-location file."""
-    if vllm_spec == sglang_location:
-        raise UserError("give one of --vllm-spec-schedule or --sglang-expert-location")
+    expert load of SOURCE (a trace) in decode and verification as SGLang's --init-expert-location file; with
+    --eplb, that load and the placement vLLM's default EPLB policy makes of it (physical_to_logical_map,
+    logical_to_physical_map, logical_replica_count)."""
+    if vllm_spec + sglang_location + eplb != 1:
+        raise UserError("give one of --vllm-spec-schedule, --sglang-expert-location or --eplb")
     if vllm_spec:
         export_vllm_spec_schedule(source, label, output, force)
-    else:
+    elif sglang_location:
         export_sglang_expert_location(source, ep, redundant, output, force)
+    else:
+        export_eplb(source, ep, redundant, output, force)
 
 
 def export_vllm_spec_schedule(summary: Path, label: str | None, output: Path | None, force: bool) -> None:
@@ -274,8 +281,7 @@ def export_vllm_spec_schedule(summary: Path, label: str | None, output: Path | N
     except ValueError as exc:
         raise UserError(f"{summary}: {exc}") from None
     target = output or summary.with_name(f"{summary.stem}.vllm-spec-schedule.json")
-    if target.exists() and not force:
-        raise UserError(f"{target}: already exists (use --force to overwrite)")
+    refuse_existing(target, force)
     target.write_text(json.dumps(schedule, indent=2) + "\n")
     click.echo(f"{target}: {schedule['method']} {schedule['num_speculative_tokens_per_batch_size']}")
     click.echo(f"next: vllm serve MODEL --speculative-config \"$(cat {target})\"")
@@ -283,26 +289,39 @@ def export_vllm_spec_schedule(summary: Path, label: str | None, output: Path | N
 
 
 
-def export_sglang_expert_location(trace_path: Path, ep: int | None, redundant: int, output: Path | None,
-                                  force: bool) -> None:
+def trace_load(trace_path: Path) -> tuple[Any, list[int]]:
+    """A trace's picks per (decoder layer, expert) in decode and verification [layers, experts] (dense layers all
+    zero; the trace at the largest k of a sweep), and its MoE layers."""
     from moetrace.analysis.growth import decode_and_verify
     from moetrace.analysis.load import expert_load
-    from moetrace.export import sglang_logical_count, sglang_physical_to_logical_map
+    from moetrace.export import sglang_logical_count
     from moetrace.report.inputs import open_run
     from moetrace.schema import MAX_K
 
-    if ep is None and redundant:
-        raise UserError("--redundant places replicas: give --ep too")
-    target = output or trace_path.with_name(f"{trace_path.name}.sglang-expert-location.json")
-    if target.exists() and not force:
-        raise UserError(f"{target}: already exists (use --force to overwrite)")
     trace = open_run(trace_path, MAX_K).primary
     model = trace.manifest["model"]
     experts, moe_layers = int(model["num_experts"]), [int(layer) for layer in model["moe_layers"]]
     layers = int(model.get("num_layers") or max(moe_layers) + 1)
     load = expert_load(decode_and_verify(trace.routing()), experts)
-    counts = sglang_logical_count({(int(r["layer"]), int(r["expert"])): int(r["picks"]) for r in load.to_dicts()},
-                                  layers, experts)
+    return sglang_logical_count({(int(r["layer"]), int(r["expert"])): int(r["picks"]) for r in load.to_dicts()},
+                                layers, experts), moe_layers
+
+
+def refuse_existing(target: Path, force: bool) -> None:
+    if target.exists() and not force:
+        raise UserError(f"{target}: already exists (use --force to overwrite)")
+
+
+def export_sglang_expert_location(trace_path: Path, ep: int | None, redundant: int, output: Path | None,
+                                  force: bool) -> None:
+    from moetrace.export import sglang_physical_to_logical_map
+
+    if ep is None and redundant:
+        raise UserError("--redundant places replicas: give --ep too")
+    target = output or trace_path.with_name(f"{trace_path.name}.sglang-expert-location.json")
+    refuse_existing(target, force)
+    counts, moe_layers = trace_load(trace_path)
+    layers, experts = counts.shape
     if ep is None:
         document: dict[str, Any] = {"logical_count": counts.tolist()}
         what = f"logical_count [{layers}, {experts}]"
@@ -317,6 +336,30 @@ def export_sglang_expert_location(trace_path: Path, ep: int | None, redundant: i
     click.echo(f"{target}: {what}, from {int(counts.sum()):,} expert picks in decode and verification")
     click.echo(f"next: python -m sglang.launch_server --model-path MODEL --init-expert-location {target}"
                + (f" --ep-size {ep} --ep-num-redundant-experts {redundant}" if ep is not None else ""))
+
+
+def export_eplb(trace_path: Path, ep: int | None, redundant: int, output: Path | None, force: bool) -> None:
+    from moetrace.hooks.vllm_api import VllmApiError, eplb_placement, vllm_version
+
+    if ep is None or ep < 1:
+        raise UserError("--eplb places experts on ranks: give --ep N (N >= 1)")
+    target = output or trace_path.with_name(f"{trace_path.name}.eplb.json")
+    refuse_existing(target, force)
+    counts, moe_layers = trace_load(trace_path)
+    experts = counts.shape[1]
+    if (experts + redundant) % ep:
+        raise UserError(f"--ep {ep} --redundant {redundant}: {experts} experts + {redundant} redundant do not "
+                        f"split evenly over {ep} ranks")
+    load = counts[moe_layers]
+    try:
+        placement = eplb_placement(load, ep, redundant)
+    except VllmApiError as exc:
+        raise UserError(str(exc)) from None
+    document = {"policy": f"vLLM {vllm_version()} DefaultEplbPolicy, one node, one expert group", "ep": ep,
+                "redundant": redundant, "layers": moe_layers, "load": load.tolist(), **placement}
+    target.write_text(json.dumps(document) + "\n")
+    click.echo(f"{target}: vLLM's EPLB placement of {experts} experts (+{redundant}) over {ep} ranks in "
+               f"{len(moe_layers)} MoE layers, from {int(load.sum()):,} expert picks in decode and verification")
 
 
 main.add_command(report)

@@ -182,3 +182,31 @@ def test_sglang_expert_location_holds_the_traces_load_as_sglangs_parser_reads_it
     assert bad.exit_code == 1 and "do not split evenly over 3 ranks" in bad.output
     neither = CliRunner().invoke(main, ["export", str(trace)])
     assert neither.exit_code == 1 and "give one of" in neither.output
+
+
+def test_eplb_export_is_vllms_own_placement_of_the_traces_load(tmp_path: Path) -> None:
+    """vLLM's default EPLB policy, run on the trace's decode and verification load: the load equals a brute-force
+    count; every expert has a slot; the replica counts and logical map match the physical map (counted by hand);
+    and each rank's load (an expert's split evenly over its replicas) is no more than under a linear placement."""
+    trace = small_k2_trace(tmp_path / "trace")
+    manifest = json.loads((trace / "manifest.json").read_text())
+    experts, moe_layers = manifest["model"]["num_experts"], manifest["model"]["moe_layers"]
+    done = CliRunner().invoke(main, ["export", str(trace), "--eplb", "--ep", "4", "--redundant", "4"])
+    assert done.exit_code == 0, done.output
+    doc = json.loads((tmp_path / "trace.eplb.json").read_text())
+    picks = brute_force_picks(trace)
+    assert doc["layers"] == moe_layers and doc["ep"] == 4 and doc["redundant"] == 4
+    assert doc["load"] == [[picks.get((layer, e), 0) for e in range(experts)] for layer in moe_layers]
+    for load, row, replicas, logical in zip(doc["load"], doc["physical_to_logical_map"],
+                                            doc["logical_replica_count"], doc["logical_to_physical_map"]):
+        assert len(row) == experts + 4 and set(row) == set(range(experts))
+        assert replicas == [row.count(e) for e in range(experts)]
+        assert all(sorted(slot for slot in logical[e] if slot >= 0) == [i for i, x in enumerate(row) if x == e]
+                   for e in range(experts))
+        per_rank = len(row) // 4
+        placed = [sum(load[e] / replicas[e] for e in row[r * per_rank:(r + 1) * per_rank]) for r in range(4)]
+        linear = [sum(load[r * experts // 4:(r + 1) * experts // 4]) for r in range(4)]
+        assert max(placed) <= max(linear)
+    for args, message in ((["--eplb"], "give --ep"), (["--eplb", "--ep", "3"], "do not split evenly over 3")):
+        refused = CliRunner().invoke(main, ["export", str(trace), *args, "--force"])
+        assert refused.exit_code == 1 and message in refused.output, refused.output
