@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import writer_processes
 
 pytestmark = pytest.mark.vllm
 
@@ -181,15 +182,13 @@ def test_record_exits_non_zero_with_the_reason_when_its_writer_process_is_killed
     writer_pid = None
     deadline = time.monotonic() + 300
     while writer_pid is None and time.monotonic() < deadline and record.poll() is None:
-        for entry in Path("/proc").iterdir():
+        for pid in writer_processes():
             try:
-                if (entry / "cmdline").read_bytes().split(b"\0")[1:3] != [b"-m", b"moetrace.writer"]:
-                    continue  # not a writer process (its short-lived launcher runs `python -c ...`)
-                files = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+                files = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
             except OSError:
                 continue
             if any(name.startswith(str(out)) for name in files):  # this recording's: its output goes to engine.log
-                writer_pid = int(entry.name)
+                writer_pid = pid
         time.sleep(0.2)
     assert writer_pid is not None, "no writer process appeared"
     time.sleep(2.0)  # a few steps written first

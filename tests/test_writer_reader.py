@@ -488,3 +488,24 @@ def test_steps_the_engine_thread_left_queued_are_forwarded_once_it_goes_quiet(tm
         time.sleep(0.02)
     assert writer.steps == 1 and not writer.steps_waiting
     writer.close()
+
+
+def test_a_failing_test_that_started_a_writer_process_leaves_none_behind(pytester: pytest.Pytester) -> None:
+    """The suite's fixture (``conftest.no_writer_left_behind``): a test that starts a writer process and fails
+    before closing it (its traceback keeps the writer's pipe open) still leaves no writer process running."""
+    from conftest import writer_processes
+
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makepyfile(test_inner="""
+from pathlib import Path
+from moetrace.writer import TraceWriter
+
+def test_fails_with_its_writer_open(tmp_path):
+    writer = TraceWriter(tmp_path / "t", {"schema": "moetrace/1", "run_id": "inner"}, [1], 2)
+    assert writer.failed is None
+    assert False, "fails before close"
+""")
+    before = writer_processes()
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    assert writer_processes() - before == set()
