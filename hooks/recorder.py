@@ -124,7 +124,10 @@ class Recorder:
             rotate_seconds=float(settings.get("rotate_seconds", 10.0)),
             rows=self.ring,
         )
+        # vLLM's request id -> its index in the trace, for the requests still running (a finished one is dropped,
+        # so a server that runs for days holds no more than it runs at once); the writer process keeps every id
         self.request_index: dict[str, int] = {}
+        self._requests_seen = 0
         self._guarded = Guard(self._stop)
         self.step = 0
         # A recording window under `vllm serve`: close after this many steps or seconds (None: until shutdown).
@@ -215,7 +218,7 @@ class Recorder:
                 self.uninstall()
                 self.copier.release()
                 self._closed = self.writer.close(
-                    {"requests": list(self.request_index), "capture_mechanisms": self.mechanisms,
+                    {"capture_mechanisms": self.mechanisms,
                      "engine_thread_us_per_step": self.engine_thread_us_per_step(),
                      "phases": {phase: timing.summary() for phase, timing in self.phases.items()}})
             return self._closed
@@ -236,6 +239,8 @@ class Recorder:
         with self._guarded:
             self._t_start = time.monotonic_ns()  # step bounds: CLOCK_MONOTONIC, one clock for a host's processes
             self._scheduled, self._step_kwargs, self._plan = scheduler_output, kwargs, None
+            for finished in scheduler_output.finished_req_ids:  # done since the last step: no more rows to come
+                self.request_index.pop(finished, None)
             if self.capture.ran:  # outside CUDA graphs the routers' Python ran and kept references to their outputs
                 self.capture.begin_step()
             if self._time_next or self._timing:  # a timed step begins, or the last one ended without sampling
@@ -434,11 +439,15 @@ class Recorder:
         self.copier.copy(columns, where)
         self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
         self.step += 1
+        new = tuple(r for r in inputs.req_ids if r not in self.request_index)
+        for request in new:
+            self.request_index[request] = self._requests_seen
+            self._requests_seen += 1
         return PendingStep(
             step=self.step - 1,
             t_start=self._t_start,
-            requests=np.array([self.request_index.setdefault(r, len(self.request_index)) for r in inputs.req_ids],
-                              dtype=np.uint32),
+            requests=np.array([self.request_index[r] for r in inputs.req_ids], dtype=np.uint32),
+            new_requests=new,
             query_start=inputs.query_start,
             num_prompt_tokens=inputs.num_prompt_tokens,
             drafts=inputs.drafts,

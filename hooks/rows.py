@@ -77,6 +77,7 @@ class StepRecord:
     kept: npt.NDArray[np.int64]  # [R] tokens each request kept: accepted drafts + 1 (0 when nothing sampled)
     packed: npt.NDArray[np.int32] | RingRows  # [T, W], or where it lies in the ring shared with the writer process
     layout: PackedLayout
+    new_requests: tuple[str, ...] = ()  # vLLM's ids of the requests first seen in this step, in index order
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickled as raw bytes (a few µs, against about 30 for numpy's own pickling of eight small arrays): this
@@ -86,7 +87,7 @@ class StepRecord:
         return (_step_record, (self.step, self.t_start_ns, self.t_end_ns, self.requests.astype(np.uint32).tobytes(),
                                per_request.tobytes(),
                                packed if isinstance(packed, RingRows) else packed.astype(np.int32).tobytes(),
-                               self.layout))  # one layout object for every step: pickled once per batch
+                               self.layout, self.new_requests))  # one layout object for every step: pickled once
 
     def take_rows(self, ring: SharedRows | None) -> None:
         """Writer process: copy the step's rows out of the shared ring (releasing them), if they lie there."""
@@ -137,11 +138,12 @@ class StepRecord:
                 "t_start_ns": np.full(num_reqs, self.t_start_ns, dtype=np.int64),
                 "t_end_ns": np.full(num_reqs, self.t_end_ns, dtype=np.int64),
             },
+            new_requests=self.new_requests,
         )
 
 
 def _step_record(step: int, t_start_ns: int, t_end_ns: int, requests: bytes, per_request: bytes,
-                 packed: bytes | RingRows, layout: PackedLayout) -> StepRecord:
+                 packed: bytes | RingRows, layout: PackedLayout, new_requests: tuple[str, ...] = ()) -> StepRecord:
     """``StepRecord.__reduce__``'s inverse: [R] uint32 requests; [R+1] query starts, then [R] prompt lengths, drafts
     and kept counts, int64; the [T, width] int32 block, or where it lies in the shared ring."""
     num_reqs = len(requests) // 4
@@ -150,4 +152,4 @@ def _step_record(step: int, t_start_ns: int, t_end_ns: int, requests: bytes, per
     query_start, num_prompt_tokens, drafts, kept = np.split(values, ends[:-1])
     return StepRecord(step, t_start_ns, t_end_ns, np.frombuffer(requests, dtype=np.uint32), query_start,
                       num_prompt_tokens, drafts, kept, packed if isinstance(packed, RingRows) else
-                      np.frombuffer(packed, dtype=np.int32).reshape(-1, layout.width), layout)
+                      np.frombuffer(packed, dtype=np.int32).reshape(-1, layout.width), layout, new_requests)

@@ -196,6 +196,7 @@ class PendingStep:
     copied: torch.cuda.Event | None = None
     kept: torch.Tensor | list[int] | None = None  # [R] accepted drafts + 1 (host lists, or a copy in flight)
     t_end: int = 0
+    new_requests: tuple[str, ...] = ()  # vLLM's ids of the requests first seen in this step, in index order
 
     def is_ready(self) -> bool:
         return self.copied is None or bool(self.copied.query())  # type: ignore[no-untyped-call]
@@ -205,4 +206,5 @@ class PendingStep:
         if self.copied is not None:
             self.copied.synchronize()
         return StepRecord(self.step, self.t_start, self.t_end, self.requests, self.query_start, self.num_prompt_tokens,
-                          self.drafts, np.asarray(self.kept, dtype=np.int64), self.packed, self.layout)
+                          self.drafts, np.asarray(self.kept, dtype=np.int64), self.packed, self.layout,
+                          self.new_requests)

@@ -46,7 +46,7 @@ GRAPH_MANAGER_V2_FIELDS = ("graphs", "run_fullgraph", "run_pw_graph")
 # through execute_model and sample_tokens: their ids start so.
 WARMUP_REQUEST_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
 # What the recorder reads on a step's ``SchedulerOutput`` (a dataclass, ``vllm.v1.core.sched.output``).
-SCHEDULER_OUTPUT_FIELDS = ("total_num_scheduled_tokens", "num_scheduled_tokens")
+SCHEDULER_OUTPUT_FIELDS = ("total_num_scheduled_tokens", "num_scheduled_tokens", "finished_req_ids")
 ROUTER_FIELDS = ("_compute_routing", "global_num_experts", "top_k")
 MOE_RUNNER_FIELDS = ("router", "layer_id", "layer_name", "is_monolithic")
 

@@ -67,6 +67,7 @@ class StepCapture:
     cand_experts: npt.NDArray[np.uint16] | None  # [T, L, C]
     cand_scores: npt.NDArray[np.float32] | None  # [T, L, C]
     steps_rows: dict[str, npt.NDArray[Any]]  # one entry per STEPS_SCHEMA column, each [R]
+    new_requests: tuple[str, ...] = ()  # vLLM's ids of the requests first seen in this step, in index order
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
@@ -173,6 +174,9 @@ class TraceFiles:
         self.tokens = 0
         self.drafts = 0
         self.accepted = 0
+        # vLLM's id of every request index (the manifest's ``requests``): kept here, in the writer process, so that
+        # the engine side holds only the requests still running
+        self.requests: list[str] = list(manifest.get("requests") or [])
 
     def write(self, items: list[StepCapture | Assemblable]) -> None:
         captures = [item if isinstance(item, StepCapture) else item.assemble() for item in items]
@@ -186,6 +190,7 @@ class TraceFiles:
             self.tokens += len(cap.request)
             self.drafts += int((cap.accepted >= 0).sum())
             self.accepted += int((cap.accepted == 1).sum())
+            self.requests.extend(cap.new_requests)
 
     def maybe_rotate(self) -> None:
         self._routing.maybe_rotate()
@@ -200,6 +205,7 @@ class TraceFiles:
                 self.failed = self.failed or f"{type(exc).__name__}: {exc}"
         error = error or self.failed
         self.manifest.update(extra)
+        self.manifest["requests"] = self.requests
         self.manifest["complete"] = error is None
         self.manifest["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self.manifest["counts"] = self.counts()

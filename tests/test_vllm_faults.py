@@ -239,3 +239,50 @@ def test_an_engine_started_after_the_driver_registered_for_another_records_where
     manifest = json.loads((tmp_path / "now" / "manifest.json").read_text())
     assert manifest["spec"]["k"] == 1 and manifest["counts"]["steps"] > 0
     assert not (tmp_path / "earlier").exists()
+
+
+MANY_SHORT_REQUESTS = """
+import json, sys
+from pathlib import Path
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from moetrace.engine import build_llm
+from moetrace.prompts import BUILTIN_PROMPTS
+from moetrace.record import RecordRequest, engine_settings, resolve_model
+
+if __name__ == "__main__":
+    out, count = Path(sys.argv[1]), int(sys.argv[2])
+    request = RecordRequest(model=None, ks=[0], batch_size=16, max_tokens=2, out=out)
+    settings = engine_settings(request, resolve_model(None), 0, out / "trace", list(BUILTIN_PROMPTS)[:1],
+                               out / "progress")
+    llm = build_llm(settings)
+    try:
+        prompts = [TokensPrompt(prompt_token_ids=[32 + i % 90, 32 + i // 90 % 90, 32 + i // 8100, 10])
+                   for i in range(count)]
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        (status,) = llm.collective_rpc("moetrace_status")
+        closed = llm.collective_rpc("moetrace_close")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    print(json.dumps({"ids": [o.request_id for o in outputs], "status": status, "closed": len(closed)}))
+"""
+
+
+def test_over_thousands_of_requests_the_recorder_holds_only_the_running_ones(tmp_path: Path) -> None:
+    """A server that runs for days: the engine side keeps an index for the requests still running only (finished
+    ones are dropped as vLLM reports them), while the trace still names every request, in the order first seen."""
+    script = tmp_path / "many_requests.py"
+    script.write_text(MANY_SHORT_REQUESTS)
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), "3000"], capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["status"]["recording"] and result["status"]["writer_error"] is None
+    assert result["status"]["live_requests"] <= 16, result["status"]  # the batch size, not the 3000 served
+    manifest = json.loads((tmp_path / "trace" / "manifest.json").read_text())
+    assert manifest["complete"] and len(manifest["requests"]) == 3000
+    # vLLM's engine ids are the caller's with a suffix of its own ("0" -> "0-9a42c363")
+    assert sorted(r.split("-")[0] for r in manifest["requests"]) == sorted(result["ids"])
+    assert len(set(manifest["requests"])) == 3000
