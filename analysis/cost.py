@@ -76,8 +76,9 @@ class MeasuredSteps:
     layers over more tokens, CUDA-graph padding); ``sampling_ms``, the rejection sampler's time over k=0's
     sampling; ``drafting_ms``, the drafter's own time (already given at every k). ``scheduling_ms``: what async
     scheduling off adds to every k > 0 step (a k=0 step recorded that way, less ``baseline_ms``).
-    ``prefill_ms_per_token``: per recorded k (k=0 included), what that trace's steps that held a prefill took per
-    token a request gained in its decoding steps at this concurrency (``analysis.acceptance.decode_step_periods``);
+    ``prefill_ms_per_token``: per recorded k (k=0 included), what that trace's steps that held a prefill took
+    beyond a decode step, per token a request gained at this concurrency
+    (``analysis.acceptance.decode_step_periods``);
     a k > 0 not recorded takes the nearest recorded k > 0's. Measured per k, not held from k=0: requests that
     start together end together at k=0 and their prompts are prefilled in one step, while under speculation they
     end at scattered steps and are admitted one step each. The speedup is then of the recorded workload's

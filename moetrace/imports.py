@@ -31,25 +31,17 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from moetrace.analysis.shape import config_value
 from moetrace.errors import UserError
 from moetrace.record import ResolvedModel
 from moetrace.schema import (
-    FOOTER_RUN_KEY,
-    FOOTER_SCHEMA_KEY,
-    MANIFEST_NAME,
-    ROUTING_DIR,
     SCHEMA_VERSION,
     SOURCE_LACKS,
-    STEPS_DIR,
     STEPS_SCHEMA,
     TOKEN_PHASES,
-    routing_schema,
 )
-from moetrace.trace_files import PARQUET_OPTIONS, write_json_atomic
+from moetrace.trace_files import StepCapture, TraceFiles
 
 
 @dataclass(frozen=True)
@@ -259,16 +251,13 @@ def model_manifest(model: ResolvedModel, config: dict[str, Any], moe_layers: lis
     }
 
 
-def routing_and_steps(requests: list[EngineRequest], rows: list[npt.NDArray[np.int64]], moe_layers: list[int],
-                      top_k: int) -> tuple[pa.Table, pa.Table, int]:
-    """The routing and steps tables of ``requests``: one step for a request's prompt rows, one per output row
-    (a request alone in it, no timing: the source has neither), rows of -1 padding left out. Also the padding
-    rows left out."""
-    layer_count = len(moe_layers)
-    columns: dict[str, list[Any]] = {name: [] for name in ("step", "request", "position", "phase", "token")}
-    experts: list[npt.NDArray[np.int64]] = []
-    steps: dict[str, list[int]] = {name: [] for name in STEPS_SCHEMA.names}
-    step, padding = 0, 0
+def step_captures(requests: list[EngineRequest], rows: list[npt.NDArray[np.int64]], moe_layers: list[int]
+                  ) -> tuple[list[StepCapture], int]:
+    """``requests`` as the steps the writer process writes: one step for a request's prompt rows, one per output
+    row (a request alone in it, no timing and no router weights: the source has neither), rows of -1 padding left
+    out; and how many padding rows were left out."""
+    captures: list[StepCapture] = []
+    padding = 0
     for index, (request, routed) in enumerate(zip(requests, rows)):
         kept = routed[:, moe_layers, :]  # [T, L, K]
         padded = (kept == -1).all(axis=2)
@@ -276,43 +265,25 @@ def routing_and_steps(requests: list[EngineRequest], rows: list[npt.NDArray[np.i
             raise UserError(f"{request.where}: -1 padding in part of a token's MoE layers")
         padding += int(padded[:, 0].sum())
         positions = request.prompt_start + np.flatnonzero(~padded[:, 0])
-        prompt = positions[positions < request.prompt_length]
-        for group in ([prompt] if prompt.size else []) + [positions[i:i + 1] for i in
-                                                           range(prompt.size, positions.size)]:
-            is_prompt = int(group[0]) < request.prompt_length
-            for position in group.tolist():
-                columns["step"].append(step)
-                columns["request"].append(index)
-                columns["position"].append(position)
-                columns["phase"].append(TOKEN_PHASES.index("prefill" if is_prompt else "decode"))
-                columns["token"].append(None if request.tokens is None else request.tokens[position])
-                experts.append(kept[position - request.prompt_start])
-            for name, value in (("step", step), ("request", index), ("num_tokens", len(group)), ("num_drafts", 0),
-                                ("num_accepted", 0), ("batch_size", 1), ("t_start_ns", 0), ("t_end_ns", 0)):
-                steps[name].append(value)
-            step += 1
-    tokens = len(columns["step"])
-    by_token = np.stack(experts) if experts else np.zeros((0, layer_count, top_k), np.int64)
-
-    def per_row(values: list[int]) -> npt.NDArray[Any]:
-        return np.repeat(np.asarray(values), layer_count)
-
-    ids = by_token.reshape(-1).astype(np.uint16)
-    table = pa.Table.from_pydict({
-        "step": pa.array(per_row(columns["step"]).astype(np.uint32)),
-        "request": pa.array(per_row(columns["request"]).astype(np.uint32)),
-        "position": pa.array(per_row(columns["position"]).astype(np.uint32)),
-        "phase": pa.DictionaryArray.from_arrays(pa.array(per_row(columns["phase"]).astype(np.int8)),
-                                                pa.array(TOKEN_PHASES)),
-        "draft_pos": pa.array(np.zeros(tokens * layer_count, np.uint8)),
-        "token": pa.array([t for t in columns["token"] for _ in range(layer_count)], type=pa.uint32()),
-        "accepted": pa.nulls(tokens * layer_count, pa.bool_()),
-        "layer": pa.array(np.tile(np.asarray(moe_layers, np.uint16), tokens)),
-        "experts": pa.FixedSizeListArray.from_arrays(pa.array(ids), top_k),
-        "weights": pa.FixedSizeListArray.from_arrays(
-            pa.array(np.full(ids.size, np.nan, np.float16)), top_k),
-    }, schema=routing_schema(top_k))
-    return table, pa.Table.from_pydict(steps, schema=STEPS_SCHEMA), padding
+        prompt = positions < request.prompt_length
+        groups = ([positions[prompt]] if prompt.any() else []) + np.split(positions[~prompt], int((~prompt).sum()))
+        tokens = None if request.tokens is None else np.asarray(request.tokens, dtype=np.uint32)
+        for number, group in enumerate(groups):
+            count, step = len(group), len(captures)
+            experts = kept[group - request.prompt_start]
+            phase = TOKEN_PHASES.index("prefill" if group[0] < request.prompt_length else "decode")
+            captures.append(StepCapture(
+                step=step, request=np.full(count, index, np.uint32), position=group.astype(np.uint32),
+                phase=np.full(count, phase, np.int8), draft_pos=np.zeros(count, np.uint8),
+                token=None if tokens is None else tokens[group], accepted=np.full(count, -1, np.int8),
+                experts=experts.astype(np.uint16), weights=np.full(experts.shape, np.nan, np.float32),
+                cand_experts=None, cand_scores=None,
+                steps_rows={name: np.array([value], dtype=STEPS_SCHEMA.field(name).type.to_pandas_dtype())
+                            for name, value in (("step", step), ("request", index), ("num_tokens", count),
+                                                ("num_drafts", 0), ("num_accepted", 0), ("batch_size", 1),
+                                                ("t_start_ns", 0), ("t_end_ns", 0))},
+                new_requests=(request.request_id,) if number == 0 else ()))
+    return captures, padding
 
 
 def write_imported_trace(requests: list[EngineRequest], model: ResolvedModel, source: dict[str, Any], out: Path,
@@ -327,31 +298,26 @@ def write_imported_trace(requests: list[EngineRequest], model: ResolvedModel, so
                           int(config_value(config, "num_hidden_layers") or 0)))
     rows = [checked_rows(r, model.num_experts, top_k) for r in requests]
     moe_layers = moe_layers_from(rows, moe_count, str(source["files"][0]))
-    routing, steps, padding = routing_and_steps(requests, rows, moe_layers, top_k)
-    run_id = out.name
+    captures, padding = step_captures(requests, rows, moe_layers)
     manifest = {
         "schema": SCHEMA_VERSION,
-        "run_id": run_id,
-        "complete": True,
+        "run_id": out.name,
         "model": model_manifest(model, config, moe_layers),
         "parallel": {"tp": 1, "ep": 1, "pp": 1, "dp": 1, "expert_placement": "linear"},
         "spec": {"method": None, "k": 0},
         "capture": {"candidates": 0, "token_ids": all(r.tokens is not None for r in requests)},
         "source": {**source, "holds": "the tokens each request kept (prompt, anchors, accepted drafts)",
                    "lacks": list(SOURCE_LACKS), "padding_rows": padding},
-        "requests": [r.request_id for r in requests],
-        "counts": {"steps": steps.num_rows, "tokens": routing.num_rows // len(moe_layers), "drafts": 0,
-                   "accepted": 0, "routing_rows": routing.num_rows, "routing_files": 1},
     }
     staging = out.with_name(f".{out.name}.importing")
     shutil.rmtree(staging, ignore_errors=True)
-    try:
-        footer = {FOOTER_SCHEMA_KEY: SCHEMA_VERSION.encode(), FOOTER_RUN_KEY: run_id.encode()}
-        for name, table in ((ROUTING_DIR, routing), (STEPS_DIR, steps)):
-            (staging / name).mkdir(parents=True)
-            pq.write_table(table.replace_schema_metadata(footer), staging / name / "part-00000.parquet",
-                           **PARQUET_OPTIONS)
-        write_json_atomic(staging / MANIFEST_NAME, manifest)
+    try:  # written as the writer process writes a recording, then renamed into place
+        files = TraceFiles(staging, manifest, moe_layers, top_k, candidates=0, rotate_rows=4_000_000,
+                           rotate_seconds=float("inf"), row_group_rows=262_144, batch_seconds=0.0)
+        files.write(list(captures))
+        manifest = files.close({}, None)
+        if not manifest["complete"]:
+            raise UserError(f"{out}: writing the trace failed: {manifest['error']}")
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)
