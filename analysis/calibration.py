@@ -41,13 +41,18 @@ def expert_fit(doc: Mapping[str, Any], config: str, fmt: str,
     if not mine:
         have = sorted({c["config"] for c in curves})
         raise ValueError(f"no expert curve for {config} (has: {', '.join(have) or 'none'})")
+    mine.sort(key=lambda c: not c.get("table"))  # the engine's own kernel (vLLM's, a table) before a grouped GEMM
     chosen = next((c for c in mine if c["format"] == fmt), None)
     if chosen is None:
         chosen = min(mine, key=lambda c: c["weight_bits"])
         notes.append(f"calibration has no {fmt} expert curve for {config}: using {chosen['format']}")
     if chosen.get("estimated"):
         notes.append(f"{config} {chosen['format']} expert time is estimated, not measured: {chosen.get('note', '')}")
-    return dict(chosen["fit"]), str(chosen["format"]), notes
+    fit = dict(chosen["fit"])
+    if chosen.get("table"):
+        fit["table"] = [(float(p["experts"]), float(p["rows"]), float(p["time_us"])) for p in chosen["points"]]
+        notes.append(f"{config} expert time read from the table of {chosen['kernel']} ({len(fit['table'])} points)")
+    return fit, str(chosen["format"]), notes
 
 
 def bandwidth_fit(doc: Mapping[str, Any], bytes_per_expert: float) -> dict[str, Any]:
@@ -58,14 +63,41 @@ def bandwidth_fit(doc: Mapping[str, Any], bytes_per_expert: float) -> dict[str, 
 
 
 def expert_time_us(fit: Mapping[str, Any], experts: float, rows: float) -> float:
+    """One expert layer's µs over ``experts`` unique experts and ``rows`` routed rows per rank: the measured table
+    where the curve kept one, else the fitted line."""
+    if "table" in fit:
+        return table_time_us(fit["table"], experts, rows)
     return float(fit["c0_us"]) + float(fit["per_expert_us"]) * experts + float(fit["per_row_us"]) * rows
 
 
-def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+def table_time_us(table: Sequence[tuple[float, float, float]], experts: float, rows: float) -> float:
+    """µs at (experts, rows) from measured (experts, rows, µs) points: piecewise linear in experts within each
+    measured rows level, then linear in rows between the two levels around ``rows`` (the first level held below
+    it, the last two extended above)."""
+    levels: dict[float, list[tuple[float, float]]] = {}
+    for point_experts, point_rows, time_us in table:
+        levels.setdefault(point_rows, []).append((point_experts, time_us))
+    rows_levels = sorted(levels)
+    if rows <= rows_levels[0] or len(rows_levels) == 1:
+        return _interpolate(sorted(levels[rows_levels[0]]), experts, extend=True)
+    upper = min(bisect.bisect_left(rows_levels, rows), len(rows_levels) - 1)
+    lower_rows, upper_rows = rows_levels[upper - 1], rows_levels[upper]
+    lower_us = _interpolate(sorted(levels[lower_rows]), experts, extend=True)
+    upper_us = _interpolate(sorted(levels[upper_rows]), experts, extend=True)
+    return lower_us + (upper_us - lower_us) * (rows - lower_rows) / (upper_rows - lower_rows)
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float, extend: bool = False) -> float:
+    """Piecewise linear through sorted (x, y) points inside them; with ``extend``, the end segments carried on
+    outside them (one point: its y)."""
     xs = [p[0] for p in points]
+    if len(points) == 1:
+        return points[0][1]
     i = bisect.bisect_left(xs, x)
     if i < len(xs) and xs[i] == x:
         return points[i][1]
+    if extend:
+        i = min(max(i, 1), len(points) - 1)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 

@@ -129,6 +129,23 @@ def test_calibrate_command_writes_json_and_refuses_overwrite(tmp_path: Path) -> 
     assert bad.exit_code == 1 and "unknown weight format" in bad.output
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's refusal")
+def test_vllm_kernel_on_the_cpu_is_skipped_with_why_and_the_grouped_gemms_still_measured(tmp_path: Path) -> None:
+    from moetrace.cli import main
+
+    out = tmp_path / "calib.json"
+    args = ["calibrate", "--device", "cpu", "--quick", "--formats", "bf16", "--no-allreduce", "--vllm-kernel",
+            "-o", str(out)]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    curves = json.loads(out.read_text())["experts"]
+    # tp2 gets a vLLM curve next to its grouped GEMM; ep2 (whole experts per rank) does not
+    assert [(c["config"], "fit" in c) for c in curves] == [("tp2", True), ("tp2", False), ("ep2", True)]
+    assert curves[1]["skipped"] == "vLLM fused_experts cannot run on cpu: vLLM's fused_experts is a Triton kernel " \
+                                   "for CUDA GPUs"
+    assert "note: experts tp2 bf16 vLLM fused_experts: vLLM fused_experts cannot run on cpu" in result.output
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_calibrate_without_gpu_says_so(tmp_path: Path) -> None:
     from moetrace.cli import main
@@ -148,6 +165,18 @@ def test_gpu_expert_layer(fmt: str) -> None:
     assert reason is None
     points = measure_curve(pool, [(1, 1), (8, 8)], reps=4, replays=2, tick=lambda: None)
     assert all(p["time_us"] > 0 for p in points)
+
+
+@needs_gpu
+def test_vllm_fused_experts_matches_a_float32_expert_layer_and_times() -> None:
+    pytest.importorskip("vllm.model_executor.layers.fused_moe")
+    from moetrace.calibrate.experts import vllm_kernel_context
+
+    pool = ExpertPool(hidden=512, width=256, pool=16, fmt="bf16", device=torch.device("cuda", 0))
+    assert pool.fused_moe_check(top_k=4) is None
+    with vllm_kernel_context():
+        points = measure_curve(pool, [(4, 4), (8, 8)], reps=4, replays=2, tick=lambda: None, fused_moe_top_k=4)
+    assert [p["rows_computed"] for p in points] == [4, 8] and all(p["time_us"] > 0 for p in points)
 
 
 @needs_two_gpus

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from moetrace.analysis.acceptance import acceptance_curve, tokens_per_step
 from moetrace.analysis.concurrency import uniform_unions
-from moetrace.analysis.calibration import allreduce_model, expert_fit, ring_model
+from moetrace.analysis.calibration import allreduce_model, expert_fit, ring_model, table_time_us
 from moetrace.analysis.cost import MeasuredSteps, forward_beyond_moe, per_k_from_nearest, predict
 from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.decision import speedup_per_batch
@@ -151,6 +151,33 @@ def test_predict_calibration_only_by_hand() -> None:
     assert basis["mode"] == "calibration only" and any("lower bound" in n for n in basis["notes"])
     with pytest.raises(ValueError, match="no expert curve for ep2"):
         predict(_per_k([8.0], [1.0]), deployment_for(SMALL, 1, 2), None, _calibration())
+
+
+def test_a_kernel_table_is_read_by_interpolation_between_measured_levels() -> None:
+    # (experts, rows, µs): one point at 8 rows, two at 16, three at 40
+    table = [(8.0, 8.0, 40.0), (8.0, 16.0, 50.0), (16.0, 16.0, 70.0), (8.0, 40.0, 90.0), (16.0, 40.0, 95.0),
+             (40.0, 40.0, 150.0)]
+    assert table_time_us(table, 8.0, 8.0) == 40.0 and table_time_us(table, 8.0, 4.0) == 40.0  # held below
+    assert table_time_us(table, 12.0, 12.0) == pytest.approx((40.0 + 60.0) / 2)  # 8 rows: 40; 16 rows: 60
+    # 40 rows, 24 experts: 95 + 55·8/24 inside the level
+    assert table_time_us(table, 24.0, 40.0) == pytest.approx(95.0 + 55.0 * 8 / 24)
+    # past the last level the last two carry on: 16 experts at 16 rows 70, at 40 rows 95; 64 rows: 95 + 25
+    assert table_time_us(table, 16.0, 64.0) == pytest.approx(120.0)
+
+
+def test_the_engines_kernel_table_is_preferred_to_a_fitted_grouped_gemm() -> None:
+    calibration = _calibration()
+    points = [{"experts": 9, "rows": 9, "time_us": 20.0}, {"experts": 9, "rows": 18, "time_us": 30.0},
+              {"experts": 18, "rows": 18, "time_us": 48.0}]
+    calibration["experts"].append({"config": "tp2", "format": "bf16", "weight_bits": 16, "estimated": False,
+                                   "kernel": "vLLM fused_experts (Triton)", "table": True, "points": points,
+                                   "fit": {"c0_us": 0.0, "per_expert_us": 1.0, "per_row_us": 1.0}})
+    table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None, calibration)
+    k0, k1 = table.to_dicts()
+    # k=0: 8 + 1 shared experts over 9 rows: the point itself; k=1: 13 experts over 18 rows: 30 + 18·4/9 at 18
+    # rows (the 9-row level, one point, held at 20, weighs nothing at 18 rows)
+    assert k0["expert_layer_us"] == pytest.approx(20.0) and k1["expert_layer_us"] == pytest.approx(38.0)
+    assert any("table of vLLM fused_experts (Triton) (3 points)" in note for note in basis["notes"])
 
 
 def test_predict_from_a_measured_k0_step_by_hand() -> None:

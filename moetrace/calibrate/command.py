@@ -61,11 +61,14 @@ def model_shape(model: str) -> ModelShape:
 @click.option("--formats", default="bf16,fp8", show_default=True, help="Weight formats to measure (bf16, fp8).")
 @click.option("--max-gpus", type=int, default=None, help="Use at most this many GPUs for the all-reduce.")
 @click.option("--no-allreduce", is_flag=True, help="Skip the all-reduce measurement.")
+@click.option("--vllm-kernel", is_flag=True,
+              help="Also time vLLM's own fused-MoE kernel (fused_experts, bf16, TP shapes) over the same grid; the "
+                   "report then reads expert time from its table. Needs vLLM on a CUDA GPU.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Calibration file [default: calibration-<gpu>x<count>.json].")
 @click.option("--force", is_flag=True, help="Overwrite an existing calibration file.")
 def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp: int, ep: int, formats: str,
-              max_gpus: int | None, no_allreduce: bool, output: Path | None, force: bool) -> None:
+              max_gpus: int | None, no_allreduce: bool, vllm_kernel: bool, output: Path | None, force: bool) -> None:
     """Measure, on the GPUs present, MoE expert time against unique experts and rows (bf16 and fp8 grouped GEMMs
     at the model's per-rank TP and EP shapes, with the weight bandwidth that INT4 is estimated from) and NCCL
     all-reduce time against message size for 2, 4, 8... GPUs; write the fitted curves as a calibration JSON
@@ -80,6 +83,7 @@ def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp
         "formats": tuple(f.strip() for f in formats.split(",") if f.strip()),
         "allreduce": not no_allreduce,
         "max_gpus": max_gpus,
+        "vllm_kernel": vllm_kernel,
         "command": " ".join(["moetrace", *sys.argv[1:]]),
     }
     if quick:

@@ -1,5 +1,7 @@
 """MoE expert time with real grouped-GEMM kernels: ``torch._grouped_mm`` (bf16) and ``torch._scaled_grouped_mm``
-(fp8 e4m3, row-wise scales), one expert layer as vLLM runs it per rank: gate+up GEMM, SiLU·mul, down GEMM.
+(fp8 e4m3, row-wise scales), one expert layer as vLLM runs it per rank: gate+up GEMM, SiLU·mul, down GEMM; and,
+where vLLM is installed on a CUDA GPU, vLLM's own fused-MoE kernel (``fused_experts``, Triton, bf16), whose time at
+a given number of experts also grows with the tokens (its block padding), so it is kept as a table, not a line.
 
 Weights live in a pool of experts and every timed call reads a different window of it, so small sets are not
 served from L2. On CUDA the calls are captured in a CUDA graph (as vLLM decodes) and timed by events over replays;
@@ -176,6 +178,46 @@ class ExpertPool:
 
         return call_fp8, total
 
+    def fused_moe_call(self, experts: int, tokens: int, top_k: int) -> Callable[[int], object]:
+        """vLLM's ``fused_experts`` over ``tokens`` tokens routed top-``top_k`` over exactly ``experts`` experts of a
+        window: token i takes the window's slots top_k·i … top_k·i + top_k − 1 modulo ``experts`` (distinct while
+        experts ≥ top_k). Call it inside ``vllm_kernel_context()``."""
+        from vllm.model_executor.layers.fused_moe import fused_experts
+
+        x = (torch.randn(tokens, self.hidden, device=self.device) * 0.1).to(torch.bfloat16)
+        weights = torch.full((tokens, top_k), 1.0 / top_k, device=self.device, dtype=torch.float32)
+        slots = (torch.arange(tokens * top_k, device=self.device) % experts).view(tokens, top_k)
+        ids = [((slots + start) % self.pool).to(torch.int32) for start in self.windows(experts)]
+
+        def call(i: int) -> object:
+            return fused_experts(x, self.w13, self.w2, weights, ids[i % len(ids)])
+
+        return call
+
+    def fused_moe_check(self, top_k: int) -> str | None:
+        """Why vLLM's fused-MoE kernel cannot run on this pool, or None once one token routed to experts
+        0 … top_k − 1 at weight 1/top_k matches a float32 reference of the same expert layer."""
+        if self.device.type != "cuda":
+            return "vLLM's fused_experts is a Triton kernel for CUDA GPUs"
+        if self.fmt != "bf16":
+            return f"timed unquantised (bf16) only, not {self.fmt}"
+        x = (torch.randn(1, self.hidden, device=self.device) * 0.1).to(torch.bfloat16)
+        ids = torch.arange(top_k, device=self.device, dtype=torch.int32).view(1, top_k)
+        weights = torch.full((1, top_k), 1.0 / top_k, device=self.device, dtype=torch.float32)
+        try:
+            from vllm.model_executor.layers.fused_moe import fused_experts
+
+            with vllm_kernel_context():
+                out = fused_experts(x, self.w13, self.w2, weights, ids).float()
+        except Exception as exc:  # vLLM missing, or its kernel refuses this shape
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        ref = torch.zeros_like(out)
+        for e in range(top_k):  # gate rows first, then up (vLLM's w13 layout): silu(gate)·up, then down
+            h = x.float() @ self.w13[e].float().T
+            ref += (F.silu(h[:, :self.width]) * h[:, self.width:]) @ self.w2[e].float().T / top_k
+        error = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+        return None if error <= 0.05 else f"relative error {error:.3g} against a float32 reference"
+
     def check(self) -> str | None:
         """Run a small call once and compare with a float32 reference; returns why the format cannot run here, or
         None. For fp8 it retries with every expert's rows padded to 16 (what some kernels require)."""
@@ -222,12 +264,30 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int, replays: int = 10) -> 
     return 2 * nbytes / (time_us * 1e3)
 
 
+def vllm_kernel_context() -> Any:
+    """vLLM's kernels read the current vLLM config: its defaults, set for the calls made inside."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    return set_current_vllm_config(VllmConfig())
+
+
+def fit_weight_bandwidth(fit: dict[str, Any], bytes_per_expert: int,
+                         points: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """The weight bandwidth a curve shows: marginal (bytes per expert over the fitted µs per expert) and peak."""
+    marginal = bytes_per_expert / (fit["per_expert_us"] * 1e3) if fit["per_expert_us"] > 0 else None
+    return {"marginal_weight_gbs": marginal, "peak_weight_gbs": max(p["weight_gbs"] for p in points)}
+
+
 def measure_curve(pool: ExpertPool, grid: Sequence[tuple[int, int]], reps: int, replays: int,
-                  tick: Callable[[], None]) -> list[dict[str, Any]]:
-    """Time the expert layer at every (experts, rows) of ``grid``; ``tick`` is called after each point."""
+                  tick: Callable[[], None], fused_moe_top_k: int | None = None) -> list[dict[str, Any]]:
+    """Time the expert layer at every (experts, rows) of ``grid``; ``tick`` is called after each point. With
+    ``fused_moe_top_k``, vLLM's fused-MoE kernel over rows ÷ top-k tokens instead of the grouped GEMMs."""
     points = []
     for experts, rows in grid:
-        call, computed = pool.layer_call(experts, rows)
+        if fused_moe_top_k is None:
+            call, computed = pool.layer_call(experts, rows)
+        else:
+            call, computed = pool.fused_moe_call(experts, rows // fused_moe_top_k, fused_moe_top_k), rows
         time_us, mode = time_calls(call, pool.device, reps, replays)
         points.append({
             "experts": experts,

@@ -14,10 +14,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetrace.calibrate import SCHEMA
 from moetrace.calibrate.fit import fit_allreduce, fit_expert_time
+
+if TYPE_CHECKING:
+    from moetrace.calibrate.experts import ExpertPool
 
 Progress = Callable[[str, int, int], None]  # (stage label, done, total)
 
@@ -38,12 +41,13 @@ class Settings:
     ep: int = 8
     formats: tuple[str, ...] = ("bf16", "fp8")
     int4_group_size: int = 32
+    vllm_kernel: bool = False  # also time vLLM's own fused_experts (TP configs, bf16), kept as a table
     allreduce: bool = True
     max_gpus: int | None = None
     quick: bool = False
     reps: int = 8
     replays: int = 7
-    tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    tokens: tuple[int, ...] = DECODE_TOKENS  # every decode size to 6 (k ≤ 5 at one request): vLLM's kernel steps
     ep_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     allreduce_tokens: tuple[int, ...] = DECODE_TOKENS
     allreduce_bandwidth_bytes: tuple[int, ...] = BANDWIDTH_BYTES
@@ -149,7 +153,8 @@ def _int4_estimate(curves: list[dict[str, Any]], s: Settings) -> list[dict[str, 
 
     out = []
     for name in dict.fromkeys(c["config"] for c in curves):
-        usable = [c for c in curves if c["config"] == name and c.get("fit") and c["fit"]["per_expert_us"] > 0]
+        usable = [c for c in curves if c["config"] == name and c.get("fit") and c["fit"]["per_expert_us"] > 0
+                  and not c.get("table")]
         if not usable:
             continue
         basis = min(usable, key=lambda c: c["weight_bits"])
@@ -168,13 +173,57 @@ def _int4_estimate(curves: list[dict[str, Any]], s: Settings) -> list[dict[str, 
     return out
 
 
+def _expert_curve(pool: ExpertPool, config: ExpertConfig, kernel: str, curve: dict[str, Any], s: Settings,
+                  progress: Progress, notes: list[str]) -> dict[str, Any]:
+    """One expert curve of ``pool`` over ``config``'s grid with ``kernel``: "grouped-mm" (fitted as a line) or
+    "vllm" (vLLM's fused_experts, kept as a table of its points); a kernel that cannot run is skipped with why."""
+    from moetrace.calibrate.experts import fit_weight_bandwidth, measure_curve, vllm_kernel_context
+
+    vllm = kernel == "vllm"
+    label = f"experts {config.name} {curve['format']}" + (" vLLM fused_experts" if vllm else "")
+    total = len(config.grid)
+    progress(label, 0, total)
+
+    def skip(reason: str) -> dict[str, Any]:
+        curve["skipped"] = reason[:300]
+        notes.append(f"{label}: {curve['skipped']}")
+        progress(label, total, total)
+        return curve
+
+    reason = pool.fused_moe_check(s.top_k) if vllm else pool.check()
+    if reason is not None:
+        return skip(f"{'vLLM fused_experts' if vllm else pool.kernel} cannot run on {pool.device.type}: {reason}")
+    curve["kernel"] = "vLLM fused_experts (Triton)" if vllm else pool.kernel
+    curve["rows_padded_to"] = 1 if vllm else pool.row_multiple
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        progress(label, done[0], total)
+
+    try:
+        if vllm:
+            with vllm_kernel_context():
+                points = measure_curve(pool, config.grid, s.reps, s.replays, tick, fused_moe_top_k=s.top_k)
+            curve["table"] = True  # its time at a given U grows with the tokens: read as a table, not the line
+        else:
+            points = measure_curve(pool, config.grid, s.reps, s.replays, tick)
+    except Exception as exc:  # one curve failing (kernel, memory) must not lose the others
+        return skip(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    curve["points"] = points
+    curve["timing"] = sorted({p["timing"] for p in points})
+    curve["fit"] = fit_expert_time(points)
+    curve.update(fit_weight_bandwidth(curve["fit"], curve["weight_bytes_per_expert"], points))
+    return curve
+
+
 def calibrate(s: Settings, progress: Progress) -> dict[str, Any]:
     """Measure everything ``s`` asks for and return the calibration document (schema ``moetrace-calibration/1``)."""
     s.check()
     import torch
 
     from moetrace.calibrate.allreduce import measure_allreduce
-    from moetrace.calibrate.experts import ExpertPool, copy_bandwidth_gbs, measure_curve, weight_bytes_per_expert
+    from moetrace.calibrate.experts import ExpertPool, copy_bandwidth_gbs, weight_bytes_per_expert
 
     if s.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device visible (use --device cpu for a smoke run)")
@@ -199,50 +248,28 @@ def calibrate(s: Settings, progress: Progress) -> dict[str, Any]:
     curves: list[dict[str, Any]] = []
     for config in expert_configs(s):
         for fmt in s.formats:
-            label = f"experts {config.name} {fmt}"
-            total = len(config.grid)
-            progress(label, 0, total)
             bits = 8 if fmt == "fp8" else 16
-            curve: dict[str, Any] = {
+            base: dict[str, Any] = {
                 "config": config.name, "tp": config.tp, "ep": config.ep, "width": config.width,
                 "experts_per_rank": config.pool, "format": fmt, "weight_bits": bits,
                 "weight_bytes_per_expert": weight_bytes_per_expert(s.hidden, config.width, bits),
                 "estimated": False,
             }
+            # vLLM's kernel routes whole tokens top-k: the TP configs' grid (rows = top_k·tokens), bf16
+            kernels = ["grouped-mm"] + (["vllm"] if s.vllm_kernel and fmt == "bf16" and config.ep == 1 else [])
             pool = None
             try:
                 pool = ExpertPool(s.hidden, config.width, config.pool, fmt, device)
-                reason = pool.check()
-                if reason is not None:
-                    curve["skipped"] = f"{pool.kernel} cannot run on {device.type}: {reason}"
-                    notes.append(f"{label}: {curve['skipped']}")
-                    progress(label, total, total)
-                else:
-                    curve["kernel"] = pool.kernel
-                    curve["rows_padded_to"] = pool.row_multiple
-                    done = [0]
-
-                    def tick(label: str = label, done: list[int] = done, total: int = total) -> None:
-                        done[0] += 1
-                        progress(label, done[0], total)
-
-                    points = measure_curve(pool, config.grid, s.reps, s.replays, tick)
-                    curve["points"] = points
-                    curve["timing"] = sorted({p["timing"] for p in points})
-                    fit = fit_expert_time(points)
-                    curve["fit"] = fit
-                    curve["marginal_weight_gbs"] = (curve["weight_bytes_per_expert"] / (fit["per_expert_us"] * 1e3)
-                                                    if fit["per_expert_us"] > 0 else None)
-                    curve["peak_weight_gbs"] = max(p["weight_gbs"] for p in points)
-            except Exception as exc:  # one curve failing (kernel, memory) must not lose the others
-                curve["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-                notes.append(f"{label}: {curve['skipped']}")
-                progress(label, total, total)
+                for kernel in kernels:
+                    curves.append(_expert_curve(pool, config, kernel, dict(base), s, progress, notes))
+            except Exception as exc:  # the pool itself failing (memory) must not lose the other configs
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                curves.append({**base, "skipped": reason})
+                notes.append(f"experts {config.name} {fmt}: {reason}")
             finally:
                 del pool
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            curves.append(curve)
     doc["experts"] = curves
     doc["int4_estimate"] = _int4_estimate([c for c in curves if "fit" in c], s)
 
@@ -315,7 +342,8 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
     lines = [f"device {doc['device'].get('name')} x{doc['device'].get('count')}, torch {doc['versions']['torch']}, "
              f"copy bandwidth {doc['copy_bandwidth_gbs']:.0f} GB/s"]
     for curve in doc["experts"] + doc["int4_estimate"]:
-        head = f"experts {curve['config']} {curve['format']:>4} width {curve['width']}"
+        head = (f"experts {curve['config']} {curve['format']:>4} width {curve['width']}"
+                + (" vLLM fused_experts (table)" if curve.get("table") else ""))
         if "fit" not in curve:
             lines.append(f"{head}: skipped ({curve.get('skipped')})")
             continue
@@ -353,10 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, default=8)
     parser.add_argument("--max-gpus", type=int, default=None)
     parser.add_argument("--no-allreduce", action="store_true")
+    parser.add_argument("--vllm-kernel", action="store_true")
     args = parser.parse_args(argv)
     command = "python -m moetrace.calibrate.run " + " ".join(sys.argv[1:] if argv is None else argv)
     common: dict[str, Any] = {"formats": tuple(args.formats.split(",")), "allreduce": not args.no_allreduce,
-                              "max_gpus": args.max_gpus, "command": command}
+                              "max_gpus": args.max_gpus, "vllm_kernel": args.vllm_kernel, "command": command}
     if args.quick:
         settings = Settings.quick_settings(args.device, **common)
     else:
