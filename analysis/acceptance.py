@@ -106,17 +106,24 @@ def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
     gets for it: the mean, not the median, because throughput pays every step (the slow tail of verification
     steps is real: on an H200 a k = 4 step's mean is 6% above its median).
 
-    ``prefill_ms_per_token``: what the steps of that many requests that held a prefill chunk took beyond a decode
+    ``prefill_ms_per_token``: what the steps that held a prefill chunk for that concurrency took beyond a decode
     step (each from its start to the next step's, less ``period_ms``), per token a request gained in all steps of
-    that many requests (tokens gained ÷ requests per step; a prefill step decodes its other requests too): what a
-    request waits outside decode steps for each token it gets (0 where no step held a prefill)."""
+    that concurrency (tokens gained ÷ requests per step; a prefill step decodes its other requests too): what a
+    request waits outside decode steps for each token it gets (0 where no step held a prefill). A prefill step
+    serves the concurrency of the decode steps it leads to: its own requests or, where more, those of the rank's
+    next decoding step (requests that end together are replaced over steps of fewer requests, and a round starts
+    with its prompts prefilled over steps of growing batches; both are paid by the batch that then decodes)."""
     following = [pl.col(name).shift(-1).over("dp_rank").alias(f"next_{name}")
                  for name in ("step", "decoding", "requests", "t_start_ns")]
+    # on a prefill step (null here), the requests of the rank's next decoding step
+    next_decoding_requests = pl.when(pl.col("decoding")).then(pl.col("requests")).backward_fill().over("dp_rank")
     per_step = decode_steps(steps).sort("dp_rank", "step").with_columns(following).with_columns(
         # start to the next step's start where the rank's next step was recorded, else the step's own duration
         period_ms=(pl.when(pl.col("next_step") == pl.col("step") + 1).then(pl.col("next_t_start_ns"))
-                   .otherwise(pl.col("t_end_ns")) - pl.col("t_start_ns")) / 1e6)
-    outside = per_step.group_by(batch=pl.col("requests").cast(pl.Int32)).agg(
+                   .otherwise(pl.col("t_end_ns")) - pl.col("t_start_ns")) / 1e6,
+        served=pl.when(pl.col("decoding")).then(pl.col("requests"))
+        .otherwise(pl.max_horizontal(pl.col("requests"), next_decoding_requests.fill_null(0))))
+    outside = per_step.group_by(batch=pl.col("served").cast(pl.Int32)).agg(
         prefill_steps=(~pl.col("decoding")).sum(),
         prefill_ms=pl.col("period_ms").filter(~pl.col("decoding")).sum(),
         gained=pl.col("kept").sum())

@@ -199,13 +199,27 @@ def import_routing(source: Path, outputs: Path | None, model: str | None, prompt
     (enable_return_routed_experts; with the JSONL of their token ids), or a .jsonl of HTTP responses: vLLM
     completions (sent with return_token_ids) or SGLang /generate responses (return_routed_experts). The trace
     holds the tokens each request kept: growth per k is counterfactual; it has no acceptance, router weights,
-    timing or batching."""
-    from moetrace.imports import http_responses, model_layers, vllm_offline, write_imported_trace
+    timing or batching. Or SOURCE is a .pt dump of SGLang's expert distribution recorder in per_token mode: each
+    forward pass a step, each token group of it a request of its own (the dump has no request ids), no router
+    weights or timing; stat and per_pass dumps hold counts, not routing, and are refused."""
+    from moetrace.imports.returned import http_responses, vllm_offline, write_imported_trace
+    from moetrace.imports.sglang_recorder import sglang_recorder
+    from moetrace.imports.trace import model_layers
     from moetrace.record import resolve_model
 
     if prompt_start < 0:
         raise UserError(f"--prompt-start: {prompt_start} is negative")
     resolved = resolve_model(model)
+    target = output or source.with_name(f"{source.stem}-trace")
+    if source.suffix == ".pt":
+        if outputs or prompt_start:
+            raise UserError(f"{source}: --outputs and --prompt-start are for returned routing; a .pt dump has "
+                            f"its token ids and positions")
+        counts = sglang_recorder(source, resolved, target, force)["counts"]
+        console.print(f"imported {counts['steps']:,} forward passes, {counts['tokens']:,} tokens into {target}",
+                      highlight=False, soft_wrap=True)
+        console.print(f"next: moetrace report {target}", highlight=False, soft_wrap=True)
+        return
     if source.suffix == ".npz":
         outputs = outputs or source.with_name("outputs.jsonl")
         requests, files, form = vllm_offline(source, outputs, prompt_start), [source, outputs], "offline arrays"
@@ -213,9 +227,9 @@ def import_routing(source: Path, outputs: Path | None, model: str | None, prompt
         requests = http_responses(source, prompt_start, model_layers(resolved), int(resolved.top_k or 0))
         files, form = [source], "HTTP responses"
     else:
-        raise UserError(f"{source}: give a .npz of routed-experts arrays or a .jsonl of HTTP responses")
+        raise UserError(f"{source}: give a .npz of routed-experts arrays, a .jsonl of HTTP responses or a .pt of "
+                        f"SGLang's expert distribution recorder")
     engine = " and ".join(sorted({r.engine for r in requests}))
-    target = output or source.with_name(f"{source.stem}-trace")
     manifest = write_imported_trace(requests, resolved, {
         "engine": engine, "format": f"routed experts, {form}", "files": [str(f) for f in files],
         "prompt_start": prompt_start}, target, force)

@@ -27,10 +27,13 @@ TOKEN_PHASES = ("prefill", "decode", "verify")  # routing ``phase``: what the to
 # _sample (the rejection sampler under speculation); drafting: propose_draft_token_ids
 TIMED_CALLS = ("forward", "sampling", "drafting")
 MAX_K = 16
-# manifest ``source.lacks`` (a trace imported from an engine's own routing, ``moetrace import``): what that source
-# cannot know, so the report leaves out what rests on it
-SOURCE_LACKS = ("rejected_drafts", "router_weights", "acceptance", "step_timing", "batching")
-
+# manifest ``source.lacks``: what the source of an imported trace (``moetrace import``) could not know, so the report
+# leaves out what rests on it. Returned routing (vLLM's and SGLang's routed experts) holds the tokens each request
+# kept; SGLang's expert distribution recorder (``per_token`` dumps) holds every token a forward pass routed and the
+# pass's batch, but not which token groups of different passes are one request
+SOURCE_LACKS = ("rejected_drafts", "router_weights", "acceptance", "step_timing", "batching", "request_identity")
+ROUTED_EXPERTS_LACKS = ("rejected_drafts", "router_weights", "acceptance", "step_timing", "batching")
+SGLANG_RECORDER_LACKS = ("request_identity", "router_weights", "step_timing")
 
 def routing_schema(top_k: int, candidates: int = 0, weight_type: pa.DataType = pa.float16()) -> pa.Schema:
     """Schema of ``routing/*.parquet``: one row per (step, token, MoE layer)."""

@@ -164,6 +164,22 @@ def test_decode_step_periods_time_consecutive_decode_steps_of_one_concurrency() 
         {"batch": 2, "decode_steps": 3, "period_ms": 7.0, "tokens_per_step": 2.0, "prefill_ms_per_token": 0.3}]
 
 
+def test_a_prefill_step_of_fewer_requests_is_paid_by_the_batch_it_leads_to() -> None:
+    ms = 1_000_000
+    # request 0 prefills alone (step 0, 8 ms to the next start), then 2 requests decode every 4 ms: the prefill serves
+    # concurrency 2 (as when requests that ended together are replaced over steps of fewer requests)
+    plan = [(0, 1, 0, True), (1, 2, 8, False), (2, 2, 12, False), (3, 2, 16, False), (4, 2, 20, False)]
+    rows = [{"dp_rank": 0, "step": step, "request": request, "num_tokens": 5 if prefill else 2,
+             "num_drafts": 0 if prefill else 1, "num_accepted": 1, "t_start_ns": start * ms,
+             "t_end_ns": start * ms + ms}
+            for step, requests, start, prefill in plan for request in range(requests)]
+    (period,) = decode_step_periods(pl.DataFrame(rows).lazy()).to_dicts()
+    # 8 ms less one 4 ms decode step of 2 requests: 4 ms; 18 tokens gained in steps serving 2 requests (the prefill
+    # row 2, then 4 steps × 2 rows × 2), 9 per request: 4/9 ms per token a request gained
+    assert period == pytest.approx({"batch": 2, "decode_steps": 3, "period_ms": 4.0, "tokens_per_step": 2.0,
+                                    "prefill_ms_per_token": 4 / 9})
+
+
 def test_decode_step_periods_pair_each_data_parallel_ranks_own_steps() -> None:
     ms = 1_000_000
     # two ranks, one request each, a step every 10 ms; rank 1 starts 3 ms after rank 0

@@ -57,7 +57,10 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
     found = []
     if analysis.manifest["model"].get("random_weights"):
         found.append(RANDOM_WEIGHTS_NOTE)
-    if analysis.run.primary.k < k:
+    if analysis.run.primary.k < k and analysis.run.primary.lacks("request_identity"):
+        found.append(f"its source does not say which tokens are one request: no windows of {k + 1} consecutive "
+                     f"tokens, so no growth at k={k}; only the union of each step's batch is measured")
+    elif analysis.run.primary.k < k:
         found.append(
             f"recorded at k={analysis.run.primary.k}: figures at k={k} are counterfactual "
             f"(windows of {k + 1} consecutive accepted tokens)"

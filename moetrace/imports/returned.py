@@ -12,9 +12,10 @@ top_k]`` in C order over positions ``routed_experts_start_len`` .. prompt + outp
 (``sglang/srt/state_capturer/routed_experts.py``, ``extract_routed_experts_from_meta_info``, SGLang 0.5.23).
 
 Such rows are the tokens a request kept: prompt, anchors, accepted drafts. They hold no rejected draft, no router
-weight, no acceptance, no step timing and no batching; the manifest's ``source`` says so (``SOURCE_LACKS``), the
+weight, no acceptance, no step timing and no batching; the manifest's ``source`` says so (``ROUTED_EXPERTS_LACKS``), the
 trace is a k = 0 trace of kept tokens (its growth per k is counterfactual), and its weights are NaN.
 """
+
 
 from __future__ import annotations
 
@@ -22,8 +23,6 @@ import base64
 import binascii
 import io
 import json
-import os
-import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +31,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from moetrace.analysis.shape import config_value
 from moetrace.errors import UserError
 from moetrace.record import ResolvedModel
 from moetrace.schema import (
-    SCHEMA_VERSION,
-    SOURCE_LACKS,
+    ROUTED_EXPERTS_LACKS,
     STEPS_SCHEMA,
     TOKEN_PHASES,
 )
-from moetrace.trace_files import StepCapture, TraceFiles
+from moetrace.imports.trace import config_moe_layers, imported_manifest, refuse_existing, write_trace
+from moetrace.trace_files import StepCapture
+
 
 
 @dataclass(frozen=True)
@@ -159,11 +158,6 @@ def sglang_response(response: dict[str, Any], prompt_start: int, layers: int, to
                          prompt + completion, None, where)
 
 
-def model_layers(model: ResolvedModel) -> int:
-    """The decoder layers of ``model`` (its config's ``num_hidden_layers``): an engine returns a row for each."""
-    return int(config_value(json.loads((model.path / "config.json").read_text()), "num_hidden_layers") or 0)
-
-
 def read_lines(path: Path) -> list[str]:
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -229,28 +223,6 @@ def moe_layers_from(rows: list[npt.NDArray[np.int64]], expected: int, where: str
     return moe
 
 
-def model_manifest(model: ResolvedModel, config: dict[str, Any], moe_layers: list[int]) -> dict[str, Any]:
-    """The manifest's ``model`` for an imported trace, from the model's config (the engine's dtype and quantisation
-    are not in its routing: bf16 experts assumed)."""
-    return {
-        "name": model.name,
-        "path": str(model.path),
-        "architecture": (config.get("architectures") or ["?"])[0],
-        "random_weights": False,  # not in the routing: the engine ran the weights it loaded
-        "num_layers": int(config_value(config, "num_hidden_layers") or 0),
-        "moe_layers": moe_layers,
-        "num_experts": model.num_experts,
-        "top_k": model.top_k,
-        "shared_experts": int(config_value(config, "n_shared_experts") or 0),
-        "hidden_size": int(config_value(config, "hidden_size") or 0),
-        "expert_width": int(config_value(config, "moe_intermediate_size", "intermediate_size") or 0),
-        "scoring_func": config_value(config, "scoring_func"),
-        "dtype": "bfloat16",
-        "expert_weight_bits": 16,
-        "quant_group_size": None,
-    }
-
-
 def step_captures(requests: list[EngineRequest], rows: list[npt.NDArray[np.int64]], moe_layers: list[int]
                   ) -> tuple[list[StepCapture], int]:
     """``requests`` as the steps the writer process writes: one step for a request's prompt rows, one per output
@@ -290,37 +262,14 @@ def write_imported_trace(requests: list[EngineRequest], model: ResolvedModel, so
                          force: bool) -> dict[str, Any]:
     """Check ``requests`` against ``model`` and write them as one trace at ``out`` (all or nothing: into a
     sibling directory renamed into place). Returns the manifest."""
-    if out.exists() and not force:
-        raise UserError(f"{out} exists (--force to overwrite)")
+    refuse_existing(out, force)
     config = json.loads((model.path / "config.json").read_text())
     top_k = int(model.top_k or 0)
-    moe_count = len(range(int(config_value(config, "first_k_dense_replace") or 0),
-                          int(config_value(config, "num_hidden_layers") or 0)))
     rows = [checked_rows(r, model.num_experts, top_k) for r in requests]
-    moe_layers = moe_layers_from(rows, moe_count, str(source["files"][0]))
+    moe_layers = moe_layers_from(rows, len(config_moe_layers(config)), str(source["files"][0]))
     captures, padding = step_captures(requests, rows, moe_layers)
-    manifest = {
-        "schema": SCHEMA_VERSION,
-        "run_id": out.name,
-        "model": model_manifest(model, config, moe_layers),
-        "parallel": {"tp": 1, "ep": 1, "pp": 1, "dp": 1, "expert_placement": "linear"},
-        "spec": {"method": None, "k": 0},
-        "capture": {"candidates": 0, "token_ids": all(r.tokens is not None for r in requests)},
-        "source": {**source, "holds": "the tokens each request kept (prompt, anchors, accepted drafts)",
-                   "lacks": list(SOURCE_LACKS), "padding_rows": padding},
-    }
-    staging = out.with_name(f".{out.name}.importing")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:  # written as the writer process writes a recording, then renamed into place
-        files = TraceFiles(staging, manifest, moe_layers, top_k, candidates=0, rotate_rows=4_000_000,
-                           rotate_seconds=float("inf"), row_group_rows=262_144, batch_seconds=0.0)
-        files.write(list(captures))
-        manifest = files.close({}, None)
-        if not manifest["complete"]:
-            raise UserError(f"{out}: writing the trace failed: {manifest['error']}")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return manifest
+    manifest = imported_manifest(model, config, moe_layers, out, all(r.tokens is not None for r in requests), {
+        **source, "holds": "the tokens each request kept (prompt, anchors, accepted drafts)",
+        "lacks": list(ROUTED_EXPERTS_LACKS), "padding_rows": padding})
+    return write_trace(captures, manifest, moe_layers, top_k, out)
+
