@@ -34,7 +34,7 @@ calibrate() {  # NAME [args...]: when at least 3 minutes are left
   [ -s "$SV/calibration-$1.json" ] && return 0
   [ "$(left)" -ge 180 ] || return 0
   local name=$1; shift
-  timeout 240 python3 -m moetrace calibrate --formats bf16 --ep 1 -o "$SV/calibration-$name.json" --force "$@" \
+  timeout 240 python3 -m moetrace calibrate --formats bf16 --ep 1 --vllm-kernel -o "$SV/calibration-$name.json" --force "$@" \
     >> "$SV/calibrate-$name.log" 2>&1
 }
 slice_dir() { python3 "$R/benchmarks/bench_speedup_validation.py" model-dir --model "$1" --out "$SV"; }
