@@ -19,35 +19,24 @@ the GPU's idle time is read directly.
 Rounds repeat the same work step for step (the same prompts, greedy), so per step position the median over paired
 rounds of on minus off is what recording costs at that step, free of the host's random stalls ("recurring"): summed
 with a bootstrap interval, and split by the CUDA-graph mode of the forward ending the step (stamped from vLLM's
-forward context) and by the step's parts. ``--hook-times`` also times, on every step, the recorder's work after
-each launch (layout and hand-over) and each hook's own work (before and after vLLM's call), vLLM's input
-preparation, forward launch, sampler, sync and drafter (in every mode, off included) and Python's collections on the
-engine thread, by the forward they follow, and the host's clock reads.
+forward context) and by the step's parts.
 
 Where NVML sees a GPU, each mode's rounds also get the GPU's SM clock, power and the share of time the driver
 marked it idle (``GpuClocks``, sampled every 5 ms from this process): a GPU that clocks down in the idle gaps of
 host-bound steps would make recording cost more than its host time.
 
 Every round also reads the engine thread's resource usage (page faults, context switches, user and kernel CPU
-time: ``engine_thread_usage``); ``--faults`` splits its minor page faults by part of each step and by kind of forward,
-and ``--cpu-probe`` times a fixed piece of Python and a 1 MiB sum on entry to every step (does the CPU itself run
-slower while recording is on?). Mode ``off-again`` is an A/A control: how far two identical modes drift apart in as
-many rounds.
+time: ``engine_thread_usage``); ``--faults`` splits its minor page faults by part of each step and by kind of forward.
+Mode ``off-again`` is an A/A control: how far two identical modes drift apart in as many rounds.
 
-``--profile`` then runs one more round per batch and mode under cProfile in the engine's thread, and prints the
-functions that took the most time of their own, and the recorder's by cumulative time (cProfile slows Python
-several-fold, so read the shares, and the modes side by side, not the µs).
-
-``--model kimi-k2-tp8`` is a dummy-weight model of Kimi-K2's per-GPU shape under TP=8 (hidden 7168, MLA with 8
-of 64 heads, 384 routed experts of width 2048/8 plus one shared expert, top-8, sigmoid + selection bias, 16 MoE
-layers after one dense layer, bf16, ``load_format=dummy``): the step a Kimi deployment's rank runs.
+``--model kimi-k2-tp8`` is a dummy-weight model of Kimi-K2's per-GPU shape under TP=8 (``kimi_slice.py``): the
+step a Kimi deployment's rank runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import os
 import random
@@ -60,22 +49,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
-
-def kimi_k2_slice(tp: int) -> dict[str, Any]:
-    """Kimi-K2's config with every per-GPU dimension divided by ``tp`` (what one rank of a TP=``tp`` deployment
-    holds when this model runs on one GPU), and 17 of its 61 layers."""
-    return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
-        "vocab_size": 163840 // tp, "hidden_size": 7168, "intermediate_size": 18432 // tp,
-        "moe_intermediate_size": 2048 // tp, "num_hidden_layers": 17, "num_attention_heads": 64 // tp,
-        "num_key_value_heads": 64 // tp, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
-        "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
-        "routed_scaling_factor": 2.827, "first_k_dense_replace": 1, "moe_layer_freq": 1, "q_lora_rank": 1536,
-        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 50000.0,
-        "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1,
-    }
+from kimi_slice import kimi_k2_slice
 
 
 def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) -> tuple[float, float, dict[str, float]]:
@@ -268,28 +242,12 @@ def stamping(method: Any, times: list[int], on_return: bool, kinds: list[str] | 
     return stamped
 
 
-# What each mode changes with recording on (through ``collective_rpc``, in the worker): "writer-off" keeps the hooks
-# and the pack but drops every step before the hand-over, its rows packed over the ring's first rows again and again
-# (the difference to "on" is the writer process's share: pickling, pipe, CPU); "untimed" times no step's phases (the
-# difference is the CUDA events' share); "no-layout" keeps the hooks but collects, packs and hands over nothing (the
-# difference is the hooks' plumbing alone); "no-copy" is writer-off whose pack launches nothing on the GPU (beside
-# writer-off: the share of the pack's CUDA calls); "device-copy" is "on" packing into device memory, then copying
-# into the ring (the copier's fallback where the GPU cannot write the ring itself); "routers-only" is "off" with the
-# routers wrapped, and "runner-only" is no-layout with the routers as vLLM built them (which of the two kinds of
-# hook, the routers' or the runner's, costs what no-layout costs); "off-again" is "off" once more (an A/A control: how
-# far two modes that differ in nothing drift apart in as many rounds); "writer-apart" is "on" with the writer
-# process kept off the pinned engine thread's CPU and the CPUs sharing its core (SMT siblings); "hand-over-each" is
-# "on" handing each step over on its own (as before steps went in batches); "pack-graph" is "on" whose pack, for a
-# CUDA graph's columns (the same list every replay), replays a CUDA graph of its own that packs them into a device
-# buffer, then copies that into the ring (one graph launch and one copy instead of a ``torch.cat`` of 36 views);
-# "off-busy" and "no-layout-busy" are "off" and "no-layout" with the engine thread spinning ``BUSY_AFTER_LAUNCH_US``
-# after each forward's launch, as the recorder's layout and hand-over keep it busy there (no-layout has cost more
-# than "on" on two H200s: does the time the engine thread then waits in vLLM's sync change what the next step costs?).
-# (Modes device-only,
-# batched-copy and pack-late, measured on recorder 20597ad, are in the results' runs.)
-MODES = ("off", "on", "writer-off", "untimed", "no-layout", "no-copy", "device-copy", "routers-only", "runner-only",
-         "off-again", "writer-apart", "hand-over-each", "pack-graph", "off-busy", "no-layout-busy")
-BUSY_AFTER_LAUNCH_US = 100  # about what the recorder's work after a FULL-4 launch takes on an H200 host
+# "off": the hooks uninstalled (``moetrace_pause``); "on": recording (``moetrace_resume``); "off-again": off once more,
+# an A/A control (how far two modes that differ in nothing drift apart in as many rounds). Modes that switched parts
+# of the recorder off (writer-off, untimed, no-layout, no-copy, device-copy, routers-only, runner-only,
+# writer-apart, hand-over-each, pack-graph, off-busy, no-layout-busy) measured the design choices in
+# docs/validation.md; they are in this file at commit fa7f605.
+MODES = ("off", "on", "off-again")
 
 
 def pin_engine_thread(worker: Any) -> dict[str, int]:
@@ -304,202 +262,18 @@ def pin_engine_thread(worker: Any) -> dict[str, int]:
 
 
 def set_mode(worker: Any, mode: str) -> None:
-    """In the worker: recording as ``mode`` asks (one of ``MODES``)."""
-    from moetrace.hooks.capture import unwrap_logits_entry, unwrap_router, wrap_logits_entry, wrap_router
-
-    import moetrace.writer
-
-    recorder = worker._moetrace_recorder
-    hand_over_steps = vars(worker).setdefault("_bench_hand_over_steps", moetrace.writer.HAND_OVER_STEPS)
-    moetrace.writer.HAND_OVER_STEPS = 1 if mode == "hand-over-each" else hand_over_steps
-    allowed = sorted(os.sched_getaffinity(0))  # the engine thread's (collective_rpc runs on it)
-    apart = set(allowed) - core_siblings(allowed[0]) if mode == "writer-apart" and len(allowed) == 1 else None
-    for pid in writer_processes():
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                os.sched_setaffinity(int(task), apart or range(os.cpu_count() or 1))
-            except OSError:  # a thread that just ended
-                pass
-    if hasattr(type(worker.model_runner), "_bench_busy_ns"):
-        busy_after_launch(worker, BUSY_AFTER_LAUNCH_US if mode.endswith("-busy") else 0)
-    if mode in ("off", "routers-only", "off-again", "off-busy"):
+    """In the worker: recording as ``mode`` asks (one of ``MODES``), through the recorder's public pause and
+    resume."""
+    if mode == "on":
+        worker.moetrace_resume()
+    else:
         worker.moetrace_pause()
-        if mode == "routers-only":
-            for slot, (moe, entry) in enumerate(zip(recorder.runners, recorder.entries)):
-                if entry is None:
-                    wrap_router(moe.router, slot, recorder.capture)
-                else:
-                    wrap_logits_entry(entry[0], entry[1], moe.router, slot, recorder.capture)
-        return
-    worker.moetrace_resume()
-    copier = recorder.copier
-    for patched, name in ((recorder.writer, "submit"), (recorder.ring, "reserve"), (copier, "copy"),
-                          (recorder, "_layout")):
-        vars(patched).pop(name, None)
-    mapped, block = vars(worker).setdefault("_bench_copier", (copier._mapped, copier._block))  # as it was built
-    copier._mapped, copier._block = mapped, block
-    if mode in ("writer-off", "no-copy"):
-        from moetrace.ring import RingRows
-
-        recorder.writer.submit = lambda item: None
-        recorder.ring.reserve = lambda count: RingRows(0, count, 0)  # never released: the same rows each step
-    if mode == "no-copy":
-        copier.copy = lambda columns, where: None
-    elif mode == "device-copy" and mapped is not None:
-        import torch
-
-        if "_bench_block" not in vars(worker):
-            worker._bench_block = torch.empty((int(recorder.runner.max_num_tokens), recorder.ring.width),
-                                              dtype=torch.int32, device="cuda")
-        copier._mapped, copier._block = None, worker._bench_block
-    elif mode == "pack-graph" and mapped is not None:
-        copier.copy = graph_pack(worker, recorder, copier.copy)
-    elif mode in ("no-layout", "runner-only", "no-layout-busy"):
-        recorder._layout = lambda *plan: None  # no step pending: the later hooks find nothing to do
-    if mode == "runner-only":
-        for moe, entry in zip(recorder.runners, recorder.entries):
-            unwrap_router(moe.router)
-            if entry is not None:
-                unwrap_logits_entry(entry[0])
-    timing_every = vars(worker).setdefault("_bench_timing_every", recorder.timing_every)  # the recorder's own
-    recorder.timing_every = 1 << 60 if mode == "untimed" else timing_every
-
-
-def busy_after_launch(worker: Any, spin_us: int) -> None:
-    """In the worker: from now on spin ``spin_us`` on entry to V1's ``_sample`` (the first call after a forward's
-    launch; installed once at class level, before the rounds, so the recorder's hooks, installed anew each round,
-    wrap it; at 0 it only reads the clock)."""
-    runner_class = type(worker.model_runner)
-    if not hasattr(runner_class, "_bench_busy_ns"):
-        sample = runner_class._sample
-
-        def spinning_sample(self: Any, *args: Any, **kwargs: Any) -> Any:
-            until = time.perf_counter_ns() + runner_class._bench_busy_ns
-            while time.perf_counter_ns() < until:
-                pass
-            return sample(self, *args, **kwargs)
-        runner_class._sample = spinning_sample
-    runner_class._bench_busy_ns = spin_us * 1000
-
-
-def graph_pack(worker: Any, recorder: Any, cat: Any) -> Any:
-    """Mode ``pack-graph``: the copier's ``copy``, which for the column list of a CUDA graph (``PackingColumns``
-    keeps one per graph) packs by replaying a CUDA graph captured once for that list (on a side stream, at its first
-    use, no host sync) into a device buffer, then copies the rows into the ring; other steps as ``cat`` does."""
-    import torch
-
-    packs: dict[int, tuple[list[Any], Any]] = vars(worker).setdefault("_bench_packs", {})
-    if "_bench_staging" not in vars(worker):
-        worker._bench_staging = torch.empty((int(recorder.runner.max_num_tokens), recorder.ring.width),
-                                            dtype=torch.int32, device="cuda")
-    staging, ring = worker._bench_staging, recorder.copier._mapped
-
-    def copy(columns: list[Any], where: Any) -> None:
-        entry = packs.get(id(columns))
-        if entry is None or entry[0] is not columns:
-            if not any(kept[3] is columns for kept in recorder.packing._kept.values()):
-                return cat(columns, where)  # a list of this step's own
-            entry = packs[id(columns)] = (columns, capture_pack(columns, staging))
-        rows = columns[0].shape[0]
-        entry[1].replay()
-        ring[where.offset : where.offset + rows].copy_(staging[:rows], non_blocking=True)
-
-    return copy
-
-
-def capture_pack(columns: list[Any], staging: Any) -> Any:
-    """A CUDA graph of ``torch.cat(columns, dim=1)`` into ``staging``'s first rows, captured on a side stream."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            torch.cat(columns, dim=1, out=staging[: columns[0].shape[0]])
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
-    return graph
-
-
-def core_siblings(cpu: int) -> set[int]:
-    """The CPUs sharing ``cpu``'s core (itself included), as Linux lists them; {cpu} where it does not say."""
-    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return {cpu}
-    siblings: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        siblings.update(range(int(first), int(last or first) + 1))
-    return siblings
-
-
-def writer_processes() -> list[int]:
-    """The pids of moetrace's writer processes on this host (found by their command line)."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if b"moetrace.writer" in Path(entry.path, "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 # Pure Python arithmetic, then a sum over 1 MiB (the size of a core's L2): run on entry to every execute_model, alike
 # in every mode (``--cpu-probe``), they say whether the engine thread's CPU itself runs slower while recording is on
 # (a busy SMT sibling, a lower clock, caches emptied by other work) or only vLLM's own code does.
 CPU_PROBE_ARRAY = np.arange(1 << 18, dtype=np.int32)
-
-
-def cpu_probe(worker: Any, read: bool) -> dict[str, Any] | None:
-    """In the worker: install (once) the probe at class level on ``execute_model``; with ``read``, the µs of each
-    probe's two parts since the last read, the writer processes' CPU time since then (ms) and the CPUs their threads
-    last ran on, and forget them."""
-    runner_class = type(worker.model_runner)
-    times: dict[str, list[int]] | None = getattr(runner_class, "_bench_cpu_probe", None)
-    if times is None:
-        times = runner_class._bench_cpu_probe = {"python_ns": [], "memory_ns": []}
-        method = runner_class.execute_model
-
-        def probed(self: Any, *args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter_ns()
-            total = 0
-            for i in range(256):
-                total += i * i
-            middle = time.perf_counter_ns()
-            CPU_PROBE_ARRAY.sum()
-            times["python_ns"].append(middle - began)
-            times["memory_ns"].append(time.perf_counter_ns() - middle)
-            return method(self, *args, **kwargs)
-
-        runner_class.execute_model = probed
-    ticks, cpus = 0, set()
-    for pid in writer_processes():
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                fields = Path(f"/proc/{pid}/task/{task}/stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-            cpus.add(int(fields[36]))  # processor (field 39): where it last ran
-    writer_ms = ticks * 1000 / os.sysconf("SC_CLK_TCK")
-    previous = vars(worker).get("_bench_writer_ms", writer_ms)
-    worker._bench_writer_ms = writer_ms
-    if not read:
-        return None
-    read_out = {"python_us": [t // 1000 for t in times["python_ns"]],
-                "memory_us": [t // 1000 for t in times["memory_ns"]],
-                "writer_cpu_ms": writer_ms - previous, "writer_cpus": sorted(cpus),
-                "engine_cpu_siblings": sorted(core_siblings(sorted(os.sched_getaffinity(0))[0]))}
-    for values in times.values():
-        values.clear()
-    return read_out
 
 
 def thread_usage(worker: Any) -> dict[str, float]:
@@ -511,162 +285,6 @@ def thread_usage(worker: Any) -> dict[str, float]:
     usage = resource.getrusage(resource.RUSAGE_THREAD)
     return {"minor_faults": usage.ru_minflt, "major_faults": usage.ru_majflt, "voluntary_switches": usage.ru_nvcsw,
             "involuntary_switches": usage.ru_nivcsw, "user_s": usage.ru_utime, "system_s": usage.ru_stime}
-
-
-# The recorder's work after each forward's launch, timed on every step by the forward it follows (``--hook-times``),
-# and the router wrapper's (``record``: it should run only in forwards outside CUDA graphs, and while they are captured)
-HOOK_WORK = (("moetrace.hooks.recorder", "Recorder", "_layout"), ("moetrace.writer", "TraceWriter", "forward_ready"),
-             ("moetrace.hooks.capture", None, "record"),
-             # the parts of the two above: inputs copied, routing found, columns made, packed, made ready, sent
-             ("moetrace.hooks.vllm_api", "RunnerV1", "step_inputs"),
-             ("moetrace.hooks.capture", "RoutingCapture", "collect"),
-             ("moetrace.hooks.transfer", "PackingColumns", "columns"),
-             ("moetrace.hooks.transfer", "StepCopier", "copy"),
-             ("moetrace.hooks.transfer", "PendingStep", "ready"), ("moetrace.writer", "TraceWriter", "_drain"))
-# vLLM's own calls on Model Runner V1, timed beneath the hooks in every mode: the input preparation's parts (the
-# recorder's step and graph hooks wrap the first and third, so their time is not in these), the forward's launch,
-# the rejection sampler, and the sync (its wait says how long the GPU ran past the host), so "on" minus "off" says
-# in which of them a step got longer.
-RUNNER_WORK = ("_update_states", "_prepare_inputs", "_determine_batch_execution_and_padding",
-               "_build_attention_metadata", "_preprocess", "_model_forward", "_sample", "_bookkeeping_sync",
-               "propose_draft_token_ids")
-
-
-def hook_times(worker: Any, read: bool, faults: bool = False) -> dict[str, list[int]] | None:
-    """In the worker: install (once) timers at class level around ``HOOK_WORK``, keyed by the function and the
-    forward the probe saw launched last (its CUDA-graph mode and tokens); with ``read``, return the µs of each call
-    since the last read, and forget them. With ``faults`` (at install), each call's minor page faults too."""
-    import importlib
-
-    runner_class = type(worker.model_runner)
-    times: dict[str, list[int]] | None = getattr(runner_class, "_bench_hook_times", None)
-    if times is None:
-        times = runner_class._bench_hook_times = {}
-        if not hasattr(runner_class, "_bench_forward_kinds"):  # the probe stamps no forward (Model Runner V2)
-            runner_class._bench_forward_kinds = []
-        kinds: list[str] = runner_class._bench_forward_kinds
-        engine_thread = threading.get_ident()  # installed through collective_rpc, which runs on the engine's thread
-        targets = [(runner_class, name, f"vllm {name}") for name in RUNNER_WORK if hasattr(runner_class, name)]
-        for module, owner_name, name in HOOK_WORK:
-            owner = importlib.import_module(module)
-            owner = owner if owner_name is None else getattr(owner, owner_name)
-            targets.append((owner, name, name if owner_name is None else f"{owner_name}.{name}"))
-        for owner, name, label in targets:
-            setattr(owner, name, timing(getattr(owner, name), label, kinds, times, engine_thread, faults))
-        gc.callbacks.append(collections_timer(kinds, times, engine_thread))
-        recorder = worker._moetrace_recorder  # its hooks are made anew from these at each resume (install)
-        for role, hook in list(recorder._roles.items()):
-            recorder._roles[role] = own_timing(hook, f"hook {role}", kinds, times, engine_thread)
-        recorder.forward_planned = own_timing(recorder.forward_planned, "hook graph", kinds, times, engine_thread)
-        times["clock ns"] = clock_cost()
-    if not read:
-        return None
-    read_out = {key: values[:] for key, values in list(times.items())}  # list: one C call, whatever runs beside
-    times.clear()
-    return read_out
-
-
-def own_timing(hook: Any, label: str, kinds: list[str], times: dict[str, list[int]], engine_thread: int) -> Any:
-    """A recorder hook (``hook(original, *args)``), its own time on every call in µs, vLLM's ``original`` left out:
-    before the original (``label`` before) and after it (``label`` after), by the forward launched last. Before a
-    step's launch (hooks step and graph) and after vLLM's sync (sample_tokens after) the GPU idles."""
-
-    def timed(original: Any, *args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != engine_thread:
-            return hook(original, *args, **kwargs)
-        stamps = [0, 0]
-
-        def call(*inner_args: Any, **inner_kwargs: Any) -> Any:
-            stamps[0] = time.perf_counter_ns()
-            try:
-                return original(*inner_args, **inner_kwargs)
-            finally:
-                stamps[1] = time.perf_counter_ns()
-
-        began = time.perf_counter_ns()
-        try:
-            return hook(call, *args, **kwargs)
-        finally:
-            ended = time.perf_counter_ns()
-            after = kinds[-1] if kinds else "?"
-            if stamps[0]:
-                times.setdefault(f"{label} before after {after}", []).append((stamps[0] - began) // 1000)
-                times.setdefault(f"{label} after after {after}", []).append((ended - stamps[1]) // 1000)
-    return timed
-
-
-def clock_cost(calls: int = 2000) -> list[int]:
-    """ns per call of ``time.perf_counter_ns`` and ``time.time_ns`` on this host (a VM whose clock source is not
-    read in user space pays a system call for each)."""
-    costs = []
-    for clock in (time.perf_counter_ns, time.time_ns):
-        began = time.perf_counter_ns()
-        for _ in range(calls):
-            clock()
-        costs.append((time.perf_counter_ns() - began) // calls)
-    return costs
-
-
-def collections_timer(kinds: list[str], times: dict[str, list[int]], engine_thread: int) -> Any:
-    """A ``gc.callbacks`` entry: each of Python's collections in the engine thread, its generation and µs, by the
-    forward launched last (more objects alive across a step can make the collector run more often, or longer)."""
-    started: list[int] = []
-
-    def on_collection(phase: str, info: dict[str, int]) -> None:
-        if threading.get_ident() != engine_thread:
-            return
-        if phase == "start":
-            started[:] = [time.perf_counter_ns()]
-        elif started:
-            times.setdefault(f"gc gen{info['generation']} after {kinds[-1] if kinds else '?'}", []).append(
-                (time.perf_counter_ns() - started[0]) // 1000)
-    return on_collection
-
-
-def timing(method: Any, label: str, kinds: list[str], times: dict[str, list[int]], engine_thread: int,
-           faults: bool = False) -> Any:
-    """``method``, its calls on the engine thread timed into ``times`` (other threads' calls, such as the writer's
-    idle forwarder, are not work after a launch); with ``faults``, also the minor page faults each call took (their
-    mean times the calls is the total)."""
-    import resource
-
-    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != engine_thread:
-            return method(self, *args, **kwargs)
-        began_faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt if faults else 0
-        began, began_cpu = time.perf_counter_ns(), time.thread_time_ns()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            wall, cpu = time.perf_counter_ns() - began, time.thread_time_ns() - began_cpu
-            after = kinds[-1] if kinds else "?"
-            times.setdefault(f"{label} after {after}", []).append(wall // 1000)
-            # wall time the thread did not run (waiting for the GIL, a lock, the kernel, or descheduled)
-            times.setdefault(f"{label} off-CPU after {after}", []).append(max(0, wall - cpu) // 1000)
-            if faults:
-                times.setdefault(f"{label} faults after {after}", []).append(
-                    resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - began_faults)
-    return timed
-
-
-def engine_profile(worker: Any, start: bool) -> str | None:
-    """In the worker (through ``collective_rpc``, which runs on the engine's thread): start cProfile on this thread,
-    or stop it and return the functions with the most time of their own, and moetrace's by cumulative time."""
-    import cProfile
-    import io
-    import pstats
-
-    if start:
-        worker._moetrace_profile = cProfile.Profile()
-        worker._moetrace_profile.enable()
-        return None
-    profile = worker._moetrace_profile
-    profile.disable()
-    text = io.StringIO()
-    ours = r"/(hooks|moetrace)/"  # the installed package maps hooks/ and analysis/ in from the source tree
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(45)
-    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(ours, 15)
-    return text.getvalue()
 
 
 def recurring_added(on_rounds: list[dict[str, Any]], off_rounds: list[dict[str, Any]], off_round_ms: list[float],
@@ -775,16 +393,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--hook-times", action="store_true",
-                        help="time the recorder's work after each launch and vLLM's forward, sampler and sync on "
-                             "every step, by the forward they follow")
     parser.add_argument("--steps-json", type=Path, help="write every round's steps (times, parts, forwards) here")
-    parser.add_argument("--profile", action="store_true",
-                        help="then one round per batch and mode under cProfile in the engine thread")
     parser.add_argument("--time-phases-every", type=int, help="as moetrace record's (default: the recorder's)")
-    parser.add_argument("--cpu-probe", action="store_true",
-                        help="time a fixed piece of Python and a 1 MiB sum on entry to every step, in every mode, and "
-                             "the writer processes' CPU time per round")
     parser.add_argument("--faults", action="store_true",
                         help="count the engine thread's minor page faults in each part of every step, in every mode")
     parser.add_argument("--pin-engine-thread", action="store_true",
@@ -812,15 +422,7 @@ def main() -> None:
             pinned = llm.collective_rpc(pin_engine_thread)[0] if args.pin_engine_thread else None
             timed_generate(llm, base, len(base), 16)  # warm-up
             llm.collective_rpc(idle_window_probe, args=(False, args.faults))  # hooks reinstalled each round wrap it
-            if any(mode.endswith("-busy") for mode in modes):
-                llm.collective_rpc(busy_after_launch, args=(0,))
-            if args.hook_times:
-                llm.collective_rpc(hook_times, args=(False, args.faults))
-            if args.cpu_probe:
-                llm.collective_rpc(cpu_probe, args=(False,))
-            probes: dict[tuple[int, str], list[dict[str, Any]]] = {}  # --cpu-probe: per round
             usage: dict[tuple[int, str], list[dict[str, float]]] = {}  # the engine thread's, per round
-            hook_us: dict[tuple[int, str], dict[str, list[int]]] = {}  # --hook-times: per call, pooled
             idle: dict[tuple[int, str], list[dict[str, float]]] = {}  # per round: the idle window's medians
             results: dict[tuple[int, str], list[float]] = {}
             elapsed_ms: dict[tuple[int, str], list[float]] = {}
@@ -846,26 +448,12 @@ def main() -> None:
                         elapsed_ms.setdefault((batch, mode), []).append(elapsed * 1e3)
                         workload.setdefault((batch, mode), []).append(counted)
                         window = llm.collective_rpc(idle_window_probe, args=(True,))[0]
-                        if args.cpu_probe:
-                            probes.setdefault((batch, mode), []).append(
-                                llm.collective_rpc(cpu_probe, args=(True,))[0])
-                        if args.hook_times:
-                            for key, values in llm.collective_rpc(hook_times, args=(True,))[0].items():
-                                hook_us.setdefault((batch, mode), {}).setdefault(key, []).extend(values)
                         if window is not None:
                             # the round's time beside its steps': engine idle between requests, steps left out
                             window["outside_steps_ms"] = elapsed * 1e3 - window["steps_ms"]
                             idle.setdefault((batch, mode), []).append(window)
             clocks.stop()
-            profiles = {}
-            for batch in batches if args.profile else []:
-                for mode in modes:
-                    count = 8 if batch == 1 else 2 * batch
-                    llm.collective_rpc(set_mode, args=(mode,))
-                    llm.collective_rpc(engine_profile, args=(True,))
-                    timed_generate(llm, [base[i % len(base)] for i in range(count)], batch, args.max_tokens)
-                    profiles[(batch, mode)] = llm.collective_rpc(engine_profile, args=(False,))[0]
-            llm.collective_rpc(set_mode, args=("on",))  # the recorder as it was built, whatever mode ran last
+            llm.collective_rpc(set_mode, args=("on",))  # recording, whatever mode ran last, to close the trace
             closed = llm.collective_rpc("moetrace_close")
         finally:
             clocks.stop()
@@ -920,17 +508,6 @@ def main() -> None:
                 mode: {part: median_ci95([a[part] - b[part] for a, b in zip(idle[(batch, mode)], idle[(batch, "off")])
                                           if a["steps"] and b["steps"]]) for part in parts}
                 for mode in modes[1:] if idle.get((batch, mode))}
-        if hook_us:
-            # per mode, per function and forward kind: calls, median, mean, sum (µs or faults)
-            report[str(batch)]["hook_us"] = {
-                mode: {key: {"calls": len(v), "median": statistics.median(v), "mean": statistics.fmean(v),
-                             "sum": sum(v)}
-                       for key, v in sorted(hook_us[(batch, mode)].items())}
-                for mode in modes if (batch, mode) in hook_us}
-            for mode, per_key in report[str(batch)]["hook_us"].items():
-                print(f"{batch:>5} {mode} timed calls by the forward they follow, µs (calls, median, mean): "
-                      + "; ".join(f"{key} {v['calls']} {v['median']:.0f} {v['mean']:.1f}"
-                                  for key, v in per_key.items()))
         if args.faults and idle.get((batch, "off")):
             report[str(batch)]["faults"] = {  # per mode, per round (median): by part of the step, by forward
                 mode: {"by_part": {part: statistics.median(r["faults_by_part"][part] for r in idle[(batch, mode)])
@@ -949,19 +526,6 @@ def main() -> None:
         print(f"{batch:>5} engine thread per round (median): " + "; ".join(
             f"{mode} " + ", ".join(f"{key} {value:.3g}" for key, value in per_mode.items())
             for mode, per_mode in report[str(batch)]["engine_thread_usage"].items()))
-        if probes:
-            report[str(batch)]["cpu_probe"] = {  # per mode: the probe's medians (µs), the writer's CPU per round
-                mode: {"python_us_median": statistics.median(t for r in rounds for t in r["python_us"]),
-                       "memory_us_median": statistics.median(t for r in rounds for t in r["memory_us"]),
-                       "writer_cpu_ms_per_round": statistics.median(r["writer_cpu_ms"] for r in rounds),
-                       "writer_cpus": sorted({c for r in rounds for c in r["writer_cpus"]}),
-                       "engine_cpu_siblings": rounds[-1]["engine_cpu_siblings"]}
-                for (b, mode), rounds in probes.items() if b == batch}
-            for mode, probe in report[str(batch)]["cpu_probe"].items():
-                print(f"{batch:>5} {mode} CPU probe: python {probe['python_us_median']:.1f} us, 1 MiB sum "
-                      f"{probe['memory_us_median']:.1f} us; writer process {probe['writer_cpu_ms_per_round']:.0f} "
-                      f"ms CPU a round on CPUs {probe['writer_cpus']}; engine CPU's core: "
-                      f"{probe['engine_cpu_siblings']}")
         gpu_clocks = {mode: clocks.summary(spans[(batch, mode)]) for mode in modes}
         if any(gpu_clocks.values()):
             report[str(batch)]["gpu_clocks"] = gpu_clocks
@@ -996,9 +560,6 @@ def main() -> None:
             print(f"{batch:>5} {mode} steps pooled, µs: " + ", ".join(f"{k} {v:.0f}" for k, v in quantiles.items()))
     print("recorder's own time on the engine thread, µs per recorded step:", report["engine_thread_us_per_step"])
     print("engine thread:", f"pinned to CPU {pinned['cpu']} of {pinned['of_cpus']}" if pinned else "not pinned")
-    for (batch, mode), profile in profiles.items():
-        print(f"--- batch {batch}, mode {mode}: the engine thread under cProfile ---\n{profile}")
-        report[str(batch)].setdefault("profile", {})[mode] = profile
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     if args.steps_json is not None:

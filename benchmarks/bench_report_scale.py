@@ -25,8 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_growth import REQUESTS, generate, trace_dir  # noqa: E402
+from bench_growth import REQUESTS, generate, trace_dir
 
 SCAN = """
 import sys, polars as pl

@@ -3,8 +3,9 @@
     # on the GPU: serve each k (and drafter) with CUDA graphs, time it, record a trace of the same workload
     python benchmarks/bench_speedup_validation.py measure --model default --methods ngram,mtp --out runs
     python benchmarks/bench_speedup_validation.py measure --model kimi-k2-tp8 --methods ngram --out runs
-    moetrace calibrate --model default --tp 1 --ep 1 --formats bf16 --no-allreduce -o runs/calibration-default.json
-    moetrace calibrate --model runs/kimi-k2-tp8-model --tp 1 --ep 1 --formats bf16 --no-allreduce \\
+    moetrace calibrate --model default --tp 1 --ep 1 --formats bf16 --no-allreduce --vllm-kernel \\
+        -o runs/calibration-default.json
+    moetrace calibrate --model runs/kimi-k2-tp8-model --tp 1 --ep 1 --formats bf16 --no-allreduce --vllm-kernel \\
         -o runs/calibration-kimi-k2-tp8.json   # (model-dir --model kimi-k2-tp8 --out runs writes that folder alone)
     # anywhere: predict from the traces and calibrations, set beside the measurements
     python benchmarks/bench_speedup_validation.py compare runs --json benchmarks/results/speedup-validation.json
@@ -36,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from kimi_slice import kimi_k2_slice
 
 CONCURRENCIES = (1, 16)
 # per round: 112 requests through 16 slots keep 16 running for most of the round; with 48, the round's drain (fewer
@@ -111,9 +114,6 @@ def run_rounds(llm: Any, prompts: list[Any], rounds: int, max_tokens: int) -> di
 
 def slice_model_dir(model: str, out: Path) -> Path:
     """``<out>/<model>-model``: the config of a Kimi-K2 slice (``kimi-k2-tp8``, ``kimi-k2-tp4``), dummy weights."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_recording_overhead import kimi_k2_slice
-
     model_dir = out / f"{model}-model"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(kimi_k2_slice(int(model.removeprefix("kimi-k2-tp")))))

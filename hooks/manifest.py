@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from moetrace.hooks.capture import RouterInfo
+from moetrace.hooks.options import RecordingOptions
 from moetrace.hooks.vllm_api import VllmApiError, expert_placement
 from moetrace.host import gpu_inventory, host_facts
 from moetrace.schema import SCHEMA_VERSION
@@ -50,7 +51,7 @@ def placement_facts(num_experts: int, ep: int, strategy: str) -> dict[str, Any]:
     return facts
 
 
-def worker_manifest(vllm_config: Any, routers: list[RouterInfo], settings: dict[str, Any]) -> dict[str, Any]:
+def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: RecordingOptions) -> dict[str, Any]:
     model_config = vllm_config.model_config
     hf = model_config.hf_text_config
     parallel = vllm_config.parallel_config
@@ -61,7 +62,7 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], settings: dict[
     first = routers[0]
     return {
         "schema": SCHEMA_VERSION,
-        "run_id": settings.get("run_id"),
+        "run_id": options.run_id,
         "complete": False,
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {
@@ -70,10 +71,10 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], settings: dict[
             "torch": str(torch.__version__),
         },
         "model": {
-            "name": settings.get("model_name") or model_config.model,
+            "name": options.model_name or model_config.model,
             "path": model_config.model,
             "architecture": (getattr(model_config.hf_config, "architectures", None) or ["?"])[0],
-            "random_weights": bool(settings.get("random_weights", False)),
+            "random_weights": options.random_weights,
             "num_layers": int(getattr(hf, "num_hidden_layers", 0)),
             "moe_layers": [r.layer for r in routers],
             "num_experts": first.num_experts,
@@ -115,10 +116,10 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], settings: dict[
             "model_runner": "v1",
             "ranks": [0],
             "recomputed_from_logits": False,
-            "candidates": int(settings.get("candidates", 0)),
-            "token_ids": bool(settings.get("token_ids", True)),
+            "candidates": options.candidates,
+            "token_ids": options.token_ids,
             "step_clock": "monotonic",  # steps' t_start_ns / t_end_ns: CLOCK_MONOTONIC (durations and periods only)
         },
-        "workload": settings.get("workload", {}),
+        "workload": options.workload,
         "host": {**host_facts(), **gpu_inventory()},
     }

@@ -9,12 +9,14 @@ capture, so the capture is part of whatever gets compiled. ``RecordingWorkerExte
 from __future__ import annotations
 
 import atexit
-import json
+import dataclasses
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+from moetrace.hooks.options import RecordingOptions
 
 log = logging.getLogger("moetrace")
 
@@ -23,30 +25,24 @@ WORKER_EXTENSION = "moetrace.hooks.plugin.RecordingWorkerExtension"
 _MARK = "_moetrace_wrapped"
 
 
-def settings_from_env() -> dict[str, Any] | None:
-    """Recording settings passed by ``moetrace record`` (or by hand under ``vllm serve``): JSON, or a bare
-    output directory. By hand, JSON may also bound the recording to a window: ``{"out": DIR, "steps": N}`` or
-    ``{"out": DIR, "seconds": S}`` records the first N engine steps (or S seconds) and then closes the trace
-    while the server keeps serving."""
+def recording_options() -> RecordingOptions | None:
+    """The options in ``MOETRACE_RECORD`` (``RecordingOptions.from_text``: JSON, or a bare output directory; by
+    hand under ``vllm serve``, ``{"out": DIR, "steps": N}`` or ``{"out": DIR, "seconds": S}`` records the first N
+    engine steps, or S seconds, then closes the trace while the server keeps serving); None when unset, or with a
+    warning when malformed: vLLM is loading, and must not stop for it."""
     raw = os.environ.get(ENV_VAR)
     if not raw:
         return None
-    settings: dict[str, Any] = json.loads(raw) if raw.lstrip().startswith("{") else {"out": raw}
-    return settings
-
-
-def recording_settings() -> dict[str, Any] | None:
-    """``settings_from_env``, or None with a warning when malformed: vLLM is loading, and must not stop for it."""
     try:
-        return settings_from_env()
-    except ValueError as exc:
-        log.warning("moetrace: not recording: %s is not valid JSON (%s)", ENV_VAR, exc)
+        return RecordingOptions.from_text(raw)
+    except (ValueError, TypeError) as exc:
+        log.warning("moetrace: not recording: %s is not valid (%s)", ENV_VAR, exc)
         return None
 
 
 def register() -> None:
     """Entry point of ``vllm.general_plugins``; does nothing unless recording is switched on. Idempotent."""
-    if recording_settings() is None:
+    if recording_options() is None:
         return
     from moetrace.hooks.vllm_api import VllmApiError, worker_class
 
@@ -64,9 +60,9 @@ def register() -> None:
         # Read again here, not kept from registration: a worker forked from a process that registered for an
         # earlier engine (one driver process, one engine per k) inherits this wrapper, and must record where the
         # environment says now.
-        settings = recording_settings()
-        if settings is not None:
-            install(self, settings)
+        options = recording_options()
+        if options is not None:
+            install(self, options)
 
     def close_and_shut_down(self: Any, *args: Any, **kwargs: Any) -> Any:
         # A clean shutdown (`vllm serve` stopped with Ctrl-C, an LLM shut down) reaches every worker here; its
@@ -79,7 +75,7 @@ def register() -> None:
     Worker.shutdown = close_and_shut_down
 
 
-def install(worker: Any, settings: dict[str, Any]) -> None:
+def install(worker: Any, options: RecordingOptions) -> None:
     """Start recording in this worker; any failure is reported through ``moetrace_status``, never raised."""
     from moetrace.hooks.recorder import Recorder
     from moetrace.hooks.vllm_api import worker_api
@@ -93,12 +89,12 @@ def install(worker: Any, settings: dict[str, Any]) -> None:
         if api.pp_size() > 1:
             raise RuntimeError("pipeline parallelism is not supported yet")
         # A recording started by hand under `vllm serve` gets its run id from its directory and start time.
-        run_id = settings.get("run_id") or f"{Path(settings['out']).name}-{time.strftime('%Y%m%dT%H%M%S')}"
-        settings = {**settings, "run_id": run_id}
+        run_id = options.run_id or f"{Path(options.out).name}-{time.strftime('%Y%m%dT%H%M%S')}"
+        options = dataclasses.replace(options, run_id=run_id)
         parallel = worker.vllm_config.parallel_config
         if int(parallel.data_parallel_size) > 1:  # every DP rank records its own requests, into its own directory
-            settings["out"] = str(Path(settings["out"]) / f"dp{int(parallel.data_parallel_rank)}")
-        recorder = Recorder(api, worker.model_runner, worker.vllm_config, settings)
+            options = dataclasses.replace(options, out=str(Path(options.out) / f"dp{int(parallel.data_parallel_rank)}"))
+        recorder = Recorder(api, worker.model_runner, worker.vllm_config, options)
     except Exception as exc:
         worker._moetrace_error = f"{exc}"
         log.warning("moetrace: not recording: %s", exc)

@@ -52,6 +52,7 @@ from moetrace.hooks.capture import (
     wrap_router,
 )
 from moetrace.hooks.manifest import worker_manifest
+from moetrace.hooks.options import RecordingOptions
 from moetrace.hooks.vllm_api import ForwardPlan, HookPoint, WorkerApi, require_fields
 from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CUDA, PhaseTiming
@@ -71,7 +72,7 @@ class UnsupportedRunner(RuntimeError):
 class Recorder:
     """Records one worker's target-model routing into one trace directory."""
 
-    def __init__(self, api: WorkerApi, runner: Any, vllm_config: Any, settings: dict[str, Any]) -> None:
+    def __init__(self, api: WorkerApi, runner: Any, vllm_config: Any, options: RecordingOptions) -> None:
         self.model_runner = api.model_runner(runner)
         if self.model_runner.name == "v2" and int(vllm_config.parallel_config.data_parallel_size) > 1:
             raise UnsupportedRunner("moetrace records Model Runner V2 without data parallelism only "
@@ -81,16 +82,16 @@ class Recorder:
         if not self.runners:
             raise UnsupportedRunner("the target model has no MoE layers to record")
         # Kernels that fuse routing never call the router: their routing is recomputed from the router logits
-        # (settings may ask for that path everywhere, to check it against the wrapped one).
-        force = bool(settings.get("recompute_from_logits", False))
+        # (the options may ask for that path everywhere, to check it against the wrapped one).
+        force = options.recompute_from_logits
         self.entries = [logits_entry(r) if r.is_monolithic or force else None for r in self.runners]
         for entry in self.entries:
             if entry is not None:
                 require_fields(entry[0], (entry[1],), "MoE layer")
         infos = [router_info(r) for r in self.runners]
         self.top_k = infos[0].top_k
-        self.candidates = int(settings.get("candidates", 0))
-        self.token_ids = bool(settings.get("token_ids", True))
+        self.candidates = options.candidates
+        self.token_ids = options.token_ids
         device = next(runner.model.parameters()).device
         self.capture = RoutingCapture(
             int(runner.max_num_tokens), len(infos), self.top_k, self.candidates, device, graph_key=api.graph_key
@@ -105,23 +106,23 @@ class Recorder:
         self._step_kwargs: dict[str, Any] | None = None
         self._plan: tuple[Callable[..., ForwardPlan], Any, tuple[Any, ...], dict[str, Any]] | None = None
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
-        manifest = worker_manifest(vllm_config, infos, settings)
+        manifest = worker_manifest(vllm_config, infos, options)
         manifest["capture"]["recomputed_from_logits"] = any(entry is not None for entry in self.entries)
         manifest["capture"]["async_scheduling"] = not self.sampled_on_host  # vLLM turns it off for some drafters
         manifest["capture"]["model_runner"] = self.model_runner.name
-        self.timing_every = int(settings.get("time_phases_every") or (
+        self.timing_every = int(options.time_phases_every or (
             TIMED_STEP_EVERY_ON_CUDA if self.capture.cuda else 1))
         manifest["capture"]["phases_timed_every"] = self.timing_every
         self.ring = SharedRows.create(ring_capacity(self.layout.width, int(runner.max_num_tokens)), self.layout.width)
         self.copier = StepCopier(device, self.ring, int(runner.max_num_tokens))
         manifest["capture"]["host_copy"] = self.copier.path
         self.writer = TraceWriter(
-            Path(settings["out"]),
+            Path(options.out),
             manifest,
             [i.layer for i in infos],
             self.top_k,
             self.candidates,
-            rotate_seconds=float(settings.get("rotate_seconds", 10.0)),
+            rotate_seconds=float(options.rotate_seconds),
             rows=self.ring,
         )
         # vLLM's request id -> its index in the trace, for the requests still running (a finished one is dropped,
@@ -131,8 +132,8 @@ class Recorder:
         self._guarded = Guard(self._stop)
         self.step = 0
         # A recording window under `vllm serve`: close after this many steps or seconds (None: until shutdown).
-        self.window_steps: int | None = settings.get("steps")
-        self.window_seconds: float | None = settings.get("seconds")
+        self.window_steps: int | None = options.steps
+        self.window_seconds: float | None = options.seconds
         self._windowed = self.window_steps is not None or self.window_seconds is not None
         self._first_step_at: float | None = None
         self._window_ends = False  # the step under way is the window's last: close once it is queued

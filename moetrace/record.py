@@ -14,11 +14,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
+from moetrace.hooks.options import RecordingOptions
 from moetrace.analysis.shape import config_expert_count, config_value
 from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.engine import SPEC_METHODS
@@ -199,23 +201,23 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
         "engine_args": engine_args,
         "max_tokens": request.max_tokens,
         "progress_file": str(progress_file),
-        "recording": {
-            "out": str(trace_dir),
-            "run_id": f"{trace_dir.parent.name}/{trace_dir.name}" if len(request.ks) > 1 else trace_dir.name,
-            "candidates": request.candidates,
-            "token_ids": request.token_ids,
-            "recompute_from_logits": request.recompute_from_logits,
-            "time_phases_every": request.time_phases_every,
-            "rotate_seconds": request.rotate_seconds,
-            "random_weights": engine_args.get("load_format") == "dummy",
-            "model_name": model.name,
-            "workload": {
+        "recording": dataclasses.asdict(RecordingOptions(
+            out=str(trace_dir),
+            run_id=f"{trace_dir.parent.name}/{trace_dir.name}" if len(request.ks) > 1 else trace_dir.name,
+            candidates=request.candidates,
+            token_ids=request.token_ids,
+            recompute_from_logits=request.recompute_from_logits,
+            time_phases_every=request.time_phases_every,
+            rotate_seconds=request.rotate_seconds,
+            random_weights=engine_args.get("load_format") == "dummy",
+            model_name=model.name,
+            workload={
                 "prompt_source": str(request.prompts_file) if request.prompts_file else "builtin",
                 "count": len(prompts),
                 "batch_size": request.batch_size,
                 "sampling": {"temperature": 0.0, "max_tokens": request.max_tokens, "ignore_eos": True},
             },
-        },
+        )),
     }
 
 

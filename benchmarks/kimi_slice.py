@@ -1,0 +1,23 @@
+"""Kimi-K2's per-GPU slice as a model config, for the GPU benchmarks (dummy weights: ``load_format=dummy``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def kimi_k2_slice(tp: int) -> dict[str, Any]:
+    """Kimi-K2's config with every per-GPU dimension divided by ``tp`` (what one rank of a TP=``tp`` deployment
+    holds when this model runs on one GPU: hidden 7168, MLA with 64/``tp`` heads, 384 routed experts of width
+    2048/``tp`` plus one shared expert, top-8, sigmoid + selection bias, bf16), and 17 of its 61 layers (16 MoE
+    layers after one dense layer)."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16",
+        "vocab_size": 163840 // tp, "hidden_size": 7168, "intermediate_size": 18432 // tp,
+        "moe_intermediate_size": 2048 // tp, "num_hidden_layers": 17, "num_attention_heads": 64 // tp,
+        "num_key_value_heads": 64 // tp, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+        "routed_scaling_factor": 2.827, "first_k_dense_replace": 1, "moe_layer_freq": 1, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 50000.0,
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1,
+    }

@@ -1,0 +1,59 @@
+"""What a recording is asked to do: the options ``moetrace record`` passes to the plugin in ``MOETRACE_RECORD`` (as
+JSON), or a user sets by hand under ``vllm serve`` (JSON, or a bare output directory). Plain Python: the CLI side
+builds them without importing vLLM or torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RecordingOptions:
+    """One recording's options; every field but ``out`` has a default."""
+
+    out: str  # the trace directory (under data parallelism, each rank's ``dp<r>/`` beneath it)
+    run_id: str | None = None  # default: the directory's name and the start time
+    model_name: str | None = None  # what the manifest calls the model (default: vLLM's model path)
+    random_weights: bool = False  # dummy weights: the manifest says so, the report warns
+    candidates: int = 0  # also keep each token's top-C experts by router score
+    token_ids: bool = True  # keep each row's token id
+    recompute_from_logits: bool = False  # routing recomputed from the router logits in every layer (a cross-check)
+    time_phases_every: int | None = None  # time vLLM's calls on one step in N (default: the recorder's)
+    rotate_seconds: float = 10.0  # start a new Parquet file at least this often: a killed run loses at most this
+    steps: int | None = None  # under ``vllm serve``: record the first N engine steps, then close the trace
+    seconds: float | None = None  # likewise for the first S seconds
+    workload: dict[str, Any] = field(default_factory=dict)  # the prompts and sampling, copied into the manifest
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.out, str) or not self.out:
+            raise ValueError("'out' must name the trace directory")
+        for name in ("candidates", "time_phases_every", "steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name!r} must be a non-negative integer, got {value!r}")
+        for name in ("rotate_seconds", "seconds"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name!r} must be a positive number, got {value!r}")
+
+    @classmethod
+    def from_text(cls, raw: str) -> RecordingOptions:
+        """Options from ``MOETRACE_RECORD``: a JSON object, or a bare output directory. Unknown keys, a value of
+        the wrong type or malformed JSON raise ``ValueError`` naming what is wrong."""
+        if not raw.lstrip().startswith("{"):
+            return cls(out=raw)
+        given = json.loads(raw)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        if "out" not in given:
+            raise ValueError("'out' must name the trace directory")
+        return cls(**given)
+
+    def to_text(self) -> str:
+        """The JSON that ``from_text`` reads back."""
+        return json.dumps(dataclasses.asdict(self))

@@ -1,0 +1,49 @@
+"""The recording options the plugin reads from MOETRACE_RECORD: what each form means, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from moetrace.hooks.options import RecordingOptions
+from moetrace.hooks.plugin import ENV_VAR, recording_options
+
+
+def test_a_bare_directory_or_a_json_object_gives_the_options_with_defaults_elsewhere() -> None:
+    assert RecordingOptions.from_text("/tmp/run") == RecordingOptions(out="/tmp/run")
+    options = RecordingOptions.from_text('{"out": "/tmp/run", "steps": 200, "candidates": 16}')
+    assert (options.out, options.steps, options.candidates) == ("/tmp/run", 200, 16)
+    assert (options.seconds, options.token_ids, options.rotate_seconds) == (None, True, 10.0)
+
+
+def test_the_json_written_is_read_back_to_the_same_options() -> None:
+    options = RecordingOptions(out="/tmp/run", run_id="r/k3", candidates=8, time_phases_every=4, seconds=2.5,
+                               workload={"count": 3, "sampling": {"temperature": 0.0}})
+    assert RecordingOptions.from_text(options.to_text()) == options
+    assert json.loads(options.to_text())["workload"] == {"count": 3, "sampling": {"temperature": 0.0}}
+
+
+@pytest.mark.parametrize("raw, message", [
+    ('{"out": "/tmp/run", "step": 5}', "unknown option(s) step (known: "),
+    ('{"steps": 5}', "'out' must name the trace directory"),
+    ('{"out": "/tmp/run", "steps": "5"}', "'steps' must be a non-negative integer, got '5'"),
+    ('{"out": "/tmp/run", "seconds": 0}', "'seconds' must be a positive number, got 0"),
+    ('{"out": "/tmp/run", "candidates": true}', "'candidates' must be a non-negative integer, got True"),
+])
+def test_a_wrong_option_is_named(raw: str, message: str) -> None:
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        RecordingOptions.from_text(raw)
+
+
+def test_the_plugin_does_not_record_with_malformed_options_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(ENV_VAR, '{"out": "/tmp/run", "window": 5}')
+    with caplog.at_level(logging.WARNING):
+        assert recording_options() is None
+    assert "moetrace: not recording: MOETRACE_RECORD is not valid (unknown option(s) window" in caplog.text
+    monkeypatch.setenv(ENV_VAR, '{"out": ')
+    assert recording_options() is None
+    monkeypatch.delenv(ENV_VAR)
+    assert recording_options() is None
