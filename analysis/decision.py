@@ -19,7 +19,7 @@ from moetrace.analysis.cost import MeasuredSteps, predict
 from moetrace.analysis.deployment import Deployment
 from moetrace.analysis.profile import Profile
 from moetrace.analysis.sources import Source
-from moetrace.schema import TIMED_CALLS
+from moetrace.trace.schema import TIMED_CALLS
 
 DEFAULT_BATCHES = (1, 8, 32, 128)
 

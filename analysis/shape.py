@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moetrace.trace.manifest import Manifest
 
 
 @dataclass(frozen=True)
@@ -28,15 +31,15 @@ class ModelShape:
         return weights * self.expert_weight_bits // 8 + scales
 
     @classmethod
-    def from_manifest(cls, manifest: dict[str, Any]) -> ModelShape:
-        model = manifest["model"]
-        moe_layers = len(model["moe_layers"])
+    def from_manifest(cls, manifest: Manifest) -> ModelShape:
+        model = manifest.model.fields
+        moe_layers = len(manifest.model.moe_layers)
         return cls(
-            num_experts=int(model["num_experts"]),
-            top_k=int(model["top_k"]),
-            num_layers=int(model.get("num_layers") or moe_layers),
+            num_experts=manifest.model.num_experts,
+            top_k=manifest.model.top_k,
+            num_layers=manifest.model.num_layers or moe_layers,
             moe_layers=moe_layers,
-            hidden_size=int(model["hidden_size"]),
+            hidden_size=manifest.model.hidden_size,
             expert_width=int(model.get("expert_width") or 0),
             shared_experts=int(model.get("shared_experts") or 0),
             expert_weight_bits=int(model.get("expert_weight_bits") or 16),

@@ -41,9 +41,9 @@ def trace_dir(cache: Path, tokens: int, layers: int) -> Path:
 
 def generate(root: Path, tokens: int, layers: int) -> None:
     """Token-major rows like the recorder writes them (step, then request, then layer), with the recorder's Parquet
-    options (moetrace.trace_files.PARQUET_OPTIONS)."""
-    from moetrace.schema import FOOTER_SCHEMA_KEY, TOKEN_PHASES, SCHEMA_VERSION, routing_schema
-    from moetrace.trace_files import PARQUET_OPTIONS
+    options (moetrace.trace.files.PARQUET_OPTIONS)."""
+    from moetrace.trace.schema import FOOTER_SCHEMA_KEY, TOKEN_PHASES, SCHEMA_VERSION, routing_schema
+    from moetrace.trace.files import PARQUET_OPTIONS
 
     rng = np.random.default_rng(0)
     schema = routing_schema(TOP_K).with_metadata({FOOTER_SCHEMA_KEY: SCHEMA_VERSION.encode()})
@@ -97,7 +97,7 @@ def generate(root: Path, tokens: int, layers: int) -> None:
 def run_moetrace(root: Path) -> list[dict[str, object]]:
     from moetrace.analysis.growth import counterfactual_growth
     from moetrace.analysis.placement import linear_placement
-    from moetrace.reader import open_trace
+    from moetrace.trace.reader import open_trace
 
     trace = open_trace(root)
     frame = counterfactual_growth(trace.routing(), NUM_EXPERTS, KS, linear_placement(NUM_EXPERTS, 1))

@@ -36,7 +36,7 @@ print(pl.scan_parquet(files).select(pl.col("experts").arr.sum().sum()).collect()
 
 def add_steps(root: Path, tokens: int) -> None:
     """One steps row per (step, request), as the recorder writes them for plain decoding."""
-    from moetrace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION, STEPS_SCHEMA
+    from moetrace.trace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION, STEPS_SCHEMA
 
     steps = tokens // REQUESTS
     count = steps * REQUESTS

@@ -211,8 +211,8 @@ def build_llm_within(settings: dict[str, Any], seconds: float) -> Any:
 def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start_timeout_s: float) -> dict[str, Any]:
     """Start one engine, time ``rounds`` rounds with the hooks paused, record as many, close the trace."""
     from moetrace.engine import engine_prompts, spec_decode_counters
-    from moetrace.schema import MANIFEST_NAME
-    from moetrace.trace_files import write_json_atomic
+    from moetrace.trace.schema import MANIFEST_NAME
+    from moetrace.trace.files import write_json_atomic
 
     started = time.perf_counter()
     llm = build_llm_within(settings, start_timeout_s)

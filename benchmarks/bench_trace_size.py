@@ -40,8 +40,8 @@ def uniform_random_trace(directory: Path, tokens: int, seed: int = 0) -> Path:
     """Decode steps of 32 requests whose routing is uniform random: the entropy worst case for ids and weights."""
     import numpy as np
 
-    from moetrace.schema import SCHEMA_VERSION
-    from moetrace.trace_files import StepCapture
+    from moetrace.trace.schema import SCHEMA_VERSION
+    from moetrace.trace.files import StepCapture
     from moetrace.writer import TraceWriter
 
     rng = np.random.default_rng(seed)

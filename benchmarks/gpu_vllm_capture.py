@@ -134,7 +134,7 @@ def match_client_outputs(trace_dir: Path, outputs: list[dict[str, Any]]) -> dict
     the trace recorded, and check the trace against the client: every prompt row recorded once, and every
     in-sequence token the one the client received (up to the last, which is sampled and never fed; tokens past
     it were accepted drafts that vLLM cut at ``max_tokens``)."""
-    from moetrace.reader import open_trace
+    from moetrace.trace.reader import open_trace
 
     trace = open_trace(trace_dir)
     first_layer = int(trace.manifest["model"]["moe_layers"][0])
@@ -163,7 +163,7 @@ def match_client_outputs(trace_dir: Path, outputs: list[dict[str, Any]]) -> dict
 
 def rows_equal_scheduled_tokens(trace_dir: Path) -> bool:
     """Every rank's routing rows are its scheduled tokens (the steps table) in every recorded layer."""
-    from moetrace.reader import open_trace
+    from moetrace.trace.reader import open_trace
 
     trace = open_trace(trace_dir)
     layers = len(trace.manifest["model"]["moe_layers"])
@@ -177,7 +177,7 @@ def counters_equal(trace_dir: Path, counters: dict[str, float] | None = None) ->
     unless given: a server's), leaving out the windows vLLM ran for requests already finished (async scheduling),
     which it does not count."""
     from moetrace.compare import windows_after_finish
-    from moetrace.reader import open_trace
+    from moetrace.trace.reader import open_trace
 
     trace = open_trace(trace_dir)
     counters = trace.manifest["vllm_counters"] if counters is None else counters
@@ -211,7 +211,7 @@ def main() -> None:
     from moetrace.compare import compare_runs, reference_check, windows_after_finish
     from moetrace.hooks.vllm_api import vllm_version
     from moetrace.host import gpu_inventory
-    from moetrace.reader import open_trace
+    from moetrace.trace.reader import open_trace
 
     with tempfile.TemporaryDirectory(prefix="moetrace-capture-") as scratch:
         # run A, the reference, then run B against it

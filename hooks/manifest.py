@@ -12,7 +12,7 @@ from moetrace.hooks.capture import RouterInfo
 from moetrace.hooks.options import RecordingOptions
 from moetrace.hooks.vllm_api import VllmApiError, expert_placement
 from moetrace.host import gpu_inventory, host_facts
-from moetrace.schema import SCHEMA_VERSION
+from moetrace.trace.schema import SCHEMA_VERSION
 
 
 def package_version(name: str) -> str | None:

@@ -57,7 +57,7 @@ from moetrace.hooks.vllm_api import ForwardPlan, HookPoint, WorkerApi, require_f
 from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CUDA, PhaseTiming
 from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, copied_event, to_host
-from moetrace.schema import TIMED_CALLS
+from moetrace.trace.schema import TIMED_CALLS
 from moetrace.ring import RingRows, SharedRows, ring_capacity
 from moetrace.writer import TraceWriter
 

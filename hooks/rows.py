@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from moetrace.schema import TOKEN_PHASES
+from moetrace.trace.schema import TOKEN_PHASES
 from moetrace.ring import RingRows, SharedRows
-from moetrace.trace_files import StepCapture
+from moetrace.trace.files import StepCapture
 
 PREFILL, DECODE, VERIFY = (np.int8(TOKEN_PHASES.index(p)) for p in ("prefill", "decode", "verify"))
 NOT_A_DRAFT = -1

@@ -17,7 +17,7 @@ from rich.text import Text
 
 from moetrace.calibrate.command import calibrate
 from moetrace.errors import UserError
-from moetrace.reader import unreadable_file
+from moetrace.trace.reader import unreadable_file
 from moetrace.report.commands import budget, report
 
 err_console = Console(stderr=True)
@@ -140,7 +140,7 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
 @click.option("--json", "as_json", is_flag=True, help="Print the manifests and counts as JSON.")
 def info(trace: Path, as_json: bool) -> None:
     """Print a trace's manifest and row counts (a trace directory or the parent of a k sweep)."""
-    from moetrace.reader import open_traces
+    from moetrace.trace.reader import open_traces
 
     traces = open_traces(trace)
     summaries = []
@@ -148,31 +148,30 @@ def info(trace: Path, as_json: bool) -> None:
         rows = t.routing().select("layer").collect().height
         steps = t.steps().select("step").collect().height
         summaries.append({"path": str(t.path), "complete": t.complete, "routing_rows_readable": rows,
-                          "steps_rows_readable": steps, "warnings": t.warnings, "manifest": t.manifest})
+                          "steps_rows_readable": steps, "warnings": t.warnings, "manifest": t.manifest.document})
     if as_json:
         click.echo(json.dumps(summaries, indent=2))
         return
     for s, t in zip(summaries, traces):
         m = t.manifest
         # Text, not markup, wherever a path, a name or an error message is printed: they may hold "[...]".
-        if m.get("error"):
-            status = Text.assemble(("INCOMPLETE", "red"), f" (recording stopped: {m['error']})")
+        end = m.document.get("end")
+        if m.error:
+            status = Text.assemble(("INCOMPLETE", "red"), f" (recording stopped: {m.error})")
         elif not t.complete:
             status = Text.assemble(("INCOMPLETE", "yellow"), " (recording was killed or is still running)")
         else:
-            status = Text("complete") + (Text(f" ({m['end']})") if m.get("end") else Text(""))
-        console.print(Text.assemble((str(t.path), "bold"), f"  {m['schema']}  ", status), highlight=False)
-        model = m["model"]
+            status = Text("complete") + (Text(f" ({end})") if end else Text(""))
+        console.print(Text.assemble((str(t.path), "bold"), f"  {m.schema}  ", status), highlight=False)
+        model = m.model
         console.print(
-            Text(f"  model {model.get('name')} ({model.get('architecture')}): {len(model['moe_layers'])} MoE layers, "
-                 f"{model['num_experts']} experts, top-{model['top_k']}, hidden {model['hidden_size']}")
-            + (Text("  random weights", style="yellow") if model.get("random_weights") else Text("")),
+            Text(f"  model {model.name} ({model.fields.get('architecture')}): {len(model.moe_layers)} MoE layers, "
+                 f"{model.num_experts} experts, top-{model.top_k}, hidden {model.hidden_size}")
+            + (Text("  random weights", style="yellow") if model.random_weights else Text("")),
             highlight=False,
         )
-        console.print(f"  spec {m['spec']['method']} k={m['spec']['k']}  "
-                      f"tp={m['parallel']['tp']} ep={m['parallel']['ep']}",
-                      highlight=False)
-        counts = m.get("counts")
+        console.print(f"  spec {m.spec.method} k={m.spec.k}  tp={m.parallel.tp} ep={m.parallel.ep}", highlight=False)
+        counts = m.counts
         if counts:
             console.print("  counts " + ", ".join(f"{k} {v:,}" for k, v in counts.items()), highlight=False)
         console.print(f"  readable now: {s['routing_rows_readable']:,} routing rows, "
@@ -310,12 +309,12 @@ def trace_load(trace_path: Path) -> tuple[Any, list[int]]:
     from moetrace.analysis.load import expert_load
     from moetrace.export import sglang_logical_count
     from moetrace.report.inputs import open_run
-    from moetrace.schema import MAX_K
+    from moetrace.trace.schema import MAX_K
 
     trace = open_run(trace_path, MAX_K).primary
-    model = trace.manifest["model"]
-    experts, moe_layers = int(model["num_experts"]), [int(layer) for layer in model["moe_layers"]]
-    layers = int(model.get("num_layers") or max(moe_layers) + 1)
+    model = trace.manifest.model
+    experts, moe_layers = model.num_experts, list(model.moe_layers)
+    layers = model.num_layers or max(moe_layers) + 1
     load = expert_load(decode_and_verify(trace.routing()), experts)
     return sglang_logical_count({(int(r["layer"]), int(r["expert"])): int(r["picks"]) for r in load.to_dicts()},
                                 layers, experts), moe_layers

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from moetrace.reader import open_trace
-from moetrace.schema import MANIFEST_NAME
+from moetrace.trace.reader import open_trace
+from moetrace.trace.schema import MANIFEST_NAME
 
 # Float32 reference against the router's own kernel on the same logits: both compute sigmoid + bias in float32,
 # so only summation order can differ.
@@ -70,7 +70,7 @@ def windows_after_finish(trace_dir: Path) -> pl.DataFrame:
         [(index, len(o["prompt_token_ids"]) + len(o["output_token_ids"]))
          for index, o in load_outputs(trace_dir).items()],
         schema={"request": pl.UInt32, "final_length": pl.Int64}, orient="row")
-    layer = int(trace.manifest["model"]["moe_layers"][0])
+    layer = trace.manifest.model.moe_layers[0]
     anchors = (trace.routing().filter(pl.col("layer") == layer)
                .group_by("step", "request").agg(anchor=pl.col("position").min().cast(pl.Int64)).collect())
     verified = trace.steps().filter(pl.col("num_drafts") > 0).select("step", "request").collect()
@@ -239,7 +239,7 @@ def next_token_rows(rows: pl.DataFrame, limit: int = 20_000) -> tuple[list[float
 def reference_check(trace_dir: Path) -> dict[str, Any]:
     """Every row against the top-k of its own float32 selection scores (needs ``--candidates``)."""
     trace = open_trace(trace_dir)
-    top_k = int(trace.manifest["model"]["top_k"])
+    top_k = trace.manifest.model.top_k
     routing = trace.routing().select("experts", "cand_experts", "cand_scores").collect()
     experts = np.sort(routing["experts"].to_numpy(), axis=1)  # fixed-size lists: [rows, K]
     cand = routing["cand_experts"].to_numpy()

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from moetrace.hooks.plugin import ENV_VAR, WORKER_EXTENSION
-from moetrace.schema import ENGINE_ROUTED_EXPERTS_NAME, MANIFEST_NAME
-from moetrace.trace_files import write_json_atomic
+from moetrace.trace.schema import ENGINE_ROUTED_EXPERTS_NAME, MANIFEST_NAME
+from moetrace.trace.files import write_json_atomic
 
 SPEC_METHODS = ("ngram", "eagle3", "mtp", "draft_model")
 

@@ -27,9 +27,9 @@ from moetrace.engine import SPEC_METHODS
 from moetrace.errors import UserError
 from moetrace.host import gpu_inventory
 from moetrace.prompts import load_prompts
-from moetrace.schema import MANIFEST_NAME, MAX_K
+from moetrace.trace.schema import MANIFEST_NAME, MAX_K
 from moetrace.telemetry import TelemetrySampler
-from moetrace.trace_files import write_json_atomic
+from moetrace.trace.files import write_json_atomic
 
 # Keys under which configs name their routed-expert count (DeepSeek/Kimi, Qwen-MoE, Mixtral, ERNIE).
 

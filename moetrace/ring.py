@@ -12,7 +12,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from moetrace.trace_files import Assemblable, StepCapture
+from moetrace.trace.files import Assemblable, StepCapture
 
 # The ring of rows shared with the writer process holds this many bytes of steps, and at least this many of the
 # largest steps; a step that finds no room stops recording, said out loud.

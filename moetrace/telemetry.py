@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moetrace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION, TELEMETRY_DIR, TELEMETRY_SCHEMA
+from moetrace.trace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION, TELEMETRY_DIR, TELEMETRY_SCHEMA
 
 
 def _sample_gpu(pynvml: Any, index: int, handle: Any, t_ns: int) -> dict[str, Any]:

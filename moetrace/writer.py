@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from moetrace.ring import SHARED_BYTES, EngineRecord, Pending, SharedRows
-from moetrace.schema import MANIFEST_NAME, ROUTING_DIR, STEPS_DIR
-from moetrace.trace_files import Assemblable, StepCapture, TraceFiles, write_json_atomic
+from moetrace.trace.schema import MANIFEST_NAME, ROUTING_DIR, STEPS_DIR
+from moetrace.trace.files import Assemblable, StepCapture, TraceFiles, write_json_atomic
 
 log = logging.getLogger("moetrace")
 

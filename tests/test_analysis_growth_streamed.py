@@ -17,7 +17,7 @@ import moetrace.analysis.streamed_windows as streamed_module
 from moetrace.analysis.expert_sets import MaskTable, expert_masks, window_union
 from moetrace.analysis.growth import counterfactual_growth
 from moetrace.analysis.placement import linear_placement
-from moetrace.reader import open_trace
+from moetrace.trace.reader import open_trace
 from trace_builder import Model, decode_tokens, routing_frame, verify_tokens, write_trace
 
 MODEL = Model(num_experts=16, top_k=2, layers=(1, 2, 5))

@@ -401,7 +401,7 @@ def test_the_engine_side_never_imports_the_analysis_stack() -> None:
 
     engine_side = ["moetrace.hooks.plugin", "moetrace.hooks.recorder", "moetrace.hooks.capture",
                    "moetrace.hooks.rows", "moetrace.hooks.manifest", "moetrace.hooks.vllm_api", "moetrace.writer",
-                   "moetrace.ring", "moetrace.trace_files"]
+                   "moetrace.ring", "moetrace.trace.files"]
     probe = (f"import importlib, sys\nfor name in {engine_side!r}: importlib.import_module(name)\n"
              "print(sorted(m for m in ('polars', 'plotly', 'rich', 'click') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd="/")
@@ -410,13 +410,13 @@ def test_the_engine_side_never_imports_the_analysis_stack() -> None:
 
 
 def test_the_reader_never_imports_the_recording_side() -> None:
-    """Recording and analysis meet only through the trace files: the reader needs the contract (moetrace.schema),
+    """Recording and analysis meet only through the trace files: the reader needs the contract (moetrace.trace.schema),
     not the writer or the hooks."""
     import subprocess
     import sys
 
-    probe = ("import sys, moetrace.reader\n"
-             "print(sorted(m for m in sys.modules if m in ('moetrace.writer', 'moetrace.ring', 'moetrace.trace_files')"
+    probe = ("import sys, moetrace.trace.reader\n"
+             "print(sorted(m for m in sys.modules if m in ('moetrace.writer', 'moetrace.ring', 'moetrace.trace.files')"
              " or m.startswith('moetrace.hooks')))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd="/")
     assert done.returncode == 0, done.stderr

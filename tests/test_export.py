@@ -99,7 +99,7 @@ def test_a_cpu_engine_runs_the_exported_schedule(tmp_path: Path) -> None:
     gives the previous step's requests count (vLLM drafts at the end of a step for the next one)."""
     from vllm_fixtures import run_cli
 
-    from moetrace.reader import open_trace
+    from moetrace.trace.reader import open_trace
 
     doc = vllm_spec_schedule(decision((1, 4), (4, 1)))
     ranges = doc["num_speculative_tokens_per_batch_size"]

@@ -326,7 +326,7 @@ def served(tmp_path: Path, mapping: npt.NDArray[np.int64] | None = None, dtype: 
 
 
 def trace_rows(trace: Path) -> pl.DataFrame:
-    from moetrace.reader import open_traces
+    from moetrace.trace.reader import open_traces
 
     return open_traces(trace)[0].routing().collect().sort("step", "request", "position", "layer")
 

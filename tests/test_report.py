@@ -251,7 +251,7 @@ def test_files_with_float16_and_float32_weights_read_as_one_trace(verify_trace: 
     pq.write_table(table.set_column(table.schema.get_field_index("weights"), "weights", weights), widened)
     result = _invoke("report", verify_trace, "--json", "--force")
     assert result.exit_code == 0, result.output
-    from moetrace.reader import open_trace
+    from moetrace.trace.reader import open_trace
 
     weights_type = open_trace(verify_trace).routing().collect_schema()["weights"]
     assert weights_type == pl.Array(pl.Float32, k)

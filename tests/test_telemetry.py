@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moetrace.host import cpu_model, gpu_inventory
-from moetrace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION, TELEMETRY_SCHEMA
+from moetrace.trace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION, TELEMETRY_SCHEMA
 from moetrace.telemetry import TelemetrySampler
 
 GPUS = gpu_inventory()["gpus"]

@@ -30,7 +30,7 @@ from moetrace.cli import main
 from moetrace.compare import load_outputs
 from moetrace.default_model import default_model_dir
 from moetrace.host import cpu_model
-from moetrace.reader import open_trace
+from moetrace.trace.reader import open_trace
 
 pytestmark = pytest.mark.vllm
 
@@ -139,14 +139,14 @@ def test_recorded_drafts_and_acceptance_equal_vllms_own_spec_decode_counters(rec
     """vLLM's counters (``vllm:spec_decode_num_*``, what ``/metrics`` serves) are the cross-check that every vLLM
     release has, also those without per-request metrics (0.26)."""
     trace = open_trace(recorded_trace)
-    counters = trace.manifest["vllm_counters"]
+    counters = trace.manifest.document["vllm_counters"]
     steps = trace.steps().collect()
     verified = steps.filter(pl.col("num_drafts") > 0)
     assert counters["num_drafts"] == verified.height > 0
     assert counters["num_draft_tokens"] == verified["num_drafts"].sum()
     assert counters["num_accepted_tokens"] == verified["num_accepted"].sum()
     routing = trace.routing().filter(pl.col("draft_pos") > 0).collect()
-    layers = len(trace.manifest["model"]["moe_layers"])
+    layers = len(trace.manifest.document["model"]["moe_layers"])
     assert routing.height == counters["num_draft_tokens"] * layers
     assert routing["accepted"].sum() == counters["num_accepted_tokens"] * layers
 
@@ -155,7 +155,7 @@ def test_accepted_drafts_are_the_tokens_vllm_returned_and_the_first_rejected_is_
     """Checked against vLLM's own output tokens, not the recorder's arrays: under greedy verification an accepted
     draft is the token the target produced at its position, and the first rejected draft of a window is not."""
     trace = open_trace(recorded_trace)
-    first_layer = trace.manifest["model"]["moe_layers"][0]
+    first_layer = trace.manifest.document["model"]["moe_layers"][0]
     drafts = trace.routing().filter((pl.col("draft_pos") > 0) & (pl.col("layer") == first_layer)).collect()
     accepted_per_window = drafts.group_by("step", "request").agg(pl.col("accepted").sum().alias("accepted_in_window"))
     drafts = drafts.join(accepted_per_window, on=["step", "request"])
@@ -176,7 +176,7 @@ def test_accepted_drafts_are_the_tokens_vllm_returned_and_the_first_rejected_is_
 
 def test_every_window_token_and_layer_is_recorded_with_valid_experts(recorded_trace: Path) -> None:
     trace = open_trace(recorded_trace)
-    manifest = trace.manifest
+    manifest = trace.manifest.document
     layers = manifest["model"]["moe_layers"]
     experts = manifest["model"]["num_experts"]
     routing = trace.routing().collect()
@@ -257,19 +257,19 @@ def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Pat
     part of the compiled graph and record the same routing as eager mode. Compiled kernels round differently, so
     greedy decoding may leave eager's text at some token: rows are compared up to there."""
     compiled = open_trace(record_like_the_fixture(tmp_path, "--compiled", "--time-phases-every", "3"))
-    assert compiled.manifest["capture"]["mode"] == "graph-safe"
-    assert compiled.manifest["capture_mechanisms"].get("traced", 0) > 0, "Dynamo traced the router wrapper"
+    assert compiled.manifest.document["capture"]["mode"] == "graph-safe"
+    assert compiled.manifest.document["capture_mechanisms"].get("traced", 0) > 0, "Dynamo traced the router wrapper"
     assert_same_routing_up_to_divergence(recorded_trace, compiled.path)
     # the steps left untimed are recorded all the same; one in three is timed, spread evenly (a Weyl sequence:
     # never in step with the workload's period, within 3 of a third over any number of steps)
-    steps = compiled.manifest["counts"]["steps"]
-    assert compiled.manifest["capture"]["phases_timed_every"] == 3
+    steps = compiled.manifest.document["counts"]["steps"]
+    assert compiled.manifest.document["capture"]["phases_timed_every"] == 3
     timed = {phase: sum(t["calls"] for t in per_batch.values())
-             for phase, per_batch in compiled.manifest["phases"].items()}
+             for phase, per_batch in compiled.manifest.document["phases"].items()}
     assert abs(timed["forward"] - steps / 3) <= 3
     # the drafter is hooked for the timed steps only, and timed in (nearly) every one of them
     assert timed["forward"] / 2 < timed["drafting"] <= timed["forward"]
-    assert open_trace(recorded_trace).manifest["capture"]["phases_timed_every"] == 1  # the CPU's default
+    assert open_trace(recorded_trace).manifest.document["capture"]["phases_timed_every"] == 1  # the CPU's default
 
 
 def test_routing_recomputed_from_router_logits_equals_the_wrapped_routers(recorded_trace: Path, tmp_path: Path) -> None:
@@ -278,10 +278,11 @@ def test_routing_recomputed_from_router_logits_equals_the_wrapped_routers(record
     rows must equal the wrapped router's on the same prompts (compared by request, position and layer: the two
     runs may batch requests differently)."""
     recomputed = open_trace(record_like_the_fixture(tmp_path, "--recompute-from-logits"))
-    assert recomputed.manifest["capture"]["recomputed_from_logits"] is True
-    assert open_trace(recorded_trace).manifest["capture"]["recomputed_from_logits"] is False
+    assert recomputed.manifest.document["capture"]["recomputed_from_logits"] is True
+    assert open_trace(recorded_trace).manifest.document["capture"]["recomputed_from_logits"] is False
     assert_same_routing_up_to_divergence(recorded_trace, recomputed.path)
-    assert recomputed.manifest["counts"]["routing_rows"] == recomputed.manifest["counts"]["tokens"] * 3
+    counts = recomputed.manifest.counts
+    assert counts["routing_rows"] == counts["tokens"] * 3
 
 
 def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> None:
@@ -292,11 +293,11 @@ def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr[-3000:]
     (trace_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     trace = open_trace(trace_dir)
-    layers = trace.manifest["model"]["moe_layers"]
-    assert layers == [1, 2, 3] and trace.manifest["spec"]["method"] == "mtp"
+    layers = trace.manifest.document["model"]["moe_layers"]
+    assert layers == [1, 2, 3] and trace.manifest.document["spec"]["method"] == "mtp"
     routing = trace.routing().collect()
     assert sorted(routing["layer"].unique().to_list()) == layers
-    assert routing.height == trace.manifest["counts"]["tokens"] * len(layers)
+    assert routing.height == trace.manifest.document["counts"]["tokens"] * len(layers)
     steps = trace.steps().collect()
     assert steps["num_drafts"].sum() > 0
     for request, output in load_outputs(trace_dir).items():
@@ -305,7 +306,7 @@ def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> N
 
 
 def test_the_trace_says_what_recording_cost_the_engine_thread_and_on_which_host(recorded_trace: Path) -> None:
-    manifest = open_trace(recorded_trace).manifest
+    manifest = open_trace(recorded_trace).manifest.document
     assert manifest["host"]["kernel"] == platform.release()  # a sandbox (gVisor: 4.4.0) times differently
     assert manifest["host"]["cpu"] == cpu_model() and manifest["host"]["cpus"] == os.cpu_count()
     cost = manifest["engine_thread_us_per_step"]
@@ -316,15 +317,15 @@ def test_the_trace_says_what_recording_cost_the_engine_thread_and_on_which_host(
 
 def test_the_trace_says_where_each_step_spent_its_time(recorded_trace: Path) -> None:
     trace = open_trace(recorded_trace)
-    phases, counts = trace.manifest["phases"], trace.manifest["counts"]
-    assert trace.manifest["capture"]["async_scheduling"] is False  # vLLM drafts n-gram with async scheduling off
-    assert trace.manifest["capture"]["host_copy"] == "host"  # no GPU: the packed block is the host's already
+    phases, counts = trace.manifest.document["phases"], trace.manifest.document["counts"]
+    assert trace.manifest.capture.async_scheduling is False  # vLLM drafts n-gram with async scheduling off
+    assert trace.manifest.document["capture"]["host_copy"] == "host"  # no GPU: the packed block is the host's already
     assert set(phases) == {"forward", "sampling", "drafting"}
     steps = trace.steps().collect()
     durations = (steps.group_by("step").agg((pl.col("t_end_ns").first() - pl.col("t_start_ns").first()) / 1e6)
                  ["t_end_ns"])
     # step bounds on the host's monotonic clock (shared by every process of the host): before this test's now
-    assert trace.manifest["capture"]["step_clock"] == "monotonic"
+    assert trace.manifest.document["capture"]["step_clock"] == "monotonic"
     assert 0 < steps["t_start_ns"].min() and steps["t_end_ns"].max() < time.monotonic_ns()
     assert (steps["t_end_ns"] >= steps["t_start_ns"]).all()
     for phase, per_batch in phases.items():
@@ -332,6 +333,6 @@ def test_the_trace_says_where_each_step_spent_its_time(recorded_trace: Path) -> 
         # the forward runs every step, sampling every step that sampled, the drafter once per step that drafted
         assert (calls >= counts["steps"]) if phase == "forward" else (0 < calls <= counts["steps"])
         for batch, timing in per_batch.items():
-            assert 1 <= int(batch) <= len(trace.manifest["requests"])
+            assert 1 <= int(batch) <= len(trace.manifest.document["requests"])
             # inside a recorded step's bounds, and not timed on a device here (CPU)
             assert 0 < timing["host_ms_median"] <= durations.max() and timing["device_ms_median"] is None

@@ -22,7 +22,7 @@ import pytest
 from moetrace.default_model import encode_text, ensure_default_model
 from moetrace.engine import served_spec_decode_counters
 from moetrace.prompts import BUILTIN_PROMPTS
-from moetrace.reader import open_trace, open_traces
+from moetrace.trace.reader import open_trace, open_traces
 
 pytestmark = pytest.mark.vllm
 
@@ -126,8 +126,8 @@ def assert_trace_matches(trace_dir: Path, counters: dict[str, float]) -> None:
     assert verified.height == counters["num_drafts"] > 0
     assert verified["num_drafts"].sum() == counters["num_draft_tokens"]
     assert verified["num_accepted"].sum() == counters["num_accepted_tokens"]
-    layers = len(trace.manifest["model"]["moe_layers"])
-    assert trace.routing().collect().height == trace.manifest["counts"]["tokens"] * layers
+    layers = len(trace.manifest.document["model"]["moe_layers"])
+    assert trace.routing().collect().height == trace.manifest.document["counts"]["tokens"] * layers
 
 
 def test_ctrl_c_on_vllm_serve_leaves_a_complete_trace_equal_to_the_servers_counters(tmp_path: Path) -> None:
@@ -165,4 +165,4 @@ def test_each_data_parallel_rank_records_into_its_own_directory_and_they_read_as
     assert all(m["complete"] is True and m["parallel"]["dp"] == 2 for m in manifests)
     assert not (trace_dir / "manifest.json").exists()
     (trace,) = open_traces(trace_dir)
-    assert trace.manifest["parallel"]["dp_ranks"] == [0, 1] and trace.complete
+    assert trace.manifest.document["parallel"]["dp_ranks"] == [0, 1] and trace.complete

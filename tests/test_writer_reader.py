@@ -19,11 +19,11 @@ import pytest
 
 from moetrace.errors import UserError
 from moetrace.hooks.rows import PackedLayout, StepRecord
-from moetrace.reader import open_trace, open_traces
-from moetrace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION
+from moetrace.trace.reader import open_trace, open_traces
+from moetrace.trace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION
 import moetrace.writer
 from moetrace.ring import RingRows, SharedRows
-from moetrace.trace_files import StepCapture
+from moetrace.trace.files import StepCapture
 from moetrace.writer import HAND_OVER_STEPS, TraceWriter
 
 LAYERS = [1, 2, 3]
@@ -166,6 +166,22 @@ def test_reader_refuses_unknown_schema_and_missing_manifest_in_one_line(tmp_path
         open_traces(tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps({**manifest(), "schema": "moetrace/2"}))
     with pytest.raises(UserError, match="unknown schema version 'moetrace/2'"):
+        open_trace(tmp_path)
+
+
+def test_the_manifest_is_read_as_typed_sections_and_a_wrong_value_is_named(tmp_path: Path) -> None:
+    written = manifest(3)
+    (tmp_path / "manifest.json").write_text(json.dumps(written))
+    typed = open_trace(tmp_path).manifest
+    assert (typed.spec.k, typed.model.top_k, typed.model.moe_layers) == (3, TOP_K, tuple(LAYERS))
+    assert (typed.parallel.dp_rank, typed.parallel.dp_ranks, typed.capture.candidates) == (0, (0,), 0)
+    assert typed.source is None and not typed.lacks("router_weights") and typed.document == written
+    del written["model"]["top_k"]
+    (tmp_path / "manifest.json").write_text(json.dumps(written))
+    with pytest.raises(UserError, match="manifest lacks 'model.top_k'$"):
+        open_trace(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({**written, "model": {**written["model"], "top_k": "eight"}}))
+    with pytest.raises(UserError, match=r"manifest has a malformed value \(ValueError: invalid literal"):
         open_trace(tmp_path)
 
 
@@ -455,7 +471,7 @@ def test_a_data_parallel_recording_reads_as_one_trace_with_each_ranks_requests_a
     assert steps.select("dp_rank", "step").n_unique() == sum(f.select("step").n_unique() for f in per_rank)
     for rank, own in enumerate(per_rank):  # each rank keeps its own step numbers
         assert steps.filter(pl.col("dp_rank") == rank)["step"].sort().to_list() == own["step"].sort().to_list()
-    assert trace.manifest["parallel"]["dp_ranks"] == [0, 1] and trace.manifest["counts"]["steps"] == 12
+    assert trace.manifest.parallel.dp_ranks == (0, 1) and trace.manifest.counts["steps"] == 12
     assert trace.k == 2 and trace.complete
 
 

@@ -13,7 +13,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moetrace.schema import FOOTER_SCHEMA_KEY, TOKEN_PHASES, SCHEMA_VERSION, STEPS_SCHEMA, routing_schema
+from moetrace.trace.schema import FOOTER_SCHEMA_KEY, TOKEN_PHASES, SCHEMA_VERSION, STEPS_SCHEMA, routing_schema
 
 
 @dataclass

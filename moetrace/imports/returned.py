@@ -33,13 +33,13 @@ import numpy.typing as npt
 
 from moetrace.errors import UserError
 from moetrace.record import ResolvedModel
-from moetrace.schema import (
+from moetrace.trace.schema import (
     ROUTED_EXPERTS_LACKS,
     STEPS_SCHEMA,
     TOKEN_PHASES,
 )
 from moetrace.imports.trace import config_moe_layers, imported_manifest, refuse_existing, write_trace
-from moetrace.trace_files import StepCapture
+from moetrace.trace.files import StepCapture
 
 
 

@@ -50,13 +50,13 @@ import numpy.typing as npt
 from moetrace.analysis.shape import config_value
 from moetrace.errors import UserError
 from moetrace.record import ResolvedModel
-from moetrace.schema import (
+from moetrace.trace.schema import (
     SGLANG_RECORDER_LACKS,
     STEPS_SCHEMA,
     TOKEN_PHASES,
 )
 from moetrace.imports.trace import config_moe_layers, imported_manifest, refuse_existing, write_trace
-from moetrace.trace_files import StepCapture
+from moetrace.trace.files import StepCapture
 
 
 

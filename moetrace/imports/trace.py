@@ -13,10 +13,10 @@ from typing import Any
 from moetrace.analysis.shape import config_value
 from moetrace.errors import UserError
 from moetrace.record import ResolvedModel
-from moetrace.schema import (
+from moetrace.trace.schema import (
     SCHEMA_VERSION,
 )
-from moetrace.trace_files import StepCapture, TraceFiles
+from moetrace.trace.files import StepCapture, TraceFiles
 
 
 

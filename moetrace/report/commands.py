@@ -17,7 +17,7 @@ from moetrace.analysis.shape import SHAPE_PRESETS
 from moetrace.errors import UserError
 from moetrace.report.dashboard import render_dashboard
 from moetrace.analysis.decision import DEFAULT_BATCHES, batches_from
-from moetrace.reader import run_path
+from moetrace.trace.reader import run_path
 from moetrace.report.inputs import DEFAULT_PREDICTION, check_k, model_shape, open_run
 from moetrace.report.payload import summary_json
 from moetrace.report.summary import Options, analyse_run, budget_curves_per_k, sample_note, trace_windows

@@ -14,8 +14,8 @@ import polars as pl
 from moetrace.analysis.placement import explicit_placement, linear_placement, round_robin_placement
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.errors import UserError
-from moetrace.reader import Trace, open_traces, run_path
-from moetrace.schema import MAX_K
+from moetrace.trace.reader import Trace, open_traces, run_path
+from moetrace.trace.schema import MAX_K
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,8 @@ class Run:
 
 
 def open_run(path: Path, k: int) -> Run:
-    """Open a trace or sweep (or the folder holding one: ``moetrace.reader.run_path``); the primary trace is the one
-    recorded at ``k``, else the one with the largest k."""
+    """Open a trace or sweep (or the folder holding one: ``moetrace.trace.reader.run_path``); the primary trace is
+    the one recorded at ``k``, else the one with the largest k."""
     path = run_path(path) if path.exists() else path
     traces = open_traces(path)
     for trace in traces:
@@ -100,8 +100,9 @@ def model_shape(trace: Trace, preset: str | None) -> ModelShape:
     return shape
 
 
-def parallel_size(trace: Trace, name: str, override: int | None) -> int:
-    value = override if override is not None else int(trace.manifest["parallel"].get(name) or 1)
+def parallel_size(recorded: int, name: str, override: int | None) -> int:
+    """``--tp`` / ``--ep`` as given, else as recorded; at least 1."""
+    value = override if override is not None else recorded
     if value < 1:
         raise UserError(f"--{name} {value}: must be at least 1")
     return value
@@ -110,8 +111,8 @@ def parallel_size(trace: Trace, name: str, override: int | None) -> int:
 def expert_placement(trace: Trace, ep: int, placement_file: Path | None) -> npt.NDArray[np.int64]:
     """Rank of every expert: from ``placement_file`` (JSON ``{"expert_to_rank": [...]}`` or a bare list), from a
     list in the manifest, else linear over ``ep`` ranks."""
-    num_experts = int(trace.manifest["model"]["num_experts"])
-    source: Any = trace.manifest["parallel"].get("expert_placement", "linear")
+    num_experts = trace.manifest.model.num_experts
+    source: Any = trace.manifest.parallel.expert_placement
     where = f"{trace.path} manifest"
     if placement_file is not None:
         where = str(placement_file)

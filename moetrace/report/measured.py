@@ -12,7 +12,7 @@ from moetrace.analysis.acceptance import decode_step_periods
 from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps, per_k_from_nearest
 from moetrace.analysis.decision import PHASE_COLUMNS, growth_over_k0
 from moetrace.errors import UserError
-from moetrace.reader import SWEEP_MODEL_KEYS, Trace, first_difference, open_trace
+from moetrace.trace.reader import SWEEP_MODEL_KEYS, Trace, first_difference, open_trace
 from moetrace.report.inputs import Run
 
 MIN_BASELINE_STEPS = 5  # decode step pairs a measured k=0 step time rests on
@@ -45,7 +45,7 @@ def recorded_phases(traces: Sequence[Trace]) -> pl.DataFrame:
     rows = [{"k": trace.k, "batch": int(batch), "phase": f"{phase}_ms",
              "ms": max(float(timing["host_ms_median"]), float(timing.get("device_ms_median") or 0.0))}
             for trace in traces
-            for phase, per_batch in (trace.manifest.get("phases") or {}).items()
+            for phase, per_batch in trace.manifest.phases.items()
             for batch, timing in per_batch.items() if int(timing.get("calls", 0)) >= MIN_PHASE_CALLS]
     schema = {"k": pl.Int32, "batch": pl.Int32, **{name: pl.Float64 for name in PHASE_COLUMNS}}
     if not rows:
@@ -77,16 +77,16 @@ def sync_trace(run: Run, path: Path) -> Trace:
     trace = open_trace(path)
     if trace.k != 0:
         raise UserError(f"{path}: --k0-sync needs one trace recorded at k=0")
-    if trace.manifest.get("capture", {}).get("async_scheduling") is True:
+    if trace.manifest.capture.async_scheduling is True:
         raise UserError(f"{path}: recorded with async scheduling on; --k0-sync needs it off")
     k0 = next(t for t in run.traces if t.k == 0)
-    if k0.manifest.get("capture", {}).get("async_scheduling") is False:
+    if k0.manifest.capture.async_scheduling is False:
         raise UserError(f"{path}: the sweep's k=0 trace ran with async scheduling off already: no --k0-sync needed")
-    differs = first_difference(run.primary.manifest, trace.manifest, SWEEP_MODEL_KEYS)
+    differs = first_difference(run.primary.manifest.document, trace.manifest.document, SWEEP_MODEL_KEYS)
     if differs is not None:
         key, mine, theirs = differs
         raise UserError(f"{path}: not the sweep's model: {key} {theirs!r}, the sweep has {mine!r}")
-    drafting = [t for t in run.traces if t.k > 0 and t.manifest.get("capture", {}).get("async_scheduling") is True]
+    drafting = [t for t in run.traces if t.k > 0 and t.manifest.capture.async_scheduling is True]
     if drafting:
         raise UserError(f"{path}: --k0-sync, but {drafting[0].path} drafted with async scheduling on")
     return trace
@@ -127,7 +127,7 @@ def measured_steps(run: Run, steps: pl.DataFrame, batches: Sequence[int], max_k:
     steps measured there (``analysis.cost.MeasuredSteps``; ``steps``: ``recorded_steps``; ``sync``: the
     ``--k0-sync`` trace, the k=0 steps run as the k>0 steps were, against which their phases grow)."""
     baselines = measured_baselines(run, steps, batches)
-    method = str(run.primary.manifest["spec"].get("method"))
+    method = str(run.primary.manifest.spec.method)
     grew = growth_over_k0(steps, None if sync is None else recorded_phases([sync]))
     drafting = measured_per_k(steps, "drafting_ms", list(baselines), max_k, method in MODEL_DRAFTERS)
     sampling = measured_per_k(grew, "sampling_growth_ms", list(baselines), max_k, scale_with_k=False)

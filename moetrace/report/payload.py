@@ -55,7 +55,7 @@ def growth_overview(growth_table: pl.DataFrame) -> pl.DataFrame:
 
 def notes(analysis: RunAnalysis, k: int) -> list[str]:
     found = []
-    if analysis.manifest["model"].get("random_weights"):
+    if analysis.manifest.model.random_weights:
         found.append(RANDOM_WEIGHTS_NOTE)
     if analysis.run.primary.k < k and analysis.run.primary.lacks("request_identity"):
         found.append(f"its source does not say which tokens are one request: no windows of {k + 1} consecutive "
@@ -65,10 +65,10 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
             f"recorded at k={analysis.run.primary.k}: figures at k={k} are counterfactual "
             f"(windows of {k + 1} consecutive accepted tokens)"
         )
-    source = analysis.manifest.get("source")
+    source = analysis.manifest.source
     if source is not None:
-        found.append(f"imported from {source['engine']} ({source['format']}): it holds {source['holds']}; it has no "
-                     + ", ".join(what.replace("_", " ") for what in source["lacks"])
+        found.append(f"imported from {source.engine} ({source.format}): it holds {source.holds}; it has no "
+                     + ", ".join(what.replace("_", " ") for what in source.lacks)
                      + (": no expert budgets" if analysis.run.primary.lacks("router_weights") else ""))
     if analysis.budget_source == COUNTERFACTUAL and len(analysis.budgets):
         found.append(f"budgets at k={max(k, 1)} use counterfactual windows of accepted tokens")
@@ -133,13 +133,13 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
             }
         rows.append({**row, "budget": budget})
     return {
-        "drafter": analysis.manifest["spec"].get("method") or "none",
+        "drafter": analysis.manifest.spec.method or "none",
         "label": analysis.run.label,
         "acceptance": "measured" if options.acceptance is None else f"given {options.acceptance:g} per draft",
         "based_on": basis["preset"] or " + ".join(
             part for part in (basis["calibration"], basis.get("profile")) if part),
         "coverage_target": options.coverage,
-        "shape": basis["shape"] if basis["shape"] != "manifest" else f"{analysis.manifest['model'].get('name')} "
+        "shape": basis["shape"] if basis["shape"] != "manifest" else f"{analysis.manifest.model.name} "
                                                                       "(as recorded)",
         "per_batch": rows,
     }
@@ -150,20 +150,19 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
     k = options.k
     runs = []
     for analysis in analyses:
-        model = analysis.manifest["model"]
         overview = growth_overview(analysis.growth)
         bytes_at_k = analysis.step_bytes.filter(pl.col("k") == k).to_dicts()
         runs.append(
             {
                 "label": analysis.run.label,
                 "path": str(analysis.run.path),
-                "model": str(model.get("name")),
-                "random_weights": bool(model.get("random_weights")),
-                "spec_method": analysis.manifest["spec"].get("method"),
+                "model": str(analysis.manifest.model.name),
+                "random_weights": analysis.manifest.model.random_weights,
+                "spec_method": analysis.manifest.spec.method,
                 "recorded_k": [trace.k for trace in analysis.run.traces],
                 "primary_k": analysis.run.primary.k,
                 "source_at_k": analysis.source_at_k,
-                "shape": options.shape_preset or f"{model.get('name')} (as recorded)",
+                "shape": options.shape_preset or f"{analysis.manifest.model.name} (as recorded)",
                 "tp": analysis.tp,
                 "ep": analysis.ep,
                 "notes": notes(analysis, k),

@@ -41,7 +41,8 @@ from moetrace.analysis.profile import Profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
 from moetrace.errors import UserError
-from moetrace.reader import Trace
+from moetrace.trace.manifest import Manifest
+from moetrace.trace.reader import Trace
 from moetrace.report.inputs import PredictionPreset, Run, expert_placement, model_shape, parallel_size
 from moetrace.report.measured import measured_steps, recorded_phases, recorded_steps, sync_trace
 
@@ -101,7 +102,7 @@ class RunAnalysis:
     checks: list[str] = field(default_factory=list)  # the self-check's warnings (``self_check``)
 
     @property
-    def manifest(self) -> dict[str, Any]:
+    def manifest(self) -> Manifest:
         return self.run.primary.manifest
 
     @property
@@ -119,7 +120,7 @@ MAX_BUDGET_WINDOWS_ALL_LAYERS = 30_000
 def trace_windows(run: Run) -> WindowSample:
     """The rows every windowed analysis (budgets, batch unions) cuts its windows from, read once."""
     trace = run.primary
-    candidates = int(trace.manifest.get("capture", {}).get("candidates") or 0) > 0
+    candidates = trace.manifest.capture.candidates > 0
     return window_sample(trace.routing(), trace.k, ["experts", "weights",
                                                     *(["cand_experts", "cand_scores"] if candidates else [])])
 
@@ -129,7 +130,7 @@ def budget_curves_per_k(run: Run, sample: WindowSample, ks: range, expert_bytes:
     windows of accepted tokens at any other k. Also the smallest share of windows a k was computed from."""
     trace = run.primary
     use_candidates = "cand_experts" in sample.accepted.columns
-    layers = len(trace.manifest["model"]["moe_layers"])
+    layers = len(trace.manifest.model.moe_layers)
     per_layer = min(MAX_BUDGET_WINDOWS, max(500, MAX_BUDGET_WINDOWS_ALL_LAYERS // max(layers, 1)))
     frames, shares = [], []
     for k in ks:
@@ -265,8 +266,8 @@ CHECK_TOLERANCE = 0.01
 def analyse_run(run: Run, options: Options) -> RunAnalysis:
     trace = run.primary
     shape = model_shape(trace, options.shape_preset)
-    tp = parallel_size(trace, "tp", options.tp)
-    ep = parallel_size(trace, "ep", options.ep)
+    tp = parallel_size(trace.manifest.parallel.tp, "tp", options.tp)
+    ep = parallel_size(trace.manifest.parallel.ep, "ep", options.ep)
     placement = expert_placement(trace, ep, options.placement_file)
     routing = trace.routing()
     rows = decode_and_verify(routing)

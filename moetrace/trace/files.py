@@ -17,7 +17,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moetrace.schema import (
+from moetrace.trace.schema import (
     FOOTER_RUN_KEY,
     FOOTER_SCHEMA_KEY,
     INPROGRESS_SUFFIX,

@@ -18,7 +18,7 @@ INPROGRESS_SUFFIX = ".inprogress"  # a table file being written: renamed without
 
 # Key under which every Parquet footer carries the schema version (and the run id), so one file read alone
 # still says what it is.
-FOOTER_SCHEMA_KEY = b"moetrace.schema"
+FOOTER_SCHEMA_KEY = b"moetrace.trace.schema"
 FOOTER_RUN_KEY = b"moetrace.run_id"
 
 TOKEN_PHASES = ("prefill", "decode", "verify")  # routing ``phase``: what the token's step did for its request

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,14 +19,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace.errors import UserError
-from moetrace.schema import (
+from moetrace.trace.manifest import Manifest
+from moetrace.trace.schema import (
     FOOTER_SCHEMA_KEY,
     INPROGRESS_SUFFIX,
     MANIFEST_NAME,
-    REQUIRED_MANIFEST_KEYS,
     ROUTING_DIR,
     SCHEMA_VERSION,
-    SOURCE_LACKS,
     STEPS_DIR,
     STEPS_SCHEMA,
     TELEMETRY_DIR,
@@ -38,7 +38,7 @@ class Trace:
     """One recording at one k: its manifest and its tables as lazy frames over the intact files."""
 
     path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     routing_files: list[Path]
     steps_files: list[Path]
     telemetry_files: list[Path]
@@ -47,11 +47,11 @@ class Trace:
 
     @property
     def k(self) -> int:
-        return int(self.manifest["spec"]["k"])
+        return self.manifest.spec.k
 
     @property
     def complete(self) -> bool:
-        return bool(self.manifest.get("complete"))
+        return self.manifest.complete
 
     def request_ids(self) -> dict[int, str]:
         """vLLM's id of each request index that ``routing()`` and ``steps()`` use (merged indices for DP ranks)."""
@@ -59,24 +59,21 @@ class Trace:
             size = len(self.ranks)
             return {request * size + index: rid for index, rank in enumerate(self.ranks)
                     for request, rid in rank.request_ids().items()}
-        return dict(enumerate(self.manifest.get("requests") or []))
+        return dict(enumerate(self.manifest.requests))
 
     def lacks(self, what: str) -> bool:
         """Whether the trace's source could not know ``what`` (one of ``SOURCE_LACKS``: an imported trace)."""
-        if what not in SOURCE_LACKS:
-            raise ValueError(f"unknown source field {what!r}")
-        return what in (self.manifest.get("source") or {}).get("lacks", ())
+        return self.manifest.lacks(what)
 
     @property
     def dp_rank(self) -> int:
-        return int(self.manifest["parallel"].get("dp_rank") or 0)
+        return self.manifest.parallel.dp_rank
 
     def routing(self) -> pl.LazyFrame:
         """The routing rows, with a ``dp_rank`` column (0 without data parallelism)."""
         if self.ranks:
             return self._merged([rank.routing() for rank in self.ranks])
-        schema = routing_schema(int(self.manifest["model"]["top_k"]),
-                                int(self.manifest.get("capture", {}).get("candidates", 0)))
+        schema = routing_schema(self.manifest.model.top_k, self.manifest.capture.candidates)
         return _scan(self.routing_files, schema).with_columns(dp_rank=pl.lit(self.dp_rank, pl.UInt16))
 
     def steps(self) -> pl.LazyFrame:
@@ -128,34 +125,24 @@ def unreadable_file(paths: list[Path]) -> str | None:
     return None
 
 
-def _get(manifest: dict[str, Any], dotted: str) -> Any:
-    node: Any = manifest
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise KeyError(dotted)
-        node = node[part]
-    return node
-
-
-def read_manifest(directory: Path) -> dict[str, Any]:
+def read_manifest(directory: Path, dp_rank: int | None = None) -> Manifest:
+    """The typed manifest of ``directory``; ``dp_rank``: the rank to assume where the manifest does not say (a
+    data-parallel rank's folder)."""
     path = directory / MANIFEST_NAME
     if not path.is_file():
         raise UserError(f"{directory}: not a moetrace trace (no {MANIFEST_NAME})")
     try:
-        manifest = json.loads(path.read_text())
+        document = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{path}: unreadable manifest ({exc})") from None
-    if not isinstance(manifest, dict):
+    if not isinstance(document, dict):
         raise UserError(f"{path}: unreadable manifest (not a JSON object)")
-    if manifest.get("schema") != SCHEMA_VERSION:
-        raise UserError(f"{path}: unknown schema version {manifest.get('schema')!r} "
-                        f"(this moetrace reads {SCHEMA_VERSION})")
-    for key in REQUIRED_MANIFEST_KEYS:
-        try:
-            _get(manifest, key)
-        except KeyError:
-            raise UserError(f"{path}: manifest lacks {key!r}") from None
-    return manifest
+    if dp_rank is not None and isinstance(document.get("parallel"), dict):
+        document["parallel"].setdefault("dp_rank", dp_rank)
+    try:
+        return Manifest.from_document(document)
+    except ValueError as exc:
+        raise UserError(f"{path}: {exc}") from None
 
 
 def _compatible(wanted: pa.DataType, got: pa.DataType) -> bool:
@@ -220,20 +207,20 @@ def open_ranks(directory: Path, ranks: list[Path]) -> Trace:
     """One trace over a data-parallel recording's ranks: rank 0's manifest with the counts of all, complete
     when every rank is; the ranks must be one recording (same model, drafter and k; under `vllm serve` each rank
     names its run by its own start time, so run ids may differ by a second)."""
-    traces = [open_trace(rank) for rank in ranks]
-    for trace, rank in zip(traces, ranks):  # a rank's steps are told apart by its rank: its folder's, if unstated
-        trace.manifest["parallel"].setdefault("dp_rank", int(rank.name[2:]))
+    traces = [open_trace(rank, dp_rank=int(rank.name[2:])) for rank in ranks]
     first = traces[0]
     for trace in traces[1:]:
-        differs = first_difference(first.manifest, trace.manifest, ("spec.k", "spec.method", *SWEEP_MODEL_KEYS))
+        differs = first_difference(first.manifest.document, trace.manifest.document,
+                                   ("spec.k", "spec.method", *SWEEP_MODEL_KEYS))
         if differs is not None:
             raise UserError(f"{directory}: DP ranks {first.path.name} and {trace.path.name} are not one "
                             f"recording ({differs[0]} differs)")
-    manifest = json.loads(json.dumps(first.manifest))
-    manifest["complete"] = all(trace.complete for trace in traces)
-    counts = [trace.manifest.get("counts") or {} for trace in traces]
-    manifest["counts"] = {key: sum(int(c.get(key) or 0) for c in counts) for key in counts[0]}
-    manifest["parallel"]["dp_ranks"] = [int(t.manifest["parallel"].get("dp_rank", i)) for i, t in enumerate(traces)]
+    document = json.loads(json.dumps(first.manifest.document))
+    document["complete"] = all(trace.complete for trace in traces)
+    counts = [trace.manifest.counts for trace in traces]
+    document["counts"] = {key: sum(c.get(key, 0) for c in counts) for key in counts[0]}
+    document["parallel"]["dp_ranks"] = [t.manifest.parallel.dp_rank for t in traces]
+    manifest = Manifest.from_document(document)
     return Trace(path=directory, manifest=manifest,
                  routing_files=[f for t in traces for f in t.routing_files],
                  steps_files=[f for t in traces for f in t.steps_files],
@@ -241,26 +228,25 @@ def open_ranks(directory: Path, ranks: list[Path]) -> Trace:
                  warnings=[w for t in traces for w in t.warnings], ranks=traces)
 
 
-def open_trace(directory: Path) -> Trace:
+def open_trace(directory: Path, dp_rank: int | None = None) -> Trace:
     """Open one trace directory (or a data-parallel recording's, holding one per rank); raises ``UserError`` for
-    a directory that is not a readable trace."""
+    a directory that is not a readable trace. ``dp_rank``: see ``read_manifest``."""
     if not directory.exists():
         raise UserError(f"{directory}: no such trace")
     ranks = rank_directories(directory)
     if ranks and not (directory / MANIFEST_NAME).exists():
         return open_ranks(directory, ranks)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, dp_rank)
     warnings: list[str] = []
-    if manifest.get("error"):
-        warnings.append(f"{directory}: recording incomplete, it stopped: {manifest['error']}; reading the closed files")
-    elif not manifest.get("complete"):
+    if manifest.error:
+        warnings.append(f"{directory}: recording incomplete, it stopped: {manifest.error}; reading the closed files")
+    elif not manifest.complete:
         warnings.append(f"{directory}: recording incomplete (killed or still running); reading the closed files")
-    top_k = int(manifest["model"]["top_k"])
-    candidates = int(manifest.get("capture", {}).get("candidates", 0))
     return Trace(
         path=directory,
         manifest=manifest,
-        routing_files=_table_files(directory / ROUTING_DIR, routing_schema(top_k, candidates), warnings),
+        routing_files=_table_files(directory / ROUTING_DIR,
+                                   routing_schema(manifest.model.top_k, manifest.capture.candidates), warnings),
         steps_files=_table_files(directory / STEPS_DIR, STEPS_SCHEMA, warnings),
         telemetry_files=_table_files(directory / TELEMETRY_DIR, None, warnings),
         warnings=warnings,
@@ -313,25 +299,28 @@ def check_one_sweep(path: Path, traces: list[Trace]) -> None:
     speculating = [trace for trace in traces if trace.k > 0]
     for group, keys in ((traces, SWEEP_MODEL_KEYS), (speculating, ("spec.method",))):
         for trace in group[1:]:
-            differs = first_difference(group[0].manifest, trace.manifest, keys)
+            differs = first_difference(group[0].manifest.document, trace.manifest.document, keys)
             if differs is not None:
                 key, mine, theirs = differs
                 raise UserError(f"{path}: not one sweep: {group[0].path.name} has {key} {mine!r}, "
                                 f"{trace.path.name} has {theirs!r} (give them as separate TRACEs to compare them)")
 
 
-def first_difference(mine: dict[str, Any], theirs: dict[str, Any],
+def first_difference(mine: Mapping[str, Any], theirs: Mapping[str, Any],
                      keys: tuple[str, ...]) -> tuple[str, Any, Any] | None:
-    """The first of ``keys`` (dotted) two manifests disagree on, with both values; None when they agree."""
+    """The first of ``keys`` (dotted) two manifest documents disagree on, with both values (None where one lacks
+    it); None when they agree."""
     for key in keys:
-        a, b = _get_or_none(mine, key), _get_or_none(theirs, key)
+        a, b = _dotted(mine, key), _dotted(theirs, key)
         if a != b:
             return key, a, b
     return None
 
 
-def _get_or_none(manifest: dict[str, Any], dotted: str) -> Any:
-    try:
-        return _get(manifest, dotted)
-    except KeyError:
-        return None
+def _dotted(document: Mapping[str, Any], key: str) -> Any:
+    node: Any = document
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
