@@ -7,7 +7,6 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-
 def linear_placement(num_experts: int, ep: int) -> npt.NDArray[np.int64]:
     """Contiguous blocks in rank order, as vLLM places experts by default: every rank N // ep experts, the first
     N % ep ranks one more; ``ep=1`` puts every expert on rank 0."""
