@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import numpy as np
@@ -15,7 +17,9 @@ from rich.table import Table
 
 from moetrace.analysis.growth import decode_and_verify
 from moetrace.analysis.verification_placement import (
+    SPREAD,
     VERIFICATION_AWARE,
+    PlacementComparison,
     compare_placements,
     fitting_half,
     fitting_load,
@@ -25,6 +29,9 @@ from moetrace.errors import UserError
 from moetrace.export import sglang_physical_to_logical_map
 from moetrace.report.inputs import open_run
 from moetrace.trace.schema import MAX_K
+
+if TYPE_CHECKING:
+    from moetrace.analysis.growth import WindowRows
 
 
 def place_experts(trace: Path, ep: int, redundant: int, spread: float, max_load: float, target: Path,
@@ -46,23 +53,6 @@ def place_experts(trace: Path, ep: int, redundant: int, spread: float, max_load:
         raise UserError(f"{run.path}: recorded at k = 0, so it has no verification windows; record with "
                         f"speculation (moetrace record --k 3) and place from that trace")
     rows = decode_and_verify(run.routing())
-    fit = fitting_half(rows.step[rows.is_verify])
-    if not fit.any() or fit.all():
-        raise UserError(f"{run.path}: needs verification windows in both even and odd steps (fitted on one, scored "
-                        f"on the other), it has {int(fit.sum())} and {int((~fit).sum())} verification rows: record "
-                        f"more steps")
-    with err_console.status("vLLM's EPLB policy"):
-        import torch
-
-        from moetrace.hooks.vllm_api import EPLB_LOGICAL_MAPS_PATH, VllmApiError, eplb_placement, symbol
-
-        try:
-            eplb = eplb_placement(fitting_load(rows, experts, layers), ep, redundant)
-            logical_maps = symbol(EPLB_LOGICAL_MAPS_PATH)
-        except VllmApiError as exc:
-            raise UserError(str(exc)) from None
-    baselines = {"linear": np.tile(np.arange(experts), (len(layers), 1)),
-                 "vLLM EPLB": np.asarray(eplb["physical_to_logical_map"])}
     columns = (TextColumn("placing layer {task.completed}/{task.total}"), BarColumn(), TimeElapsedColumn())
     bar, started = Progress(*columns, console=err_console, transient=True), time.monotonic()
     task = bar.add_task("", total=len(layers))
@@ -73,11 +63,16 @@ def place_experts(trace: Path, ep: int, redundant: int, spread: float, max_load:
             bar.start()  # only a run long enough to wait for shows a bar
 
     try:
-        done = compare_placements(layer_windows(rows, experts), layers, experts, ep, redundant, baselines, spread,
-                                  max_load, advance)
+        with err_console.status("vLLM's EPLB policy"):
+            from moetrace.hooks.vllm_api import EPLB_LOGICAL_MAPS_PATH, symbol
+
+            logical_maps = symbol(EPLB_LOGICAL_MAPS_PATH)
+        done = held_out_comparison(rows, str(run.path), experts, layers, ep, redundant, spread, max_load, advance)
     finally:
         bar.stop()
     counts, _ = trace_load(trace)
+    import torch
+
     placement = done.placement
     logical, replicas = logical_maps(torch.from_numpy(placement), experts)
     document = {"policy": f"moetrace verification-aware, spread {spread}, max load {max_load}x, fitted on the "
@@ -104,6 +99,30 @@ def place_experts(trace: Path, ep: int, redundant: int, spread: float, max_load:
     click.echo(f"{sglang_target}: SGLang physical_to_logical_map")
     click.echo(f"next: python -m sglang.launch_server --model-path MODEL --init-expert-location {sglang_target} "
                f"--ep-size {ep} --ep-num-redundant-experts {redundant}")
+
+
+def held_out_comparison(rows: WindowRows, where: str, experts: int, layers: list[int], ep: int, redundant: int,
+                        spread: float = SPREAD, max_load: float = 1.1,
+                        progress: Callable[[int], None] | None = None) -> PlacementComparison:
+    """The verification-aware placement of ``rows`` (``analysis.growth.decode_and_verify``) fitted on the windows of
+    even steps, scored on those of odd steps beside vLLM's EPLB policy (fitted on the same windows' load) and the
+    linear placement. A ``UserError`` (naming ``where``) when the windows do not span both halves or vLLM's policy
+    cannot be reached."""
+    from moetrace.hooks.vllm_api import VllmApiError, eplb_placement
+
+    fit = fitting_half(rows.step[rows.is_verify])
+    if not fit.any() or fit.all():
+        raise UserError(f"{where}: needs verification windows in both even and odd steps (fitted on one, scored "
+                        f"on the other), it has {int(fit.sum())} and {int((~fit).sum())} verification rows: record "
+                        f"more steps")
+    try:
+        eplb = eplb_placement(fitting_load(rows, experts, layers), ep, redundant)
+    except VllmApiError as exc:
+        raise UserError(str(exc)) from None
+    baselines = {"linear": np.tile(np.arange(experts), (len(layers), 1)),
+                 "vLLM EPLB": np.asarray(eplb["physical_to_logical_map"])}
+    return compare_placements(layer_windows(rows, experts), layers, experts, ep, redundant, baselines, spread,
+                              max_load, progress)
 
 
 def held_out_verdict(scores: pl.DataFrame) -> str:

@@ -87,6 +87,25 @@ def test_json_summary(verify_trace: Path) -> None:
     assert run["bytes_at_k"]["ep_bytes"] > 0
     assert set(run["budget"]["per_layer"][0]) >= {"layer", "budget", "coverage"}
     assert Path(summary["dashboard"]).is_file()
+    # under EP the placements are compared on held-out windows (odd steps): the linear one by brute force from the
+    # rows, 16 experts over 4 ranks, 4 a rank
+    rows = pl.read_parquet(verify_trace / "routing").filter((pl.col("phase") == "verify") & (pl.col("step") % 2 == 1))
+    windows = rows.explode("experts").group_by("step", "request", "layer").agg(
+        ranks=(pl.col("experts") // 4).n_unique())
+    placement = run["placement"]
+    assert placement["ep"] == 4 and [r["placement"] for r in placement["rows"]] == ["linear", "vLLM EPLB", "moetrace"]
+    linear = placement["rows"][0]
+    assert linear["windows"] == windows.height and linear["ranks_touched"] == pytest.approx(windows["ranks"].mean())
+    assert placement["verdict"].startswith("held out, ")
+
+
+def test_the_terminal_shows_the_held_out_placements_under_ep_and_not_without(verify_trace: Path) -> None:
+    under_ep = _invoke("report", verify_trace, "--k", "2", "--ep", "4", "--force")
+    assert under_ep.exit_code == 0, under_ep.output
+    assert "Placement at EP=4, held out" in under_ep.output and "  held out, " in under_ep.output
+    for name in ("linear", "vLLM EPLB", "moetrace"):
+        assert name in under_ep.output.split("Placement at EP=4")[1]
+    assert "Placement at EP" not in _invoke("report", verify_trace, "--k", "2", "--force").output
 
 
 def test_k_beyond_the_trace_is_counterfactual_and_labelled(verify_trace: Path) -> None:

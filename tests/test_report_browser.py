@@ -252,3 +252,22 @@ def test_the_dashboard_renders_from_the_summary_json_alone(sweep_report: tuple[P
     run = loaded["runs"][0]
     assert {"layers", "expert_load", "budget_curves"} <= set(run)
     assert len(run["expert_load"]) == len(run["layers"]) == 3
+
+
+@pytest.mark.browser
+def test_under_ep_the_dashboard_shows_the_held_out_placements_as_the_json_has_them(tmp_path: Path) -> None:
+    model = Model(layers=(1, 2))
+    tokens = verify_tokens(np.random.default_rng(3), model, requests=3, steps=16, k=3, accept_prob=0.6)
+    trace = write_trace(tmp_path / "verify-k3", tokens, model, k=3)
+    output = tmp_path / "ep.html"
+    result = CliRunner().invoke(main, ["report", str(trace), "--k", "3", "--ep", "2", "--json", "-o", str(output)])
+    assert result.exit_code == 0, result.output
+    placement = json.loads(result.stdout)["runs"][0]["placement"]
+    with browser_page(output) as (page, errors):
+        shown = page.eval_on_selector_all("#placement-0 tr[data-placement]",
+                                          "rows => rows.map(r => Array.from(r.cells, c => c.innerText))")
+        verdict = page.inner_text("p.verdict")
+    assert shown == [[row["placement"], f"{row['ranks_touched']:.2f}", f"{row['busiest_rank_experts']:.2f}",
+                      f"{row['balancedness']:.3f}"] for row in placement["rows"]]
+    assert [row[0] for row in shown] == ["linear", "vLLM EPLB", "moetrace"] and verdict == placement["verdict"]
+    assert errors == []

@@ -7,6 +7,7 @@ from typing import Any
 
 import polars as pl
 
+from moetrace.place import held_out_verdict
 from moetrace.analysis.budgets import smallest_budgets
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, PER_BATCH, PER_REQUEST, best_window_estimate
 from moetrace.analysis.sources import least_direct_expr
@@ -77,6 +78,8 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
         found.append(sampled)
     if analysis.prediction_note is not None:
         found.append(analysis.prediction_note)
+    if analysis.placement_note is not None:
+        found.append(analysis.placement_note)
     if analysis.prediction_basis is not None and analysis.prediction_basis["allreduce_extrapolated"]:
         found.append(f"prediction: all-reduce time is {analysis.prediction_basis['allreduce']}")
     found += [f"k={k}: routing and steps disagree: {what}" for k, what in sorted(analysis.disagreements.items())]
@@ -166,6 +169,9 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
                 "tp": analysis.tp,
                 "ep": analysis.ep,
                 "notes": notes(analysis, k),
+                "placement": None if analysis.placements is None else {
+                    "ep": analysis.ep, "rows": analysis.placements.to_dicts(),
+                    "verdict": held_out_verdict(analysis.placements)},
                 "growth_at_k": next(iter(overview.filter(pl.col("k") == k).to_dicts()), None),
                 "growth_overview": overview.to_dicts(),
                 "bytes_at_k": bytes_at_k[0] if bytes_at_k else None,

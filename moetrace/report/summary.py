@@ -32,6 +32,7 @@ from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.growth import (
     COUNTERFACTUAL,
     MEASURED,
+    WindowRows,
     decode_and_verify,
     growth,
     rejected_only_experts,
@@ -41,6 +42,7 @@ from moetrace.analysis.profile import Profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
 from moetrace.errors import UserError
+from moetrace.place import held_out_comparison
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace
 from moetrace.report.inputs import PredictionPreset, Run, expert_placement, model_shape, parallel_size
@@ -99,6 +101,8 @@ class RunAnalysis:
     against_trace: pl.DataFrame | None = None  # --profile measured: the prediction beside the sweep's own steps
     decision: pl.DataFrame | None = None  # recommended k per batch
     prediction_note: str | None = None  # why the preset could not predict
+    placements: pl.DataFrame | None = None  # under EP: placements scored on held-out windows (moetrace.place)
+    placement_note: str | None = None  # why they were not
     checks: list[str] = field(default_factory=list)  # the self-check's warnings (``self_check``)
 
     @property
@@ -263,6 +267,22 @@ def self_check(analysis: RunAnalysis) -> list[str]:
 CHECK_TOLERANCE = 0.01
 
 
+def placement_scores(trace: Trace, rows: WindowRows, ep: int) -> tuple[pl.DataFrame | None, str | None]:
+    """Under expert parallelism (``ep`` > 1) with verification windows: ``moetrace place``'s held-out comparison
+    of the verification-aware placement, vLLM's EPLB and the linear one (no redundant experts); else None. A
+    comparison that cannot be made is a note, not a failed report."""
+    experts = trace.manifest.model.num_experts
+    if ep < 2 or trace.k == 0:
+        return None, None
+    if experts % ep:
+        return None, f"placements not compared: {experts} experts do not split evenly over {ep} ranks"
+    try:
+        compared = held_out_comparison(rows, str(trace.path), experts, list(trace.manifest.model.moe_layers), ep, 0)
+    except UserError as exc:
+        return None, f"placements not compared: {exc}"
+    return compared.scores, None
+
+
 def analyse_run(run: Run, options: Options) -> RunAnalysis:
     trace = run.primary
     shape = model_shape(trace, options.shape_preset)
@@ -309,6 +329,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
             if options.preset is None:  # the user asked for this prediction
                 raise
             prediction_note = f"no prediction: {exc} (give --calibration or --profile for this deployment)"
+    placements, placement_note = placement_scores(trace, rows, ep)
     checked = (against_trace(speedups, steps, None if sync is None else recorded_phases([sync]))
                if steps is not None and speedups is not None else None)
     analysis = RunAnalysis(
@@ -335,6 +356,8 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         against_trace=checked,
         decision=decision,
         prediction_note=prediction_note,
+        placements=placements,
+        placement_note=placement_note,
     )
     analysis.checks = self_check(analysis)
     return analysis

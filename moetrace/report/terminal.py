@@ -210,6 +210,20 @@ def _budget(budget: dict[str, Any]) -> Table:
     return table
 
 
+def _placement(placement: dict[str, Any]) -> Table:
+    first = placement["rows"][0]
+    table = _table(f"Placement at EP={placement['ep']}, held out: {first['windows']:,} windows in {first['steps']:,} "
+                   f"odd steps, fitted on the even ones", [
+                       ("placement", "which placement (moetrace: verification-aware, moetrace place)"),
+                       ("ranks", "ranks a verification window dispatches to"),
+                       ("busiest", "unique experts on the busiest rank per step, per layer"),
+                       ("balance", "mean over max tokens per rank per step")])
+    for row in placement["rows"]:
+        table.add_row(row["placement"], _number(row["ranks_touched"]), _number(row["busiest_rank_experts"]),
+                      _number(row["balancedness"], 3))
+    return table
+
+
 def _comparison(summary: dict[str, Any]) -> Table:
     k = summary["k"]
     runs = summary["runs"]
@@ -293,6 +307,9 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
                 console.print(_against_trace(run["prediction"]["against_trace"]))
         if run["budget"]["per_layer"]:
             console.print(_budget(run["budget"]))
+        if run.get("placement"):
+            console.print(_placement(run["placement"]))
+            console.print(Text(f"  {run['placement']['verdict']}", style="dim"))
     if len(summary["runs"]) > 1:
         console.print(_comparison(summary))
 
