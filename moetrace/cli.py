@@ -244,10 +244,11 @@ def import_routing(source: Path, outputs: Path | None, model: str | None, prompt
               help="SOURCE is the JSON of `moetrace report --json`: vLLM's dynamic speculative-decoding schedule "
                    "(num_speculative_tokens_per_batch_size).")
 @click.option("--sglang-expert-location", "sglang_location", is_flag=True,
-              help="SOURCE is a trace: SGLang's --init-expert-location file from its decode and verification load.")
+              help="SOURCE is a trace (or an SGLang stat dump, .pt): SGLang's --init-expert-location file from its "
+                   "decode and verification load.")
 @click.option("--eplb", is_flag=True,
-              help="SOURCE is a trace: its decode and verification load per layer and expert, and vLLM's default "
-                   "EPLB policy's placement from it (needs --ep).")
+              help="SOURCE is a trace (or an SGLang stat dump, .pt): its decode and verification load per layer and "
+                   "expert, and vLLM's default EPLB policy's placement from it (needs --ep).")
 @click.option("--drafter", "label", default=None, help="Which run's decision, by its label, when SUMMARY has several.")
 @click.option("--ep", type=int, default=None,
               help="Expert-parallel ranks: with --eplb, those vLLM places on; with --sglang-expert-location, writes "
@@ -262,9 +263,9 @@ def export(source: Path, vllm_spec: bool, sglang_location: bool, eplb: bool, lab
     """Write what moetrace found in an engine's own format: with --vllm-spec-schedule, the recommended k per
     concurrency of SOURCE (the JSON of `moetrace report --json`) as the speculative-config keys vLLM reads
     (method, num_speculative_tokens, num_speculative_tokens_per_batch_size); with --sglang-expert-location, the
-    expert load of SOURCE (a trace) in decode and verification as SGLang's --init-expert-location file; with
-    --eplb, that load and the placement vLLM's default EPLB policy makes of it (physical_to_logical_map,
-    logical_to_physical_map, logical_replica_count)."""
+    expert load of SOURCE (a trace in decode and verification, or the counts of an SGLang stat dump) as SGLang's
+    --init-expert-location file; with --eplb, that load and the placement vLLM's default EPLB policy makes of it
+    (physical_to_logical_map, logical_to_physical_map, logical_replica_count)."""
     if vllm_spec + sglang_location + eplb != 1:
         raise UserError("give one of --vllm-spec-schedule, --sglang-expert-location or --eplb")
     if vllm_spec:
@@ -341,7 +342,11 @@ def export_vllm_spec_schedule(summary: Path, label: str | None, output: Path | N
 
 def trace_load(trace_path: Path) -> tuple[Any, list[int]]:
     """A trace's picks per (decoder layer, expert) in decode and verification [layers, experts] (dense layers all
-    zero; the trace at the largest k of a sweep), and its MoE layers."""
+    zero; the trace at the largest k of a sweep), and its MoE layers; or an SGLang stat dump's counts (``.pt``)."""
+    if trace_path.suffix == ".pt":
+        from moetrace.imports.sglang_recorder import stat_load
+
+        return stat_load(trace_path)
     from moetrace.analysis.growth import decode_and_verify
     from moetrace.analysis.load import expert_load
     from moetrace.export import sglang_logical_count
@@ -383,7 +388,7 @@ def export_sglang_expert_location(trace_path: Path, ep: int | None, redundant: i
         document = {"physical_to_logical_map": mapping.tolist()}  # alone: SGLang passes every key on
         what = f"physical_to_logical_map [{layers}, {experts + redundant}] over {ep} ranks"
     target.write_text(json.dumps(document) + "\n")
-    click.echo(f"{target}: {what}, from {int(counts.sum()):,} expert picks in decode and verification")
+    click.echo(f"{target}: {what}, from {int(counts.sum()):,} expert picks (decode and verification; a stat dump: every counted pass)")
     click.echo(f"next: python -m sglang.launch_server --model-path MODEL --init-expert-location {target}"
                + (f" --ep-size {ep} --ep-num-redundant-experts {redundant}" if ep is not None else ""))
 
@@ -409,7 +414,7 @@ def export_eplb(trace_path: Path, ep: int | None, redundant: int, output: Path |
                 "redundant": redundant, "layers": moe_layers, "load": load.tolist(), **placement}
     target.write_text(json.dumps(document) + "\n")
     click.echo(f"{target}: vLLM's EPLB placement of {experts} experts (+{redundant}) over {ep} ranks in "
-               f"{len(moe_layers)} MoE layers, from {int(load.sum()):,} expert picks in decode and verification")
+               f"{len(moe_layers)} MoE layers, from {int(load.sum()):,} expert picks (decode and verification; a stat dump: every counted pass)")
 
 
 main.add_command(report)

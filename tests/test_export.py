@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
@@ -210,3 +211,30 @@ def test_eplb_export_is_vllms_own_placement_of_the_traces_load(tmp_path: Path) -
     for args, message in ((["--eplb"], "give --ep"), (["--eplb", "--ep", "3"], "do not split evenly over 3")):
         refused = CliRunner().invoke(main, ["export", str(trace), *args, "--force"])
         assert refused.exit_code == 1 and message in refused.output, refused.output
+
+
+def test_an_sglang_stat_dump_exports_its_counts_summed_over_its_passes(tmp_path: Path) -> None:
+    """A stat dump (``_StatAccumulator.dump``, SGLang 0.5.23 L998-1006: ``logical_count`` int32 [buffered passes,
+    layers, experts], dense layers all zero) becomes SGLang's location file and vLLM's EPLB placement of the summed
+    counts; a per_token dump is sent to `moetrace import` first, and one counted nothing is refused."""
+    import torch
+
+    rng = np.random.default_rng(7)
+    counts = rng.integers(0, 50, size=(3, 4, 16)).astype(np.int32)
+    counts[:, 0] = 0  # layer 0 dense
+    torch.save(dict(rank=0, logical_count=torch.from_numpy(counts), average_utilization_rate_over_window=None),
+               str(tmp_path / "stat.pt"))
+    summed = counts.sum(axis=0).tolist()
+    done = CliRunner().invoke(main, ["export", str(tmp_path / "stat.pt"), "--sglang-expert-location"])
+    assert done.exit_code == 0, done.output
+    assert json.loads((tmp_path / "stat.pt.sglang-expert-location.json").read_text()) == {"logical_count": summed}
+    done = CliRunner().invoke(main, ["export", str(tmp_path / "stat.pt"), "--eplb", "--ep", "4"])
+    assert done.exit_code == 0, done.output
+    doc = json.loads((tmp_path / "stat.pt.eplb.json").read_text())
+    assert doc["layers"] == [1, 2, 3] and doc["load"] == summed[1:]
+    assert all(sorted(row) == list(range(16)) for row in doc["physical_to_logical_map"])
+    torch.save(dict(rank=0, logical_count=torch.zeros((2, 4, 16), dtype=torch.int32),
+                    average_utilization_rate_over_window=None), str(tmp_path / "empty.pt"))
+    refused = CliRunner().invoke(main, ["export", str(tmp_path / "empty.pt"), "--eplb", "--ep", "4"])
+    assert refused.exit_code == 1 and "logical_count holds no pick yet" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1

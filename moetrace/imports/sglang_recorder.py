@@ -234,6 +234,25 @@ def recorder_capture(p: RecorderPass, mapping: npt.NDArray[np.int64], moe_layers
     return capture, int((~kept).sum())
 
 
+def stat_load(path: Path) -> tuple[npt.NDArray[np.int64], list[int]]:
+    """An SGLang stat dump's expert load: ``logical_count`` summed over its buffered passes, [decoder layers,
+    experts], and the layers that counted any pick (its MoE layers; dense ones count none)."""
+    dump = load_torch_file(path)
+    mode = sglang_recorder_mode(dump, path)
+    if mode != "stat":
+        raise UserError(f"{path}: an SGLang {mode} dump, not a stat one: import it (moetrace import {path}) and "
+                        f"export from the trace")
+    counts = integer_tensor(dump["logical_count"], f"{path}: logical_count")
+    if counts.ndim == 3:  # [buffered passes, layers, experts]: the passes' counts summed
+        counts = counts.sum(axis=0)
+    if counts.ndim != 2 or (counts < 0).any():
+        raise UserError(f"{path}: logical_count is not [passes, layers, experts] counts (shape {list(counts.shape)})")
+    moe_layers = [int(layer) for layer in np.flatnonzero(counts.sum(axis=1))]
+    if not moe_layers:
+        raise UserError(f"{path}: logical_count holds no pick yet (the recorder dumped before any pass was counted)")
+    return counts, moe_layers
+
+
 def sglang_recorder(path: Path, model: ResolvedModel, out: Path, force: bool) -> dict[str, Any]:
     """Check an SGLang expert distribution dump against ``model`` and write its forward passes as one trace at
     ``out`` (a per_token dump; a stat or per_pass dump holds counts, not routing, and is refused). Returns the
@@ -244,8 +263,9 @@ def sglang_recorder(path: Path, model: ResolvedModel, out: Path, force: bool) ->
     if mode == "stat":
         shape = list(getattr(dump["logical_count"], "shape", []))
         raise UserError(f"{path}: an SGLang stat dump holds expert counts (logical_count {shape}), not the experts "
-                        f"any token picked: no trace can be made of it (SGLang reads it as is: "
-                        f"--init-expert-location {path}); for a trace, record with {PER_TOKEN}")
+                        f"any token picked: no trace can be made of it (moetrace export {path} --eplb --ep N places "
+                        f"its counts; SGLang reads it as is: --init-expert-location {path}); for a trace, record "
+                        f"with {PER_TOKEN}")
     if mode == "per_pass":
         raise UserError(f"{path}: an SGLang per_pass dump holds expert counts per forward pass "
                         f"(global_physical_count), not the experts any token picked: no trace can be made of it; "
