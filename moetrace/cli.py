@@ -388,7 +388,8 @@ def export_sglang_expert_location(trace_path: Path, ep: int | None, redundant: i
         document = {"physical_to_logical_map": mapping.tolist()}  # alone: SGLang passes every key on
         what = f"physical_to_logical_map [{layers}, {experts + redundant}] over {ep} ranks"
     target.write_text(json.dumps(document) + "\n")
-    click.echo(f"{target}: {what}, from {int(counts.sum()):,} expert picks (decode and verification; a stat dump: every counted pass)")
+    click.echo(f"{target}: {what}, from {int(counts.sum()):,} expert picks (decode and verification; a stat dump: "
+               f"every counted pass)")
     click.echo(f"next: python -m sglang.launch_server --model-path MODEL --init-expert-location {target}"
                + (f" --ep-size {ep} --ep-num-redundant-experts {redundant}" if ep is not None else ""))
 
@@ -414,7 +415,8 @@ def export_eplb(trace_path: Path, ep: int | None, redundant: int, output: Path |
                 "redundant": redundant, "layers": moe_layers, "load": load.tolist(), **placement}
     target.write_text(json.dumps(document) + "\n")
     click.echo(f"{target}: vLLM's EPLB placement of {experts} experts (+{redundant}) over {ep} ranks in "
-               f"{len(moe_layers)} MoE layers, from {int(load.sum()):,} expert picks (decode and verification; a stat dump: every counted pass)")
+               f"{len(moe_layers)} MoE layers, from {int(load.sum()):,} expert picks (decode and verification; a stat "
+               f"dump: every counted pass)")
 
 
 main.add_command(report)
