@@ -211,8 +211,8 @@ def build_llm_within(settings: dict[str, Any], seconds: float) -> Any:
 def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start_timeout_s: float) -> dict[str, Any]:
     """Start one engine, time ``rounds`` rounds with the hooks paused, record as many, close the trace."""
     from moetrace.engine import engine_prompts, spec_decode_counters
-    from moetrace.trace.schema import MANIFEST_NAME
-    from moetrace.trace.files import write_json_atomic
+    from moetrace.trace.manifest import amend_manifest
+    from moetrace.trace.reader import read_manifest
 
     started = time.perf_counter()
     llm = build_llm_within(settings, start_timeout_s)
@@ -237,11 +237,10 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
     finally:
         llm.llm_engine.engine_core.shutdown()
     trace = Path(settings["out"])
-    manifest = json.loads((trace / MANIFEST_NAME).read_text())
-    if manifest["spec"]["k"] != settings["k"]:
-        raise RuntimeError(f"{trace} holds a trace at k={manifest['spec']['k']}, not k={settings['k']}")
-    manifest["vllm_counters"] = counters
-    write_json_atomic(trace / MANIFEST_NAME, manifest)
+    recorded_k = read_manifest(trace).spec.k
+    if recorded_k != settings["k"]:
+        raise RuntimeError(f"{trace} holds a trace at k={recorded_k}, not k={settings['k']}")
+    amend_manifest(trace, vllm_counters=counters)
     return {"method": settings["method"], "k": settings["k"], "trace": str(trace), "engine_start_s": start_s,
             "tok_s": timings, "recorded_tok_s": recorded, "vllm_counters": counters,
             "recording_complete": all(c["complete"] for c in closed) and bool(closed),

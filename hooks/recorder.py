@@ -106,19 +106,18 @@ class Recorder:
         self._step_kwargs: dict[str, Any] | None = None
         self._plan: tuple[Callable[..., ForwardPlan], Any, tuple[Any, ...], dict[str, Any]] | None = None
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
-        manifest = worker_manifest(vllm_config, infos, options)
-        manifest["capture"]["recomputed_from_logits"] = any(entry is not None for entry in self.entries)
-        manifest["capture"]["async_scheduling"] = not self.sampled_on_host  # vLLM turns it off for some drafters
-        manifest["capture"]["model_runner"] = self.model_runner.name
         self.timing_every = int(options.time_phases_every or (
             TIMED_STEP_EVERY_ON_CUDA if self.capture.cuda else 1))
-        manifest["capture"]["phases_timed_every"] = self.timing_every
         self.ring = SharedRows.create(ring_capacity(self.layout.width, int(runner.max_num_tokens)), self.layout.width)
         self.copier = StepCopier(device, self.ring, int(runner.max_num_tokens))
-        manifest["capture"]["host_copy"] = self.copier.path
         self.writer = TraceWriter(
             Path(options.out),
-            manifest,
+            worker_manifest(vllm_config, infos, options, capture={
+                "model_runner": self.model_runner.name,
+                "recomputed_from_logits": any(entry is not None for entry in self.entries),
+                "async_scheduling": not self.sampled_on_host,  # vLLM turns it off for some drafters
+                "phases_timed_every": self.timing_every,
+                "host_copy": self.copier.path}),
             [i.layer for i in infos],
             self.top_k,
             self.candidates,

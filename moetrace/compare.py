@@ -37,8 +37,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from moetrace.trace.reader import open_trace
-from moetrace.trace.schema import MANIFEST_NAME
+from moetrace.trace.reader import open_trace, read_manifest
 
 # Float32 reference against the router's own kernel on the same logits: both compute sigmoid + bias in float32,
 # so only summation order can differ.
@@ -135,7 +134,7 @@ def compare_runs(a_dir: Path, b_dir: Path, ulps: int = 2) -> dict[str, Any]:
     limits = agreeing_prefix(a_dir, b_dir)
     a = in_sequence_rows(a_dir).join(limits, on="request_id").filter(pl.col("position") < pl.col("agree"))
     joined = in_sequence_rows(b_dir).join(a, on=["request_id", "position", "layer"], suffix="_a")
-    top_k = int(json.loads((a_dir / MANIFEST_NAME).read_text())["model"]["top_k"])
+    top_k = read_manifest(a_dir).model.top_k
     has_candidates = "cand_experts" in joined.columns
     identical = near_tie = within_ulps = sharing_most = 0
     movements: list[float] = []

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from moetrace.hooks.plugin import ENV_VAR, WORKER_EXTENSION
-from moetrace.trace.schema import ENGINE_ROUTED_EXPERTS_NAME, MANIFEST_NAME
-from moetrace.trace.files import write_json_atomic
+from moetrace.trace.manifest import amend_manifest
+from moetrace.trace.schema import ENGINE_ROUTED_EXPERTS_NAME
 
 SPEC_METHODS = ("ngram", "eagle3", "mtp", "draft_model")
 
@@ -107,9 +107,7 @@ def generate_and_record(llm: Any, settings: dict[str, Any]) -> int:
     params = SamplingParams(max_tokens=settings["max_tokens"], temperature=0.0, ignore_eos=True)
     outputs = llm.generate(engine_prompts(settings), params, use_tqdm=progress_bar)
     closed = [c for c in llm.collective_rpc("moetrace_close") if c is not None]
-    manifest = json.loads((out / MANIFEST_NAME).read_text())
-    manifest["vllm_counters"] = spec_decode_counters(llm)
-    write_json_atomic(out / MANIFEST_NAME, manifest)
+    amend_manifest(out, vllm_counters=spec_decode_counters(llm))
     with open(out / "outputs.jsonl", "w") as sink:
         for output in outputs:
             completion = output.outputs[0]

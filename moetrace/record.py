@@ -27,9 +27,9 @@ from moetrace.engine import SPEC_METHODS
 from moetrace.errors import UserError
 from moetrace.host import gpu_inventory
 from moetrace.prompts import load_prompts
-from moetrace.trace.schema import MANIFEST_NAME, MAX_K
+from moetrace.trace.schema import MAX_K
 from moetrace.telemetry import TelemetrySampler
-from moetrace.trace.files import write_json_atomic
+from moetrace.trace.manifest import amend_manifest
 
 # Keys under which configs name their routed-expert count (DeepSeek/Kimi, Qwen-MoE, Mixtral, ERNIE).
 
@@ -266,11 +266,8 @@ def record_one(request: RecordRequest, model: ResolvedModel, k: int, trace_dir: 
         wall = time.monotonic() - started
     if child.returncode != 0:
         raise _failure(log_path, k, child.returncode)
-    manifest = json.loads((trace_dir / MANIFEST_NAME).read_text())
-    manifest["telemetry"] = (
-        {"samples": samples} if samples is not None else {"note": "skipped: no NVIDIA GPU visible to NVML"}
-    )
-    write_json_atomic(trace_dir / MANIFEST_NAME, manifest)
+    manifest = amend_manifest(trace_dir, telemetry=(
+        {"samples": samples} if samples is not None else {"note": "skipped: no NVIDIA GPU visible to NVML"}))
     progress(k, "done", len(prompts), len(prompts))
     return RecordedRun(k, trace_dir, manifest, wall)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import fcntl
-import json
 import logging
 import mmap
 import os
@@ -34,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from moetrace.ring import SHARED_BYTES, EngineRecord, Pending, SharedRows
-from moetrace.trace.schema import MANIFEST_NAME, ROUTING_DIR, STEPS_DIR
-from moetrace.trace.files import Assemblable, StepCapture, TraceFiles, write_json_atomic
+from moetrace.trace.files import Assemblable, StepCapture, TraceFiles
+from moetrace.trace.manifest import amend_manifest, start_manifest
+from moetrace.trace.schema import ROUTING_DIR, STEPS_DIR
 
 log = logging.getLogger("moetrace")
 
@@ -100,7 +100,7 @@ class TraceWriter:
         self.rows = rows
         for table in (ROUTING_DIR, STEPS_DIR):
             (root / table).mkdir(parents=True, exist_ok=True)
-        write_json_atomic(root / MANIFEST_NAME, manifest)  # a trace says what it is before its first row
+        manifest = start_manifest(root, **manifest)  # a trace says what it is before its first row
         to_child_r, self._to_child = os.pipe()
         from_child_r, from_child_w = os.pipe()
         try:
@@ -207,10 +207,8 @@ class TraceWriter:
                 os.close(self._to_child)  # the writer process sees the end either way, and closes its files
         self._reader.join(timeout=120)  # the writer process reports "closed", then exits
         if self._final is None:  # the writer process died: say so in the manifest it could not finish
-            manifest = json.loads((self.root / MANIFEST_NAME).read_text())
-            manifest.update(extra, complete=False, error=self.failed or "the writer process ended unexpectedly")
-            write_json_atomic(self.root / MANIFEST_NAME, manifest)
-            self._final = manifest
+            self._final = amend_manifest(self.root, **extra, complete=False,
+                                         error=self.failed or "the writer process ended unexpectedly")
         if self._final.get("error") and self.failed is None:
             self.failed = str(self._final["error"])
         if self._shared is not None:

@@ -24,6 +24,7 @@ from moetrace.trace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION
 import moetrace.writer
 from moetrace.ring import RingRows, SharedRows
 from moetrace.trace.files import StepCapture
+from moetrace.trace.manifest import amend_manifest, start_manifest
 from moetrace.writer import HAND_OVER_STEPS, TraceWriter
 
 LAYERS = [1, 2, 3]
@@ -525,3 +526,21 @@ def test_fails_with_its_writer_open(tmp_path):
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     assert writer_processes() - before == set()
+
+
+def test_a_manifest_section_outside_the_contract_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a manifest section: speedup"):
+        start_manifest(tmp_path, **manifest(), speedup=2.0)
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_amending_a_closed_manifest_keeps_what_the_writer_process_wrote(tmp_path: Path) -> None:
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K)
+    writer.submit(verify_step(0, np.random.default_rng(0)))
+    closed = writer.close()
+    amend_manifest(tmp_path, vllm_counters={"num_drafts": 2.0})
+    on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    assert on_disk["vllm_counters"] == {"num_drafts": 2.0}
+    assert {key: on_disk[key] for key in closed} == json.loads(json.dumps(closed))
+    # 2 requests × 3-token windows, 1 of 2 drafts accepted in each: counted by the writer process, kept by the amend
+    assert (on_disk["complete"], on_disk["counts"]["tokens"], on_disk["counts"]["drafts"]) == (True, 6, 4)

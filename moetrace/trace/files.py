@@ -4,7 +4,6 @@ being written is ``*.parquet.inprogress``, renamed once closed) and the manifest
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -17,11 +16,11 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from moetrace.trace.manifest import closed_manifest
 from moetrace.trace.schema import (
     FOOTER_RUN_KEY,
     FOOTER_SCHEMA_KEY,
     INPROGRESS_SUFFIX,
-    MANIFEST_NAME,
     ROUTING_DIR,
     SCHEMA_VERSION,
     STEPS_DIR,
@@ -68,13 +67,6 @@ class StepCapture:
     cand_scores: npt.NDArray[np.float32] | None  # [T, L, C]
     steps_rows: dict[str, npt.NDArray[Any]]  # one entry per STEPS_SCHEMA column, each [R]
     new_requests: tuple[str, ...] = ()  # vLLM's ids of the requests first seen in this step, in index order
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Replace ``path`` with ``payload`` so that readers never see a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -204,15 +196,9 @@ class TraceFiles:
             except Exception as exc:  # a full disk at close still leaves the manifest saying what happened
                 self.failed = self.failed or f"{type(exc).__name__}: {exc}"
         error = error or self.failed
-        self.manifest.update(extra)
-        self.manifest["requests"] = self.requests
-        self.manifest["complete"] = error is None
-        self.manifest["end_time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        self.manifest["counts"] = self.counts()
-        if error is not None:
-            self.manifest["error"] = error
         try:
-            write_json_atomic(self.root / MANIFEST_NAME, self.manifest)
+            self.manifest = closed_manifest(self.root, self.manifest, counts=self.counts(), requests=self.requests,
+                                            error=error, **extra)
         except OSError as exc:
             log.warning("moetrace: could not finalise the manifest: %s", exc)
         return self.manifest

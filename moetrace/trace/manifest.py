@@ -1,13 +1,70 @@
-"""The manifest as readers see it: typed sections over ``manifest.json`` (see docs/trace-format.md), checked once
-when a trace is opened. ``document`` keeps the JSON as written, for output and for comparing runs key by key."""
+"""The manifest: how it is written, and how readers see it.
+
+Writing: every process that adds to a trace's ``manifest.json`` goes through ``start_manifest`` (the worker, as
+recording starts), ``closed_manifest`` (the writer process, at close) or ``amend_manifest`` (the driver: vLLM's
+counters, telemetry); each writes only the sections of ``MANIFEST_SECTIONS``, atomically.
+Reading: typed sections (see docs/trace-format.md), checked once when a trace is opened; ``document`` keeps the JSON
+as written, for output and for comparing runs key by key."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from moetrace.trace.schema import REQUIRED_MANIFEST_KEYS, SCHEMA_VERSION, SOURCE_LACKS
+from moetrace.trace.schema import MANIFEST_NAME, REQUIRED_MANIFEST_KEYS, SCHEMA_VERSION, SOURCE_LACKS
+
+# Every top-level section a manifest may hold (docs/trace-format.md says what each holds and who writes it).
+MANIFEST_SECTIONS = frozenset({
+    # as recording starts (the worker) or an import begins
+    "schema", "run_id", "complete", "start_time", "versions", "model", "parallel", "spec", "capture", "workload",
+    "host", "source",
+    # at close (the writer process)
+    "end_time", "end", "error", "counts", "requests", "capture_mechanisms", "engine_thread_us_per_step", "phases",
+    # after close (the process that drove the engine)
+    "vllm_counters", "telemetry",
+})
+
+
+def _write(root: Path, document: Mapping[str, Any]) -> dict[str, Any]:
+    """Check ``document``'s sections and replace ``root``'s manifest with it, so that readers never see a half-written
+    file."""
+    unknown = sorted(set(document) - MANIFEST_SECTIONS)
+    if unknown:
+        raise ValueError(f"not a manifest section: {', '.join(unknown)}")
+    if document.get("schema") != SCHEMA_VERSION:
+        raise ValueError(f"a manifest is written at schema {SCHEMA_VERSION}, not {document.get('schema')!r}")
+    path = root / MANIFEST_NAME
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(document, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+    return dict(document)
+
+
+def start_manifest(root: Path, **sections: Any) -> dict[str, Any]:
+    """Write the manifest of a trace whose recording starts now (``complete: false`` until it closes)."""
+    return _write(root, {"schema": SCHEMA_VERSION, "complete": False,
+                         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **sections})
+
+
+def closed_manifest(root: Path, document: Mapping[str, Any], *, counts: Mapping[str, int], requests: list[str],
+                    error: str | None, **sections: Any) -> dict[str, Any]:
+    """Write ``document`` as a closed trace's manifest: complete unless ``error`` says why recording stopped."""
+    closed = {**document, **sections, "counts": dict(counts), "requests": requests, "complete": error is None,
+              "end_time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if error is not None:
+        closed["error"] = error
+    return _write(root, closed)
+
+
+def amend_manifest(root: Path, **sections: Any) -> dict[str, Any]:
+    """Set ``sections`` in the manifest already at ``root`` (vLLM's counters, telemetry, or why a writer that died
+    could not close it)."""
+    return _write(root, {**json.loads((root / MANIFEST_NAME).read_text()), **sections})
 
 
 @dataclass(frozen=True)
