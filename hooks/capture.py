@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from moetrace.hooks.budget import LayerBudget, TokenGroups, restrict
+
 RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 GraphKey = Callable[[], Hashable]
 _WRAPPED_MARK = "_moetrace_original_compute_routing"
@@ -226,15 +228,24 @@ def record(capture: RoutingCapture, slot: int, router: Any, weights: torch.Tenso
         capture.failed = f"inside the forward, layer slot {slot}: {type(exc).__name__}: {exc}"
 
 
-def wrap_router(router: Any, slot: int, capture: RoutingCapture) -> None:
-    """Make ``router._compute_routing`` also record its result for layer ``slot``. Idempotent."""
+def wrap_router(router: Any, slot: int, capture: RoutingCapture,
+                budget: tuple[TokenGroups, LayerBudget] | None = None) -> None:
+    """Make ``router._compute_routing`` also record its result for layer ``slot`` (with ``budget``: first limited to
+    the layer's budget in verification, ``hooks.budget``; the candidates recorded stay the router's own).
+    Idempotent."""
     if _WRAPPED_MARK in vars(router):
         return
     original: RoutingFn = router._compute_routing
+    bias = getattr(router, "e_score_correction_bias", None)
 
     def compute_routing_and_capture(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = original(*args, **kwargs)
         router_logits = args[1] if len(args) > 1 else kwargs.get("router_logits")
+        if budget is not None and capture.failed is None:
+            try:
+                weights, ids = restrict(*budget, router_logits, bias, weights, ids)  # type: ignore[arg-type]
+            except Exception as exc:
+                capture.failed = f"inside the forward, budget of layer slot {slot}: {type(exc).__name__}: {exc}"
         record(capture, slot, router, weights, ids, router_logits)  # type: ignore[arg-type]
         return weights, ids
 

@@ -26,6 +26,10 @@ class RecordingOptions:
     steps: int | None = None  # under ``vllm serve``: record the first N engine steps, then close the trace
     seconds: float | None = None  # likewise for the first S seconds
     workload: dict[str, Any] = field(default_factory=dict)  # the prompts and sampling, copied into the manifest
+    # limit the experts of verification steps: one budget for every MoE layer, or one per layer ({"3": 16, ...});
+    # per step's verifying tokens, or per request window (``budget_scope``)
+    budget: int | dict[str, int] | None = None
+    budget_scope: str = "step"
 
     def __post_init__(self) -> None:
         if not isinstance(self.out, str) or not self.out:
@@ -34,6 +38,11 @@ class RecordingOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"{name!r} must be a non-negative integer, got {value!r}")
+        budgets = [self.budget] if isinstance(self.budget, int) else list((self.budget or {}).values())
+        if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in budgets):
+            raise ValueError(f"'budget' must be a positive integer or a map of layer to one, got {self.budget!r}")
+        if self.budget_scope not in ("step", "window"):
+            raise ValueError(f"'budget_scope' must be 'step' or 'window', got {self.budget_scope!r}")
         for name in ("rotate_seconds", "seconds"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):

@@ -43,7 +43,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from moetrace.hooks.budget import SCORING_FUNCS, LayerBudget, TokenGroups, layer_budgets
 from moetrace.hooks.capture import (
+    RouterInfo,
     RoutingCapture,
     router_info,
     unwrap_logits_entry,
@@ -53,7 +55,7 @@ from moetrace.hooks.capture import (
 )
 from moetrace.hooks.manifest import worker_manifest
 from moetrace.hooks.options import RecordingOptions
-from moetrace.hooks.vllm_api import ForwardPlan, HookPoint, WorkerApi, require_fields
+from moetrace.hooks.vllm_api import ForwardPlan, HookPoint, RunnerV1, WorkerApi, require_fields
 from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CUDA, PhaseTiming
 from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, copied_event, to_host
@@ -96,6 +98,8 @@ class Recorder:
         self.capture = RoutingCapture(
             int(runner.max_num_tokens), len(infos), self.top_k, self.candidates, device, graph_key=api.graph_key
         )
+        self.budgets = None if options.budget is None else self._budgets(
+            options, infos, device, int(vllm_config.parallel_config.data_parallel_size))
         self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
         self.packing = PackingColumns(self.token_ids)
@@ -117,7 +121,10 @@ class Recorder:
                 "recomputed_from_logits": any(entry is not None for entry in self.entries),
                 "async_scheduling": not self.sampled_on_host,  # vLLM turns it off for some drafters
                 "phases_timed_every": self.timing_every,
-                "host_copy": self.copier.path}),
+                "host_copy": self.copier.path,
+                "budget": None if self.budgets is None else {
+                    "scope": options.budget_scope,
+                    "per_layer": {str(info.layer): layer.budget for info, (_, layer) in zip(infos, self.budgets)}}}),
             [i.layer for i in infos],
             self.top_k,
             self.candidates,
@@ -158,13 +165,36 @@ class Recorder:
         self._timed_only: list[HookPoint] = []  # hooked only while a timed step is under way
         self.install()
 
+    def _budgets(self, options: RecordingOptions, infos: list[RouterInfo], device: torch.device, data_parallel: int
+                 ) -> list[tuple[TokenGroups, LayerBudget]]:
+        """Each layer's budget and the token groups they share (``hooks.budget``), or ``UnsupportedRunner`` saying
+        why this engine cannot enforce ``options.budget``."""
+        if not isinstance(self.model_runner, RunnerV1) or data_parallel > 1:
+            raise UnsupportedRunner("a budget needs Model Runner V1 without data parallelism")
+        self.planned_windows = self.model_runner.planned_windows
+        if any(entry is not None for entry in self.entries):
+            raise UnsupportedRunner("a budget needs the router's own routing (this MoE kernel fuses it)")
+        routers = [moe.router for moe in self.runners]
+        if any(info.scoring_func not in SCORING_FUNCS or getattr(router, "num_fused_shared_experts", 0)
+               for info, router in zip(infos, routers)):
+            raise UnsupportedRunner(f"a budget needs {' or '.join(SCORING_FUNCS)} routers without fused shared experts")
+        assert options.budget is not None
+        try:
+            sizes = layer_budgets(options.budget, [info.layer for info in infos], infos[0].num_experts, self.top_k)
+        except ValueError as exc:
+            raise UnsupportedRunner(str(exc)) from None
+        groups = TokenGroups(int(self.runner.max_num_tokens), int(self.runner.max_num_reqs), options.budget_scope,
+                             device)
+        return [(groups, LayerBudget(size, info.scoring_func, bool(getattr(router, "renormalize", True))))
+                for size, info, router in zip(sizes, infos, routers)]
+
     def install(self) -> None:
         """Wrap the routers and the runner's step calls; installing twice, or after close, changes nothing."""
         if self._closed is not None:
             return
         for slot, (moe, entry) in enumerate(zip(self.runners, self.entries)):
             if entry is None:
-                wrap_router(moe.router, slot, self.capture)
+                wrap_router(moe.router, slot, self.capture, None if self.budgets is None else self.budgets[slot])
             else:
                 wrap_logits_entry(entry[0], entry[1], moe.router, slot, self.capture)
         points = self.model_runner.hook_points()
@@ -294,6 +324,9 @@ class Recorder:
         kept as it is, and read once the forward is launched (until then, under sync scheduling, the GPU idles)."""
         result = original(*args, **kwargs)
         self._plan = (plan, result, args, kwargs)
+        if self.budgets is not None:  # the step's token groups reach the device before its forward
+            with self._guarded:
+                self.budgets[0][0].plan(self.planned_windows(self._scheduled, kwargs.get("num_tokens")))
         return result
 
     def forward_launched(self) -> None:

@@ -75,6 +75,11 @@ def main(debug: bool) -> None:
 @click.option("--candidates", default=0, show_default=True,
               help="Also record the top-C router candidates and scores (C > top-k).")
 @click.option("--no-token-ids", is_flag=True, help="Do not record input token ids.")
+@click.option("--budget", "budget_arg", metavar="N|FILE",
+              help="Limit each MoE layer's experts in verification steps to N, or to the per-layer budgets of a "
+                   "budgets.json written by `moetrace budget` (the router's own choice is kept as candidates).")
+@click.option("--budget-scope", type=click.Choice(["step", "window"]), default="step", show_default=True,
+              help="Apply the budget to a step's verifying tokens together, or to each request's window.")
 @click.option("--out", default=Path("traces"), show_default=True, type=click.Path(path_type=Path),
               help="Where run directories are written.")
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
@@ -95,7 +100,8 @@ def main(debug: bool) -> None:
 @click.option("--verbose", is_flag=True, help="Keep vLLM's INFO logs in engine.log.")
 def record(model: str | None, ks: str, method: str, drafter: str | None, prompts_file: Path | None,
            num_prompts: int | None, max_tokens: int, batch_size: int, tp: int, candidates: int, no_token_ids: bool,
-           out: Path, engine_args: tuple[str, ...], spec_args: tuple[str, ...], compiled: bool,
+           budget_arg: str | None, budget_scope: str, out: Path, engine_args: tuple[str, ...],
+           spec_args: tuple[str, ...], compiled: bool,
            recompute_from_logits: bool, time_phases_every: int | None, rotate_seconds: float, force: bool,
            verbose: bool) -> None:
     """Record expert routing from vLLM while it generates with speculative decoding.
@@ -103,12 +109,13 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
     MODEL is a checkpoint directory (or a name in the local Hugging Face cache); without it, the embedded tiny
     Kimi-K2-shaped model (trained on Python's standard library) is unpacked once and used.
     """
-    from moetrace.record import RecordRequest, parse_key_values, parse_ks, record as run_record
+    from moetrace.record import RecordRequest, parse_budget, parse_key_values, parse_ks, record as run_record
 
     request = RecordRequest(
         model=model, ks=parse_ks(ks), method=method, drafter=drafter, prompts_file=prompts_file,
         num_prompts=num_prompts, max_tokens=max_tokens, batch_size=batch_size, tp=tp, candidates=candidates,
-        token_ids=not no_token_ids, out=out, engine_args=parse_key_values(engine_args, "--engine-arg"),
+        token_ids=not no_token_ids, budget=parse_budget(budget_arg), budget_scope=budget_scope, out=out,
+        engine_args=parse_key_values(engine_args, "--engine-arg"),
         spec_args=parse_key_values(spec_args, "--spec-arg"), eager=not compiled,
         recompute_from_logits=recompute_from_logits, time_phases_every=time_phases_every,
         rotate_seconds=rotate_seconds, force=force, verbose=verbose,

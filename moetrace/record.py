@@ -47,6 +47,8 @@ class RecordRequest:
     tp: int = 1
     candidates: int = 0
     token_ids: bool = True
+    budget: int | dict[str, int] | None = None  # experts per MoE layer in verification (one for all, or per layer)
+    budget_scope: str = "step"
     out: Path = Path("traces")
     engine_args: dict[str, Any] = field(default_factory=dict)
     spec_args: dict[str, Any] = field(default_factory=dict)
@@ -75,6 +77,29 @@ class RecordedRun:
     path: Path
     manifest: dict[str, Any]
     wall_s: float
+
+
+def parse_budget(text: str | None) -> int | dict[str, int] | None:
+    """``--budget``: a number of experts for every MoE layer, or a budgets.json (``moetrace budget``'s ``budgets``:
+    layer -> experts); ``UserError`` with one line otherwise."""
+    if text is None:
+        return None
+    if text.isdigit():
+        if int(text) < 1:
+            raise UserError("--budget must be at least 1 expert")
+        return int(text)
+    try:
+        payload = json.loads(Path(text).read_text())
+    except OSError as exc:
+        raise UserError(f"--budget {text}: neither a number of experts nor a readable file ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--budget {text}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    written = isinstance(payload, dict) and payload.get("schema") == "moetrace-budget/1"
+    budgets = payload.get("budgets") if written else None
+    if not isinstance(budgets, dict) or not all(
+            isinstance(v, int) and v >= 1 for v in budgets.values()):
+        raise UserError(f"--budget {text}: not a budgets.json written by `moetrace budget` (moetrace-budget/1)")
+    return {str(layer): int(value) for layer, value in budgets.items()}
 
 
 def parse_ks(text: str) -> list[int]:
@@ -204,8 +229,10 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
         "recording": dataclasses.asdict(RecordingOptions(
             out=str(trace_dir),
             run_id=f"{trace_dir.parent.name}/{trace_dir.name}" if len(request.ks) > 1 else trace_dir.name,
-            candidates=request.candidates,
+            candidates=request.candidates or (min(2 * (model.top_k or 0), model.num_experts) if request.budget else 0),
             token_ids=request.token_ids,
+            budget=request.budget,
+            budget_scope=request.budget_scope,
             recompute_from_logits=request.recompute_from_logits,
             time_phases_every=request.time_phases_every,
             rotate_seconds=request.rotate_seconds,
@@ -296,6 +323,10 @@ def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[Rec
     if request.candidates and not (model.top_k or 0) < request.candidates <= model.num_experts:
         raise UserError(f"--candidates {request.candidates}: must be more than top-{model.top_k} and at most the "
                         f"model's {model.num_experts} experts")
+    budgets = [request.budget] if isinstance(request.budget, int) else list((request.budget or {}).values())
+    if model.top_k and any(not model.top_k <= budget <= model.num_experts for budget in budgets):
+        raise UserError(f"--budget: every layer's budget must lie between the model's top-{model.top_k} and its "
+                        f"{model.num_experts} experts")
     run_dir = run_directory(request, model)
     prepare_output(run_dir, request.force)
     runs = []

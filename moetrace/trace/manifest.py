@@ -98,10 +98,20 @@ class ParallelInfo:
 
 
 @dataclass(frozen=True)
+class BudgetInfo:
+    """The expert budget a recording enforced in verification: per MoE layer, over a step's verifying tokens
+    (``scope`` step) or each request's window (``window``)."""
+
+    scope: str
+    per_layer: Mapping[int, int]
+
+
+@dataclass(frozen=True)
 class CaptureInfo:
     candidates: int  # top-C experts kept per token beside the routed ones (0: none)
     token_ids: bool
     async_scheduling: bool | None  # None where the recorder did not say (an imported trace)
+    budget: BudgetInfo | None  # None: the router's own routing
 
 
 @dataclass(frozen=True)
@@ -164,7 +174,11 @@ class Manifest:
                     expert_placement=parallel.get("expert_placement", "linear")),
                 capture=CaptureInfo(candidates=int(capture.get("candidates") or 0),
                                     token_ids=bool(capture.get("token_ids", True)),
-                                    async_scheduling=capture.get("async_scheduling")),
+                                    async_scheduling=capture.get("async_scheduling"),
+                                    budget=None if capture.get("budget") is None else BudgetInfo(
+                                        scope=str(capture["budget"]["scope"]),
+                                        per_layer={int(layer): int(size)
+                                                   for layer, size in capture["budget"]["per_layer"].items()})),
                 counts={str(key): int(value or 0) for key, value in (document.get("counts") or {}).items()},
                 requests=tuple(str(r) for r in document.get("requests") or []),
                 phases=document.get("phases") or {},

@@ -1,0 +1,110 @@
+"""Per-layer expert budgets enforced in verification: the experts a step's verifying tokens may use in a MoE layer
+are limited to the layer's budget B, inside the router wrapper that records them (eager and under CUDA graphs).
+
+# T tokens in a forward (T_pad under a CUDA graph), E experts, K top-k, G token groups that share a budget
+# (one per step, or one per request window), B a layer's budget
+
+Before each forward (outside any CUDA graph) ``TokenGroups.plan`` writes each token's group into a device buffer
+at a fixed address: verification tokens (a request's window of 1 + d tokens, d > 0 drafts) get their group, every
+other token (prefill, decoding without drafts, a graph's padding) the group ``G`` that the budget leaves alone.
+Inside the forward ``restrict`` keeps, per group, the B experts with the largest summed router weight over the
+group's tokens (MoE-Spec's rule) and re-chooses the top-k of each token that used another expert among the kept
+ones, by the router's selection score (score plus selection bias, any expert groups ignored), its weights scaled
+as the router scaled them: renormalised to the sum of its own weights where the router renormalises, else by the
+same factor. No host sync, fixed shapes, nothing allocated on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+BUDGET_SCOPES = ("step", "window")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class LayerBudget:
+    """One layer's budget, and how its router scores and normalises."""
+
+    budget: int
+    scoring_func: str
+    renormalize: bool
+
+
+def layer_budgets(budget: int | Mapping[str, int], layers: list[int], num_experts: int, top_k: int) -> list[int]:
+    """The budget of every recorded layer, in slot order, from one budget for all or a budget per layer (the
+    ``budgets`` of ``moetrace budget``'s file); ``ValueError`` naming a missing layer or a budget outside
+    [top_k, num_experts]."""
+    if isinstance(budget, int):
+        chosen = [budget] * len(layers)
+    else:
+        missing = [layer for layer in layers if str(layer) not in budget]
+        if missing:
+            raise ValueError(f"the budget names no budget for MoE layer(s) {', '.join(map(str, missing))}")
+        chosen = [int(budget[str(layer)]) for layer in layers]
+    for layer, value in zip(layers, chosen):
+        if not top_k <= value <= num_experts:
+            raise ValueError(f"budget {value} for layer {layer} is outside [top_k={top_k}, experts={num_experts}]")
+    return chosen
+
+
+class TokenGroups:
+    """Which budget group each token of the next forward is in: a device buffer [T_max] at a fixed address (so
+    CUDA graphs read it at every replay), written from one of two host buffers in turn (the last copy may still be
+    in flight under async scheduling)."""
+
+    def __init__(self, max_tokens: int, max_requests: int, scope: str, device: torch.device) -> None:
+        if scope not in BUDGET_SCOPES:
+            raise ValueError(f"budget scope {scope!r} is not one of {', '.join(BUDGET_SCOPES)}")
+        self.scope = scope
+        self.groups = 1 if scope == "step" else max_requests
+        self.untouched = self.groups  # the group of tokens the budget leaves alone
+        pinned = torch.device(device).type == "cuda"
+        self._host = [torch.full((max_tokens,), self.untouched, dtype=torch.int64, pin_memory=pinned)
+                      for _ in range(2)]
+        self._turn = 0
+        self.device = torch.full((max_tokens,), self.untouched, dtype=torch.int64, device=device)
+
+    def plan(self, windows: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None) -> None:
+        """Group the next forward's tokens from ``windows`` (query_start [R + 1], drafts [R]): request r's tokens
+        query_start[r]:query_start[r+1] verify drafts[r] drafts where that is > 0; None (a forward that is no
+        request's step, such as a dummy run): every token left alone."""
+        host = self._host[self._turn]
+        self._turn ^= 1
+        host.fill_(self.untouched)
+        if windows is not None:
+            query_start, drafts = windows
+            view = host.numpy()
+            for request in np.flatnonzero(drafts > 0):
+                view[query_start[request]:query_start[request + 1]] = 0 if self.scope == "step" else request
+        self.device.copy_(host, non_blocking=True)
+
+
+def restrict(groups: TokenGroups, layer: LayerBudget, router_logits: torch.Tensor, bias: torch.Tensor | None,
+             weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's (weights, ids) [T, K] with every group's tokens limited to the group's B experts of largest
+    summed weight; tokens whose experts are all kept, and tokens of no group, unchanged."""
+    tokens, top_k = ids.shape
+    group = groups.device[:tokens]  # [T]
+    experts = router_logits.shape[-1]
+    summed = torch.zeros(groups.groups + 1, experts, dtype=torch.float32, device=ids.device)  # [G+1, E]
+    summed.index_put_((group[:, None].expand(tokens, top_k), ids.long()), weights.float(), accumulate=True)
+    kept = torch.zeros_like(summed, dtype=torch.bool).scatter_(1, summed.topk(layer.budget, dim=1).indices, True)
+    kept[groups.untouched] = True
+    allowed = kept[group]  # [T, E]
+    keeps_its_experts = allowed.gather(1, ids.long()).all(dim=1, keepdim=True)  # [T, 1]
+    logits = router_logits.float()
+    scores = logits.sigmoid() if layer.scoring_func == "sigmoid" else logits.softmax(dim=-1)  # [T, E]
+    selection = scores + bias.float() if bias is not None else scores
+    chosen = selection.masked_fill(~allowed, float("-inf")).topk(top_k, dim=1).indices  # [T, K]
+    chosen_scores = scores.gather(1, chosen)
+    own_sum = weights.float().sum(dim=1, keepdim=True)
+    scaled_by = chosen_scores if layer.renormalize else scores.gather(1, ids.long())
+    chosen_weights = chosen_scores * own_sum / scaled_by.sum(dim=1, keepdim=True)
+    return (torch.where(keeps_its_experts, weights, chosen_weights.to(weights.dtype)),
+            torch.where(keeps_its_experts, ids, chosen.to(ids.dtype)))

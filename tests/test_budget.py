@@ -1,0 +1,148 @@
+"""Expert budgets enforced in real vLLM's verification on the CPU (eager), checked against an independent re-routing
+of the router's own choice, which the trace keeps as candidates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from safetensors import safe_open
+
+from vllm_fixtures import record_like_the_fixture, run_cli
+from moetrace.default_model import CONFIG, ensure_default_model
+from moetrace.hooks.budget import LayerBudget, TokenGroups, restrict
+from moetrace.trace.reader import open_trace
+
+EXPERTS = int(CONFIG["n_routed_experts"])
+TOP_K = int(CONFIG["num_experts_per_tok"])
+BUDGET = 12
+NEAR_TIE = 1e-4  # summed weights closer than this at the budget's edge: either expert may be kept
+
+
+def selection_bias() -> dict[int, np.ndarray]:
+    """Each MoE layer's selection bias, read from the checkpoint itself."""
+    (weights,) = ensure_default_model().glob("*.safetensors")
+    with safe_open(str(weights), "np") as tensors:
+        return {int(name.split(".")[2]): tensors.get_tensor(name).astype(np.float64)
+                for name in tensors.keys() if name.endswith("e_score_correction_bias")}
+
+
+def reroute(group: list[dict[str, Any]], bias: np.ndarray, budget: int) -> tuple[list[set[int]], bool]:
+    """The experts each token of one budget group should use, computed from the router's own choice (the first
+    top-k of the recorded candidates, all experts, by selection score): the ``budget`` experts of largest summed
+    renormalised weight are kept, and a token that used another is given the top-k of its candidates among them.
+    Also whether the budget's edge is a near-tie."""
+    summed = np.zeros(EXPERTS)
+    for row in group:
+        own = np.asarray(row["cand_experts"][:TOP_K])
+        scores = np.asarray(row["cand_scores"][:TOP_K], dtype=np.float64) - bias[own]
+        summed[own] += scores / scores.sum()
+    order = np.argsort(-summed, kind="stable")
+    kept = set(order[:budget].tolist())
+    near_tie = summed[order[budget - 1]] - summed[order[budget]] < NEAR_TIE
+    expected = []
+    for row in group:
+        own = set(row["cand_experts"][:TOP_K])
+        expected.append(own if own <= kept else set([e for e in row["cand_experts"] if e in kept][:TOP_K]))
+    return expected, near_tie
+
+
+@pytest.fixture(scope="module")
+def budgeted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared recording's workload (n-gram k=3) with every layer limited to 12 experts per verification step,
+    every expert kept as a candidate."""
+    return record_like_the_fixture(tmp_path_factory.mktemp("budget"), "--budget", str(BUDGET),
+                                   "--candidates", str(EXPERTS))
+
+
+@pytest.mark.vllm
+def test_budgeted_verification_uses_at_most_the_budget_and_matches_an_independent_rerouting(budgeted: Path) -> None:
+    trace = open_trace(budgeted)
+    budget = trace.manifest.capture.budget
+    assert budget is not None and budget.scope == "step" and set(budget.per_layer.values()) == {BUDGET}
+    rows = trace.routing().filter(pl.col("phase") == "verify").sort("step", "layer", "request", "position").collect()
+    biases = selection_bias()
+    checked = rerouted = ties = groups = 0
+    for (step, layer), group in rows.group_by(["step", "layer"], maintain_order=True):
+        groups += 1
+        used = {e for experts in group["experts"] for e in experts}
+        assert len(used) <= BUDGET, f"step {step} layer {layer}: {len(used)} experts"
+        expected, near_tie = reroute(group.to_dicts(), biases[int(layer)], BUDGET)
+        if near_tie:
+            ties += 1
+            continue
+        for row, want in zip(group.to_dicts(), expected):
+            assert set(row["experts"]) == want, (step, layer, row["request"], row["position"])
+            rerouted += set(row["cand_experts"][:TOP_K]) != want
+            checked += 1
+    assert checked > 1000 and rerouted > checked // 10 and ties <= 0.05 * groups
+
+
+@pytest.mark.vllm
+def test_a_rerouted_token_keeps_the_routers_normalisation(budgeted: Path) -> None:
+    rows = open_trace(budgeted).routing().filter(pl.col("phase") == "verify").collect()
+    biases = selection_bias()
+    for row in rows.head(2000).to_dicts():
+        ids = np.asarray(row["experts"])
+        ranked = list(row["cand_experts"])
+        base = np.asarray([row["cand_scores"][ranked.index(e)] for e in ids], dtype=np.float64) - biases[row["layer"]][ids]
+        # the router renormalises its top-k (norm_topk_prob): each token's weights are its scores over their sum
+        np.testing.assert_allclose(np.asarray(row["weights"], dtype=np.float64), base / base.sum(), rtol=2e-3)
+
+
+@pytest.mark.vllm
+def test_prefill_and_steps_without_drafts_keep_the_routers_own_choice(budgeted: Path) -> None:
+    rows = open_trace(budgeted).routing().filter(pl.col("phase") != "verify").collect()
+    assert rows.height > 1000
+    differ = sum(set(r["experts"]) != set(r["cand_experts"][:TOP_K]) for r in rows.to_dicts())
+    assert differ == 0
+
+
+@pytest.mark.vllm
+def test_a_budget_below_top_k_or_an_unreadable_budget_file_is_one_line(tmp_path: Path) -> None:
+    done = run_cli("record", "--budget", "3", "--out", str(tmp_path / "t"))
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        f"error: --budget: every layer's budget must lie between the model's top-{TOP_K} and its {EXPERTS} experts"]
+    (tmp_path / "b.json").write_text(json.dumps({"schema": "other"}))
+    done = run_cli("record", "--budget", str(tmp_path / "b.json"), "--out", str(tmp_path / "t"))
+    assert done.returncode != 0 and "not a budgets.json written by `moetrace budget`" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_each_request_window_keeps_its_own_budget_and_other_tokens_are_left_alone() -> None:
+    """``restrict`` on its own, window scope: three requests of which two verify 3 drafts; brute force in numpy."""
+    experts, top_k, budget = 32, 4, 6
+    rng = np.random.default_rng(7)
+    logits = torch.tensor(rng.normal(size=(12, experts)), dtype=torch.float32)
+    bias = torch.tensor(rng.normal(scale=0.05, size=experts), dtype=torch.float32)
+    scores = logits.sigmoid()
+    ids = (scores + bias).topk(top_k, dim=1).indices
+    chosen = scores.gather(1, ids)
+    weights = chosen / chosen.sum(dim=1, keepdim=True)
+    groups = TokenGroups(max_tokens=16, max_requests=4, scope="window", device=torch.device("cpu"))
+    groups.plan((np.array([0, 4, 5, 9]), np.array([3, 0, 3])))  # tokens 0-3 and 5-8 verify; token 4 decodes
+    new_weights, new_ids = restrict(groups, LayerBudget(budget, "sigmoid", renormalize=True), logits, bias,
+                                    weights, ids)
+    base = scores.double().numpy()
+    selection = base + bias.double().numpy()
+    expected = ids.numpy().copy()
+    for window in (range(0, 4), range(5, 9)):
+        summed = np.zeros(experts)
+        for token in window:
+            own = ids[token].numpy()
+            summed[own] += base[token, own] / base[token, own].sum()
+        kept = set(np.argsort(-summed)[:budget].tolist())
+        for token in window:
+            if not set(ids[token].tolist()) <= kept:
+                ranked = [e for e in np.argsort(-selection[token]).tolist() if e in kept]
+                expected[token] = ranked[:top_k]
+        assert len({e for token in window for e in new_ids[token].tolist()}) <= budget
+    assert [set(row) for row in new_ids.tolist()] == [set(row) for row in expected.tolist()]
+    assert (new_ids[4] == ids[4]).all() and (new_ids[9:] == ids[9:]).all() and not torch.equal(new_ids[:4], ids[:4])
+    picked = base[np.arange(12)[:, None], new_ids.numpy()]
+    np.testing.assert_allclose(new_weights.numpy(), picked / picked.sum(axis=1, keepdims=True), rtol=1e-5)
