@@ -90,7 +90,8 @@ def test_a_rerouted_token_keeps_the_routers_normalisation(budgeted: Path) -> Non
     for row in rows.head(2000).to_dicts():
         ids = np.asarray(row["experts"])
         ranked = list(row["cand_experts"])
-        base = np.asarray([row["cand_scores"][ranked.index(e)] for e in ids], dtype=np.float64) - biases[row["layer"]][ids]
+        selection = np.asarray([row["cand_scores"][ranked.index(e)] for e in ids], dtype=np.float64)
+        base = selection - biases[row["layer"]][ids]
         # the router renormalises its top-k (norm_topk_prob): each token's weights are its scores over their sum
         np.testing.assert_allclose(np.asarray(row["weights"], dtype=np.float64), base / base.sum(), rtol=2e-3)
 
