@@ -92,8 +92,10 @@ def restrict(groups: TokenGroups, layer: LayerBudget, router_logits: torch.Tenso
     tokens, top_k = ids.shape
     group = groups.device[:tokens]  # [T]
     experts = router_logits.shape[-1]
-    summed = torch.zeros(groups.groups + 1, experts, dtype=torch.float32, device=ids.device)  # [G+1, E]
-    summed.index_put_((group[:, None].expand(tokens, top_k), ids.long()), weights.float(), accumulate=True)
+    # [G+1, E]: scatter_add on the flat view (atomic adds: no sort, no host sync, capturable in a CUDA graph)
+    summed = torch.zeros((groups.groups + 1) * experts, dtype=torch.float32, device=ids.device)
+    summed.scatter_add_(0, (group[:, None] * experts + ids.long()).flatten(), weights.float().flatten())
+    summed = summed.view(groups.groups + 1, experts)
     kept = torch.zeros_like(summed, dtype=torch.bool).scatter_(1, summed.topk(layer.budget, dim=1).indices, True)
     kept[groups.untouched] = True
     allowed = kept[group]  # [T, E]

@@ -75,9 +75,10 @@ def main(debug: bool) -> None:
 @click.option("--candidates", default=0, show_default=True,
               help="Also record the top-C router candidates and scores (C > top-k).")
 @click.option("--no-token-ids", is_flag=True, help="Do not record input token ids.")
-@click.option("--budget", "budget_arg", metavar="N|FILE",
+@click.option("--budget", "budget_arg", metavar="N|FILE|none[,...]",
               help="Limit each MoE layer's experts in verification steps to N, or to the per-layer budgets of a "
-                   "budgets.json written by `moetrace budget` (the router's own choice is kept as candidates).")
+                   "budgets.json written by `moetrace budget` (the router's own choice is kept as candidates); "
+                   "a list such as 12,16,none records one run per budget.")
 @click.option("--budget-scope", type=click.Choice(["step", "window"]), default="step", show_default=True,
               help="Apply the budget to a step's verifying tokens together, or to each request's window.")
 @click.option("--out", default=Path("traces"), show_default=True, type=click.Path(path_type=Path),
@@ -109,12 +110,12 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
     MODEL is a checkpoint directory (or a name in the local Hugging Face cache); without it, the embedded tiny
     Kimi-K2-shaped model (trained on Python's standard library) is unpacked once and used.
     """
-    from moetrace.record import RecordRequest, parse_budget, parse_key_values, parse_ks, record as run_record
+    from moetrace.record import RecordRequest, parse_budgets, parse_key_values, parse_ks, record as run_record
 
     request = RecordRequest(
         model=model, ks=parse_ks(ks), method=method, drafter=drafter, prompts_file=prompts_file,
         num_prompts=num_prompts, max_tokens=max_tokens, batch_size=batch_size, tp=tp, candidates=candidates,
-        token_ids=not no_token_ids, budget=parse_budget(budget_arg), budget_scope=budget_scope, out=out,
+        token_ids=not no_token_ids, budgets=parse_budgets(budget_arg), budget_scope=budget_scope, out=out,
         engine_args=parse_key_values(engine_args, "--engine-arg"),
         spec_args=parse_key_values(spec_args, "--spec-arg"), eager=not compiled,
         recompute_from_logits=recompute_from_logits, time_phases_every=time_phases_every,
@@ -122,20 +123,20 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=False) as bar:
-        tasks: dict[int, Any] = {}
+        tasks: dict[str, Any] = {}
 
-        def show(k: int, status: str, done: int, total: int) -> None:
-            if k not in tasks:
-                tasks[k] = bar.add_task(f"k={k} {status}", total=total)
-            bar.update(tasks[k], description=f"k={k} {status}", completed=done, total=total)
+        def show(run: str, status: str, done: int, total: int) -> None:
+            if run not in tasks:
+                tasks[run] = bar.add_task(f"{run} {status}", total=total)
+            bar.update(tasks[run], description=f"{run} {status}", completed=done, total=total)
 
         run_dir, runs = run_record(request, show)
     table = Table(title=f"recorded {run_dir}")
-    for column in ("k", "steps", "tokens", "drafts", "accepted", "routing rows", "bytes", "wall s"):
+    for column in ("run", "steps", "tokens", "drafts", "accepted", "routing rows", "bytes", "wall s"):
         table.add_column(column, justify="right")
     for run in runs:
         c = run.manifest["counts"]
-        table.add_row(str(run.k), str(c["steps"]), str(c["tokens"]), str(c["drafts"]), str(c["accepted"]),
+        table.add_row(run.label, str(c["steps"]), str(c["tokens"]), str(c["drafts"]), str(c["accepted"]),
                       str(c["routing_rows"]), f"{c['routing_bytes']:,}", f"{run.wall_s:.1f}")
     console.print(table)
     k_next = max(request.ks)

@@ -34,6 +34,9 @@ from moetrace.trace.manifest import amend_manifest
 # Keys under which configs name their routed-expert count (DeepSeek/Kimi, Qwen-MoE, Mixtral, ERNIE).
 
 
+Budget = int | dict[str, int] | None  # experts per MoE layer in verification: one for all, per layer, or none
+
+
 @dataclass(frozen=True)
 class RecordRequest:
     model: str | None
@@ -47,7 +50,9 @@ class RecordRequest:
     tp: int = 1
     candidates: int = 0
     token_ids: bool = True
-    budget: int | dict[str, int] | None = None  # experts per MoE layer in verification (one for all, or per layer)
+    # experts per MoE layer in verification, each named: one for all, one per layer, or None (the router's own);
+    # several: one run of every k per budget
+    budgets: tuple[tuple[str, Budget], ...] = (("none", None),)
     budget_scope: str = "step"
     out: Path = Path("traces")
     engine_args: dict[str, Any] = field(default_factory=dict)
@@ -73,16 +78,30 @@ class ResolvedModel:
 
 @dataclass
 class RecordedRun:
+    label: str  # "k=3", or "budget-12, k=3" in a budget sweep
     k: int
     path: Path
     manifest: dict[str, Any]
     wall_s: float
 
 
-def parse_budget(text: str | None) -> int | dict[str, int] | None:
-    """``--budget``: a number of experts for every MoE layer, or a budgets.json (``moetrace budget``'s ``budgets``:
-    layer -> experts); ``UserError`` with one line otherwise."""
+def parse_budgets(text: str | None) -> tuple[tuple[str, Budget], ...]:
+    """``--budget``: a comma-separated sweep of budgets, each a number of experts for every MoE layer, ``none`` (the
+    router's own routing) or a budgets.json (``moetrace budget``'s ``budgets``: layer -> experts), named by the
+    number or the file's stem; ``UserError`` with one line for anything else or a name given twice."""
     if text is None:
+        return (("none", None),)
+    named = tuple((part if part.isdigit() or part == "none" else Path(part).stem, parse_budget(part))
+                  for part in (p.strip() for p in text.split(",")))
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        raise UserError(f"--budget {text}: a budget is named twice")
+    return named
+
+
+def parse_budget(text: str) -> Budget:
+    """One budget of ``--budget`` (see ``parse_budgets``)."""
+    if text == "none":
         return None
     if text.isdigit():
         if int(text) < 1:
@@ -167,8 +186,9 @@ def _check_drafter(method: str, drafter: str | None) -> None:
 
 
 def run_directory(request: RecordRequest, model: ResolvedModel) -> Path:
-    """Output name derived from the input: ``<out>/<model>-<method>-k<k>[-<k>...]``."""
-    return request.out / f"{model.name}-{request.method}-k{'-'.join(str(k) for k in request.ks)}"
+    """Output name derived from the input: ``<out>/<model>-<method>-k<k>[-<k>...][-b<budget>[-<budget>...]]``."""
+    budgets = "" if request.budgets == (("none", None),) else "-b" + "-".join(name for name, _ in request.budgets)
+    return request.out / f"{model.name}-{request.method}-k{'-'.join(str(k) for k in request.ks)}{budgets}"
 
 
 def prepare_output(run_dir: Path, force: bool) -> None:
@@ -194,7 +214,7 @@ def _on_cpu_build() -> bool:
 
 
 def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_dir: Path,
-                    prompts: list[str], progress_file: Path) -> dict[str, Any]:
+                    prompts: list[str], progress_file: Path, budget: Budget = None) -> dict[str, Any]:
     token_prompts = [encode_text(p) for p in prompts] if model.byte_tokens else None
     max_model_len = request.engine_args.get("max_model_len")
     if max_model_len is None and token_prompts is not None:
@@ -228,10 +248,12 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
         "progress_file": str(progress_file),
         "recording": dataclasses.asdict(RecordingOptions(
             out=str(trace_dir),
-            run_id=f"{trace_dir.parent.name}/{trace_dir.name}" if len(request.ks) > 1 else trace_dir.name,
-            candidates=request.candidates or (min(2 * (model.top_k or 0), model.num_experts) if request.budget else 0),
+            run_id=str(trace_dir.relative_to(request.out)),  # the run, and the budget and k within a sweep
+            # under a budget the router's own choice is kept as candidates
+            candidates=request.candidates or (min(2 * (model.top_k or 0), model.num_experts)
+                                              if any(b is not None for _, b in request.budgets) else 0),
             token_ids=request.token_ids,
-            budget=request.budget,
+            budget=budget,
             budget_scope=request.budget_scope,
             recompute_from_logits=request.recompute_from_logits,
             time_phases_every=request.time_phases_every,
@@ -248,7 +270,7 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
     }
 
 
-ProgressFn = Callable[[int, str, int, int], None]  # (k, status, done, total)
+ProgressFn = Callable[[str, str, int, int], None]  # (run: "k=3" or "budget 12, k=3", status, done, total)
 
 
 def _failure(log_path: Path, k: int, returncode: int) -> UserError:
@@ -263,13 +285,15 @@ def _failure(log_path: Path, k: int, returncode: int) -> UserError:
 
 
 def record_one(request: RecordRequest, model: ResolvedModel, k: int, trace_dir: Path, prompts: list[str],
-               progress: ProgressFn) -> RecordedRun:
+               progress: ProgressFn, budget: Budget) -> RecordedRun:
     trace_dir.mkdir(parents=True, exist_ok=True)
     log_path = trace_dir / "engine.log"
+    label = f"k={k}" if len(request.budgets) == 1 else f"{trace_dir.relative_to(request.out).parts[1]}, k={k}"
     with tempfile.TemporaryDirectory(prefix="moetrace-") as scratch:
         progress_file = Path(scratch) / "progress"
         settings_file = Path(scratch) / "settings.json"
-        settings_file.write_text(json.dumps(engine_settings(request, model, k, trace_dir, prompts, progress_file)))
+        settings = engine_settings(request, model, k, trace_dir, prompts, progress_file, budget)
+        settings_file.write_text(json.dumps(settings))
         env = dict(os.environ)
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO" if request.verbose else "WARNING")
         sampler = TelemetrySampler(trace_dir) if gpu_inventory()["gpus"] else None
@@ -282,7 +306,7 @@ def record_one(request: RecordRequest, model: ResolvedModel, k: int, trace_dir: 
             try:
                 while child.poll() is None:
                     done, total = _read_progress(progress_file)
-                    progress(k, "generating" if total else "starting vLLM", done, total or len(prompts))
+                    progress(label, "generating" if total else "starting vLLM", done, total or len(prompts))
                     time.sleep(0.25)
             except BaseException:
                 child.kill()
@@ -295,8 +319,8 @@ def record_one(request: RecordRequest, model: ResolvedModel, k: int, trace_dir: 
         raise _failure(log_path, k, child.returncode)
     manifest = amend_manifest(trace_dir, telemetry=(
         {"samples": samples} if samples is not None else {"note": "skipped: no NVIDIA GPU visible to NVML"}))
-    progress(k, "done", len(prompts), len(prompts))
-    return RecordedRun(k, trace_dir, manifest, wall)
+    progress(label, "done", len(prompts), len(prompts))
+    return RecordedRun(label, k, trace_dir, manifest, wall)
 
 
 def _read_progress(path: Path) -> tuple[int, int]:
@@ -323,14 +347,17 @@ def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[Rec
     if request.candidates and not (model.top_k or 0) < request.candidates <= model.num_experts:
         raise UserError(f"--candidates {request.candidates}: must be more than top-{model.top_k} and at most the "
                         f"model's {model.num_experts} experts")
-    budgets = [request.budget] if isinstance(request.budget, int) else list((request.budget or {}).values())
-    if model.top_k and any(not model.top_k <= budget <= model.num_experts for budget in budgets):
+    sizes = [size for _, budget in request.budgets
+             for size in ([budget] if isinstance(budget, int) else list((budget or {}).values()))]
+    if model.top_k and any(not model.top_k <= size <= model.num_experts for size in sizes):
         raise UserError(f"--budget: every layer's budget must lie between the model's top-{model.top_k} and its "
                         f"{model.num_experts} experts")
     run_dir = run_directory(request, model)
     prepare_output(run_dir, request.force)
     runs = []
-    for k in request.ks:
-        trace_dir = run_dir if len(request.ks) == 1 else run_dir / f"k{k}"
-        runs.append(record_one(request, model, k, trace_dir, prompts, progress))
+    for name, budget in request.budgets:
+        budget_dir = run_dir if len(request.budgets) == 1 else run_dir / f"budget-{name}"
+        for k in request.ks:
+            trace_dir = budget_dir if len(request.ks) == 1 else budget_dir / f"k{k}"
+            runs.append(record_one(request, model, k, trace_dir, prompts, progress, budget))
     return run_dir, runs

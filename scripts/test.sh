@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/typecheck.sh
-python3 -m pytest -q "$@"
+# One worker per core: a vLLM engine on the CPU keeps about one core busy, mostly importing and starting up.
+python3 -m pytest -q -n auto "$@"

@@ -16,17 +16,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 pytest_plugins = ["pytester"]
 
+# Under pytest-xdist (scripts/test.sh runs a worker per core) each worker runs its own vLLM engines: they must not
+# all pin their OpenMP threads to the same core, as vLLM's automatic binding does.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER is not None:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
 WRITER_GRACE_SECONDS = 10.0  # a writer process whose engine side closed or went away ends on its own within this
 
 
 def writer_processes() -> set[int]:
-    """PIDs of the running ``python -m moetrace.writer`` processes (their short-lived launcher runs ``python -c``)."""
+    """PIDs of the running ``python -m moetrace.writer`` processes (their short-lived launcher runs ``python -c``)
+    started from this xdist worker (they inherit its environment), or from anywhere when not under xdist."""
     found = set()
+    mine = f"PYTEST_XDIST_WORKER={WORKER}".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if (entry / "cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"moetrace.writer"]:
+            if (entry / "cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"moetrace.writer"] and (
+                    WORKER is None or mine in (entry / "environ").read_bytes().split(b"\0")):
                 found.add(int(entry.name))
         except OSError:
             continue

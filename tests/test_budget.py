@@ -13,7 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_fixtures import record_like_the_fixture, run_cli
+from click.testing import CliRunner
+
+from vllm_fixtures import record_like_the_fixture, recorded_trace, run_cli  # noqa: F401 (fixture)
+from moetrace.cli import main
 from moetrace.default_model import CONFIG, ensure_default_model
 from moetrace.hooks.budget import LayerBudget, TokenGroups, restrict
 from moetrace.trace.reader import open_trace
@@ -102,6 +105,36 @@ def test_prefill_and_steps_without_drafts_keep_the_routers_own_choice(budgeted: 
     assert rows.height > 1000
     differ = sum(set(r["experts"]) != set(r["cand_experts"][:TOP_K]) for r in rows.to_dicts())
     assert differ == 0
+
+
+def greedy_tokens(trace: Path) -> dict[str, list[int]]:
+    return {o["request_id"]: o["output_token_ids"]
+            for o in map(json.loads, (trace / "outputs.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.vllm
+def test_report_on_a_budget_sweep_compares_each_budget_with_the_unbudgeted_outputs(
+        budgeted: Path, recorded_trace: Path, tmp_path: Path) -> None:  # noqa: F811
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "budget-12").symlink_to(budgeted)
+    (sweep / "budget-none").symlink_to(recorded_trace)  # the same workload, the router's own routing
+    done = CliRunner().invoke(main, ["report", str(sweep), "--k", "3", "--json", "-o", str(tmp_path / "r.html")])
+    assert done.exit_code == 0, done.output
+    table = json.loads(done.stdout)["budget_sweep"]
+    rows = {row["budget"]: row for row in table["rows"]}
+    assert list(rows) == ["none", "12"] and table["batch"] == 4 and table["k"] == 3
+    assert rows["12"]["limit"] == "12/step" and rows["none"]["limit"] == "none"
+    unbudgeted, budgeted_tokens = greedy_tokens(recorded_trace), greedy_tokens(budgeted)
+    same = sum(a == b for rid, tokens in unbudgeted.items() for a, b in zip(tokens, budgeted_tokens[rid]))
+    assert rows["12"]["agreement"] == pytest.approx(same / sum(map(len, unbudgeted.values())))
+    assert rows["none"]["agreement"] == 1.0 and rows["none"]["measured_vs_none"] == 1.0
+    # the best budget: the largest predicted speedup among those that keep --min-agreement
+    eligible = [name for name, row in rows.items() if row["agreement"] >= 0.99]
+    assert table["best"] == max(eligible, key=lambda name: rows[name]["predicted"])
+    done = CliRunner().invoke(main, ["report", str(sweep), "--k", "3", "--min-agreement", "1", "-o",
+                                     str(tmp_path / "r.html")])
+    assert done.exit_code == 0 and "none ◀" in done.stdout and "12/step" in done.stdout
 
 
 @pytest.mark.vllm

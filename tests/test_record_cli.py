@@ -96,8 +96,8 @@ def test_info_says_why_a_recording_stopped_and_prints_bracketed_paths_as_they_ar
     (root / "manifest.json").write_text(json.dumps(manifest))
     result = CliRunner().invoke(main, ["info", str(root)])
     assert result.exit_code == 0, result.output
-    assert "run [gpu:0]" in result.output, "Rich markup must not eat bracketed parts of a path"
     shown = " ".join(result.output.split())  # Rich wraps at the terminal width
+    assert "run [gpu:0]" in shown, "Rich markup must not eat bracketed parts of a path"
     assert "INCOMPLETE (recording stopped: NothingCaptured: no router ran in this forward)" in shown
 
 

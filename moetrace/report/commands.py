@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED
 from moetrace.analysis.profile import PROFILE_PRESETS, Profile, parse_profile
 from moetrace.analysis.shape import SHAPE_PRESETS
 from moetrace.errors import UserError
+from moetrace.report.budget_sweep import budget_runs, budget_sweep_summary, print_budget_sweep, recorded_concurrency
 from moetrace.report.dashboard import render_dashboard
 from moetrace.analysis.decision import DEFAULT_BATCHES, batches_from
 from moetrace.trace.reader import run_path
@@ -131,6 +133,9 @@ def _coverage(value: float) -> float:
               help="Unique experts for the prediction: the trace's, or uniformly random routing's.")
 @click.option("--batch", "batch_text", default=",".join(map(str, DEFAULT_BATCHES)), show_default=True,
               help="Concurrencies (requests per step) to recommend a k for, comma-separated.")
+@click.option("--min-agreement", type=float, default=0.99, show_default=True,
+              help="A budget sweep: the least share of tokens a budget's greedy output must share with the "
+                   "unbudgeted run's for its budget to be recommended.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Dashboard file [default: TRACE/report.html, or NAME-vs-NAME.report.html for several].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
@@ -151,13 +156,16 @@ def report(
     acceptance: float | None,
     routing: str,
     batch_text: str,
+    min_agreement: float,
     output: Path | None,
     as_json: bool,
     force: bool,
 ) -> None:
     """Recommend a k per concurrency (--batch) for each TRACE's drafter from its predicted speedup, then summarise
     at --k (unique experts vs k, bytes per step, acceptance, expert budgets) in the terminal and write one offline
-    HTML dashboard. Several TRACEs (traces or sweep folders, e.g. one per drafter) are compared side by side.
+    HTML dashboard. Several TRACEs (traces or sweep folders, e.g. one per drafter) are compared side by side, as are
+    the runs of a budget sweep (`moetrace record --budget 12,16,none`), at the concurrency it was recorded at, with
+    a table of budgets and the one that pays most at --min-agreement.
     Predictions use --calibration and/or --profile; without either, the shipped H200 preset (Kimi-K2, TP=8)."""
     check_k(k)
     measured_baseline = profile_text == "measured"
@@ -191,8 +199,16 @@ def report(
     check_k(options.max_k)
     dashboard = _dashboard_path(traces, output)
     _refuse_overwrite_unless_dashboard(dashboard, force)
-    analyses = [analyse_run(open_run(path, k), options) for path in traces]
+    if not 0.0 <= min_agreement <= 1.0:
+        raise UserError(f"--min-agreement {min_agreement}: must be in [0, 1]")
+    swept = budget_runs(traces[0]) if len(traces) == 1 else []
+    runs = [open_run(path, k) for path in swept or traces]
+    if swept:  # what a budget's routing buys is measured at the concurrency that routing was recorded at
+        options = dataclasses.replace(options, batches=(recorded_concurrency(runs[0].primary),))
+    analyses = [analyse_run(run, options) for run in runs]
     summary = summary_json(analyses, options)
+    if swept:
+        summary["budget_sweep"] = budget_sweep_summary(analyses, min_agreement)
     try:
         dashboard.write_text(render_dashboard(summary), encoding="utf-8")
     except OSError as exc:
@@ -205,6 +221,8 @@ def report(
         return
     console = Console()
     print_summary(summary, console)
+    if swept:
+        print_budget_sweep(summary["budget_sweep"], console)
     console.print(f"dashboard: {dashboard}", markup=False, highlight=False)
 
 
