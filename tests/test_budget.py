@@ -21,10 +21,15 @@ from moetrace.default_model import CONFIG, ensure_default_model
 from moetrace.hooks.budget import LayerBudget, TokenGroups, restrict
 from moetrace.trace.reader import open_trace
 
+pytestmark = pytest.mark.xdist_group("recorded_trace")  # its report test reuses the shared recording
+
 EXPERTS = int(CONFIG["n_routed_experts"])
 TOP_K = int(CONFIG["num_experts_per_tok"])
 BUDGET = 12
 NEAR_TIE = 1e-4  # summed weights closer than this at the budget's edge: either expert may be kept
+TOKEN_TIE = 1e-6  # selection scores this close at a token's top-k edge (bfloat16 logits on a GPU tie often)
+# eager everywhere; on a GPU also torch.compile with CUDA graphs, where the budget runs inside the captured graphs
+MODES = ["eager", *(["compiled"] if torch.cuda.is_available() else [])]
 
 
 def selection_bias() -> dict[int, np.ndarray]:
@@ -35,11 +40,19 @@ def selection_bias() -> dict[int, np.ndarray]:
                 for name in tensors.keys() if name.endswith("e_score_correction_bias")}
 
 
-def reroute(group: list[dict[str, Any]], bias: np.ndarray, budget: int) -> tuple[list[set[int]], bool]:
-    """The experts each token of one budget group should use, computed from the router's own choice (the first
-    top-k of the recorded candidates, all experts, by selection score): the ``budget`` experts of largest summed
-    renormalised weight are kept, and a token that used another is given the top-k of its candidates among them.
-    Also whether the budget's edge is a near-tie."""
+def top_k_among(row: dict[str, Any], allowed: set[int] | None) -> set[int] | None:
+    """The token's top-k candidates (ranked by selection score) among ``allowed`` (None: all); None at a near-tie."""
+    ranked = [(e, s) for e, s in zip(row["cand_experts"], row["cand_scores"]) if allowed is None or e in allowed]
+    if len(ranked) > TOP_K and ranked[TOP_K - 1][1] - ranked[TOP_K][1] < TOKEN_TIE:
+        return None
+    return {e for e, _ in ranked[:TOP_K]}
+
+
+def reroute(group: list[dict[str, Any]], bias: np.ndarray, budget: int) -> tuple[list[set[int] | None], bool]:
+    """The experts each token of one budget group should use (None: undecidable, a near-tie), computed from the
+    router's own choice (the first top-k of the recorded candidates, all experts, by selection score): the
+    ``budget`` experts of largest summed renormalised weight are kept, and a token that used another is given the
+    top-k of its candidates among them. Also whether the budget's edge is a near-tie."""
     summed = np.zeros(EXPERTS)
     for row in group:
         own = np.asarray(row["cand_experts"][:TOP_K])
@@ -51,16 +64,17 @@ def reroute(group: list[dict[str, Any]], bias: np.ndarray, budget: int) -> tuple
     expected = []
     for row in group:
         own = set(row["cand_experts"][:TOP_K])
-        expected.append(own if own <= kept else set([e for e in row["cand_experts"] if e in kept][:TOP_K]))
+        expected.append(top_k_among(row, None if own <= kept else kept))
     return expected, near_tie
 
 
-@pytest.fixture(scope="module")
-def budgeted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=MODES)
+def budgeted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared recording's workload (n-gram k=3) with every layer limited to 12 experts per verification step,
     every expert kept as a candidate."""
+    compiled = ["--compiled"] if request.param == "compiled" else []
     return record_like_the_fixture(tmp_path_factory.mktemp("budget"), "--budget", str(BUDGET),
-                                   "--candidates", str(EXPERTS))
+                                   "--candidates", str(EXPERTS), *compiled)
 
 
 @pytest.mark.vllm
@@ -80,6 +94,8 @@ def test_budgeted_verification_uses_at_most_the_budget_and_matches_an_independen
             ties += 1
             continue
         for row, want in zip(group.to_dicts(), expected):
+            if want is None:
+                continue
             assert set(row["experts"]) == want, (step, layer, row["request"], row["position"])
             rerouted += set(row["cand_experts"][:TOP_K]) != want
             checked += 1
@@ -103,8 +119,9 @@ def test_a_rerouted_token_keeps_the_routers_normalisation(budgeted: Path) -> Non
 def test_prefill_and_steps_without_drafts_keep_the_routers_own_choice(budgeted: Path) -> None:
     rows = open_trace(budgeted).routing().filter(pl.col("phase") != "verify").collect()
     assert rows.height > 1000
-    differ = sum(set(r["experts"]) != set(r["cand_experts"][:TOP_K]) for r in rows.to_dicts())
-    assert differ == 0
+    own = [(set(r["experts"]), top_k_among(r, None)) for r in rows.to_dicts()]
+    assert sum(want is not None and used != want for used, want in own) == 0
+    assert sum(want is None for _, want in own) < 0.01 * len(own)
 
 
 def greedy_tokens(trace: Path) -> dict[str, list[int]]:

@@ -33,6 +33,8 @@ from moetrace.host import cpu_model
 from moetrace.trace.reader import open_trace
 
 pytestmark = pytest.mark.vllm
+# the tests of the shared recording run on one pytest-xdist worker: one recording per run, not one per worker
+ON_THE_SHARED_RECORDINGS_WORKER = pytest.mark.xdist_group("recorded_trace")
 
 
 class TransformersRouting:
@@ -78,6 +80,7 @@ def near_tie(cand_scores: np.ndarray, top_k: int) -> bool:
     return bool(abs(float(cand_scores[top_k - 1]) - float(cand_scores[top_k])) < 1e-4)
 
 
+@ON_THE_SHARED_RECORDINGS_WORKER
 def test_recorded_routing_matches_transformers_on_the_same_weights(recorded_trace: Path) -> None:
     trace = open_trace(recorded_trace)
     routing = trace.routing().collect()
@@ -121,6 +124,7 @@ def test_recorded_routing_matches_transformers_on_the_same_weights(recorded_trac
     assert unexplained == 0
 
 
+@ON_THE_SHARED_RECORDINGS_WORKER
 def test_recorded_acceptance_agrees_with_vllm_per_request_metrics(recorded_trace: Path) -> None:
     trace = open_trace(recorded_trace)
     steps = trace.steps().collect()
@@ -135,6 +139,7 @@ def test_recorded_acceptance_agrees_with_vllm_per_request_metrics(recorded_trace
     assert total_drafted > 0
 
 
+@ON_THE_SHARED_RECORDINGS_WORKER
 def test_recorded_drafts_and_acceptance_equal_vllms_own_spec_decode_counters(recorded_trace: Path) -> None:
     """vLLM's counters (``vllm:spec_decode_num_*``, what ``/metrics`` serves) are the cross-check that every vLLM
     release has, also those without per-request metrics (0.26)."""
@@ -151,6 +156,7 @@ def test_recorded_drafts_and_acceptance_equal_vllms_own_spec_decode_counters(rec
     assert routing["accepted"].sum() == counters["num_accepted_tokens"] * layers
 
 
+@ON_THE_SHARED_RECORDINGS_WORKER
 def test_accepted_drafts_are_the_tokens_vllm_returned_and_the_first_rejected_is_not(recorded_trace: Path) -> None:
     """Checked against vLLM's own output tokens, not the recorder's arrays: under greedy verification an accepted
     draft is the token the target produced at its position, and the first rejected draft of a window is not."""
@@ -174,6 +180,7 @@ def test_accepted_drafts_are_the_tokens_vllm_returned_and_the_first_rejected_is_
     assert checked_accepted > 0 and checked_rejected > 0
 
 
+@ON_THE_SHARED_RECORDINGS_WORKER
 def test_every_window_token_and_layer_is_recorded_with_valid_experts(recorded_trace: Path) -> None:
     trace = open_trace(recorded_trace)
     manifest = trace.manifest.document
@@ -199,6 +206,7 @@ def test_every_window_token_and_layer_is_recorded_with_valid_experts(recorded_tr
     assert np.allclose(weights.sum(axis=1), 1.0, atol=5e-3), "vLLM scales the MoE output, not the weights"
 
 
+@ON_THE_SHARED_RECORDINGS_WORKER
 def test_candidates_rank_the_chosen_experts_first(recorded_trace: Path) -> None:
     routing = open_trace(recorded_trace).routing().collect()
     cand = np.stack(routing["cand_experts"].to_numpy())
@@ -208,6 +216,7 @@ def test_candidates_rank_the_chosen_experts_first(recorded_trace: Path) -> None:
     assert sum(same) / len(same) >= 0.999
 
 
+@ON_THE_SHARED_RECORDINGS_WORKER
 def test_info_prints_manifest_and_counts(recorded_trace: Path) -> None:
     result = CliRunner().invoke(main, ["info", str(recorded_trace)])
     assert result.exit_code == 0, result.output
@@ -252,6 +261,7 @@ def test_sigkill_mid_recording_leaves_readable_files_and_the_writer_process_fini
     assert "engine process ended" in " ".join(shown.stdout.split())
 
 
+@ON_THE_SHARED_RECORDINGS_WORKER
 def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Path, tmp_path: Path) -> None:
     """With vLLM compiling the model (Dynamo traces through the router wrapper), the static-buffer writes are
     part of the compiled graph and record the same routing as eager mode. Compiled kernels round differently, so
@@ -272,6 +282,7 @@ def test_compiled_capture_records_what_eager_capture_records(recorded_trace: Pat
     assert open_trace(recorded_trace).manifest.document["capture"]["phases_timed_every"] == 1  # the CPU's default
 
 
+@ON_THE_SHARED_RECORDINGS_WORKER
 def test_routing_recomputed_from_router_logits_equals_the_wrapped_routers(recorded_trace: Path, tmp_path: Path) -> None:
     """The path for kernels that fuse routing (they never call the router): the recorder takes the logits where
     vLLM hands them on and runs the router's own routing function itself. Forced on the CPU's modular kernels, its
@@ -305,6 +316,7 @@ def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> N
         assert mine["num_accepted"].to_list() == output["spec_decode"]["per_step_accepted"]
 
 
+@ON_THE_SHARED_RECORDINGS_WORKER
 def test_the_trace_says_what_recording_cost_the_engine_thread_and_on_which_host(recorded_trace: Path) -> None:
     manifest = open_trace(recorded_trace).manifest.document
     assert manifest["host"]["kernel"] == platform.release()  # a sandbox (gVisor: 4.4.0) times differently
@@ -315,6 +327,7 @@ def test_the_trace_says_what_recording_cost_the_engine_thread_and_on_which_host(
     assert sum(cost.values()) < 20_000  # and far less than a CPU step (tens of ms)
 
 
+@ON_THE_SHARED_RECORDINGS_WORKER
 def test_the_trace_says_where_each_step_spent_its_time(recorded_trace: Path) -> None:
     trace = open_trace(recorded_trace)
     phases, counts = trace.manifest.document["phases"], trace.manifest.document["counts"]
