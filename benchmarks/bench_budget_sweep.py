@@ -9,8 +9,9 @@ moetrace predicts it saves. Baseline: the same workload under the router's own r
    greedy outputs, step throughput against the unbudgeted run (measured on this machine) and the predicted speedup
    (moetrace's H200 Kimi-K2 preset, from each run's own unique experts).
 3. Bits per byte of the target model on held-out text (the standard-library modules left out of its training),
-   teacher-forced by transformers' DeepseekV3 on the same checkpoint with each budget applied as verification
-   applies it: to windows of k + 1 consecutive tokens, through moetrace's own ``hooks.budget.restrict``.
+   teacher-forced by transformers' DeepseekV3 on the same checkpoint, in windows of the 512 tokens it was trained
+   on, with each budget applied as verification applies it: to runs of k + 1 consecutive tokens, through
+   moetrace's own ``hooks.budget.restrict``.
 
 Writes ``benchmarks/results/budget-sweep.json`` (each figure with the command that made it) and prints each budget's
 figures as ratios to the unbudgeted run's.
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 HELD_OUT_BYTES = 3000  # per held-out module: the first bytes of each (a file's head: imports, docstrings, code)
+TRAINED_LENGTH = 512  # the model was trained on windows of 512 tokens: it is scored on such windows
 RESULTS = Path(__file__).parent / "results" / "budget-sweep.json"
 
 
@@ -64,8 +66,9 @@ def bits_per_byte(texts: list[bytes], budget: int | None, window: int) -> float:
                                           config.num_experts_per_tok)))
     bits = 0.0
     scored = 0
-    for text in texts:
-        tokens = torch.tensor([[BOS_ID, *text]])
+    stream = [token for text in texts for token in (BOS_ID, *text)]
+    for start in range(0, len(stream) - 1, TRAINED_LENGTH):
+        tokens = torch.tensor([stream[start:start + TRAINED_LENGTH]])
         length = tokens.shape[1]
         groups = TokenGroups(length, math.ceil(length / window), "window", torch.device("cpu"))
         starts = list(range(0, length, window)) + [length]

@@ -99,7 +99,8 @@ def test_budgeted_verification_uses_at_most_the_budget_and_matches_an_independen
             assert set(row["experts"]) == want, (step, layer, row["request"], row["position"])
             rerouted += set(row["cand_experts"][:TOP_K]) != want
             checked += 1
-    assert checked > 1000 and rerouted > checked // 10 and ties <= 0.05 * groups
+    # bfloat16 scores (a GPU) tie at the budget's edge in about 1 group of 10, float32 (the CPU) in 1 of 200
+    assert checked > 1000 and rerouted > checked // 10 and ties <= 0.15 * groups
 
 
 @pytest.mark.vllm

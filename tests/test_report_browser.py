@@ -271,3 +271,39 @@ def test_under_ep_the_dashboard_shows_the_held_out_placements_as_the_json_has_th
                       f"{row['balancedness']:.3f}"] for row in placement["rows"]]
     assert [row[0] for row in shown] == ["linear", "vLLM EPLB", "moetrace"] and verdict == placement["verdict"]
     assert errors == []
+
+
+def test_a_budget_sweeps_dashboard_shows_its_table_and_frontier_as_the_json_has_them(tmp_path: Path) -> None:
+    """Two runs of one workload, unbudgeted and at 8 experts per step; their greedy outputs differ in 2 of 12
+    tokens, so the budget's agreement is 10/12."""
+    model = Model(layers=(1, 2))
+    outputs = {"none": [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]], "8": [[1, 2, 0, 4], [5, 6, 7, 8], [9, 9, 9, 0]]}
+    for seed, (name, generated) in enumerate(outputs.items()):
+        tokens = verify_tokens(np.random.default_rng(seed), model, requests=3, steps=16, k=3, accept_prob=0.6)
+        trace = write_trace(tmp_path / "sweep" / f"budget-{name}", tokens, model, k=3)
+        written = json.loads((trace / "manifest.json").read_text())
+        written["workload"] = {"batch_size": 3}
+        if name != "none":
+            written["capture"]["budget"] = {"scope": "step", "per_layer": {"1": 8, "2": 8}}
+        (trace / "manifest.json").write_text(json.dumps(written))
+        (trace / "outputs.jsonl").write_text("".join(json.dumps({"request_id": str(i), "output_token_ids": ids}) + "\n"
+                                                     for i, ids in enumerate(generated)))
+    output = tmp_path / "sweep.html"
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "sweep"), "--k", "3", "--min-agreement", "0.8",
+                                       "--json", "-o", str(output)])
+    assert result.exit_code == 0, result.output
+    sweep = json.loads(result.stdout)["budget_sweep"]
+    assert [(row["budget"], row["limit"], row["agreement"]) for row in sweep["rows"]] == [
+        ("none", "none", 1.0), ("8", "8/step", 10 / 12)]
+    with browser_page(output) as (page, errors):
+        shown = page.eval_on_selector_all("#budget-sweep tr[data-budget]",
+                                          "rows => rows.map(r => Array.from(r.cells, c => c.innerText))")
+        points = page.evaluate("() => { const d = document.getElementById('fig-budget-frontier').data[0];"
+                               " return [Array.from(d.x), Array.from(d.y), Array.from(d.text)]; }")
+    assert [row[:2] + row[4:5] for row in shown] == [
+        [row["budget"] + (" ◀" if row["budget"] == sweep["best"] else ""), row["limit"], f"{row['agreement']:.3f}"]
+        for row in sweep["rows"]]
+    assert points[0] == [row["agreement"] for row in sweep["rows"]]
+    assert points[1] == pytest.approx([row["predicted"] for row in sweep["rows"]])
+    assert sum("◀" in text for text in points[2]) == (sweep["best"] is not None)
+    assert errors == []

@@ -23,7 +23,8 @@ BUDGET_PREFIX = "budget-"
 
 
 def budget_runs(path: Path) -> list[Path]:
-    """The runs of a budget sweep folder (``budget-<name>/``, the unbudgeted one first); [] for anything else."""
+    """The runs of a budget sweep folder (``budget-<name>/``: the unbudgeted one, then by budget); [] for anything
+    else."""
     if not path.is_dir():
         return []
     runs = [child for child in sorted(path.iterdir())
@@ -31,7 +32,11 @@ def budget_runs(path: Path) -> list[Path]:
     if runs and path / f"{BUDGET_PREFIX}{UNBUDGETED}" not in runs:
         raise UserError(f"{path}: a budget sweep needs its {BUDGET_PREFIX}{UNBUDGETED} run (the router's own routing) "
                         "to compare with; record it with --budget ...,none")
-    return sorted(runs, key=lambda run: run.name != f"{BUDGET_PREFIX}{UNBUDGETED}")
+    def order(run: Path) -> tuple[bool, int, str]:  # the unbudgeted run, then budgets by size, then files by name
+        name = run.name.removeprefix(BUDGET_PREFIX)
+        return name != UNBUDGETED, int(name) if name.isdigit() else 1 << 30, name
+
+    return sorted(runs, key=order)
 
 
 def recorded_concurrency(trace: Trace) -> int:

@@ -76,5 +76,6 @@ def render_dashboard(summary: Mapping[str, Any]) -> str:
             "coverage": summary["coverage_target"],
             "sources": {entry["source"]: entry for entry in legend},
             "runs": summary["runs"],
+            "budget_sweep": summary.get("budget_sweep"),
         },
     )
