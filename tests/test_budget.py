@@ -26,7 +26,7 @@ pytestmark = pytest.mark.xdist_group("recorded_trace")  # its report test reuses
 EXPERTS = int(CONFIG["n_routed_experts"])
 TOP_K = int(CONFIG["num_experts_per_tok"])
 BUDGET = 12
-NEAR_TIE = 1e-4  # summed weights closer than this at the budget's edge: either expert may be kept
+NEAR_TIE = 1e-5  # summed weights closer than this at the budget's edge: either expert may be kept
 TOKEN_TIE = 1e-6  # selection scores this close at a token's top-k edge (bfloat16 logits on a GPU tie often)
 # eager everywhere; on a GPU also torch.compile with CUDA graphs, where the budget runs inside the captured graphs
 MODES = ["eager", *(["compiled"] if torch.cuda.is_available() else [])]
@@ -82,6 +82,8 @@ def test_budgeted_verification_uses_at_most_the_budget_and_matches_an_independen
     trace = open_trace(budgeted)
     budget = trace.manifest.capture.budget
     assert budget is not None and budget.scope == "step" and set(budget.per_layer.values()) == {BUDGET}
+    if trace.manifest.document["capture"]["mode"] != "eager":  # compiled: the budget ran inside CUDA graphs
+        assert trace.manifest.document["capture_mechanisms"].get("graph", 0) > 0
     rows = trace.routing().filter(pl.col("phase") == "verify").sort("step", "layer", "request", "position").collect()
     biases = selection_bias()
     checked = rerouted = ties = groups = 0
@@ -99,8 +101,8 @@ def test_budgeted_verification_uses_at_most_the_budget_and_matches_an_independen
             assert set(row["experts"]) == want, (step, layer, row["request"], row["position"])
             rerouted += set(row["cand_experts"][:TOP_K]) != want
             checked += 1
-    # bfloat16 scores (a GPU) tie at the budget's edge in about 1 group of 10, float32 (the CPU) in 1 of 200
-    assert checked > 1000 and rerouted > checked // 10 and ties <= 0.15 * groups
+    # bfloat16 scores (a GPU) tie at the budget's edge in 5-20% of the groups, float32 (the CPU) in 1 of 200
+    assert checked > 1000 and rerouted > checked // 10 and ties <= 0.25 * groups
 
 
 @pytest.mark.vllm

@@ -60,6 +60,14 @@ def greedy_outputs(trace: Trace) -> pl.LazyFrame:
         position=pl.int_range(pl.len()).over("request"))
 
 
+def recorded_on(trace: Trace) -> str:
+    """The device the trace's engine ran on: its GPU where the rows came off one, else the host's CPU."""
+    document = trace.manifest.document
+    host = document.get("host") or {}
+    on_gpu = (document.get("capture") or {}).get("host_copy") not in (None, "host")
+    return str(host["gpus"][0]) if on_gpu and host.get("gpus") else str(host.get("cpu") or "the recording's host")
+
+
 def describe_budget(trace: Trace) -> str:
     budget = trace.manifest.capture.budget
     if budget is None:
@@ -106,7 +114,7 @@ def budget_sweep_summary(analyses: Sequence[RunAnalysis], min_agreement: float) 
     table = pl.DataFrame(rows)
     best = best_budgets(table, [batch], min_agreement)[batch]
     return {"k": k, "batch": batch, "min_agreement": min_agreement, "best": best,
-            "measured_on": reference.manifest.document.get("host", {}).get("cpu") or "the recording's host",
+            "measured_on": recorded_on(reference),
             "rows": [{**row, "predicted": row.pop(f"predicted_{batch}")} for row in rows]}
 
 
