@@ -41,9 +41,8 @@ def budget_runs(path: Path) -> list[Path]:
 
 def recorded_concurrency(trace: Trace) -> int:
     """The requests per step the run was recorded at (``moetrace record --batch-size``; else its steps' median)."""
-    given = trace.manifest.document.get("workload", {}).get("batch_size")
-    if given:
-        return int(given)
+    if trace.manifest.batch_size:
+        return trace.manifest.batch_size
     return max(1, round(float(step_times(trace.steps())["requests_per_step"].item() or 1)))
 
 
@@ -62,10 +61,8 @@ def greedy_outputs(trace: Trace) -> pl.LazyFrame:
 
 def recorded_on(trace: Trace) -> str:
     """The device the trace's engine ran on: its GPU where the rows came off one, else the host's CPU."""
-    document = trace.manifest.document
-    host = document.get("host") or {}
-    on_gpu = (document.get("capture") or {}).get("host_copy") not in (None, "host")
-    return str(host["gpus"][0]) if on_gpu and host.get("gpus") else str(host.get("cpu") or "the recording's host")
+    host = trace.manifest.host
+    return host.gpus[0] if trace.manifest.capture.on_gpu and host.gpus else host.cpu or "the recording's host"
 
 
 def describe_budget(trace: Trace) -> str:

@@ -112,6 +112,15 @@ class CaptureInfo:
     token_ids: bool
     async_scheduling: bool | None  # None where the recorder did not say (an imported trace)
     budget: BudgetInfo | None  # None: the router's own routing
+    on_gpu: bool  # the rows came off a GPU (``host_copy`` other than ``host``)
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """The machine that recorded: its CPU model and the GPUs NVML listed (none off NVIDIA)."""
+
+    cpu: str | None
+    gpus: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,8 @@ class Manifest:
     requests: tuple[str, ...]
     phases: Mapping[str, Any]  # per timed call and batch: calls, host and device medians
     source: SourceInfo | None
+    host: HostInfo
+    batch_size: int | None  # the requests ``moetrace record --batch-size`` allowed at once (None: not recorded)
     document: Mapping[str, Any]
 
     @classmethod
@@ -156,6 +167,7 @@ class Manifest:
         model, spec = document["model"], document["spec"]
         parallel, capture = document["parallel"], document.get("capture") or {}
         source = document.get("source")
+        host, workload = document.get("host") or {}, document.get("workload") or {}
         try:
             dp_rank = int(parallel.get("dp_rank") or 0)
             return cls(
@@ -178,13 +190,16 @@ class Manifest:
                                     budget=None if capture.get("budget") is None else BudgetInfo(
                                         scope=str(capture["budget"]["scope"]),
                                         per_layer={int(layer): int(size)
-                                                   for layer, size in capture["budget"]["per_layer"].items()})),
+                                                   for layer, size in capture["budget"]["per_layer"].items()}),
+                                    on_gpu=capture.get("host_copy") not in (None, "host")),
                 counts={str(key): int(value or 0) for key, value in (document.get("counts") or {}).items()},
                 requests=tuple(str(r) for r in document.get("requests") or []),
                 phases=document.get("phases") or {},
                 source=None if source is None else SourceInfo(
                     engine=str(source["engine"]), format=str(source["format"]), holds=str(source["holds"]),
                     lacks=tuple(str(what) for what in source["lacks"])),
+                host=HostInfo(cpu=host.get("cpu"), gpus=tuple(str(gpu) for gpu in host.get("gpus") or [])),
+                batch_size=None if workload.get("batch_size") is None else int(workload["batch_size"]),
                 document=document,
             )
         except (KeyError, TypeError, ValueError) as exc:
