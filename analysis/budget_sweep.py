@@ -3,8 +3,6 @@ compared with the run under the router's own routing (``none``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import polars as pl
 
 UNBUDGETED = "none"
@@ -24,13 +22,9 @@ def greedy_agreement(reference: pl.LazyFrame, other: pl.LazyFrame) -> pl.DataFra
     ).collect()
 
 
-def best_budgets(rows: pl.DataFrame, batches: Sequence[int], min_agreement: float) -> Mapping[int, str | None]:
-    """Per concurrency: the budget whose predicted speedup (column ``predicted_<batch>``) is the largest among
-    those whose ``agreement`` with the unbudgeted outputs is at least ``min_agreement`` (None where none is)."""
-    eligible = rows.filter(pl.col("agreement") >= min_agreement)
-    best: dict[int, str | None] = {}
-    for batch in batches:
-        column = f"predicted_{batch}"
-        ranked = eligible.filter(pl.col(column).is_not_null()).sort(column, descending=True)
-        best[batch] = str(ranked["budget"][0]) if ranked.height else None
-    return best
+def best_budget(rows: pl.DataFrame, column: str, min_agreement: float) -> str | None:
+    """The budget with the largest ``column`` (a speedup: ``predicted`` or ``measured_vs_none``) among those whose
+    ``agreement`` with the unbudgeted outputs is at least ``min_agreement``; None where none has one."""
+    ranked = rows.filter((pl.col("agreement") >= min_agreement) & pl.col(column).is_not_null()).sort(
+        column, descending=True)
+    return str(ranked["budget"][0]) if ranked.height else None

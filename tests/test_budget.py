@@ -152,6 +152,7 @@ def test_report_on_a_budget_sweep_compares_each_budget_with_the_unbudgeted_outpu
     # the best budget: the largest predicted speedup among those that keep --min-agreement
     eligible = [name for name, row in rows.items() if row["agreement"] >= 0.99]
     assert table["best"] == max(eligible, key=lambda name: rows[name]["predicted"])
+    assert table["measured_best"] == max(eligible, key=lambda name: rows[name]["measured_vs_none"])
     done = CliRunner().invoke(main, ["report", str(sweep), "--k", "3", "--min-agreement", "1", "-o",
                                      str(tmp_path / "r.html")])
     assert done.exit_code == 0 and "none ◀" in done.stdout and "12/step" in done.stdout

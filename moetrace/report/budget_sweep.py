@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moetrace.analysis.acceptance import acceptance_summary, step_times
-from moetrace.analysis.budget_sweep import UNBUDGETED, best_budgets, greedy_agreement
+from moetrace.analysis.budget_sweep import UNBUDGETED, best_budget, greedy_agreement
 from moetrace.errors import UserError
 from moetrace.report.summary import RunAnalysis
 from moetrace.trace.reader import Trace, holds_run
@@ -106,13 +106,13 @@ def budget_sweep_summary(analyses: Sequence[RunAnalysis], min_agreement: float) 
             "agreement": agreement["agreement"],
             "diverged_requests": agreement["diverged"],
             "measured_vs_none": rate / reference_rate if rate and reference_rate else None,
-            f"predicted_{batch}": predicted,
+            "predicted": predicted,
         })
     table = pl.DataFrame(rows)
-    best = best_budgets(table, [batch], min_agreement)[batch]
-    return {"k": k, "batch": batch, "min_agreement": min_agreement, "best": best,
-            "measured_on": recorded_on(reference),
-            "rows": [{**row, "predicted": row.pop(f"predicted_{batch}")} for row in rows]}
+    return {"k": k, "batch": batch, "min_agreement": min_agreement,
+            "best": best_budget(table, "predicted", min_agreement),
+            "measured_best": best_budget(table, "measured_vs_none", min_agreement),
+            "measured_on": recorded_on(reference), "rows": rows}
 
 
 def print_budget_sweep(sweep: dict[str, Any], console: Console) -> None:
@@ -138,3 +138,7 @@ def print_budget_sweep(sweep: dict[str, Any], console: Console) -> None:
     else:
         console.print(f"◀ the largest predicted speedup at agreement >= {sweep['min_agreement']:g}", markup=False,
                       highlight=False)
+    if sweep["measured_best"] not in (None, sweep["best"]):
+        console.print(f"measured on {sweep['measured_on']}, budget {sweep['measured_best']} pays most at that "
+                      "agreement: the prediction is for the deployment it names, not for the machine that recorded",
+                      markup=False, highlight=False)
