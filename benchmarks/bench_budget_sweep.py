@@ -53,6 +53,7 @@ def held_out_text() -> list[bytes]:
 def bits_per_byte(texts: list[bytes], budget: int | None, window: int) -> float:
     """Teacher-forced bits per byte of the default model on ``texts`` (byte tokens), each MoE layer limited to
     ``budget`` experts per window of ``window`` consecutive tokens (None: the router's own routing)."""
+    import numpy as np
     import torch
     from transformers import DeepseekV3ForCausalLM
 
@@ -62,8 +63,8 @@ def bits_per_byte(texts: list[bytes], budget: int | None, window: int) -> float:
     model = DeepseekV3ForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
     gates = {index: layer.mlp.gate for index, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")}
     config = model.config
-    sizes = dict(zip(gates, layer_budgets(budget or config.n_routed_experts, list(gates), config.n_routed_experts,
-                                          config.num_experts_per_tok)))
+    sizes = [] if budget is None else layer_budgets(budget, list(gates), config.n_routed_experts,
+                                                    config.num_experts_per_tok)
     bits = 0.0
     scored = 0
     stream = [token for text in texts for token in (BOS_ID, *text)]
@@ -72,18 +73,17 @@ def bits_per_byte(texts: list[bytes], budget: int | None, window: int) -> float:
         length = tokens.shape[1]
         groups = TokenGroups(length, math.ceil(length / window), "window", torch.device("cpu"))
         starts = list(range(0, length, window)) + [length]
-        groups.plan((torch.tensor(starts).numpy(), torch.full((len(starts) - 1,), window - 1).numpy()))
+        groups.plan((np.array(starts), np.full(len(starts) - 1, window - 1)))
         hooks = []
-        for index, gate in gates.items():
-            rule = LayerBudget(sizes[index], "sigmoid", bool(config.norm_topk_prob))
+        for size, gate in zip(sizes, gates.values()):
+            rule = LayerBudget(size, "sigmoid", bool(config.norm_topk_prob))
 
             def limited(gate: Any, _inputs: Any, output: tuple[Any, Any, Any], rule: LayerBudget = rule) -> Any:
                 logits, weights, ids = output
                 weights, ids = restrict(groups, rule, logits, gate.e_score_correction_bias, weights, ids)
                 return logits, weights, ids
 
-            if budget is not None:
-                hooks.append(gate.register_forward_hook(limited))
+            hooks.append(gate.register_forward_hook(limited))
         with torch.no_grad():
             logits = model(tokens).logits[0, :-1].float()
         for hook in hooks:

@@ -23,7 +23,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-BUDGET_SCOPES = ("step", "window")
+from moetrace.hooks.options import BUDGET_SCOPES
+
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 

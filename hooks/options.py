@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+BUDGET_SCOPES = ("step", "window")  # a budget limits a step's verifying tokens together, or each request's window
+
 
 @dataclass(frozen=True)
 class RecordingOptions:
@@ -41,8 +43,8 @@ class RecordingOptions:
         budgets = [self.budget] if isinstance(self.budget, int) else list((self.budget or {}).values())
         if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in budgets):
             raise ValueError(f"'budget' must be a positive integer or a map of layer to one, got {self.budget!r}")
-        if self.budget_scope not in ("step", "window"):
-            raise ValueError(f"'budget_scope' must be 'step' or 'window', got {self.budget_scope!r}")
+        if self.budget_scope not in BUDGET_SCOPES:
+            raise ValueError(f"'budget_scope' must be one of {', '.join(BUDGET_SCOPES)}, got {self.budget_scope!r}")
         for name in ("rotate_seconds", "seconds"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -171,7 +171,6 @@ class Recorder:
         why this engine cannot enforce ``options.budget``."""
         if not isinstance(self.model_runner, RunnerV1) or data_parallel > 1:
             raise UnsupportedRunner("a budget needs Model Runner V1 without data parallelism")
-        self.planned_windows = self.model_runner.planned_windows
         if any(entry is not None for entry in self.entries):
             raise UnsupportedRunner("a budget needs the router's own routing (this MoE kernel fuses it)")
         routers = [moe.router for moe in self.runners]
@@ -326,7 +325,8 @@ class Recorder:
         self._plan = (plan, result, args, kwargs)
         if self.budgets is not None:  # the step's token groups reach the device before its forward
             with self._guarded:
-                self.budgets[0][0].plan(self.planned_windows(self._scheduled, kwargs.get("num_tokens")))
+                runner = cast(RunnerV1, self.model_runner)  # a budget is refused on any other (``_budgets``)
+                self.budgets[0][0].plan(runner.planned_windows(self._scheduled, kwargs.get("num_tokens")))
         return result
 
     def forward_launched(self) -> None:

@@ -17,6 +17,7 @@ from rich.text import Text
 
 from moetrace.calibrate.command import calibrate
 from moetrace.errors import UserError
+from moetrace.hooks.options import BUDGET_SCOPES
 from moetrace.trace.reader import unreadable_file
 from moetrace.report.commands import budget, report
 
@@ -79,7 +80,7 @@ def main(debug: bool) -> None:
               help="Limit each MoE layer's experts in verification steps to N, or to the per-layer budgets of a "
                    "budgets.json written by `moetrace budget` (the router's own choice is kept as candidates); "
                    "a list such as 12,16,none records one run per budget.")
-@click.option("--budget-scope", type=click.Choice(["step", "window"]), default="step", show_default=True,
+@click.option("--budget-scope", type=click.Choice(BUDGET_SCOPES), default="step", show_default=True,
               help="Apply the budget to a step's verifying tokens together, or to each request's window.")
 @click.option("--out", default=Path("traces"), show_default=True, type=click.Path(path_type=Path),
               help="Where run directories are written.")
