@@ -227,7 +227,7 @@ def _placement(placement: dict[str, Any]) -> Table:
 def _comparison(summary: dict[str, Any]) -> Table:
     k = summary["k"]
     runs = summary["runs"]
-    table = Table(title=f"Side by side at k={k}", title_justify="left")
+    table = Table(title=f"Side by side at k={k}, one request per step", title_justify="left")
     table.add_column("", overflow="fold")
     for run in runs:
         table.add_column(Text(run["label"]), justify="right", overflow="fold")
