@@ -59,6 +59,7 @@ def bits_per_byte(texts: list[bytes], budget: int | None, window: int) -> float:
 
     from moetrace.default_model import BOS_ID, default_model_dir
     from moetrace.hooks.budget import LayerBudget, TokenGroups, layer_budgets, restrict
+    from moetrace.hooks.planned import PlannedStep
 
     model = DeepseekV3ForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
     gates = {index: layer.mlp.gate for index, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")}
@@ -71,12 +72,13 @@ def bits_per_byte(texts: list[bytes], budget: int | None, window: int) -> float:
     for start in range(0, len(stream) - 1, TRAINED_LENGTH):
         tokens = torch.tensor([stream[start:start + TRAINED_LENGTH]])
         length = tokens.shape[1]
-        groups = TokenGroups(length, math.ceil(length / window), "window", torch.device("cpu"))
+        groups = TokenGroups(length, math.ceil(length / window), "window", sizes, config.n_routed_experts,
+                             torch.device("cpu"))
         starts = list(range(0, length, window)) + [length]
-        groups.plan((np.array(starts), np.full(len(starts) - 1, window - 1)))
+        groups.plan(PlannedStep(np.array(starts), np.full(len(starts) - 1, window - 1), []))
         hooks = []
-        for size, gate in zip(sizes, gates.values()):
-            rule = LayerBudget(size, "sigmoid", bool(config.norm_topk_prob))
+        for slot, gate in enumerate(gates.values() if sizes else []):
+            rule = LayerBudget(slot, "sigmoid", bool(config.norm_topk_prob))
 
             def limited(gate: Any, _inputs: Any, output: tuple[Any, Any, Any], rule: LayerBudget = rule) -> Any:
                 logits, weights, ids = output

@@ -2,11 +2,14 @@
 are limited to the layer's budget B, inside the router wrapper that records them (eager and under CUDA graphs).
 
 # T tokens in a forward (T_pad under a CUDA graph), E experts, K top-k, G token groups that share a budget
-# (one per step, or one per request window), B a layer's budget
+# (one per step, or one per request window), B a layer's budget, L budgeted layers
 
-Before each forward (outside any CUDA graph) ``TokenGroups.plan`` writes each token's group into a device buffer
-at a fixed address: verification tokens (a request's window of 1 + d tokens, d > 0 drafts) get their group, every
-other token (prefill, decoding without drafts, a graph's padding) the group ``G`` that the budget leaves alone.
+Each layer's B lives in a device tensor [L] (``TokenGroups.sizes``) that the forward reads, so a running engine
+changes its budgets between steps (``TokenGroups.set_sizes``; B = E: routing unchanged) without capturing its CUDA
+graphs again. Before each forward (outside any CUDA graph) ``TokenGroups.plan`` writes each token's group into a
+device buffer at a fixed address (``hooks.planned``): verification tokens (a request's window of 1 + d tokens,
+d > 0 drafts) get their group, every other token (prefill, decoding without drafts, a graph's padding) the group
+``G`` that the budget leaves alone.
 Inside the forward ``restrict`` keeps, per group, the B experts with the largest summed router weight over the
 group's tokens (MoE-Spec's rule) and re-chooses the top-k of each token that used another expert among the kept
 ones, by the router's selection score (score plus selection bias, any expert groups ignored), its weights scaled
@@ -20,19 +23,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
 from moetrace.hooks.options import BUDGET_SCOPES
+from moetrace.hooks.planned import PlannedBuffer, PlannedStep
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
 class LayerBudget:
-    """One layer's budget, and how its router scores and normalises."""
+    """Where one layer's budget lies in ``TokenGroups.sizes``, and how its router scores and normalises."""
 
-    budget: int
+    slot: int
     scoring_func: str
     renormalize: bool
 
@@ -55,49 +58,49 @@ def layer_budgets(budget: int | Mapping[str, int], layers: list[int], num_expert
 
 
 class TokenGroups:
-    """Which budget group each token of the next forward is in: a device buffer [T_max] at a fixed address (so
-    CUDA graphs read it at every replay), written from one of two host buffers in turn (the last copy may still be
-    in flight under async scheduling)."""
+    """Which budget group each token of the next forward is in (``planned``: a device buffer [T_max] at a fixed
+    address), and every layer's budget (``sizes``: a device tensor [L])."""
 
-    def __init__(self, max_tokens: int, max_requests: int, scope: str, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_requests: int, scope: str, sizes: list[int], num_experts: int,
+                 device: torch.device) -> None:
         if scope not in BUDGET_SCOPES:
             raise ValueError(f"budget scope {scope!r} is not one of {', '.join(BUDGET_SCOPES)}")
         self.scope = scope
         self.groups = 1 if scope == "step" else max_requests
         self.untouched = self.groups  # the group of tokens the budget leaves alone
-        pinned = torch.device(device).type == "cuda"
-        self._host = [torch.full((max_tokens,), self.untouched, dtype=torch.int64, pin_memory=pinned)
-                      for _ in range(2)]
-        self._turn = 0
-        self.device = torch.full((max_tokens,), self.untouched, dtype=torch.int64, device=device)
+        self.planned = PlannedBuffer((max_tokens,), self.untouched, device)
+        self.sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
+        self.ranks = torch.arange(num_experts, device=device)  # [E]: an expert's place in its group's order
 
-    def plan(self, windows: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None) -> None:
-        """Group the next forward's tokens from ``windows`` (query_start [R + 1], drafts [R]): request r's tokens
-        query_start[r]:query_start[r+1] verify drafts[r] drafts where that is > 0; None (a forward that is no
+    def set_sizes(self, sizes: list[int]) -> None:
+        """Every layer's budget from the next forward on (the engine between steps)."""
+        self.sizes.copy_(torch.tensor(sizes, dtype=torch.int64))
+
+    def plan(self, step: PlannedStep | None) -> None:
+        """Group the next forward's tokens: a request's verify where it has drafts; None (a forward that is no
         request's step, such as a dummy run): every token left alone."""
-        host = self._host[self._turn]
-        self._turn ^= 1
-        host.fill_(self.untouched)
-        if windows is not None:
-            query_start, drafts = windows
-            view = host.numpy()
-            for request in np.flatnonzero(drafts > 0):
-                view[query_start[request]:query_start[request + 1]] = 0 if self.scope == "step" else request
-        self.device.copy_(host, non_blocking=True)
+        with self.planned.planning() as view:
+            if step is not None:
+                for request in np.flatnonzero(step.drafts > 0):
+                    view[step.query_start[request]:step.query_start[request + 1]] = (
+                        0 if self.scope == "step" else request)
 
 
 def restrict(groups: TokenGroups, layer: LayerBudget, router_logits: torch.Tensor, bias: torch.Tensor | None,
              weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's (weights, ids) [T, K] with every group's tokens limited to the group's B experts of largest
-    summed weight; tokens whose experts are all kept, and tokens of no group, unchanged."""
+    summed weight (B: the layer's entry in ``groups.sizes``); tokens whose experts are all kept, and tokens of no
+    group, unchanged."""
     tokens, top_k = ids.shape
-    group = groups.device[:tokens]  # [T]
+    group = groups.planned.device[:tokens]  # [T]
     experts = router_logits.shape[-1]
     # [G+1, E]: scatter_add on the flat view (atomic adds: no sort, no host sync, capturable in a CUDA graph)
     summed = torch.zeros((groups.groups + 1) * experts, dtype=torch.float32, device=ids.device)
     summed.scatter_add_(0, (group[:, None] * experts + ids.long()).flatten(), weights.float().flatten())
     summed = summed.view(groups.groups + 1, experts)
-    kept = torch.zeros_like(summed, dtype=torch.bool).scatter_(1, summed.topk(layer.budget, dim=1).indices, True)
+    ranked = summed.argsort(dim=1, descending=True)  # [G+1, E]; the first B of each group are kept
+    within = (groups.ranks < groups.sizes[layer.slot]).expand_as(ranked)
+    kept = torch.zeros_like(summed, dtype=torch.bool).scatter_(1, ranked, within)
     kept[groups.untouched] = True
     allowed = kept[group]  # [T, E]
     keeps_its_experts = allowed.gather(1, ids.long()).all(dim=1, keepdim=True)  # [T, 1]

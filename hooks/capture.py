@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from moetrace.hooks.budget import LayerBudget, TokenGroups, restrict
+from moetrace.hooks.replay import ReplayedRouting
 
 RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 GraphKey = Callable[[], Hashable]
@@ -229,18 +230,31 @@ def record(capture: RoutingCapture, slot: int, router: Any, weights: torch.Tenso
 
 
 def wrap_router(router: Any, slot: int, capture: RoutingCapture,
-                budget: tuple[TokenGroups, LayerBudget] | None = None) -> None:
-    """Make ``router._compute_routing`` also record its result for layer ``slot`` (with ``budget``: first limited to
-    the layer's budget in verification, ``hooks.budget``; the candidates recorded stay the router's own).
+                budget: tuple[TokenGroups, LayerBudget] | None = None, replay: ReplayedRouting | None = None) -> None:
+    """Make ``router._compute_routing`` also record its result for layer ``slot``; with ``replay``, first route on
+    the replayed trace's logits instead of the model's (``hooks.replay``); with ``budget``, then limit the result to
+    the layer's budget in verification (``hooks.budget``; the candidates recorded stay the router's own choice).
     Idempotent."""
     if _WRAPPED_MARK in vars(router):
         return
     original: RoutingFn = router._compute_routing
     bias = getattr(router, "e_score_correction_bias", None)
+    if replay is not None and isinstance(bias, torch.Tensor):
+        with torch.no_grad():
+            bias.zero_()  # the replayed scores already hold the recorded model's selection bias
 
     def compute_routing_and_capture(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        positional = len(args) > 1
+        router_logits = args[1] if positional else kwargs.get("router_logits")
+        if replay is not None and capture.failed is None:
+            try:
+                router_logits = replay.logits(slot, router_logits)  # type: ignore[arg-type]
+            except Exception as exc:
+                capture.failed = f"inside the forward, replay into layer slot {slot}: {type(exc).__name__}: {exc}"
+            else:
+                args, kwargs = ((args[0], router_logits, *args[2:]), kwargs) if positional else (
+                    args, {**kwargs, "router_logits": router_logits})
         weights, ids = original(*args, **kwargs)
-        router_logits = args[1] if len(args) > 1 else kwargs.get("router_logits")
         if budget is not None and capture.failed is None:
             try:
                 weights, ids = restrict(*budget, router_logits, bias, weights, ids)  # type: ignore[arg-type]

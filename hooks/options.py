@@ -32,6 +32,8 @@ class RecordingOptions:
     # per step's verifying tokens, or per request window (``budget_scope``)
     budget: int | dict[str, int] | None = None
     budget_scope: str = "step"
+    # route as the trace at this path routed (``hooks.replay``: a model with dummy weights, routed as a trained one)
+    replay_routing: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.out, str) or not self.out:

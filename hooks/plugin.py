@@ -88,13 +88,7 @@ def install(worker: Any, options: RecordingOptions) -> None:
             return  # routing is replicated across TP ranks: rank 0 records
         if api.pp_size() > 1:
             raise RuntimeError("pipeline parallelism is not supported yet")
-        # A recording started by hand under `vllm serve` gets its run id from its directory and start time.
-        run_id = options.run_id or f"{Path(options.out).name}-{time.strftime('%Y%m%dT%H%M%S')}"
-        options = dataclasses.replace(options, run_id=run_id)
-        parallel = worker.vllm_config.parallel_config
-        if int(parallel.data_parallel_size) > 1:  # every DP rank records its own requests, into its own directory
-            options = dataclasses.replace(options, out=str(Path(options.out) / f"dp{int(parallel.data_parallel_rank)}"))
-        recorder = Recorder(api, worker.model_runner, worker.vllm_config, options)
+        recorder = Recorder(api, worker.model_runner, worker.vllm_config, worker_options(worker, options))
     except Exception as exc:
         worker._moetrace_error = f"{exc}"
         log.warning("moetrace: not recording: %s", exc)
@@ -104,21 +98,35 @@ def install(worker: Any, options: RecordingOptions) -> None:
     atexit.register(close_quietly, worker)
 
 
+def worker_options(worker: Any, options: RecordingOptions) -> RecordingOptions:
+    """``options`` as this worker records them: a recording started by hand under `vllm serve` gets its run id from
+    its directory and start time; every DP rank records its own requests, into its own directory."""
+    run_id = options.run_id or f"{Path(options.out).name}-{time.strftime('%Y%m%dT%H%M%S')}"
+    options = dataclasses.replace(options, run_id=run_id)
+    parallel = worker.vllm_config.parallel_config
+    if int(parallel.data_parallel_size) > 1:
+        options = dataclasses.replace(options, out=str(Path(options.out) / f"dp{int(parallel.data_parallel_rank)}"))
+    return options
+
+
 def close_quietly(worker: Any) -> dict[str, Any] | None:
     recorder = getattr(worker, "_moetrace_recorder", None)
     if recorder is None:
         return None
     worker._moetrace_recorder = None
     try:
-        manifest = recorder.close()
-        # Only plain JSON travels back over vLLM's RPC.
-        return {"complete": bool(manifest["complete"]), "counts": dict(manifest.get("counts") or {}),
-                "error": manifest.get("error"), "engine_thread_us_per_step": manifest.get("engine_thread_us_per_step"),
-                "phases": manifest.get("phases"), "capture_mechanisms": manifest.get("capture_mechanisms"),
-                "host_copy": (manifest.get("capture") or {}).get("host_copy")}
+        return closed_summary(recorder.close())
     except Exception as exc:
         log.warning("moetrace: closing the trace failed: %s", exc)
         return None
+
+
+def closed_summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What the driver hears of a closed trace: plain JSON, as vLLM's RPC carries."""
+    return {"complete": bool(manifest["complete"]), "counts": dict(manifest.get("counts") or {}),
+            "error": manifest.get("error"), "engine_thread_us_per_step": manifest.get("engine_thread_us_per_step"),
+            "phases": manifest.get("phases"), "capture_mechanisms": manifest.get("capture_mechanisms"),
+            "host_copy": (manifest.get("capture") or {}).get("host_copy")}
 
 
 class RecordingWorkerExtension:
@@ -136,6 +144,15 @@ class RecordingWorkerExtension:
 
     def moetrace_close(self) -> dict[str, Any] | None:
         return close_quietly(self)
+
+    def moetrace_next_trace(self, options: str) -> dict[str, Any] | None:
+        """Close the trace under way and record into the one ``options`` (``RecordingOptions`` JSON) names, with
+        its budget, in this engine (``Recorder.next_trace``); the closed trace's summary, None where this worker
+        records nothing. Raises ``ValueError`` for options only a new engine could take."""
+        recorder = getattr(self, "_moetrace_recorder", None)
+        if recorder is None:
+            return None
+        return closed_summary(recorder.next_trace(worker_options(self, RecordingOptions.from_text(options))))
 
     def moetrace_pause(self) -> bool:
         """Unwrap routers and runner (recording off, engine as without moetrace) until ``moetrace_resume``."""

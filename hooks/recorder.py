@@ -55,6 +55,7 @@ from moetrace.hooks.capture import (
 )
 from moetrace.hooks.manifest import worker_manifest
 from moetrace.hooks.options import RecordingOptions
+from moetrace.hooks.replay import ReplayedRouting, load_bank
 from moetrace.hooks.vllm_api import ForwardPlan, HookPoint, RunnerV1, WorkerApi, require_fields
 from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CUDA, PhaseTiming
@@ -94,13 +95,14 @@ class Recorder:
         self.top_k = infos[0].top_k
         self.candidates = options.candidates
         self.token_ids = options.token_ids
-        device = next(runner.model.parameters()).device
+        device = self.device = next(runner.model.parameters()).device
         self.capture = RoutingCapture(
             int(runner.max_num_tokens), len(infos), self.top_k, self.candidates, device, graph_key=api.graph_key
         )
-        self.budgets = None if options.budget is None else self._budgets(
-            options, infos, device, int(vllm_config.parallel_config.data_parallel_size))
-        self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
+        data_parallel = int(vllm_config.parallel_config.data_parallel_size)
+        self.options, self._vllm_config, self._infos = options, vllm_config, infos
+        self.budgets = None if options.budget is None else self._budgets(options, infos, device, data_parallel)
+        self.replay = None if options.replay_routing is None else self._replay(options, infos, device, data_parallel)
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
         self.packing = PackingColumns(self.token_ids)
         self.sampled_on_host = self.model_runner.sampled_on_host()
@@ -110,22 +112,82 @@ class Recorder:
         self._step_kwargs: dict[str, Any] | None = None
         self._plan: tuple[Callable[..., ForwardPlan], Any, tuple[Any, ...], dict[str, Any]] | None = None
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
+        self._close_lock = threading.Lock()
+        self._open_trace(options)
+        self._guarded = Guard(self._stop)
+        self._roles: dict[str, Callable[..., Any]] = {
+            "step": self.step_begins, "sample": self.sample, "sample_tokens": self.sample_tokens,
+            "drafting": self.propose_draft_tokens, "capture_model": self.capture_model}
+        self._installed: list[tuple[HookPoint, Any]] = []  # each hook, and the instance attribute it replaced
+        self._timed_only: list[HookPoint] = []  # hooked only while a timed step is under way
+        self.install()
+
+    def _engine_check(self, what: str, data_parallel: int) -> None:
+        """``UnsupportedRunner`` where ``what`` (a budget, a replay) cannot change this engine's routing: only Model
+        Runner V1 plans each step's tokens before the forward, routers under data parallelism see other ranks'
+        tokens, other tensor-parallel ranks route on their own (rank 0 alone records), and kernels that fuse
+        routing never call the router."""
+        tensor_parallel = int(self._vllm_config.parallel_config.tensor_parallel_size)
+        if not isinstance(self.model_runner, RunnerV1) or data_parallel > 1 or tensor_parallel > 1:
+            raise UnsupportedRunner(f"{what} needs Model Runner V1 without data or tensor parallelism")
+        if any(entry is not None for entry in self.entries):
+            raise UnsupportedRunner(f"{what} needs the router's own routing (this MoE kernel fuses it)")
+
+    def _budgets(self, options: RecordingOptions, infos: list[RouterInfo], device: torch.device, data_parallel: int
+                 ) -> list[tuple[TokenGroups, LayerBudget]]:
+        """Each layer's budget and the token groups they share (``hooks.budget``), or ``UnsupportedRunner`` saying
+        why this engine cannot enforce ``options.budget``."""
+        self._engine_check("a budget", data_parallel)
+        routers = [moe.router for moe in self.runners]
+        if any(info.scoring_func not in SCORING_FUNCS or getattr(router, "num_fused_shared_experts", 0)
+               for info, router in zip(infos, routers)):
+            raise UnsupportedRunner(f"a budget needs {' or '.join(SCORING_FUNCS)} routers without fused shared experts")
+        sizes = self._budget_sizes(options)
+        assert sizes is not None
+        groups = TokenGroups(int(self.runner.max_num_tokens), int(self.runner.max_num_reqs), options.budget_scope,
+                             sizes, infos[0].num_experts, device)
+        return [(groups, LayerBudget(slot, info.scoring_func, bool(getattr(router, "renormalize", True))))
+                for slot, (info, router) in enumerate(zip(infos, routers))]
+
+    def _replay(self, options: RecordingOptions, infos: list[RouterInfo], device: torch.device, data_parallel: int
+                ) -> ReplayedRouting:
+        """The routing of the trace ``options.replay_routing`` names, ready to replay (``hooks.replay``), or
+        ``UnsupportedRunner`` saying why this engine cannot replay it."""
+        self._engine_check("replayed routing", data_parallel)
+        assert options.replay_routing is not None
+        try:
+            bank = load_bank(Path(options.replay_routing), infos[0].num_experts, self.top_k, device)
+        except ValueError as exc:
+            raise UnsupportedRunner(f"cannot replay routing from {exc}") from None
+        return ReplayedRouting(bank, int(self.runner.max_num_tokens), cast(RunnerV1, self.model_runner).positions())
+
+    def _open_trace(self, options: RecordingOptions) -> None:
+        """Start the trace ``options`` names (its directory, run id, workload, budget) and its step state."""
+        self.options = options
+        self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
         self.timing_every = int(options.time_phases_every or (
             TIMED_STEP_EVERY_ON_CUDA if self.capture.cuda else 1))
-        self.ring = SharedRows.create(ring_capacity(self.layout.width, int(runner.max_num_tokens)), self.layout.width)
-        self.copier = StepCopier(device, self.ring, int(runner.max_num_tokens))
+        sizes = self._budget_sizes(options)
+        if self.budgets is not None:
+            self.budgets[0][0].set_sizes(sizes or [self._infos[0].num_experts] * len(self._infos))
+        if self.replay is not None:
+            self.replay.restart()
+        self.ring = SharedRows.create(ring_capacity(self.layout.width, int(self.runner.max_num_tokens)),
+                                      self.layout.width)
+        self.copier = StepCopier(self.device, self.ring, int(self.runner.max_num_tokens))
         self.writer = TraceWriter(
             Path(options.out),
-            worker_manifest(vllm_config, infos, options, capture={
+            worker_manifest(self._vllm_config, self._infos, options, capture={
                 "model_runner": self.model_runner.name,
                 "recomputed_from_logits": any(entry is not None for entry in self.entries),
                 "async_scheduling": not self.sampled_on_host,  # vLLM turns it off for some drafters
                 "phases_timed_every": self.timing_every,
                 "host_copy": self.copier.path,
-                "budget": None if self.budgets is None else {
+                "replayed_routing": options.replay_routing,
+                "budget": None if sizes is None else {
                     "scope": options.budget_scope,
-                    "per_layer": {str(info.layer): layer.budget for info, (_, layer) in zip(infos, self.budgets)}}}),
-            [i.layer for i in infos],
+                    "per_layer": {str(info.layer): size for info, size in zip(self._infos, sizes)}}}),
+            [i.layer for i in self._infos],
             self.top_k,
             self.candidates,
             rotate_seconds=float(options.rotate_seconds),
@@ -135,7 +197,6 @@ class Recorder:
         # so a server that runs for days holds no more than it runs at once); the writer process keeps every id
         self.request_index: dict[str, int] = {}
         self._requests_seen = 0
-        self._guarded = Guard(self._stop)
         self.step = 0
         # A recording window under `vllm serve`: close after this many steps or seconds (None: until shutdown).
         self.window_steps: int | None = options.steps
@@ -143,7 +204,6 @@ class Recorder:
         self._windowed = self.window_steps is not None or self.window_seconds is not None
         self._first_step_at: float | None = None
         self._window_ends = False  # the step under way is the window's last: close once it is queued
-        self._close_lock = threading.Lock()
         self._closed: dict[str, Any] | None = None
         self._pending: PendingStep | None = None
         self.own_ns = {"step": 0, "graph": 0, "hand_over": 0, "layout": 0, "sample": 0, "sample_tokens": 0,
@@ -158,34 +218,35 @@ class Recorder:
         self._t_start = 0  # when the step under way began (ns since the epoch)
         self._forward_began = 0  # the timed step's start (perf_counter_ns), and the events around its forward
         self._forward_events: tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()] | None = None
-        self._roles: dict[str, Callable[..., Any]] = {
-            "step": self.step_begins, "sample": self.sample, "sample_tokens": self.sample_tokens,
-            "drafting": self.propose_draft_tokens, "capture_model": self.capture_model}
-        self._installed: list[tuple[HookPoint, Any]] = []  # each hook, and the instance attribute it replaced
-        self._timed_only: list[HookPoint] = []  # hooked only while a timed step is under way
-        self.install()
 
-    def _budgets(self, options: RecordingOptions, infos: list[RouterInfo], device: torch.device, data_parallel: int
-                 ) -> list[tuple[TokenGroups, LayerBudget]]:
-        """Each layer's budget and the token groups they share (``hooks.budget``), or ``UnsupportedRunner`` saying
-        why this engine cannot enforce ``options.budget``."""
-        if not isinstance(self.model_runner, RunnerV1) or data_parallel > 1:
-            raise UnsupportedRunner("a budget needs Model Runner V1 without data parallelism")
-        if any(entry is not None for entry in self.entries):
-            raise UnsupportedRunner("a budget needs the router's own routing (this MoE kernel fuses it)")
-        routers = [moe.router for moe in self.runners]
-        if any(info.scoring_func not in SCORING_FUNCS or getattr(router, "num_fused_shared_experts", 0)
-               for info, router in zip(infos, routers)):
-            raise UnsupportedRunner(f"a budget needs {' or '.join(SCORING_FUNCS)} routers without fused shared experts")
-        assert options.budget is not None
+    def _budget_sizes(self, options: RecordingOptions) -> list[int] | None:
+        """Every recorded layer's budget under ``options`` (None: no budget); ``UnsupportedRunner`` naming a missing
+        layer or a budget outside [top_k, experts]."""
+        if options.budget is None:
+            return None
         try:
-            sizes = layer_budgets(options.budget, [info.layer for info in infos], infos[0].num_experts, self.top_k)
+            return layer_budgets(options.budget, [info.layer for info in self._infos], self._infos[0].num_experts,
+                                 self.top_k)
         except ValueError as exc:
             raise UnsupportedRunner(str(exc)) from None
-        groups = TokenGroups(int(self.runner.max_num_tokens), int(self.runner.max_num_reqs), options.budget_scope,
-                             device)
-        return [(groups, LayerBudget(size, info.scoring_func, bool(getattr(router, "renormalize", True))))
-                for size, info, router in zip(sizes, infos, routers)]
+
+    def next_trace(self, options: RecordingOptions) -> dict[str, Any]:
+        """Close this trace and go on recording into the one ``options`` names, with its budget, between steps (the
+        driver's ``moetrace_next_trace``): the hooks, CUDA graphs and any replay stay as they are, so one engine
+        records a sweep of budgets. Returns the closed trace's manifest; ``ValueError`` for options only a new
+        engine could take."""
+        fixed = ("candidates", "token_ids", "recompute_from_logits", "replay_routing", "budget_scope")
+        changed = [name for name in fixed if getattr(options, name) != getattr(self.options, name)]
+        if changed:
+            raise ValueError(f"a new trace keeps the engine's {', '.join(changed)}: only a new engine changes them")
+        if options.budget is not None and self.budgets is None:
+            raise ValueError("a budget needs an engine that started with one (its CUDA graphs hold the budget's work)")
+        with self._close_lock:
+            if self._closed is not None:
+                raise ValueError("the recording is closed")
+            closed = self._close_trace()
+            self._open_trace(options)
+        return closed
 
     def install(self) -> None:
         """Wrap the routers and the runner's step calls; installing twice, or after close, changes nothing."""
@@ -193,7 +254,8 @@ class Recorder:
             return
         for slot, (moe, entry) in enumerate(zip(self.runners, self.entries)):
             if entry is None:
-                wrap_router(moe.router, slot, self.capture, None if self.budgets is None else self.budgets[slot])
+                wrap_router(moe.router, slot, self.capture, None if self.budgets is None else self.budgets[slot],
+                            self.replay)
             else:
                 wrap_logits_entry(entry[0], entry[1], moe.router, slot, self.capture)
         points = self.model_runner.hook_points()
@@ -245,12 +307,15 @@ class Recorder:
         with self._close_lock:
             if self._closed is None:
                 self.uninstall()
-                self.copier.release()
-                self._closed = self.writer.close(
-                    {"capture_mechanisms": self.mechanisms,
-                     "engine_thread_us_per_step": self.engine_thread_us_per_step(),
-                     "phases": {phase: timing.summary() for phase, timing in self.phases.items()}})
+                self._closed = self._close_trace()
             return self._closed
+
+    def _close_trace(self) -> dict[str, Any]:
+        """Close the trace under way (the hooks stay as they are) and return its manifest."""
+        self.copier.release()
+        return self.writer.close({"capture_mechanisms": self.mechanisms,
+                                  "engine_thread_us_per_step": self.engine_thread_us_per_step(),
+                                  "phases": {phase: timing.summary() for phase, timing in self.phases.items()}})
 
     def _window_over(self) -> bool:
         if self._first_step_at is None:
@@ -323,10 +388,14 @@ class Recorder:
         kept as it is, and read once the forward is launched (until then, under sync scheduling, the GPU idles)."""
         result = original(*args, **kwargs)
         self._plan = (plan, result, args, kwargs)
-        if self.budgets is not None:  # the step's token groups reach the device before its forward
+        if self.budgets is not None or self.replay is not None:  # planned per token before the forward
             with self._guarded:
-                runner = cast(RunnerV1, self.model_runner)  # a budget is refused on any other (``_budgets``)
-                self.budgets[0][0].plan(runner.planned_windows(self._scheduled, kwargs.get("num_tokens")))
+                runner = cast(RunnerV1, self.model_runner)  # refused on any other (``_engine_check``)
+                step = runner.planned_step(self._scheduled, kwargs.get("num_tokens"))
+                if self.budgets is not None:
+                    self.budgets[0][0].plan(step)
+                if self.replay is not None:
+                    self.replay.plan(step, () if self._scheduled is None else self._scheduled.finished_req_ids)
         return result
 
     def forward_launched(self) -> None:

@@ -27,6 +27,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from moetrace.hooks.planned import PlannedStep
+
 SUPPORTED = ("0.26", "0.32")
 
 # What the recorder reads on Model Runner V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` and the CPU
@@ -245,18 +247,23 @@ class RunnerV1:
         with async scheduling they stay on the device."""
         return not bool(getattr(self.runner, "use_async_scheduling", False))
 
-    def planned_windows(self, scheduler_output: Any, num_tokens: int | None
-                        ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+    def planned_step(self, scheduler_output: Any, num_tokens: int | None) -> PlannedStep | None:
         """Once ``_determine_batch_execution_and_padding`` returns (the step's inputs prepared, its forward not yet
-        launched): each request's first token [R + 1] and its drafts [R], in batch order; None where the forward
-        about to run is not the step's (a dummy run of ``num_tokens`` tokens)."""
+        launched): the step's batch, in batch order; None where the forward about to run is not the step's (a
+        dummy run of ``num_tokens`` tokens)."""
         if scheduler_output is None or num_tokens != scheduler_output.total_num_scheduled_tokens:
             return None
         batch = self.runner.input_batch
         num_reqs = int(batch.num_reqs)
         spec = scheduler_output.scheduled_spec_decode_tokens
-        return (self.runner.query_start_loc.np[: num_reqs + 1].astype(np.int64),
-                np.array([len(spec.get(r, ())) for r in batch.req_ids[:num_reqs]], dtype=np.int64))
+        req_ids = list(batch.req_ids[:num_reqs])
+        return PlannedStep(self.runner.query_start_loc.np[: num_reqs + 1].astype(np.int64),
+                           np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int64), req_ids)
+
+    def positions(self) -> torch.Tensor:
+        """The runner's device positions [>= T_max], at a fixed address: each forward's tokens' are its first T."""
+        positions: torch.Tensor = self.runner.positions
+        return positions
 
     @staticmethod
     def is_warmup(scheduler_output: Any) -> bool:

@@ -82,6 +82,9 @@ def main(debug: bool) -> None:
                    "a list such as 12,16,none records one run per budget.")
 @click.option("--budget-scope", type=click.Choice(BUDGET_SCOPES), default="step", show_default=True,
               help="Apply the budget to a step's verifying tokens together, or to each request's window.")
+@click.option("--replay-routing", type=click.Path(path_type=Path), metavar="TRACE",
+              help="Route every token as a token of this trace was (recorded with --candidates): a model with "
+                   "dummy weights, whose routers pick alike for every token, routed as a trained one.")
 @click.option("--out", default=Path("traces"), show_default=True, type=click.Path(path_type=Path),
               help="Where run directories are written.")
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
@@ -102,8 +105,8 @@ def main(debug: bool) -> None:
 @click.option("--verbose", is_flag=True, help="Keep vLLM's INFO logs in engine.log.")
 def record(model: str | None, ks: str, method: str, drafter: str | None, prompts_file: Path | None,
            num_prompts: int | None, max_tokens: int, batch_size: int, tp: int, candidates: int, no_token_ids: bool,
-           budget_arg: str | None, budget_scope: str, out: Path, engine_args: tuple[str, ...],
-           spec_args: tuple[str, ...], compiled: bool,
+           budget_arg: str | None, budget_scope: str, replay_routing: Path | None, out: Path,
+           engine_args: tuple[str, ...], spec_args: tuple[str, ...], compiled: bool,
            recompute_from_logits: bool, time_phases_every: int | None, rotate_seconds: float, force: bool,
            verbose: bool) -> None:
     """Record expert routing from vLLM while it generates with speculative decoding.
@@ -120,7 +123,7 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
         engine_args=parse_key_values(engine_args, "--engine-arg"),
         spec_args=parse_key_values(spec_args, "--spec-arg"), eager=not compiled,
         recompute_from_logits=recompute_from_logits, time_phases_every=time_phases_every,
-        rotate_seconds=rotate_seconds, force=force, verbose=verbose,
+        rotate_seconds=rotate_seconds, replay_routing=replay_routing, force=force, verbose=verbose,
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=False) as bar:

@@ -30,6 +30,7 @@ from moetrace.prompts import load_prompts
 from moetrace.trace.schema import MAX_K
 from moetrace.telemetry import TelemetrySampler
 from moetrace.trace.manifest import amend_manifest
+from moetrace.trace.reader import read_manifest
 
 # Keys under which configs name their routed-expert count (DeepSeek/Kimi, Qwen-MoE, Mixtral, ERNIE).
 
@@ -61,6 +62,7 @@ class RecordRequest:
     recompute_from_logits: bool = False
     time_phases_every: int | None = None  # None: the recorder's default for the device
     rotate_seconds: float = 10.0
+    replay_routing: Path | None = None  # route as this trace routed (a model with dummy weights)
     force: bool = False
     verbose: bool = False
 
@@ -255,6 +257,7 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
             token_ids=request.token_ids,
             budget=budget,
             budget_scope=request.budget_scope,
+            replay_routing=None if request.replay_routing is None else str(request.replay_routing.resolve()),
             recompute_from_logits=request.recompute_from_logits,
             time_phases_every=request.time_phases_every,
             rotate_seconds=request.rotate_seconds,
@@ -331,6 +334,17 @@ def _read_progress(path: Path) -> tuple[int, int]:
         return 0, 0
 
 
+def check_replayable(path: Path, model: ResolvedModel) -> None:
+    """``UserError`` where the trace at ``path`` cannot route ``model`` (``--replay-routing``)."""
+    manifest = read_manifest(path)
+    if manifest.model.num_experts != model.num_experts:
+        raise UserError(f"--replay-routing {path}: its model has {manifest.model.num_experts} experts, "
+                        f"{model.name} has {model.num_experts}")
+    if manifest.capture.candidates < (model.top_k or 1):
+        raise UserError(f"--replay-routing {path}: it keeps {manifest.capture.candidates} candidates per token; "
+                        f"replaying needs at least the model's top-{model.top_k} (record it with --candidates)")
+
+
 def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[RecordedRun]]:
     """Record every k of the request; returns the run directory (a trace, or the parent of a sweep)."""
     _check_drafter(request.method, request.drafter)
@@ -352,6 +366,8 @@ def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[Rec
     if model.top_k and any(not model.top_k <= size <= model.num_experts for size in sizes):
         raise UserError(f"--budget: every layer's budget must lie between the model's top-{model.top_k} and its "
                         f"{model.num_experts} experts")
+    if request.replay_routing is not None:
+        check_replayable(request.replay_routing, model)
     run_dir = run_directory(request, model)
     prepare_output(run_dir, request.force)
     runs = []

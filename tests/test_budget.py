@@ -19,6 +19,7 @@ from vllm_fixtures import record_like_the_fixture, recorded_trace, run_cli  # no
 from moetrace.cli import main
 from moetrace.default_model import CONFIG, ensure_default_model
 from moetrace.hooks.budget import LayerBudget, TokenGroups, restrict
+from moetrace.hooks.planned import PlannedStep
 from moetrace.trace.reader import open_trace
 
 pytestmark = pytest.mark.xdist_group("recorded_trace")  # its report test reuses the shared recording
@@ -179,9 +180,11 @@ def test_each_request_window_keeps_its_own_budget_and_other_tokens_are_left_alon
     ids = (scores + bias).topk(top_k, dim=1).indices
     chosen = scores.gather(1, ids)
     weights = chosen / chosen.sum(dim=1, keepdim=True)
-    groups = TokenGroups(max_tokens=16, max_requests=4, scope="window", device=torch.device("cpu"))
-    groups.plan((np.array([0, 4, 5, 9]), np.array([3, 0, 3])))  # tokens 0-3 and 5-8 verify; token 4 decodes
-    new_weights, new_ids = restrict(groups, LayerBudget(budget, "sigmoid", renormalize=True), logits, bias,
+    groups = TokenGroups(max_tokens=16, max_requests=4, scope="window", sizes=[experts, budget],
+                         num_experts=experts, device=torch.device("cpu"))
+    # tokens 0-3 and 5-8 verify; token 4 decodes
+    groups.plan(PlannedStep(np.array([0, 4, 5, 9]), np.array([3, 0, 3]), ["a", "b", "c"]))
+    new_weights, new_ids = restrict(groups, LayerBudget(1, "sigmoid", renormalize=True), logits, bias,
                                     weights, ids)
     base = scores.double().numpy()
     selection = base + bias.double().numpy()

@@ -1,0 +1,134 @@
+"""Routing replayed from a recorded trace (``moetrace record --replay-routing``), and one engine recording a sweep of
+budgets (``moetrace_next_trace``), in real vLLM on the CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+
+from vllm_fixtures import record_like_the_fixture, recorded_trace, run_cli  # noqa: F401 (fixture)
+from moetrace.default_model import CONFIG
+from moetrace.trace.reader import open_trace
+
+TOP_K = int(CONFIG["num_experts_per_tok"])
+TIE = 1e-5  # the trace's selection scores this close at a token's top-k edge: either expert may be chosen
+
+
+def kept_tokens(trace: Path) -> tuple[dict[tuple[int, int, int], dict[str, Any]], dict[int, int], list[int]]:
+    """The trace's last row at each (request, position, layer), the routed tokens of each request, its layers."""
+    rows = open_trace(trace).routing().sort("step").group_by("request", "position", "layer").last().collect()
+    first_layer = rows["layer"].min()
+    lengths = rows.filter(pl.col("layer") == first_layer).group_by("request").len()
+    return ({(r["request"], r["position"], r["layer"]): r for r in rows.to_dicts()},
+            dict(zip(lengths["request"].to_list(), lengths["len"].to_list())), sorted(rows["layer"].unique()))
+
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("recorded_trace")
+def test_replayed_routing_routes_every_token_as_the_trace_did_and_a_budget_still_holds(
+        recorded_trace: Path, tmp_path: Path) -> None:  # noqa: F811
+    replayed = record_like_the_fixture(tmp_path, "--replay-routing", str(recorded_trace), "--budget", "12")
+    manifest = open_trace(replayed).manifest.document
+    assert manifest["capture"]["replayed_routing"] == str(recorded_trace.resolve())
+    bank, lengths, layers = kept_tokens(recorded_trace)
+    rows = open_trace(replayed).routing().collect()
+    requests = len(lengths)
+    same = ties = 0
+    for row in rows.to_dicts():
+        request = row["request"] % requests  # the i-th request replays the trace's i-th, position by position
+        want = bank[(request, row["position"] % lengths[request], layers[layers.index(row["layer"]) % len(layers)])]
+        chosen = set(want["cand_experts"][:TOP_K])
+        if want["cand_scores"][TOP_K - 1] - want["cand_scores"][TOP_K] < TIE:
+            ties += 1
+            continue
+        assert set(row["cand_experts"][:TOP_K]) == chosen, (row["step"], row["request"], row["position"])
+        if row["phase"] != "verify":  # the budget re-routes only verification
+            assert set(row["experts"]) == chosen, (row["step"], row["request"], row["position"])
+            same += 1
+    assert same > 1000 and ties < 0.01 * rows.height
+    verify = rows.filter(pl.col("phase") == "verify").explode("experts").group_by("step", "layer").agg(
+        used=pl.col("experts").n_unique())
+    assert verify.height > 50 and verify["used"].max() <= 12
+
+
+@pytest.mark.vllm
+def test_a_trace_that_kept_too_few_candidates_cannot_be_replayed_in_one_line(
+        recorded_trace: Path, tmp_path: Path) -> None:  # noqa: F811
+    done = run_cli("record", "--replay-routing", str(tmp_path / "nowhere"), "--out", str(tmp_path / "t"))
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'nowhere'}: not a moetrace trace (no manifest.json)"]
+    manifest = json.loads((recorded_trace / "manifest.json").read_text())
+    thin = tmp_path / "thin"
+    thin.mkdir()
+    for part in ("routing", "steps"):
+        (thin / part).symlink_to(recorded_trace / part)
+    manifest["capture"]["candidates"] = 4
+    (thin / "manifest.json").write_text(json.dumps(manifest))
+    done = run_cli("record", "--replay-routing", str(thin), "--out", str(tmp_path / "t"))
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1
+    assert "keeps 4 candidates per token; replaying needs at least the model's top-8" in done.stderr
+
+
+SWEEP_IN_ONE_ENGINE = """
+import dataclasses, json, sys
+from pathlib import Path
+from vllm import SamplingParams
+from moetrace.engine import build_llm, engine_prompts
+from moetrace.hooks.options import RecordingOptions
+from moetrace.prompts import BUILTIN_PROMPTS
+from moetrace.record import RecordRequest, engine_settings, resolve_model
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    request = RecordRequest(model=None, ks=[3], batch_size=4, max_tokens=24, out=out, budgets=(("12", 12),))
+    settings = engine_settings(request, resolve_model(None), 3, out / "b12", list(BUILTIN_PROMPTS)[:4],
+                               out / "progress", budget=12)
+    options = RecordingOptions(**settings["recording"])
+    llm = build_llm(settings)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    closed, refused = [], None
+    try:
+        llm.generate(engine_prompts(settings), params, use_tqdm=False)
+        for name, budget in (("none", None), ("b8", 8)):
+            chosen = dataclasses.replace(options, out=str(out / name), run_id=name, budget=budget)
+            closed += llm.collective_rpc("moetrace_next_trace", args=(chosen.to_text(),))
+            llm.generate(engine_prompts(settings), params, use_tqdm=False)
+        try:
+            llm.collective_rpc("moetrace_next_trace", args=(dataclasses.replace(options, candidates=32).to_text(),))
+        except Exception as exc:
+            refused = str(exc)
+        closed += llm.collective_rpc("moetrace_close")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    print(json.dumps({"complete": [c["complete"] for c in closed], "refused": refused}))
+"""
+
+
+@pytest.mark.vllm
+def test_one_engine_records_a_sweep_of_budgets_each_into_its_own_complete_trace(tmp_path: Path) -> None:
+    script = tmp_path / "sweep.py"
+    script.write_text(SWEEP_IN_ONE_ENGINE)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["complete"] == [True, True, True]
+    assert "a new trace keeps the engine's candidates" in result["refused"]
+    for name, budget in (("b12", 12), ("none", None), ("b8", 8)):
+        trace = open_trace(tmp_path / name)
+        recorded = trace.manifest.capture.budget
+        assert (recorded is None) == (budget is None) and (budget is None or set(recorded.per_layer.values()) == {
+            budget})
+        steps = trace.steps().collect()
+        assert sorted(steps["request"].unique().to_list()) == [0, 1, 2, 3]  # each trace numbers its own requests
+        rows = trace.routing().filter(pl.col("phase") == "verify").collect()
+        used = rows.explode("experts").group_by("step", "layer").agg(n=pl.col("experts").n_unique())["n"]
+        assert rows.height > 100 and used.max() <= (budget or TOP_K * 16)
+        rerouted = sum(set(r["experts"]) != set(r["cand_experts"][:TOP_K]) for r in rows.to_dicts())
+        # none: B = E, nothing re-routed (but for a near-tie at a token's top-k edge, 1 in 200 on the CPU)
+        assert rerouted <= rows.height // 100 if budget is None else rerouted > rows.height // 10, (name, rerouted)
