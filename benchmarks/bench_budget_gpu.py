@@ -191,6 +191,25 @@ def budget_sweep_table(sweep: Path, k: int, scratch: Path) -> dict[str, Any]:
     return table
 
 
+def verdict(at_k: list[dict[str, Any]], marked: str | None, min_agreement: float) -> dict[str, Any]:
+    """One (concurrency, k)'s budgets: the one ``moetrace report`` marked beside the one measured fastest among the
+    same candidates (the unbudgeted run and the budgets that bind at ``min_agreement``), and whether they are the
+    same, or apart by less than the measurement's noise (their 95% intervals overlap)."""
+    eligible = [r for r in at_k if r["agreement"] >= min_agreement and r["binds"] is not False]
+    best = max(eligible, key=lambda r: r["measured_speedup"])
+    chosen = next((r for r in at_k if r["budget"] == marked), None)
+    if chosen is None or chosen is best:
+        said = "the same" if chosen is best else "nothing marked"
+    else:
+        overlap = chosen["measured_ci95"][1] >= best["measured_ci95"][0]
+        said = "within the measurement's noise" if overlap else "measured slower"
+    return {"concurrency": at_k[0]["concurrency"], "k": at_k[0]["k"], "marked": marked,
+            "measured_best": best["budget"], "verdict": said, "min_agreement": min_agreement,
+            "predicted_fastest": max((r for r in at_k if r["predicted_speedup"] is not None),
+                                     key=lambda r: r["predicted_speedup"])["budget"],
+            "measured_fastest": max(at_k, key=lambda r: r["measured_speedup"])["budget"]}
+
+
 def compare(args: argparse.Namespace) -> None:
     """Per (concurrency, k, budget): measured and predicted speedup over k = 0, and each over the unbudgeted run;
     per (concurrency, k) the budget moetrace marks beside the one measured fastest."""
@@ -236,15 +255,10 @@ def compare(args: argparse.Namespace) -> None:
                         "tokens_per_step": marked[name]["tokens_per_step"],
                         "acceptance_by_position": marked[name]["acceptance_by_position"],
                         "agreement": marked[name]["agreement"],
+                        "binds": marked[name]["binds"],
                     })
                 at_k = [r for r in rows if r["concurrency"] == concurrency and r["k"] == k]
-                eligible = [r for r in at_k if r["agreement"] >= table["min_agreement"]]
-                fastest = max(at_k, key=lambda r: r["measured_speedup"])["budget"]
-                sweeps.append({"concurrency": concurrency, "k": k, "marked": table["best"],
-                               "measured_best": max(eligible, key=lambda r: r["measured_speedup"])["budget"],
-                               "predicted_fastest": max((r for r in at_k if r["predicted_speedup"] is not None),
-                                                        key=lambda r: r["predicted_speedup"])["budget"],
-                               "measured_fastest": fastest, "min_agreement": table["min_agreement"]})
+                sweeps.append(verdict(at_k, table["best"], table["min_agreement"]))
     print(f"{'B':>3} {'k':>2} {'budget':>6} {'predicted':>9} {'measured':>8} {'95% interval':>13} {'error':>6} "
           f"{'pred/none':>9} {'meas/none':>9} {'tok/step':>8} {'agree':>6}")
     for r in rows:
@@ -256,7 +270,7 @@ def compare(args: argparse.Namespace) -> None:
               f"{r['tokens_per_step']:>8.2f} {r['agreement']:>6.3f}")
     for s in sweeps:
         print(f"B={s['concurrency']} k={s['k']}: marked {s['marked']} (agreement >= {s['min_agreement']}), measured "
-              f"best there {s['measured_best']}; fastest predicted {s['predicted_fastest']}, measured "
+              f"best there {s['measured_best']}: {s['verdict']}; fastest predicted {s['predicted_fastest']}, measured "
               f"{s['measured_fastest']}")
     errors = [abs(r["predicted_speedup"] - r["measured_speedup"]) / r["measured_speedup"] for r in rows
               if r["predicted_speedup"] is not None]

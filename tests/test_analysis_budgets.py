@@ -122,3 +122,21 @@ def test_window_sample_keeps_whole_windows_and_estimates_the_full_curve() -> Non
 def test_window_share_targets_max_windows_per_layer() -> None:
     assert window_share(rows=1000, layers=2, k=3, max_windows=500) == 1.0
     assert window_share(rows=8_000_000, layers=2, k=3, max_windows=10_000) == pytest.approx(10_000 / 1_000_000)
+
+
+def test_a_budget_binds_only_where_a_group_of_the_unbudgeted_run_used_more_experts_than_it_allows() -> None:
+    """Two verification steps of two requests, one MoE layer (3) and another (5); prefill rows never count."""
+    from moetrace.analysis.budget_sweep import binds, largest_groups
+
+    routing = pl.LazyFrame({
+        "step": [0, 0, 1, 1, 1, 1, 0],
+        "request": [0, 1, 0, 1, 0, 1, 0],
+        "layer": [3, 3, 3, 3, 5, 5, 5],
+        "phase": ["verify", "verify", "verify", "verify", "verify", "verify", "prefill"],
+        "experts": [[1, 2], [2, 3], [1, 4], [5, 6], [7, 8], [7, 8], [1, 2]],
+    })
+    # step scope: layer 3 used {1,2,3} at step 0 and {1,4,5,6} at step 1; layer 5 {7,8} (its prefill row left out)
+    assert largest_groups(routing, "step") == {3: 4, 5: 2}
+    assert largest_groups(routing, "window") == {3: 2, 5: 2}
+    assert binds({3: 4, 5: 2}, {3: 3, 5: 8}) and not binds({3: 4, 5: 2}, {3: 4, 5: 2})
+    assert not binds({3: 2, 5: 2}, {3: 3, 5: 8})

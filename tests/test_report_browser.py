@@ -300,9 +300,9 @@ def test_a_budget_sweeps_dashboard_shows_its_table_and_frontier_as_the_json_has_
                                           "rows => rows.map(r => Array.from(r.cells, c => c.innerText))")
         points = page.evaluate("() => { const d = document.getElementById('fig-budget-frontier').data[0];"
                                " return [Array.from(d.x), Array.from(d.y), Array.from(d.text)]; }")
-    assert [row[:2] + row[4:5] for row in shown] == [
-        [row["budget"] + (" ◀" if row["budget"] == sweep["best"] else ""), row["limit"], f"{row['agreement']:.3f}"]
-        for row in sweep["rows"]]
+    assert [row[:2] + row[4:5] + row[7:] for row in shown] == [
+        [row["budget"] + (" ◀" if row["budget"] == sweep["best"] else ""), row["limit"], f"{row['agreement']:.3f}",
+         {None: "-", True: "yes"}[row["binds"]]] for row in sweep["rows"]]
     assert points[0] == [row["agreement"] for row in sweep["rows"]]
     assert points[1] == pytest.approx([row["predicted"] for row in sweep["rows"]])
     assert sum("◀" in text for text in points[2]) == (sweep["best"] is not None)

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moetrace.analysis.acceptance import acceptance_summary, step_times
-from moetrace.analysis.budget_sweep import UNBUDGETED, best_budget, greedy_agreement
+from moetrace.analysis.budget_sweep import UNBUDGETED, best_budget, binds, greedy_agreement, largest_groups
 from moetrace.errors import UserError
 from moetrace.report.summary import RunAnalysis
 from moetrace.trace.reader import Trace, holds_run
@@ -82,6 +82,7 @@ def budget_sweep_summary(analyses: Sequence[RunAnalysis], min_agreement: float) 
     batch = recorded_concurrency(reference)
     reference_outputs = greedy_outputs(reference)
     reference_rate: float | None = None
+    largest: dict[str, dict[int, int]] = {}  # the unbudgeted run's largest verifying group per layer, per scope
     rows = []
     for analysis in analyses:
         trace = analysis.run.primary
@@ -98,6 +99,9 @@ def budget_sweep_summary(analyses: Sequence[RunAnalysis], min_agreement: float) 
         if analysis.speedups is not None:
             at_k = analysis.speedups.filter((pl.col("k") == k) & (pl.col("batch") == batch))
             predicted = float(at_k["speedup"].item()) if at_k.height else None
+        budget = trace.manifest.capture.budget
+        if budget is not None and budget.scope not in largest:
+            largest[budget.scope] = largest_groups(reference.routing(), budget.scope)
         rows.append({
             "budget": analysis.run.label.removeprefix(BUDGET_PREFIX),
             "limit": describe_budget(trace),
@@ -107,6 +111,8 @@ def budget_sweep_summary(analyses: Sequence[RunAnalysis], min_agreement: float) 
             "diverged_requests": agreement["diverged"],
             "measured_vs_none": rate / reference_rate if rate and reference_rate else None,
             "predicted": predicted,
+            # whether it re-routes any of the unbudgeted run's tokens (None: the unbudgeted run)
+            "binds": None if budget is None else binds(largest[budget.scope], budget.per_layer),
         })
     table = pl.DataFrame(rows)
     return {"k": k, "batch": batch, "min_agreement": min_agreement,
@@ -118,7 +124,7 @@ def budget_sweep_summary(analyses: Sequence[RunAnalysis], min_agreement: float) 
 def print_budget_sweep(sweep: dict[str, Any], console: Console) -> None:
     """The sweep's table, the best budget marked, and why where none qualifies."""
     table = Table(title=f"budgets at k={sweep['k']}, {sweep['batch']} request(s) per step")
-    for column in ("budget", "experts", "accepted", "tok/step", "agree", "measured", "predicted"):
+    for column in ("budget", "experts", "accepted", "tok/step", "agree", "measured", "predicted", "binds"):
         table.add_column(column, justify="left" if column in ("budget", "experts") else "right", no_wrap=True)
     for row in sweep["rows"]:
         mark = " ◀" if row["budget"] == sweep["best"] else ""
@@ -126,12 +132,14 @@ def print_budget_sweep(sweep: dict[str, Any], console: Console) -> None:
                       " ".join(f"{rate:.2f}" for rate in row["acceptance_by_position"] if rate is not None),
                       f"{row['tokens_per_step']:.2f}", f"{row['agreement']:.3f}",
                       "-" if row["measured_vs_none"] is None else f"{row['measured_vs_none']:.2f}x",
-                      "-" if row["predicted"] is None else f"{row['predicted']:.2f}x")
+                      "-" if row["predicted"] is None else f"{row['predicted']:.2f}x",
+                      {None: "-", True: "yes", False: "no"}[row["binds"]])
     console.print(table)
     console.print(f"experts: per layer and step or window; accepted: rate at draft positions 1..{sweep['k']}; agree: "
                   "share of output tokens equal to the unbudgeted run's; measured: step throughput against the "
                   f"unbudgeted run on {sweep['measured_on']}; predicted: speedup over no speculation at "
-                  f"{sweep['batch']} request(s) per step", markup=False, highlight=False)
+                  f"{sweep['batch']} request(s) per step; binds: re-routes tokens of the unbudgeted run (one that does "
+                  "not runs as the unbudgeted run, and is never marked)", markup=False, highlight=False)
     if sweep["best"] is None:
         console.print(f"no budget keeps {sweep['min_agreement']:.0%} agreement with the unbudgeted outputs and has a "
                       "prediction", markup=False, highlight=False)
