@@ -19,16 +19,20 @@ of those scores, not the recorded weights.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from moetrace.hooks.planned import PlannedBuffer, PlannedStep
+from moetrace.trace.manifest import Manifest
+from moetrace.trace.schema import MANIFEST_NAME, ROUTING_DIR
 
 FLOOR = -1.0e4  # the logit of an expert outside a token's recorded candidates: no router picks it while C >= top-k
 
@@ -50,36 +54,41 @@ class RoutingBank:
 
 def load_bank(path: Path, num_experts: int, top_k: int, device: torch.device) -> RoutingBank:
     """The bank of the trace at ``path`` for a model of ``num_experts`` experts and top-``top_k``; ``ValueError``
-    saying why the trace cannot be replayed into it."""
-    from moetrace.errors import UserError
-    from moetrace.trace.reader import open_trace
-
+    saying why the trace cannot be replayed into it. Read with pyarrow (the engine side imports no polars)."""
     try:
-        trace = open_trace(path)
-    except UserError as exc:
-        raise ValueError(str(exc)) from None
-    model = trace.manifest.model
-    if model.num_experts != num_experts:
-        raise ValueError(f"{path}: its model has {model.num_experts} experts, this one {num_experts}")
-    candidates = trace.manifest.capture.candidates
+        manifest = Manifest.from_document(json.loads((path / MANIFEST_NAME).read_text()))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable moetrace trace ({exc})") from None
+    if manifest.model.num_experts != num_experts:
+        raise ValueError(f"{path}: its model has {manifest.model.num_experts} experts, this one {num_experts}")
+    candidates = manifest.capture.candidates
     if candidates < top_k:
         raise ValueError(f"{path}: it keeps {candidates} candidates per token; replaying into a top-{top_k} router "
                          f"needs at least {top_k} (record it with --candidates {2 * top_k})")
-    rows = (trace.routing().select("step", "request", "position", "layer", "cand_experts", "cand_scores")
-            .sort("step").group_by("request", "position", "layer").last()  # the token each request kept
-            .sort("request", "position", "layer").collect())
-    layers = rows["layer"].n_unique()
-    if rows.height == 0 or rows.height % layers:
-        raise ValueError(f"{path}: no routed tokens, or tokens routed in only some layers")
-    tokens = rows.height // layers
-    per_request = rows.filter(pl.col("layer") == rows["layer"][0]).group_by("request", maintain_order=True).len()
-    lengths = per_request["len"].to_numpy().astype(np.int64)
+    files = sorted((path / ROUTING_DIR).glob("*.parquet"))  # closed files only (open ones end in .inprogress)
+    if not files:
+        raise ValueError(f"{path}: no routing files")
+    table = pa.concat_tables(pq.read_table(file, columns=["step", "request", "position", "layer", "cand_experts",
+                                                          "cand_scores"]) for file in files)
+    step, request, position, layer = (table[name].to_numpy().astype(np.int64)
+                                      for name in ("step", "request", "position", "layer"))
+    # the last row (by step) at each request, position and layer: the token the request kept
+    order = np.lexsort((step, layer, position, request))
+    key = np.stack([request[order], position[order], layer[order]])
+    last = order[np.append(np.any(key[:, 1:] != key[:, :-1], axis=0), True)]
+    layers = len(np.unique(layer))
+    tokens = len(last) // layers
+    if len(last) % layers or np.any(layer[last].reshape(tokens, layers) != np.unique(layer)):
+        raise ValueError(f"{path}: tokens routed in only some layers")
     shape = (tokens, layers, candidates)
+    ids = table["cand_experts"].combine_chunks().flatten().to_numpy().reshape(-1, candidates)[last]
+    scores = table["cand_scores"].combine_chunks().flatten().to_numpy().reshape(-1, candidates)[last]
+    _, lengths = np.unique(request[last[::layers]], return_counts=True)
     return RoutingBank(
-        ids=torch.from_numpy(rows["cand_experts"].to_numpy().astype(np.int64).reshape(shape)).to(device),
-        scores=torch.from_numpy(rows["cand_scores"].to_numpy().astype(np.float32).reshape(shape)).to(device),
+        ids=torch.from_numpy(ids.astype(np.int64).reshape(shape)).to(device),
+        scores=torch.from_numpy(scores.astype(np.float32).reshape(shape)).to(device),
         starts=np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64),
-        lengths=lengths,
+        lengths=lengths.astype(np.int64),
     )
 
 
