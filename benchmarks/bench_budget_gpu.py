@@ -147,7 +147,9 @@ def measure(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = out / "budget-measurements.json"
     ks = [int(k) for k in args.ks.split(",")]
-    budgets = ["none", *args.budgets.split(",")]
+    budgets = args.budgets.split(",")
+    if "none" not in budgets:
+        raise SystemExit("--budgets: the unbudgeted run 'none' is what every budget is compared with")
     doc: dict[str, Any] = json.loads(results.read_text()) if results.exists() else {
         "model": args.model, "vllm_version": vllm_version(), "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
         "cuda_graphs": not args.eager, "max_tokens": args.max_tokens, "rounds": args.rounds,
@@ -296,7 +298,8 @@ def main() -> None:
     run.add_argument("--model", choices=("kimi-k2-tp8", "default"), default="kimi-k2-tp8",
                      help="default: the embedded model, replaying its own routing (a CPU smoke run, with --eager)")
     run.add_argument("--ks", default="0,1,2,3,4")
-    run.add_argument("--budgets", default="8,16,24,32")
+    run.add_argument("--budgets", default="none,8,16,24,32",
+                     help="per step in every MoE layer, in the order they run in each engine ('none' included)")
     run.add_argument("--rounds", type=int, default=3)
     run.add_argument("--max-tokens", type=int, default=128)
     run.add_argument("--eager", action="store_true", help="no torch.compile or CUDA graphs")

@@ -9,14 +9,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pytest
 
+from trace_builder import Model, verify_tokens, write_trace
 from vllm_fixtures import record_like_the_fixture, recorded_trace, run_cli  # noqa: F401 (fixture)
 from moetrace.default_model import CONFIG
 from moetrace.trace.reader import open_trace
 
 TOP_K = int(CONFIG["num_experts_per_tok"])
+EXPERTS = int(CONFIG["n_routed_experts"])
 TIE = 1e-5  # the trace's selection scores this close at a token's top-k edge: either expert may be chosen
 
 
@@ -57,18 +60,15 @@ def test_replayed_routing_routes_every_token_as_the_trace_did_and_a_budget_still
     assert verify.height > 50 and verify["used"].max() <= 12
 
 
-@pytest.mark.vllm
-def test_a_trace_that_kept_too_few_candidates_cannot_be_replayed_in_one_line(
-        recorded_trace: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_a_trace_that_kept_too_few_candidates_cannot_be_replayed_in_one_line(tmp_path: Path) -> None:
     done = run_cli("record", "--replay-routing", str(tmp_path / "nowhere"), "--out", str(tmp_path / "t"))
     assert done.returncode != 0 and done.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'nowhere'}: not a moetrace trace (no manifest.json)"]
-    manifest = json.loads((recorded_trace / "manifest.json").read_text())
-    thin = tmp_path / "thin"
-    thin.mkdir()
-    for part in ("routing", "steps"):
-        (thin / part).symlink_to(recorded_trace / part)
-    manifest["capture"]["candidates"] = 4
+    model = Model(num_experts=EXPERTS, top_k=TOP_K)  # the default model's shape
+    tokens = verify_tokens(np.random.default_rng(0), model, requests=2, steps=4, k=1, accept_prob=0.5)
+    thin = write_trace(tmp_path / "thin", tokens, model, k=1)
+    manifest = json.loads((thin / "manifest.json").read_text())
+    manifest["capture"]["candidates"] = 4  # what the manifest says decides, before any engine starts
     (thin / "manifest.json").write_text(json.dumps(manifest))
     done = run_cli("record", "--replay-routing", str(thin), "--out", str(tmp_path / "t"))
     assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -123,7 +124,9 @@ def budget_sweep_summary(analyses: Sequence[RunAnalysis], min_agreement: float) 
 
 def print_budget_sweep(sweep: dict[str, Any], console: Console) -> None:
     """The sweep's table, the best budget marked, and why where none qualifies."""
-    table = Table(title=f"budgets at k={sweep['k']}, {sweep['batch']} request(s) per step")
+    # eight columns: no rules between them and one space of padding, so that they fit 80 columns
+    table = Table(title=f"budgets at k={sweep['k']}, {sweep['batch']} request(s) per step", box=box.SIMPLE_HEAD,
+                  collapse_padding=True, pad_edge=False)
     for column in ("budget", "experts", "accepted", "tok/step", "agree", "measured", "predicted", "binds"):
         table.add_column(column, justify="left" if column in ("budget", "experts") else "right", no_wrap=True)
     for row in sweep["rows"]:
