@@ -7,4 +7,4 @@ bash scripts/typecheck.sh
 # One worker per core, at most 2 (a worker running a vLLM engine holds up to 5 GiB): an engine on the CPU keeps
 # about one core busy, mostly importing and starting up. Tests that share one recording (xdist_group) run on one
 # worker.
-python3 -m pytest -q -n auto --maxprocesses 2 --dist loadgroup "$@"
+python3 -m pytest -q -n auto --maxprocesses 2 --dist loadgroup --durations=15 "$@"

@@ -36,7 +36,8 @@ def kept_tokens(trace: Path) -> tuple[dict[tuple[int, int, int], dict[str, Any]]
 @pytest.mark.xdist_group("recorded_trace")
 def test_replayed_routing_routes_every_token_as_the_trace_did_and_a_budget_still_holds(
         recorded_trace: Path, tmp_path: Path) -> None:  # noqa: F811
-    replayed = record_like_the_fixture(tmp_path, "--replay-routing", str(recorded_trace), "--budget", "12")
+    replayed = record_like_the_fixture(tmp_path, "--replay-routing", str(recorded_trace), "--budget", "12",
+                                       "--num-prompts", "4", "--max-tokens", "24")  # the last value of each wins
     manifest = open_trace(replayed).manifest.document
     assert manifest["capture"]["replayed_routing"] == str(recorded_trace.resolve())
     bank, lengths, layers = kept_tokens(recorded_trace)
@@ -57,7 +58,7 @@ def test_replayed_routing_routes_every_token_as_the_trace_did_and_a_budget_still
     assert same > 1000 and ties < 0.01 * rows.height
     verify = rows.filter(pl.col("phase") == "verify").explode("experts").group_by("step", "layer").agg(
         used=pl.col("experts").n_unique())
-    assert verify.height > 50 and verify["used"].max() <= 12
+    assert verify.height > 20 and verify["used"].max() <= 12
 
 
 def test_a_trace_that_kept_too_few_candidates_cannot_be_replayed_in_one_line(tmp_path: Path) -> None:
