@@ -69,7 +69,7 @@ def reroute(group: list[dict[str, Any]], bias: np.ndarray, budget: int) -> tuple
     return expected, near_tie
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(scope="session", params=MODES)  # session: xdist interleaves modules on a worker
 def budgeted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared recording's workload (n-gram k=3) with every layer limited to 12 experts per verification step,
     every expert kept as a candidate."""
