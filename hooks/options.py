@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from moetrace.trace.manifest import Manifest
+
 BUDGET_SCOPES = ("step", "window")  # a budget limits a step's verifying tokens together, or each request's window
 
 
@@ -70,3 +72,15 @@ class RecordingOptions:
     def to_text(self) -> str:
         """The JSON that ``from_text`` reads back."""
         return json.dumps(dataclasses.asdict(self))
+
+
+def replay_refusal(manifest: Manifest, num_experts: int, top_k: int) -> str | None:
+    """Why a trace with ``manifest`` cannot route a model of ``num_experts`` experts and top-``top_k``
+    (``replay_routing``), None where it can: checked by ``moetrace record`` before an engine starts, and by the
+    worker, which ``vllm serve`` reaches directly."""
+    if manifest.model.num_experts != num_experts:
+        return f"its model has {manifest.model.num_experts} experts, this one {num_experts}"
+    if manifest.capture.candidates < top_k:
+        return (f"it keeps {manifest.capture.candidates} candidates per token; replaying needs at least the model's "
+                f"top-{top_k} (record it with --candidates)")
+    return None

@@ -241,6 +241,7 @@ class Recorder:
             raise ValueError(f"a new trace keeps the engine's {', '.join(changed)}: only a new engine changes them")
         if options.budget is not None and self.budgets is None:
             raise ValueError("a budget needs an engine that started with one (its CUDA graphs hold the budget's work)")
+        self._budget_sizes(options)  # a budget this model cannot take is refused before the trace under way closes
         with self._close_lock:
             if self._closed is not None:
                 raise ValueError("the recording is closed")

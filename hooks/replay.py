@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from moetrace.hooks.options import replay_refusal
 from moetrace.hooks.planned import PlannedBuffer, PlannedStep
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.schema import MANIFEST_NAME, ROUTING_DIR
@@ -59,12 +60,10 @@ def load_bank(path: Path, num_experts: int, top_k: int, device: torch.device) ->
         manifest = Manifest.from_document(json.loads((path / MANIFEST_NAME).read_text()))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a readable moetrace trace ({exc})") from None
-    if manifest.model.num_experts != num_experts:
-        raise ValueError(f"{path}: its model has {manifest.model.num_experts} experts, this one {num_experts}")
+    refused = replay_refusal(manifest, num_experts, top_k)
+    if refused is not None:
+        raise ValueError(f"{path}: {refused}")
     candidates = manifest.capture.candidates
-    if candidates < top_k:
-        raise ValueError(f"{path}: it keeps {candidates} candidates per token; replaying into a top-{top_k} router "
-                         f"needs at least {top_k} (record it with --candidates {2 * top_k})")
     files = sorted((path / ROUTING_DIR).glob("*.parquet"))  # closed files only (open ones end in .inprogress)
     if not files:
         raise ValueError(f"{path}: no routing files")

@@ -20,7 +20,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
-from moetrace.hooks.options import RecordingOptions
+from moetrace.hooks.options import RecordingOptions, replay_refusal
 from moetrace.analysis.shape import config_expert_count, config_value
 from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.engine import SPEC_METHODS
@@ -336,13 +336,9 @@ def _read_progress(path: Path) -> tuple[int, int]:
 
 def check_replayable(path: Path, model: ResolvedModel) -> None:
     """``UserError`` where the trace at ``path`` cannot route ``model`` (``--replay-routing``)."""
-    manifest = read_manifest(path)
-    if manifest.model.num_experts != model.num_experts:
-        raise UserError(f"--replay-routing {path}: its model has {manifest.model.num_experts} experts, "
-                        f"{model.name} has {model.num_experts}")
-    if manifest.capture.candidates < (model.top_k or 1):
-        raise UserError(f"--replay-routing {path}: it keeps {manifest.capture.candidates} candidates per token; "
-                        f"replaying needs at least the model's top-{model.top_k} (record it with --candidates)")
+    refused = replay_refusal(read_manifest(path), model.num_experts, model.top_k or 1)
+    if refused is not None:
+        raise UserError(f"--replay-routing {path}: {refused}")
 
 
 def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[RecordedRun]]:
