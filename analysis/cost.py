@@ -43,6 +43,7 @@ from moetrace.analysis.calibration import (
 )
 from moetrace.analysis.deployment import Deployment, ring_factor
 from moetrace.analysis.profile import Profile
+from moetrace.analysis.sources import Source
 
 LEVEL_WARNING = 2.0  # calibrated MoE over the profile's at the anchor: past this factor either way, a warning
 
@@ -82,14 +83,22 @@ class MeasuredSteps:
     a k > 0 not recorded takes the nearest recorded k > 0's. Measured per k, not held from k=0: requests that
     start together end together at k=0 and their prompts are prefilled in one step, while under speculation they
     end at scattered steps and are admitted one step each. The speedup is then of the recorded workload's
-    throughput, prefill included (``end_to_end_speedup``)."""
+    throughput, prefill included (``end_to_end_speedup``).
 
-    baseline_ms: float
+    At a concurrency the sweep did not record (``estimated_from``: the recorded concurrencies it is drawn from,
+    ``analysis.decision.across_batches``), ``baseline_ms`` is None and the step is built from ``rest_ms``, the k=0
+    step less its calibrated MoE and all-reduce, and ``forward_beyond_ms``, the forward's growth beyond the
+    calibrated MoE per k, both estimated; the other terms are estimated the same way."""
+
+    baseline_ms: float | None
     forward_growth_ms: Mapping[int, float] = field(default_factory=dict)
     sampling_ms: Mapping[int, float] | None = None
     drafting_ms: Mapping[int, float] | None = None
     scheduling_ms: float | None = None
     prefill_ms_per_token: Mapping[int, float] = field(default_factory=dict)
+    rest_ms: float | None = None
+    forward_beyond_ms: Mapping[int, float] | None = None
+    estimated_from: tuple[int, ...] = ()
 
 
 def end_to_end_speedup(step0_ms: float, tokens0: float, prefill0_ms_per_token: float,
@@ -205,20 +214,24 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         ar = [n_ar * a / 1e3 for a in allreduce_us]
         # the step is the measured k=0 step plus growth: where the calibration's level is above it, only its growth
         # counts (what is left of the step, below, is then negative)
-        flat = measured.baseline_ms - moe[0] - ar[0]
-        if flat < 0:
+        if measured.baseline_ms is None:  # a concurrency not recorded: the estimated rest of the k=0 step
+            flat = float(measured.rest_ms or 0.0)
+        else:
+            flat = measured.baseline_ms - moe[0] - ar[0]
+        if flat < 0 and measured.baseline_ms is not None:
             notes.append(f"the calibration's MoE and all-reduce ({moe[0] + ar[0]:.3f} ms) exceed the measured k=0 "
                          f"step ({measured.baseline_ms:.3f} ms) at {deployment.batch} request(s): only their growth "
                          f"with k is used")
         calibrated_growth = {k: m + a - moe[0] - ar[0] for k, m, a in zip(ks, moe, ar)}
-        beyond.update(forward_beyond_moe(measured.forward_growth_ms, calibrated_growth, ks))
+        beyond.update(forward_beyond_moe(measured.forward_growth_ms, calibrated_growth, ks)
+                      if measured.forward_beyond_ms is None else measured.forward_beyond_ms)
         attention = other = [0.0 for _ in rows]
         rest = [flat for _ in rows]
         notes.append("k=0 step measured in the sweep's k=0 trace at each concurrency (decode step start to start, "
                      "host scheduling included); MoE and all-reduce grow with k as calibrated, "
                      + ("and the forward by what it grew beyond that in the sweep's traces (attention and dense "
                         "layers over more tokens, CUDA-graph padding), from the nearest recorded k"
-                        if measured.forward_growth_ms else
+                        if measured.forward_growth_ms or measured.forward_beyond_ms else
                         "the rest of the forward held flat (the traces did not time vLLM's forward)")
                      + ("; the drafter's own time per step as the sweep's traces measured it (the longer of its host "
                         "time and its device time), scaled with k from the nearest recorded k for a model drafter, "
@@ -282,11 +295,17 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "other_ms": other,
         "rest_ms": rest,
         # None: not measured
-        "forward_beyond_moe_ms": forward if measured and measured.forward_growth_ms else [None] * len(rows),
+        "forward_beyond_moe_ms": forward if measured and (measured.forward_growth_ms or measured.forward_beyond_ms)
+        else [None] * len(rows),
         "drafting_ms": drafting if measured and measured.drafting_ms is not None else [None] * len(rows),
         "scheduling_ms": scheduling if measured and measured.scheduling_ms is not None else [None] * len(rows),
         "sampling_ms": sampling if measured and measured.sampling_ms is not None else [None] * len(rows),
         "step_ms": steps,
+        # where the k=0 step comes from: the sweep's own steps at this concurrency, estimated from other recorded
+        # concurrencies, or (null) a profile or calibration
+        "step_source": pl.Series([None if measured is None else Source.ESTIMATED.value
+                                  if measured.baseline_ms is None else Source.MEASURED.value] * len(rows),
+                                 dtype=pl.String),
         "step_ratio": [s / steps[0] for s in steps],
         "prefill_ms_per_token": prefill,
         "speedup": [end_to_end_speedup(steps[0], float(rows[0]["tokens_per_step"]), prefill[0], s,

@@ -9,6 +9,8 @@ same B.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -18,7 +20,7 @@ import polars as pl
 from moetrace.analysis.cost import MeasuredSteps, predict
 from moetrace.analysis.deployment import Deployment
 from moetrace.analysis.profile import Profile
-from moetrace.analysis.sources import Source
+from moetrace.analysis.sources import Source, least_direct
 from moetrace.trace.schema import TIMED_CALLS
 
 DEFAULT_BATCHES = (1, 8, 32, 128)
@@ -29,37 +31,125 @@ MIN_WINDOWS = 30
 included: fewer, and the table says so instead of recommending."""
 
 
+def across_batches(measured: Mapping[int, float], batch: int, proportional: bool = False) -> float:
+    """A per-step term measured at some concurrencies (``measured``: concurrency → value), at ``batch``: as measured
+    there; else linear in the concurrency between the recorded ones around it, and past them along the line through
+    the two nearest, its slope not below 0 (a step of more requests is not cheaper). With one recorded concurrency:
+    held, or proportional to the concurrency when ``proportional`` (a prefill, per token a request gains, stalls
+    every request of the step)."""
+    if batch in measured:
+        return measured[batch]
+    points = sorted(measured.items())
+    if len(points) == 1:
+        recorded, value = points[0]
+        return value * batch / recorded if proportional else value
+    below = [point for point in points if point[0] < batch]
+    above = [point for point in points if point[0] > batch]
+    if below and above:
+        (b0, v0), (b1, v1) = below[-1], above[0]
+        return v0 + (v1 - v0) * (batch - b0) / (b1 - b0)
+    (b0, v0), (b1, v1) = points[:2] if above else points[-2:]
+    slope = max((v1 - v0) / (b1 - b0), 0.0)
+    return v0 + slope * (batch - b0) if above else v1 + slope * (batch - b1)
+
+
+ESTIMATED_TERMS = ("forward_beyond_moe_ms", "drafting_ms", "sampling_ms", "prefill_ms_per_token")
+
+
+def estimated_steps(batch: int, recorded: Mapping[int, pl.DataFrame]) -> MeasuredSteps:
+    """What the sweep's steps would measure at ``batch``, a concurrency it did not record, from the predictions at
+    the concurrencies it did (``recorded``: concurrency → ``analysis.cost.predict``'s table there): the k=0 step less
+    its calibrated MoE and all-reduce (``rest_ms``), and per k the forward's growth beyond the calibrated MoE, the
+    drafter, the rejection sampler, async scheduling off and the prefill per token gained, each ``across_batches``
+    (prefill proportional to the concurrency). MoE and all-reduce are then calibrated at ``batch``'s own unions."""
+    def term(column: str, k: int, proportional: bool = False) -> float | None:
+        values = {b: table.filter(pl.col("k") == k)[column].item() for b, table in recorded.items()}
+        known = {b: float(v) for b, v in values.items() if v is not None}
+        return across_batches(known, batch, proportional) if known else None
+
+    ks = sorted(int(k) for k in next(iter(recorded.values()))["k"].to_list())
+
+    def per_k(column: str, proportional: bool = False, with_k0: bool = False) -> dict[int, float] | None:
+        found = {k: term(column, k, proportional) for k in ks if k > 0 or with_k0}
+        known = {k: v for k, v in found.items() if v is not None}
+        return known or None
+
+    scheduling = term("scheduling_ms", max(ks)) if max(ks) > 0 else None
+    return MeasuredSteps(None, sampling_ms=per_k("sampling_ms"), drafting_ms=per_k("drafting_ms"),
+                         scheduling_ms=scheduling,
+                         prefill_ms_per_token=per_k("prefill_ms_per_token", proportional=True, with_k0=True) or {},
+                         rest_ms=term("rest_ms", 0), forward_beyond_ms=per_k("forward_beyond_moe_ms"),
+                         estimated_from=tuple(sorted(recorded)))
+
+
 def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Profile | None,
                       calibration: Mapping[str, Any] | None, anchor: tuple[float, float],
                       measured: Mapping[int, MeasuredSteps] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per (batch, k): the prediction table of ``analysis.cost.predict`` with the inputs' other columns beside it.
     ``inputs``: batch, k, tokens (what the step moves), unique_experts, busiest_rank_experts (per layer, one step of
-    ``batch`` requests), tokens_per_step (per request) and their sources and sample sizes. ``measured``: per batch,
-    what the sweep's own steps measured there (``analysis.cost.MeasuredSteps``); only those batches are then
-    predicted."""
-    frames = []
-    basis: dict[str, Any] = {}
+    ``batch`` requests), tokens_per_step (per request) and their sources and sample sizes. ``measured``: per
+    concurrency the sweep recorded, what its own steps measured there (``analysis.cost.MeasuredSteps``); a batch
+    it did not record is predicted from ``estimated_steps`` (``step_source`` estimated)."""
     joined = inputs.sort("batch", "k")
-    if measured is not None:
-        joined = joined.filter(pl.col("batch").is_in(list(measured)))
-    for (batch,), per_k in joined.group_by("batch", maintain_order=True):
-        size = int(str(batch))
-        table, basis = predict(per_k, replace(deployment, batch=size), profile, calibration, anchor,
-                               None if measured is None else measured[size])
-        beside = per_k.drop(*(name for name in table.columns if name != "k"), strict=False)
-        frames.append(table.with_columns(batch=pl.lit(size, pl.Int32)).join(beside.drop("batch"), on="k"))
+    per_batch = {int(str(batch)): per_k for (batch,), per_k in joined.group_by("batch", maintain_order=True)}
+    tables: dict[int, pl.DataFrame] = {}
+    bases: dict[int, dict[str, Any]] = {}
+
+    def run(size: int, steps: MeasuredSteps | None) -> None:
+        tables[size], bases[size] = predict(per_batch[size], replace(deployment, batch=size), profile, calibration,
+                                            anchor, steps)
+
+    recorded = [size for size in per_batch if measured is not None and size in measured]
+    for size in recorded:
+        run(size, None if measured is None else measured[size])
+    if measured is not None and not recorded:
+        raise ValueError("no concurrency the sweep's k=0 trace recorded is among those predicted")
+    estimated = [size for size in per_batch if size not in tables]
+    for size in estimated:
+        run(size, None if measured is None else estimated_steps(size, {b: tables[b] for b in recorded}))
+    frames = []
+    for size in sorted(tables):
+        beside = per_batch[size].drop(*(name for name in tables[size].columns if name != "k"), strict=False)
+        frames.append(tables[size].with_columns(batch=pl.lit(size, pl.Int32)).join(beside.drop("batch"), on="k"))
+    basis = bases[recorded[0] if recorded else min(bases)]
     basis.pop("batch", None)
+    if measured is not None and estimated:
+        basis["notes"] = [*basis["notes"], (
+            f"at {', '.join(map(str, estimated))} request(s) per step, which the sweep did not record, the step is "
+            f"estimated (~) from the concurrencies it recorded ({', '.join(map(str, recorded))}): the k=0 step less "
+            "its calibrated MoE and all-reduce, the forward's growth beyond them, the drafter, the rejection sampler "
+            "and async scheduling off each linear in the concurrency between recorded ones and along the nearest two "
+            "past them (held with one), prefill per token gained proportional to it; MoE and all-reduce are "
+            "calibrated at each concurrency's own unions")]
     return pl.concat(frames).select("batch", pl.exclude("batch")), basis
 
 
-def recommended_k(speedups: pl.DataFrame, disagreements: Mapping[int, str] | None = None) -> pl.DataFrame:
-    """Per batch: the k with the largest predicted speedup among the k whose acceptance is not extrapolated, k = 0
-    when none exceeds 1 (ties: the smaller k); ``larger_k_may_pay`` when an extrapolated k is predicted to do
-    better (record larger k to know). ``windows``: the fewest decoding request-steps behind any k compared;
-    ``steps``: measured steps behind the chosen k's union. ``status`` is "ok", or why no k is recommended: fewer
-    than ``MIN_WINDOWS`` windows at a k compared, or the routing rows disagree with the steps table at a k
-    compared (``disagreements``: k → what disagrees); then ``k`` and ``speedup`` are null and ``best_k`` says what
-    the figures would have picked."""
+DECISION_SCHEMA: dict[str, pl.DataType] = {
+    "batch": pl.Int32(), "k": pl.Int32(), "best_k": pl.Int32(), "speedup": pl.Float64(),
+    "speedup_source": pl.String(), "tokens_per_step": pl.Float64(), "step_ratio": pl.Float64(),
+    "unique_experts": pl.Float64(), "uniform_bound": pl.Float64(), "union_source": pl.String(),
+    "acceptance_source": pl.String(), "step_source": pl.String(), "larger_k_may_pay": pl.Boolean(),
+    "windows": pl.Int64(), "steps": pl.Int64(), "status": pl.String()}
+
+
+def unpredicted(batches: Sequence[int], reason: str) -> pl.DataFrame:
+    """Decision rows for concurrencies nothing predicts: k and every figure null, ``status`` the reason."""
+    return pl.DataFrame([{"batch": batch, "status": reason} for batch in batches],
+                        schema=DECISION_SCHEMA, orient="row")
+
+
+def recommended_k(speedups: pl.DataFrame, batches: Sequence[int], disagreements: Mapping[int, str] | None = None,
+                  unpriced: Mapping[int, str] | None = None) -> pl.DataFrame:
+    """One row per concurrency of ``batches``: the k with the largest predicted speedup among the k whose
+    acceptance is not extrapolated, k = 0 when none exceeds 1 (ties: the smaller k); ``larger_k_may_pay`` when an
+    extrapolated k is predicted to do better (record larger k to know). ``windows``: the fewest decoding
+    request-steps behind any k compared; ``steps``: measured steps behind the chosen k's union; ``speedup_source``:
+    the least direct of its union, acceptance and step (``step_source``: null where a profile or calibration
+    priced it). ``status`` is "ok", or why no k is recommended: fewer than ``MIN_WINDOWS`` windows at a k compared,
+    the routing rows disagree with the steps table at a k compared (``disagreements``: k → what disagrees), the
+    concurrency could not be priced (``unpriced``: batch → why), or nothing predicted it; then ``k`` and
+    ``speedup`` are null and ``best_k`` says what the figures would have picked, where any did."""
+    speedups = speedups.filter(pl.col("batch").is_in(list(batches)))
     compared = speedups.filter(pl.col("acceptance_source") != Source.EXTRAPOLATED.value)
     chosen = (
         compared.sort("batch", pl.col("speedup").neg(), "k")
@@ -84,18 +174,16 @@ def recommended_k(speedups: pl.DataFrame, disagreements: Mapping[int, str] | Non
             problems.insert(0, f"too few windows: {row['windows']} decoding request-steps at a k compared "
                                f"(a recommendation needs {MIN_WINDOWS})")
         ok = not problems
-        rows.append({"batch": row["batch"], "k": row["best_k"] if ok else None, "best_k": row["best_k"],
-                     "speedup": row["speedup"] if ok else None, "tokens_per_step": row["tokens_per_step"],
-                     "step_ratio": row["step_ratio"], "unique_experts": row["unique_experts"],
-                     "uniform_bound": row["uniform_bound"], "union_source": row["union_source"],
-                     "acceptance_source": row["acceptance_source"], "larger_k_may_pay": row["larger_k_may_pay"],
-                     "windows": row["windows"], "steps": row["steps"],
-                     "status": "ok" if ok else "; ".join(problems)})
-    schema = {"batch": pl.Int32(), "k": pl.Int32(), "best_k": pl.Int32(), "speedup": pl.Float64(),
-              "tokens_per_step": pl.Float64(), "step_ratio": pl.Float64(), "unique_experts": pl.Float64(),
-              "uniform_bound": pl.Float64(), "union_source": pl.String(), "acceptance_source": pl.String(),
-              "larger_k_may_pay": pl.Boolean(), "windows": pl.Int64(), "steps": pl.Int64(), "status": pl.String()}
-    return pl.DataFrame(rows, schema=schema, orient="row")
+        step_source = row.get("step_source")
+        sources = [row["union_source"], row["acceptance_source"], *([step_source] if step_source else [])]
+        rows.append({**{name: row.get(name) for name in DECISION_SCHEMA}, "k": row["best_k"] if ok else None,
+                     "speedup_source": least_direct(Source(value) for value in sources).value,
+                     "speedup": row["speedup"] if ok else None, "status": "ok" if ok else "; ".join(problems)})
+    table = pl.DataFrame(rows, schema=DECISION_SCHEMA, orient="row")
+    missing = [batch for batch in batches if batch not in set(table["batch"].to_list())]
+    reasons = {batch: (unpriced or {}).get(batch, "nothing to predict it from: no routing windows at this "
+                                                  "concurrency") for batch in missing}
+    return pl.concat([table, *(unpredicted([batch], reason) for batch, reason in reasons.items())]).sort("batch")
 
 
 def batches_from(values: Sequence[int]) -> tuple[int, ...]:
@@ -151,3 +239,33 @@ def against_trace(speedups: pl.DataFrame, measured: pl.DataFrame,
                       unexplained_ms=pl.col("measured_step_ms") - pl.col("predicted_step_ms"))
         .sort("batch", "k")
     )
+
+
+def crossover(speedups: pl.DataFrame, batches: Sequence[int], kind: str) -> dict[str, Any]:
+    """The concurrency above which no k pays, from ``speedups`` (batch, k, speedup: predicted, or measured where the
+    trace ran; k whose acceptance is extrapolated left out where ``acceptance_source`` says so) at ``batches``:
+    where the best k > 0 last beats k = 0 (``paying``) and the next concurrency, at which none does
+    (``none_pays``), the crossover is interpolated in log concurrency between their best speedups (``batch``).
+    ``kind``: "predicted" or "measured", what the speedups are. ``status``: "crosses", "pays throughout" (up to the
+    largest concurrency looked at) or "never pays" (from the smallest); ``best``: per concurrency, the best k > 0
+    and its speedup."""
+    compared = speedups.filter((pl.col("k") > 0) & pl.col("batch").is_in(list(batches)))
+    if "acceptance_source" in compared.columns:
+        compared = compared.filter(pl.col("acceptance_source") != Source.EXTRAPOLATED.value)
+    best = (compared.drop_nulls("speedup").sort("batch", pl.col("speedup").neg(), "k")
+            .group_by("batch", maintain_order=True).first().select("batch", "k", "speedup").sort("batch").to_dicts())
+    out: dict[str, Any] = {"kind": kind, "batch": None, "paying": None, "none_pays": None, "best": best,
+                           "looked_at": [row["batch"] for row in best]}
+    if not best:
+        return {**out, "status": "nothing predicted"}
+    pays = [row for row in best if row["speedup"] > 1.0]
+    if not pays:
+        return {**out, "status": "never pays", "none_pays": best[0]["batch"]}
+    last = pays[-1]
+    above = [row for row in best if row["batch"] > last["batch"]]
+    if not above:
+        return {**out, "status": "pays throughout", "paying": last["batch"]}
+    low, high = last, above[0]
+    share = (low["speedup"] - 1.0) / (low["speedup"] - high["speedup"])
+    at = math.exp(math.log(low["batch"]) + share * (math.log(high["batch"]) - math.log(low["batch"])))
+    return {**out, "status": "crosses", "paying": low["batch"], "none_pays": high["batch"], "batch": at}

@@ -14,7 +14,7 @@ import polars as pl
 
 class Source(enum.Enum):
     MEASURED = "measured"  # read from the trace's own rows at the k (and concurrency) it ran
-    ESTIMATED = "estimated"  # drawn from the trace's own windows, combined as the trace did not run them
+    ESTIMATED = "estimated"  # drawn from what the trace recorded, combined as it did not run it
     COUNTERFACTUAL = "counterfactual"  # windows of consecutive accepted tokens: a k the trace did not record
     LOWER_BOUND = "lower bound"  # fewer windows than asked for: the union of all of them
     EXTRAPOLATED = "extrapolated"  # continued past what was measured (acceptance past the largest recorded k)
@@ -39,7 +39,8 @@ MARKS = {Source.MEASURED: "", Source.ESTIMATED: "~", Source.COUNTERFACTUAL: "*",
          Source.EXTRAPOLATED: "+", Source.GIVEN: "=", Source.UNIFORM: "u"}
 MEANINGS = {
     Source.MEASURED: "read from the trace's own rows at the k (and concurrency) it ran",
-    Source.ESTIMATED: "drawn from the trace's own windows, combined as the trace did not run them",
+    Source.ESTIMATED: "drawn from what the trace recorded, combined as it did not run it (its windows as steps of "
+                      "another concurrency, a step time from the concurrencies it ran)",
     Source.COUNTERFACTUAL: "windows of consecutive accepted tokens: a k the trace did not record",
     Source.LOWER_BOUND: "fewer windows than asked for: the union of all of them",
     Source.EXTRAPOLATED: "continued past what was measured (acceptance past the largest recorded k)",

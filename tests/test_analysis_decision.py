@@ -9,7 +9,14 @@ import pytest
 
 from moetrace.analysis.calibration import CALIBRATION_SCHEMA
 from moetrace.analysis.deployment import Deployment
-from moetrace.analysis.decision import against_trace, recommended_k, speedup_per_batch
+from moetrace.analysis.cost import MeasuredSteps
+from moetrace.analysis.decision import (
+    across_batches,
+    against_trace,
+    crossover,
+    recommended_k,
+    speedup_per_batch,
+)
 from moetrace.analysis.profile import Profile
 from moetrace.analysis.shape import ModelShape
 
@@ -58,27 +65,27 @@ def test_speedup_per_batch_is_tokens_over_the_step_ratio_at_the_same_concurrency
     assert by_key[(8, 1)]["speedup"] == pytest.approx(1.5 / (40 / 22))
     assert by_key[(4, 1)]["tokens"] == 8.0 and basis["mode"] == "calibration only"
 
-    chosen = {r["batch"]: r for r in recommended_k(speedups).to_dicts()}
+    chosen = {r["batch"]: r for r in recommended_k(speedups, [1, 4, 8]).to_dicts()}
     assert (chosen[1]["k"], chosen[4]["k"]) == (1, 1)
     assert chosen[8]["k"] == 0 and chosen[8]["speedup"] == 1.0  # 0.825 at k=1: do not speculate
 
 
 def test_ties_recommend_the_smaller_k() -> None:
-    assert recommended_k(speedups_table([1.0, 1.3, 1.3], ["measured"] * 3))["k"].to_list() == [1]
+    assert recommended_k(speedups_table([1.0, 1.3, 1.3], ["measured"] * 3), [1])["k"].to_list() == [1]
 
 
 def test_k_past_the_measured_acceptance_is_not_recommended_but_flagged_when_it_looks_better() -> None:
-    (row,) = recommended_k(speedups_table([1.0, 1.3, 1.5], ["measured", "measured", "extrapolated"])).to_dicts()
+    (row,) = recommended_k(speedups_table([1.0, 1.3, 1.5], ["measured", "measured", "extrapolated"]), [1]).to_dicts()
     assert row["k"] == 1 and row["larger_k_may_pay"] is True
 
 
 def test_too_few_windows_or_disagreeing_rows_give_no_recommendation_and_say_why() -> None:
-    (thin,) = recommended_k(speedups_table([1.0, 1.3, 1.2], ["measured"] * 3, windows=29)).to_dicts()
+    (thin,) = recommended_k(speedups_table([1.0, 1.3, 1.2], ["measured"] * 3, windows=29), [1]).to_dicts()
     assert thin["k"] is None and thin["speedup"] is None and thin["best_k"] == 1
     assert thin["status"].startswith("too few windows: 29")
-    (enough,) = recommended_k(speedups_table([1.0, 1.3, 1.2], ["measured"] * 3, windows=30)).to_dicts()
+    (enough,) = recommended_k(speedups_table([1.0, 1.3, 1.2], ["measured"] * 3, windows=30), [1]).to_dicts()
     assert enough["k"] == 1 and enough["status"] == "ok"
-    (broken,) = recommended_k(speedups_table([1.0, 1.3, 1.2], ["measured"] * 3),
+    (broken,) = recommended_k(speedups_table([1.0, 1.3, 1.2], ["measured"] * 3), [1],
                               {2: "3 of 90 decoding request-steps lack routing rows"}).to_dicts()
     assert broken["k"] is None and "disagree at k=2: 3 of 90" in broken["status"]
 
@@ -112,3 +119,63 @@ def test_against_trace_sets_the_prediction_beside_the_recorded_steps_by_hand() -
     assert row["step_growth_ms"] == pytest.approx(5.0)
     assert (row["forward_growth_ms"], row["sampling_growth_ms"]) == (pytest.approx(1.5), pytest.approx(0.75))
     assert row["drafting_ms"] == 2.0
+
+
+def test_every_concurrency_asked_gets_a_row_predicted_or_with_the_reason() -> None:
+    rows = recommended_k(speedups_table([1.0, 1.3, 1.2], ["measured"] * 3), [1, 16, 64],
+                         unpriced={64: "above the engines' 48 slots"}).to_dicts()
+    assert [row["batch"] for row in rows] == [1, 16, 64]
+    assert rows[0]["k"] == 1 and rows[0]["speedup_source"] == "measured"
+    assert rows[1]["k"] is None and rows[1]["status"].startswith("nothing to predict it from")
+    assert rows[2]["k"] is None and rows[2]["speedup"] is None and rows[2]["status"] == "above the engines' 48 slots"
+
+
+def test_a_term_between_recorded_concurrencies_is_linear_and_past_them_follows_the_nearest_two() -> None:
+    recorded = {1: 2.0, 4: 5.0, 16: 11.0}
+    assert across_batches(recorded, 4) == 5.0
+    assert across_batches(recorded, 2) == pytest.approx(3.0)  # 2 + (5 - 2) · 1/3
+    assert across_batches(recorded, 10) == pytest.approx(8.0)  # 5 + (11 - 5) · 6/12
+    assert across_batches(recorded, 48) == pytest.approx(11.0 + 0.5 * 32)  # the 4..16 slope, 0.5 per request
+    assert across_batches({4: 5.0, 16: 2.0}, 48) == 2.0  # a falling slope is not carried past the last one
+    assert across_batches({16: 8.0}, 48) == 8.0 and across_batches({16: 8.0}, 48, proportional=True) == 24.0
+
+
+def test_measured_mode_estimates_a_concurrency_the_sweep_did_not_record_from_those_it_did() -> None:
+    table = per_batch([(1, 0, 2.0), (1, 1, 3.0), (4, 0, 6.0), (4, 1, 10.0), (8, 0, 12.0), (8, 1, 30.0)])
+    # k=0 steps of 1.0 ms at one request and 2.0 ms at four; the forward grew 0.05 and 0.11 ms at k=1
+    measured = {1: MeasuredSteps(1.0, {1: 0.05}), 4: MeasuredSteps(2.0, {1: 0.11})}
+    speedups, basis = speedup_per_batch(table, Deployment(SHAPE, tp=1, ep=1, weight_format="bf16"), None,
+                                        CALIBRATION, (2.0, 2.0), measured)
+    by_key = {(r["batch"], r["k"]): r for r in speedups.to_dicts()}
+    assert {r["step_source"] for r in speedups.to_dicts() if r["batch"] < 8} == {"measured"}
+    assert by_key[(8, 0)]["step_source"] == by_key[(8, 1)]["step_source"] == "estimated"
+    # what is left of the k=0 step beyond its calibrated MoE (10 µs + 1 µs per expert): 1 - 0.012 at one request,
+    # 2 - 0.016 at four; at eight, along that line: 1.984 + (1.984 - 0.988) / 3 · 4
+    rest8 = 1.984 + (1.984 - 0.988) / 3 * 4
+    assert by_key[(8, 0)]["step_ms"] == pytest.approx(rest8 + 0.022)
+    # the forward grew beyond the calibrated MoE by 0.05 - 0.001 at one request and 0.11 - 0.004 at four
+    beyond8 = 0.106 + (0.106 - 0.049) / 3 * 4
+    assert by_key[(8, 1)]["forward_beyond_moe_ms"] == pytest.approx(beyond8)
+    assert by_key[(8, 1)]["step_ms"] == pytest.approx(rest8 + 0.040 + beyond8)
+    assert any("at 8 request(s) per step, which the sweep did not record" in note for note in basis["notes"])
+
+
+def crossing_speedups(best: dict[int, float]) -> pl.DataFrame:
+    """k = 0 at 1.0 and k = 1 at ``best[batch]`` per batch, k = 2 always worse, acceptance measured."""
+    rows = [(b, k, s) for b, value in best.items() for k, s in ((0, 1.0), (1, value), (2, value - 0.05))]
+    return pl.DataFrame({"batch": [b for b, _, _ in rows], "k": [k for _, k, _ in rows],
+                         "speedup": [s for _, _, s in rows], "acceptance_source": ["measured"] * len(rows)})
+
+
+def test_the_crossover_is_interpolated_in_log_concurrency_between_the_last_paying_and_the_next() -> None:
+    found = crossover(crossing_speedups({1: 2.0, 8: 1.5, 32: 1.2, 128: 0.8}), [1, 8, 32, 128], "predicted")
+    assert (found["status"], found["paying"], found["none_pays"]) == ("crosses", 32, 128)
+    # 1.2 → 0.8 between log 32 and log 128: 1.0 halfway, at sqrt(32 · 128) = 64
+    assert found["batch"] == pytest.approx(64.0)
+    assert [(row["batch"], row["k"]) for row in found["best"]] == [(1, 1), (8, 1), (32, 1), (128, 1)]
+    assert crossover(crossing_speedups({1: 1.3, 8: 1.1}), [1, 8], "measured")["status"] == "pays throughout"
+    never = crossover(crossing_speedups({1: 0.9, 8: 0.7}), [1, 8], "predicted")
+    assert (never["status"], never["none_pays"], never["batch"]) == ("never pays", 1, None)
+    # a concurrency that pays again above one that does not moves the crossover up to the last that pays
+    assert crossover(crossing_speedups({1: 1.5, 8: 0.9, 32: 1.1, 128: 0.9}), [1, 8, 32, 128],
+                     "predicted")["paying"] == 32

@@ -256,13 +256,17 @@ def test_the_forward_grows_by_what_the_traces_measured_beyond_the_calibrated_moe
     assert plain["forward_beyond_moe_ms"].to_list() == [None, None, None]
 
 
-def test_speedup_per_batch_predicts_only_the_batches_with_a_measured_k0_step() -> None:
+def test_speedup_per_batch_estimates_the_batches_without_a_measured_k0_step_from_those_with_one() -> None:
     per_batch = pl.concat([_per_k([8.0, 12.0], [1.0, 1.5]).with_columns(batch=pl.lit(b, pl.Int32)) for b in (1, 4)])
     per_batch = per_batch.with_columns(uniform_bound=pl.col("unique_experts"), union_source=pl.lit("measured"))
     table, _ = speedup_per_batch(per_batch, deployment_for(SMALL, 2, 1), None, _calibration(), (8.0, 8.0),
                                  {4: MeasuredSteps(3.0)})
-    assert table["batch"].unique().to_list() == [4]
-    assert table.filter(pl.col("k") == 0)["step_ms"].item() == pytest.approx(3.0)
+    k0 = {row["batch"]: row for row in table.filter(pl.col("k") == 0).to_dicts()}
+    assert k0[4]["step_ms"] == pytest.approx(3.0) and k0[4]["step_source"] == "measured"
+    # one recorded concurrency: what its k=0 step holds beyond the calibrated MoE and all-reduce is held; the MoE
+    # here reads the same experts at both, and the all-reduce moves 1 token instead of 4
+    assert k0[1]["step_source"] == "estimated"
+    assert k0[1]["step_ms"] == pytest.approx(3.0 - k0[4]["allreduce_ms"] + k0[1]["allreduce_ms"])
 
 
 def test_design_profile_uniform_k3_is_in_the_hand_band() -> None:
@@ -373,6 +377,12 @@ def with_phases(trace: Path, phases: dict[str, Any]) -> None:
     (trace / "manifest.json").write_text(json.dumps(manifest))
 
 
+def with_workload(trace: Path, workload: dict[str, Any]) -> None:
+    manifest = json.loads((trace / "manifest.json").read_text())
+    manifest["workload"] = workload
+    (trace / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     model = Model()
     write_trace(tmp_path / "sweep" / "k0", decode_tokens(np.random.default_rng(0), model, requests=2, steps=12),
@@ -400,9 +410,27 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     prediction = json.loads(result.stdout)["runs"][0]["prediction"]
     assert prediction["basis"]["mode"] == "measured k=0 step, calibrated growth"
-    rows = prediction["per_batch"]
-    assert {row["batch"] for row in rows} == {2}  # the builder's k=0 trace decodes 2 requests a step, 1 ms apart
-    assert next(row["step_ms"] for row in rows if row["k"] == 0) == pytest.approx(1.0)
+    every_batch = prediction["per_batch"]
+    rows = [row for row in every_batch if row["batch"] == 2]  # the builder's k=0 trace decodes 2 requests a step
+    assert {row["step_source"] for row in rows} == {"measured"}
+    assert next(row["step_ms"] for row in rows if row["k"] == 0) == pytest.approx(1.0)  # 1 ms apart
+    # one request per step was never recorded: estimated from the one concurrency that was (held: 1 ms less the
+    # MoE and all-reduce calibrated at two requests' unions, plus those at one request's)
+    one = [row for row in every_batch if row["batch"] == 1]
+    assert {row["step_source"] for row in one} == {"estimated"} and len(one) == len(rows)
+    k0_two, k0_one = rows[0], one[0]
+    assert k0_one["step_ms"] == pytest.approx(1.0 - k0_two["moe_ms"] - k0_two["allreduce_ms"] + k0_one["moe_ms"]
+                                              + k0_one["allreduce_ms"])
+    decision = json.loads(result.stdout)["decision"][0]["per_batch"]
+    assert [row["batch"] for row in decision] == [1, 2]
+    # at two requests the best k is the recorded k=2: its unions and steps measured; at one request the step is
+    # estimated (the builder's 20 request-steps are too few to recommend, so k is null and the rows say so)
+    assert [(row["best_k"], row["speedup_source"]) for row in decision] == [(2, "estimated"), (2, "measured")]
+    # the crossover: predicted over --batch, measured over what the sweep recorded (two requests per step)
+    crossovers = json.loads(result.stdout)["decision"][0]["crossover"]
+    assert crossovers["predicted"]["looked_at"] == [1, 2] and crossovers["measured"]["looked_at"] == [2]
+    assert crossovers["measured"]["best"][0]["speedup"] == pytest.approx(prediction["against_trace"][0][
+        "measured_speedup"])
     # the drafter's 0.25 ms per step, measured at k=2 with 2 requests a step, held for every k of an n-gram drafter
     assert {row["drafting_ms"] for row in rows if row["k"] > 0} == {0.25}
     # sampling took 0.2 ms a step at k=2 (the longer of host and device), 0.1 at k=0: 0.1 more, held for every k
@@ -426,16 +454,26 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     assert checked["drafting_ms"] == 0.25
     terminal = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2")
     assert "Predicted against measured on the machine that recorded" in terminal.output
-    # the per-k table is for the fewest requests predicted: 2 here, the k=0 trace's only concurrency
-    assert prediction["basis"]["per_k_batch"] == 2 and [row["k"] for row in prediction["per_k"]][:3] == [0, 1, 2]
-    assert "Predicted verify step at 2 requests per step" in terminal.output and "draft" in terminal.output
+    # the per-k table is for one request
+    assert [row["k"] for row in prediction["per_k"]][:3] == [0, 1, 2]
+    assert "Predicted verify step at one request per step" in terminal.output and "draft" in terminal.output
     page = (tmp_path / "sweep" / "report.html").read_text()
     assert 'class="against-trace"' in page and f"{checked['unexplained_ms']:.2f}" in page
-    for args, fragment in ((["--profile", "measured"], "give --calibration too"),
-                           (["--profile", "measured", "--calibration", str(calibration), "--batch", "7"],
-                            "no run of 5+ decode steps at concurrency 7 to measure the k=0 step at (has: 2)")):
-        failed = report(*args)
-        assert failed.exit_code == 1 and fragment in failed.output and "Traceback" not in failed.output
+    failed = report("--profile", "measured")
+    assert failed.exit_code == 1 and "give --calibration too" in failed.output and "Traceback" not in failed.output
+    # a concurrency above the engines' slots gets a row that says why there is no recommendation
+    for trace in (tmp_path / "sweep" / "k0", k2):
+        with_workload(trace, {"batch_size": 4})
+    above = json.loads(report("--calibration", str(calibration), "--profile", "measured", "--batch", "3,7",
+                              "--json").stdout)
+    three, seven = above["decision"][0]["per_batch"]
+    assert three["batch"] == 3 and three["status"].startswith("too few windows") and three["best_k"] is not None
+    assert seven["k"] is None and "ran at most 4 requests at once (max_num_seqs)" in seven["status"]
+    assert any("no recommendation at 7 request(s)" in line for line in above["warnings"])
+    terminal_above = report("--calibration", str(calibration), "--profile", "measured", "--batch", "3,7").output
+    assert "B=7: no recommendation: the sweep's engines ran at most 4" in " ".join(terminal_above.split())
+    for trace in (tmp_path / "sweep" / "k0", k2):
+        with_workload(trace, {})
     # a k=0 trace recorded with async scheduling off, its steps 1.5 ms apart against the sweep's 1 ms: every step
     # that drafts pays 0.5 ms more
     sync = write_trace(tmp_path / "sync", decode_tokens(np.random.default_rng(0), model, requests=2, steps=12), model,
@@ -447,7 +485,7 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     synced = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2", "--k0-sync",
                     str(sync), "--json")
     assert synced.exit_code == 0, synced.output
-    rows_sync = json.loads(synced.stdout)["runs"][0]["prediction"]["per_batch"]
+    rows_sync = [row for row in json.loads(synced.stdout)["runs"][0]["prediction"]["per_batch"] if row["batch"] == 2]
     assert [row["scheduling_ms"] for row in rows_sync[:3]] == [0.0, pytest.approx(0.5), pytest.approx(0.5)]
     assert rows_sync[2]["step_ms"] == pytest.approx(predicted_k2 + 0.5 - 0.05)
     widest = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2", "--k0-sync",
@@ -481,6 +519,7 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     # a phase timed in fewer than 3 calls is not measured (one call can be a new batch shape compiling): the
     # forward's growth then stays out
     with_phases(k2, {"forward": {"2": {**timed(0.8, 0.75), "calls": 2}}, "sampling": {"2": timed(0.2, 0.15)}})
-    few = json.loads(report("--calibration", str(calibration), "--profile", "measured", "--batch", "2",
-                            "--json").stdout)["runs"][0]["prediction"]["per_batch"]
+    few = [row for row in json.loads(report("--calibration", str(calibration), "--profile", "measured", "--batch", "2",
+                                            "--json").stdout)["runs"][0]["prediction"]["per_batch"]
+           if row["batch"] == 2]
     assert [row["forward_beyond_moe_ms"] for row in few] == [None] * len(few)

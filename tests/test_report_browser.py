@@ -205,6 +205,13 @@ def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
                 assert shown["text"] == f"{row['k']}{extrapolated}" and "extrapolated" in shown["title"], shown
             else:
                 assert shown["text"] == str(row["k"]), shown
+        # ... and under it, the crossover per drafter as the JSON says it
+        crossovers = page.eval_on_selector_all(
+            "p.crossover", "ps => ps.map(p => ({kind: p.dataset.kind, text: p.innerText}))")
+        expected = [(kind, found["says"]) for decision in summary["decision"]
+                    for kind, found in decision["crossover"].items() if found]
+        assert [(shown["kind"], shown["text"].split(", ", 1)[1]) for shown in crossovers] == expected, crossovers
+        assert expected and expected[0][0] == "predicted"
         # ... and extrapolated acceptance is marked in the per-k table (tokens per step at k=4)
         tokens = page.locator(f"#per-k-0 tr[data-k='{ASKED_K}'] td").nth(1)
         assert tokens.inner_text().endswith(extrapolated) and "extrapolated" in (tokens.get_attribute("title") or "")

@@ -10,7 +10,7 @@ import polars as pl
 
 from moetrace.analysis.acceptance import decode_step_periods
 from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps, per_k_from_nearest
-from moetrace.analysis.decision import PHASE_COLUMNS, growth_over_k0
+from moetrace.analysis.decision import PHASE_COLUMNS, across_batches, growth_over_k0
 from moetrace.errors import UserError
 from moetrace.trace.reader import SWEEP_MODEL_KEYS, Trace, first_difference, open_trace
 from moetrace.report.inputs import Run
@@ -55,20 +55,24 @@ def recorded_phases(traces: Sequence[Trace]) -> pl.DataFrame:
                              if name not in wide.columns).select(pl.col(name).cast(t) for name, t in schema.items())
 
 
-def measured_baselines(run: Run, steps: pl.DataFrame, batches: Sequence[int]) -> dict[int, float]:
-    """The k=0 trace's decode step (start to start, ms) at each of ``batches`` it has steps of (``steps``:
-    ``recorded_steps``)."""
+def measured_baselines(run: Run, steps: pl.DataFrame) -> dict[int, float]:
+    """The k=0 trace's decode step (start to start, ms) at each concurrency it has ``MIN_BASELINE_STEPS`` step pairs
+    of (``steps``: ``recorded_steps``)."""
     baseline = next((trace for trace in run.traces if trace.k == 0), None)
     if baseline is None:
         raise UserError(f"{run.path}: --profile measured needs a k=0 trace in the sweep (its steps are the baseline)")
-    periods = steps.filter(pl.col("k") == 0)
-    found = {int(row["batch"]): float(row["period_ms"]) for row in periods.to_dicts()
-             if row["batch"] in batches}
+    found = {int(row["batch"]): float(row["period_ms"]) for row in steps.filter(pl.col("k") == 0).to_dicts()}
     if not found:
-        have = ", ".join(str(b) for b in periods["batch"].to_list()) or "none"
-        raise UserError(f"{baseline.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency "
-                        f"{', '.join(map(str, batches))} to measure the k=0 step at (has: {have})")
+        raise UserError(f"{baseline.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at any concurrency to "
+                        f"measure the k=0 step at")
     return found
+
+
+def engine_slots(run: Run) -> int | None:
+    """The most requests the sweep's engines ran at once (``max_num_seqs``, the manifests' batch size; None where a
+    trace does not say): a step of more requests than that was never measured, nor near it."""
+    sizes = [trace.manifest.batch_size for trace in run.traces]
+    return None if any(size is None for size in sizes) else max(int(size or 0) for size in sizes)
 
 
 def sync_trace(run: Run, path: Path) -> Trace:
@@ -95,13 +99,15 @@ def sync_trace(run: Run, path: Path) -> Trace:
 def scheduling_costs(trace: Trace, baselines: dict[int, float]) -> dict[int, float]:
     """Per concurrency of ``baselines`` (the sweep's k=0 step, ms): how much longer a k=0 decode step took in
     ``sync_trace``, recorded with async scheduling off, which vLLM switches off to draft with n-gram: what every
-    k>0 step pays for that switch."""
+    k>0 step pays for that switch; at a concurrency the sync trace did not run, ``across_batches`` of the ones both
+    ran."""
     found = {int(row["batch"]): float(row["period_ms"]) for row in decode_periods(trace).to_dicts()}
-    missing = [batch for batch in baselines if batch not in found]
-    if missing:
-        raise UserError(f"{trace.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at concurrency {missing[0]} "
-                        f"(has: {', '.join(map(str, sorted(found))) or 'none'})")
-    return {batch: found[batch] - baseline for batch, baseline in baselines.items()}
+    both = {batch: found[batch] - baseline for batch, baseline in baselines.items() if batch in found}
+    if not both:
+        raise UserError(f"{trace.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at a concurrency the sweep's k=0 "
+                        f"trace ran at ({', '.join(map(str, sorted(baselines)))}; has: "
+                        f"{', '.join(map(str, sorted(found))) or 'none'})")
+    return {batch: across_batches(both, batch) for batch in baselines}
 
 
 def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max_k: int,
@@ -121,12 +127,11 @@ def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max
     return out
 
 
-def measured_steps(run: Run, steps: pl.DataFrame, batches: Sequence[int], max_k: int,
-                   sync: Trace | None) -> dict[int, MeasuredSteps]:
-    """Per concurrency of ``batches`` the sweep's k=0 trace ran at, for k up to ``max_k``: what the sweep's own
-    steps measured there (``analysis.cost.MeasuredSteps``; ``steps``: ``recorded_steps``; ``sync``: the
-    ``--k0-sync`` trace, the k=0 steps run as the k>0 steps were, against which their phases grow)."""
-    baselines = measured_baselines(run, steps, batches)
+def measured_steps(run: Run, steps: pl.DataFrame, max_k: int, sync: Trace | None) -> dict[int, MeasuredSteps]:
+    """Per concurrency the sweep's k=0 trace ran at, for k up to ``max_k``: what the sweep's own steps measured
+    there (``analysis.cost.MeasuredSteps``; ``steps``: ``recorded_steps``; ``sync``: the ``--k0-sync`` trace, the
+    k=0 steps run as the k>0 steps were, against which their phases grow)."""
+    baselines = measured_baselines(run, steps)
     method = str(run.primary.manifest.spec.method)
     grew = growth_over_k0(steps, None if sync is None else recorded_phases([sync]))
     drafting = measured_per_k(steps, "drafting_ms", list(baselines), max_k, method in MODEL_DRAFTERS)

@@ -117,9 +117,10 @@ def budget_summary(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:
 def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] | None:
     """Per concurrency: the recommended k, its predicted speedup, what it rests on, and the expert budget per
     request window at that k (experts and bytes it saves, priced at the prediction's shape)."""
-    if analysis.decision is None or analysis.prediction_basis is None:
+    if analysis.decision is None:
         return None
-    basis = analysis.prediction_basis
+    basis = analysis.prediction_basis or {"preset": options.preset.label if options.preset else None,
+                                          "calibration": None, "shape": "manifest"}
     rows = []
     for row in analysis.decision.to_dicts():
         budget = None
@@ -145,7 +146,28 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
         "shape": basis["shape"] if basis["shape"] != "manifest" else f"{analysis.manifest.model.name} "
                                                                       "(as recorded)",
         "per_batch": rows,
+        "crossover": None if analysis.crossovers is None else {
+            kind: None if found is None else {**found, "says": crossover_sentence(found)}
+            for kind, found in analysis.crossovers.items()},
     }
+
+
+def crossover_sentence(found: dict[str, Any]) -> str:
+    """``analysis.decision.crossover``'s finding in words, as the terminal and the dashboard show it."""
+    best = {row["batch"]: row for row in found["best"]}
+
+    def at(batch: int) -> str:
+        return f"k={best[batch]['k']} {best[batch]['speedup']:.2f}x at {batch}"
+
+    kind, paying, none_pays = found["kind"], found["paying"], found["none_pays"]
+    if found["status"] == "crosses":
+        return (f"{kind}: no k pays above about {found['batch']:.0f} requests per step ({at(paying)}, "
+                f"best {at(none_pays)}; interpolated)")
+    if found["status"] == "pays throughout":
+        return f"{kind}: a k pays at every B looked at, up to {paying} ({at(paying)})"
+    if found["status"] == "never pays":
+        return f"{kind}: no k pays at any B looked at, from {none_pays} (best {at(none_pays)})"
+    return f"{found['kind']}: no speedup to find a crossover in"
 
 
 def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any]:

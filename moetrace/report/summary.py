@@ -4,6 +4,7 @@ measured takes from the sweep, ``report.payload`` shapes the summary JSON the te
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,17 @@ from moetrace.analysis.acceptance import (
     measured_speedup,
     step_times,
 )
+from moetrace.analysis.cost import MeasuredSteps
 from moetrace.analysis.budgets import WindowSample, budget_curves, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, union_means, uniform_unions
 from moetrace.analysis.consistency import disagreement, routing_gaps
 from moetrace.analysis.decision import (
     DEFAULT_BATCHES,
     against_trace,
+    crossover,
     recommended_k,
     speedup_per_batch,
+    unpredicted,
 )
 from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.growth import (
@@ -46,7 +50,7 @@ from moetrace.place import held_out_comparison
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace
 from moetrace.report.inputs import PredictionPreset, Run, expert_placement, model_shape, parallel_size
-from moetrace.report.measured import measured_steps, recorded_phases, recorded_steps, sync_trace
+from moetrace.report.measured import engine_slots, measured_steps, recorded_phases, recorded_steps, sync_trace
 
 RANDOM_WEIGHTS_NOTE = "routing of a random-weight model: says nothing about a trained model's routing"
 
@@ -104,6 +108,9 @@ class RunAnalysis:
     placements: pl.DataFrame | None = None  # under EP: placements scored on held-out windows (moetrace.place)
     placement_note: str | None = None  # why they were not
     checks: list[str] = field(default_factory=list)  # the self-check's warnings (``self_check``)
+    # the concurrency above which no k pays (``analysis.decision.crossover``): "predicted" over --batch, and
+    # "measured" over the concurrencies the sweep recorded (--profile measured; else None)
+    crossovers: dict[str, dict[str, Any] | None] | None = None
 
     @property
     def manifest(self) -> Manifest:
@@ -152,12 +159,12 @@ def sample_note(share: float) -> str | None:
 
 
 def step_inputs(run: Run, sample: WindowSample, shape: ModelShape, placement: npt.NDArray[np.int64],
-                options: Options) -> pl.DataFrame:
-    """Per (batch, k), for k = 0..max_k and batch 1 and every --batch: what one step reads (``union_means`` of
+                options: Options, batches: Sequence[int]) -> pl.DataFrame:
+    """Per (batch, k), for k = 0..max_k and every concurrency of ``batches``: what one step reads (``union_means`` of
     ``analysis.concurrency``, or uniform routing's) beside the acceptance at k (``acceptance_per_k``), and the
     tokens the step moves (batch × tokens a request-step reads). The one table the cost model, the bytes, the
     decision and the self-check take."""
-    ks, batches = range(options.max_k + 1), sorted({1, *options.batches})
+    ks = range(options.max_k + 1)
     if options.routing == "uniform":
         unions = uniform_unions(shape.num_experts, shape.top_k, placement, ks, batches)
     else:
@@ -187,10 +194,11 @@ def prediction_deployment(trace_shape: ModelShape, tp: int, ep: int,
 
 
 def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, ep: int, options: Options,
-                   steps: pl.DataFrame | None, sync: Trace | None, disagreements: dict[int, str]
-                   ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
-    """Per (batch, k) predicted steps, the per-k prediction at the fewest requests predicted, and the recommended
-    k per batch, from ``step_inputs`` (at the prediction's placement)."""
+                   measured: dict[int, MeasuredSteps] | None, unpriced: dict[int, str],
+                   disagreements: dict[int, str]) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
+    """Per (batch, k) predicted steps, the per-k prediction at one request, and the recommended k at every
+    concurrency of --batch, from ``step_inputs`` (at the prediction's placement); ``measured``: what --profile
+    measured took from the sweep's steps, per recorded concurrency; ``unpriced``: concurrencies left out, and why."""
     if options.acceptance is None and max(t.k for t in run.traces) == 0:
         raise UserError(f"{run.primary.path}: no verified drafts to measure acceptance from; give --acceptance RATE")
     pred_shape, pred_tp, pred_ep, preset_notes = prediction_deployment(shape, tp, ep, options)
@@ -201,18 +209,13 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
         raise UserError(f"--profile tokens={tokens}: its step is one request's window of {tokens} tokens, "
                         f"k={tokens - 1}: give --max-k {tokens - 1} or more")
     anchor = (float(at["unique_experts"].item()), float(at["busiest_rank_experts"].item()))
-    measured = measured_steps(run, steps, options.batches, options.max_k, sync) if steps is not None else None
     try:
         speedups, basis = speedup_per_batch(inputs, deployment_for(pred_shape, pred_tp, pred_ep),
                                             options.profile, options.calibration, anchor, measured)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
-    # the per-k table is for one request, or for the fewest requests predicted (--profile measured predicts only
-    # the concurrencies its k=0 trace ran at)
-    per_k_batch = int(speedups["batch"].min())  # type: ignore[arg-type]
-    table = speedups.filter(pl.col("batch") == per_k_batch).drop("batch")
+    table = speedups.filter(pl.col("batch") == 1).drop("batch")  # the per-k table is for one request
     basis["notes"] = preset_notes + basis["notes"]
-    basis["per_k_batch"] = per_k_batch
     basis["routing"] = options.routing
     basis["acceptance"] = options.acceptance
     basis["shape"] = options.shape_preset or (options.preset.shape if pred_shape is not shape and options.preset
@@ -225,7 +228,7 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
     if options.calibration is not None:
         device = options.calibration.get("device", {})
         basis["calibration_device"] = f"{device.get('name')} x{device.get('count')}"
-    decision = recommended_k(speedups.filter(pl.col("batch").is_in(list(options.batches))), disagreements)
+    decision = recommended_k(speedups, options.batches, disagreements, unpriced)
     return speedups, table, decision, basis
 
 
@@ -283,6 +286,15 @@ def placement_scores(trace: Trace, rows: WindowRows, ep: int) -> tuple[pl.DataFr
     return compared.scores, None
 
 
+def unpriced_batches(run: Run, batches: Sequence[int]) -> dict[int, str]:
+    """--profile measured: the concurrencies of ``batches`` above what the sweep's engines could run at once
+    (``report.measured.engine_slots``), and why they get no prediction."""
+    slots = engine_slots(run)
+    return {batch: f"the sweep's engines ran at most {slots} requests at once (max_num_seqs): --profile measured has "
+                   f"no step of {batch} to start from (record with --batch-size {batch} or more)"
+            for batch in batches if slots is not None and batch > slots}
+
+
 def analyse_run(run: Run, options: Options) -> RunAnalysis:
     trace = run.primary
     shape = model_shape(trace, options.shape_preset)
@@ -310,25 +322,29 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     if trace.lacks("router_weights"):  # budgets are by routing-weight coverage
         curves = curves.clear()
     at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
-    inputs = step_inputs(run, sample, shape, placement, options)
+    steps = recorded_steps(run) if options.measured_baseline else None
+    sync = sync_trace(run, options.k0_sync) if steps is not None and options.k0_sync else None
+    measured = measured_steps(run, steps, options.max_k, sync) if steps is not None and options.predicts else None
+    unpriced = unpriced_batches(run, options.batches) if measured is not None else {}
+    batches = sorted({1, *options.batches, *(measured or {})} - set(unpriced))
+    inputs = step_inputs(run, sample, shape, placement, options, batches)
     one_token = inputs.filter((pl.col("batch") == 1) & (pl.col("k") == 0))["ranks_touched"]
     bytes_table = step_bytes(inputs.filter(pl.col("batch") == 1), deployment_for(shape, tp, ep),
                              float(one_token.item()) if len(one_token) else 1.0)
     speedups = prediction = decision = basis = None
-    steps = recorded_steps(run) if options.measured_baseline else None
-    sync = sync_trace(run, options.k0_sync) if steps is not None and options.k0_sync else None
     prediction_note = None
     if options.predicts:
         _, _, pred_ep, _ = prediction_deployment(shape, tp, ep, options)
         pred_inputs = inputs if pred_ep == ep else step_inputs(
-            run, sample, shape, expert_placement(trace, pred_ep, options.placement_file), options)
+            run, sample, shape, expert_placement(trace, pred_ep, options.placement_file), options, batches)
         try:
-            speedups, prediction, decision, basis = run_prediction(run, pred_inputs, shape, tp, ep, options, steps,
-                                                                   sync, disagreements)
+            speedups, prediction, decision, basis = run_prediction(run, pred_inputs, shape, tp, ep, options, measured,
+                                                                   unpriced, disagreements)
         except UserError as exc:
             if options.preset is None:  # the user asked for this prediction
                 raise
             prediction_note = f"no prediction: {exc} (give --calibration or --profile for this deployment)"
+            decision = unpredicted(options.batches, prediction_note)
     placements, placement_note = placement_scores(trace, rows, ep)
     checked = (against_trace(speedups, steps, None if sync is None else recorded_phases([sync]))
                if steps is not None and speedups is not None else None)
@@ -360,4 +376,11 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         placement_note=placement_note,
     )
     analysis.checks = self_check(analysis)
+    if speedups is not None:
+        measured_speedups = (None if checked is None or checked.is_empty() else
+                             checked.select("batch", "k", speedup="measured_speedup"))
+        analysis.crossovers = {
+            "predicted": crossover(speedups, [b for b in options.batches if b not in unpriced], "predicted"),
+            "measured": None if measured_speedups is None else crossover(
+                measured_speedups, sorted(set(measured_speedups["batch"].to_list())), "measured")}
     return analysis

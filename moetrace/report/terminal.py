@@ -131,8 +131,7 @@ def _step_reads(run: dict[str, Any], k: int) -> Table:
 
 def _prediction(prediction: dict[str, Any], k: int) -> Table:
     basis = prediction["basis"]
-    batch = basis.get("per_k_batch", 1)
-    title = (f"Predicted verify step{f' at {batch} requests per step' if batch != 1 else ''} ({basis['mode']}; "
+    title = (f"Predicted verify step at one request per step ({basis['mode']}; "
              f"tp={basis['tp']}, ep={basis['ep']}, {basis['weight_format']} experts, routing {basis['routing']})")
     # a component is a column only where some k has it (measured mode has no attention or other GEMMs; the
     # forward beyond MoE, drafter, scheduling and sampling are measured only there): 80 columns are tight
@@ -263,7 +262,7 @@ def _decision(decision: dict[str, Any]) -> Table:
         table.add_row(
             str(row["batch"]),
             f"{row['k']}{'+' if row['larger_k_may_pay'] else ''}" if recommended else "none",
-            _number(row["speedup"]) if recommended else "–",
+            _marked(_number(row["speedup"]), row["speedup_source"]) if recommended else "–",
             _marked(_number(row["tokens_per_step"]), row["acceptance_source"]),
             _marked(_number(row["unique_experts"], 0), row["union_source"]), _number(row["uniform_bound"], 0),
             str(row["windows"]), str(row["steps"]), _number(budget.get("median"), 0),
@@ -279,8 +278,11 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
         console.print(_decision(decision))
         for row in decision["per_batch"]:
             if row["k"] is None:
-                console.print(Text(f"  B={row['batch']}: no recommendation: {row['status']} (the figures would pick "
-                                   f"k={row['best_k']})", style="yellow"))
+                picks = f" (the figures would pick k={row['best_k']})" if row["best_k"] is not None else ""
+                console.print(Text(f"  B={row['batch']}: no recommendation: {row['status']}{picks}", style="yellow"))
+        for found in (decision["crossover"] or {}).values():
+            if found is not None:
+                console.print(Text(f"  crossover, {found['says']}"))
     for based_on in dict.fromkeys(decision["based_on"] for decision in decisions):
         console.print(Text(f"  predicted {based_on}", style="dim"))
     console.print(Text(f"  {MARK_LEGEND}", style="dim"))
