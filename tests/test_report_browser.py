@@ -212,6 +212,15 @@ def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
                     for kind, found in decision["crossover"].items() if found]
         assert [(shown["kind"], shown["text"].split(", ", 1)[1]) for shown in crossovers] == expected, crossovers
         assert expected and expected[0][0] == "predicted"
+        # ... and the policies replayed on the trace, with their verdict, as the JSON has them
+        policies = summary["decision"][0]["policies"]
+        shown_rows = page.eval_on_selector_all(
+            "table.policies tr[data-policy]",
+            "rows => rows.map(r => [...r.querySelectorAll('td')].map(c => c.innerText))")
+        assert [(int(cells[0]), cells[1], cells[5]) for cells in shown_rows] == [
+            (row["batch"], row["policy"], f"{row['vs_table']:.3f}") for row in policies["rows"]]
+        assert policies["rows"] and page.eval_on_selector_all(
+            "p.policy-verdict", "ps => ps.map(p => p.innerText)") == policies["verdict"]
         # ... and extrapolated acceptance is marked in the per-k table (tokens per step at k=4)
         tokens = page.locator(f"#per-k-0 tr[data-k='{ASKED_K}'] td").nth(1)
         assert tokens.inner_text().endswith(extrapolated) and "extrapolated" in (tokens.get_attribute("title") or "")

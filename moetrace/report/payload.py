@@ -146,6 +146,9 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
         "shape": basis["shape"] if basis["shape"] != "manifest" else f"{analysis.manifest.model.name} "
                                                                       "(as recorded)",
         "per_batch": rows,
+        "policies": None if analysis.policies is None else {
+            "rows": analysis.policies.rows.to_dicts(), "verdict": analysis.policies.verdict,
+            "trace_k": analysis.policies.trace_k},
         "crossover": None if analysis.crossovers is None else {
             kind: None if found is None else {**found, "says": crossover_sentence(found)}
             for kind, found in analysis.crossovers.items()},

@@ -42,6 +42,7 @@ from moetrace.analysis.growth import (
     rejected_only_experts,
 )
 from moetrace.analysis.load import expert_load
+from moetrace.analysis.policies import compare_policies, policy_verdict
 from moetrace.analysis.profile import Profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
@@ -111,6 +112,7 @@ class RunAnalysis:
     # the concurrency above which no k pays (``analysis.decision.crossover``): "predicted" over --batch, and
     # "measured" over the concurrencies the sweep recorded (--profile measured; else None)
     crossovers: dict[str, dict[str, Any] | None] | None = None
+    policies: PolicyReplay | None = None  # k-choosing policies replayed per --batch (``analysis.policies``)
 
     @property
     def manifest(self) -> Manifest:
@@ -383,4 +385,33 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
             "predicted": crossover(speedups, [b for b in options.batches if b not in unpriced], "predicted"),
             "measured": None if measured_speedups is None else crossover(
                 measured_speedups, sorted(set(measured_speedups["batch"].to_list())), "measured")}
+        analysis.policies = replayed_policies(run, speedups, decision, options.max_k)
     return analysis
+
+
+@dataclass(frozen=True)
+class PolicyReplay:
+    """``analysis.policies.compare_policies``'s rows, their verdict per concurrency, and the k of the trace
+    replayed."""
+
+    rows: pl.DataFrame
+    verdict: list[str]
+    trace_k: int
+
+
+def replayed_policies(run: Run, speedups: pl.DataFrame, decision: pl.DataFrame | None,
+                      max_k: int) -> PolicyReplay | None:
+    """``analysis.policies.compare_policies`` on the sweep's trace at its largest k (up to ``max_k``), at each
+    concurrency the decision priced (the static table: its k, or the k its figures would pick), at the predicted
+    steps; None without drafts."""
+    deepest = max((trace for trace in run.traces if trace.k <= max_k), key=lambda trace: trace.k)
+    if deepest.k == 0 or decision is None:
+        return None
+    table = {int(row["batch"]): int(row["k"] if row["k"] is not None else row["best_k"])
+             for row in decision.to_dicts() if row["k"] is not None or row["best_k"] is not None}
+    step_ms = {int(str(batch)): dict(zip(part["k"].to_list(), part["step_ms"].to_list()))
+               for (batch,), part in speedups.group_by("batch") if int(str(batch)) in table}
+    steps = deepest.steps()
+    rows = compare_policies(steps, deepest.k, step_ms, table)
+    requests = int(steps.select(pl.col("request").n_unique()).collect().item())
+    return PolicyReplay(rows, policy_verdict(rows, sorted(table), requests), deepest.k)

@@ -271,6 +271,20 @@ def _decision(decision: dict[str, Any]) -> Table:
     return table
 
 
+def _policies(decision: dict[str, Any]) -> Table:
+    policies = decision["policies"]
+    table = _table(
+        f"Policies for k replayed on the k={policies['trace_k']} trace of {decision['label']} (counterfactual*)",
+        [("B", "requests per step"), ("policy", ""), ("k", "static or best fixed k"),
+         ("mean k", "k per step, mean"), ("speedup", "over k=0, predicted steps"),
+         ("vs table", "throughput over the static table's"), ("95%", "over resampled requests")])
+    for row in policies["rows"]:
+        table.add_row(str(row["batch"]), row["policy"], str(row["k"]) if row["k"] is not None else "–",
+                      _number(row["mean_k"]), _number(row["speedup"]), f"{row['vs_table']:.3f}",
+                      f"{row['vs_table_low']:.3f}-{row['vs_table_high']:.3f}")
+    return table
+
+
 def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
     if not decisions:
         return
@@ -283,6 +297,10 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
         for found in (decision["crossover"] or {}).values():
             if found is not None:
                 console.print(Text(f"  crossover, {found['says']}"))
+        if decision["policies"] and decision["policies"]["rows"]:
+            console.print(_policies(decision))
+            for line in decision["policies"]["verdict"]:
+                console.print(Text(f"  {line}"))
     for based_on in dict.fromkeys(decision["based_on"] for decision in decisions):
         console.print(Text(f"  predicted {based_on}", style="dim"))
     console.print(Text(f"  {MARK_LEGEND}", style="dim"))
