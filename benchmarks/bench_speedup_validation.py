@@ -10,18 +10,25 @@
     # anywhere: predict from the traces and calibrations, set beside the measurements
     python benchmarks/bench_speedup_validation.py compare runs --json benchmarks/results/speedup-validation.json
 
-Measured: output tokens per second at concurrency 1 (requests one after another) and 16 (112 requests through an
-engine that runs at most 16 at once), greedy, ``ignore_eos``, 192 to 320 tokens each (256 on average, ``LENGTHS``),
-prefix caching off, over rounds that
-alternate the two concurrencies after a warm-up of the whole workload, every round the same requests; one engine
-per (drafter, k), moetrace's hooks paused while timing (the engine exactly as vLLM built it). Then the hooks resume
-and as many rounds of the same workload are recorded, so the trace is of what was timed, over as many rounds: a
-round's throughput varies by up to ±10% on the H200 (host jitter, and under speculation which requests end
-together), so a trace of one round can sit 10% from the timed rounds' median. Dummy-weight models get spread
-routing (``spread_routing``).
+Load: closed loop, the shape of a server. At concurrency C exactly C requests are in flight: C are added to vLLM's
+engine (``LLMEngine.add_request``, stepped with ``step``), and each one that ends is replaced by the next until a
+round's ``max(8, 3 C)`` requests have all been added. A round's throughput is the output tokens generated while C
+were in flight (from the end of the step in which C requests had produced a token up to the first completion that
+no request replaces: at least 2 C completions, the fill and the drain left out) over that window's wall time. Greedy,
+``ignore_eos``, 192 to 320 tokens each (256 on average, ``LENGTHS``), prefix caching off, every round the same
+requests.
 
-Baseline: k = 0 (no speculation) on the same GPU, same workload, same run. Measured speedup = median tok/s at k
-over median tok/s at k = 0; its 95% interval bootstraps the rounds of both engines.
+``--timed`` (default 1,4,16,48): the concurrencies timed, moetrace's hooks paused (the engine exactly as vLLM built
+it), over ``--rounds`` rounds that alternate their order, after a short warm-up at each (every batch shape
+compiled). ``--recorded`` (default 1,16): the concurrencies then recorded, hooks resumed, in as many rounds of the
+same closed loop, so the trace is of what was timed: a round's throughput varies by up to ±10% on the H200 (host
+jitter, and under speculation which requests end together). ``compare`` predicts every timed concurrency; those not
+recorded are held out (``held_out_concurrency``). The engine runs at most max(timed, recorded) requests at once; one
+engine per (drafter, k). Dummy-weight models get spread routing (``spread_routing``).
+
+Baseline: k = 0 (no speculation) on the same GPU, same workload, same run (``--sync-baseline``: also k = 0 with
+async scheduling off). Measured speedup = median tok/s at k over median tok/s at k = 0; its 95% interval bootstraps
+the rounds of both engines.
 """
 
 from __future__ import annotations
@@ -40,19 +47,30 @@ from typing import Any
 
 from kimi_slice import kimi_k2_slice
 
-CONCURRENCIES = (1, 16)
-# per round: 112 requests through 16 slots keep 16 running for most of the round; with 48, the round's drain (fewer
-# than 16 running, where speculation gains more) took 23% of k = 0's time on the H200 and lifted the measured k = 4
-# speedup from 1.52 (steps of 16) to 1.64
-REQUESTS = {1: 8, 16: 112}
+LOAD = "closed-loop"
 PROMPT_CUTS = (1.0, 0.9, 0.8, 0.7, 0.6)  # each built-in prompt cut at these fractions: 50 distinct prompts
-# output lengths, as fractions of --max-tokens, request by request: requests of one wave end at different steps at
-# every k, k = 0 included, as a server's do (equal lengths end a wave of 16 together at k = 0 only, so prefills come
-# 16 at a time there and one by one under speculation, which is the benchmark's doing, not speculation's)
+# output lengths, as fractions of --max-tokens, request by request: requests in flight end at different steps at
+# every k, k = 0 included, as a server's do (with equal lengths, C requests started together at k = 0 would end
+# together, which is the benchmark's doing, not speculation's)
 LENGTHS = (0.75, 1.125, 0.875, 1.25, 1.0)
+WARM_UP_TOKENS = 16  # per warm-up request: 2 C of them at each timed concurrency, every batch shape compiled
 # the recording times vLLM's calls one step in 8, not the recorder's 1 in 64 on a GPU: a k = 4 run of 16 requests
 # has about 150 decode steps, too few for 64 (the timed rounds run with the hooks paused, so this costs them nothing)
 TIME_PHASES_EVERY = 8
+
+
+def parse_concurrencies(text: str) -> list[int]:
+    """``1,4,16`` → [1, 4, 16]: distinct, positive, in the order given."""
+    values = list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"concurrencies must be positive integers: {text!r}")
+    return values
+
+
+def requests_per_round(concurrency: int) -> int:
+    """Requests of one round at ``concurrency``: eight one after another at 1; 3 C otherwise, so the window in
+    which C are in flight covers at least 2 C completions."""
+    return max(8, 3 * concurrency)
 
 
 def distinct_prompts() -> list[str]:
@@ -70,45 +88,77 @@ def distinct_prompts() -> list[str]:
     return out
 
 
-def workload(prompts: list[Any], concurrency: int) -> list[Any]:
-    """The requests of every round at ``concurrency``, warm-up and recording included: the same prompts each time,
-    so the rounds differ only by noise and the trace's acceptance is the acceptance of what was timed (n-gram
-    acceptance differs from prompt to prompt)."""
-    return [prompts[i % len(prompts)] for i in range(REQUESTS[concurrency])]
-
-
 def output_lengths(count: int, max_tokens: int, lengths: tuple[float, ...] = LENGTHS) -> list[int]:
     """Tokens each of ``count`` requests generates (``lengths`` in turn, fractions of ``max_tokens``)."""
     return [round(max_tokens * lengths[i % len(lengths)]) for i in range(count)]
 
 
-def timed_generate(llm: Any, requests: list[Any], concurrency: int, max_tokens: int) -> float:
-    """Output tokens per second of ``requests`` at ``concurrency`` (1: one ``generate`` per request), each request
-    generating its ``output_lengths`` tokens."""
+def closed_loop(llm: Any, prompts: list[Any], concurrency: int, lengths: list[int], prefix: str) -> float:
+    """Output tokens per second while exactly ``concurrency`` requests are in flight: request i (prompt
+    ``i % len(prompts)``, ``lengths[i]`` tokens, id ``<prefix>-<i>``, unique within the engine) is added as soon as
+    one ends, until all ``len(lengths)`` are. The window opens once ``concurrency`` requests have produced a token
+    and closes at the first completion that no request replaces; its tokens are the steps' deltas inside it. The
+    engine runs dry before this returns. In flight as a client sees it: vLLM's engine core runs a step or so with
+    C − 1 after a completion, before the replacement reaches it, as a server's does."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
-    params = [SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
-              for length in output_lengths(len(requests), max_tokens)]
-    groups = [[i] for i in range(len(requests))] if concurrency == 1 else [list(range(len(requests)))]
-    started = time.perf_counter()
-    generated = 0
-    for group in groups:
-        outputs = llm.generate([requests[i] for i in group], [params[i] for i in group], use_tqdm=False)
-        generated += sum(len(o.outputs[0].token_ids) for o in outputs)
-    return generated / (time.perf_counter() - started)
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine still runs requests of an earlier round")
+
+    def add(index: int) -> None:
+        # DELTA: each step's new tokens alone, as a streaming server gets them (no cumulative copies per step)
+        params = SamplingParams(max_tokens=lengths[index], temperature=0.0, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        engine.add_request(f"{prefix}-{index}", prompts[index % len(prompts)], params)
+
+    added = min(concurrency, len(lengths))
+    for index in range(added):
+        add(index)
+    produced: set[str] = set()
+    opened: float | None = None
+    closed: float | None = None
+    tokens = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        step_tokens = 0
+        supply_ran_out = False
+        for output in outputs:
+            step_tokens += len(output.outputs[0].token_ids) if output.outputs else 0
+            produced.add(output.request_id)
+            if output.finished:
+                if added < len(lengths):
+                    add(added)
+                    added += 1
+                else:
+                    supply_ran_out = True
+        if opened is not None and closed is None:
+            tokens += step_tokens
+            if supply_ran_out:
+                closed = now
+        elif opened is None and len(produced) >= concurrency:
+            opened = now
+    if opened is None or closed is None or closed <= opened:
+        raise RuntimeError(f"{prefix}: no steady window at concurrency {concurrency} ({len(lengths)} requests)")
+    return tokens / (closed - opened)
 
 
-def round_order(round_index: int) -> tuple[int, ...]:
-    """The concurrencies of one round in the order they run: alternating, so neither always runs first."""
-    return CONCURRENCIES if round_index % 2 == 0 else CONCURRENCIES[::-1]
+def round_order(round_index: int, concurrencies: list[int]) -> list[int]:
+    """The concurrencies of one round in the order they run: alternating, so none always runs first."""
+    return concurrencies if round_index % 2 == 0 else concurrencies[::-1]
 
 
-def run_rounds(llm: Any, prompts: list[Any], rounds: int, max_tokens: int) -> dict[str, list[float]]:
-    """Tokens per second of ``rounds`` rounds of the workload, per concurrency."""
-    out: dict[str, list[float]] = {str(c): [] for c in CONCURRENCIES}
+def run_rounds(llm: Any, prompts: list[Any], rounds: int, concurrencies: list[int], max_tokens: int,
+               tag: str) -> dict[str, list[float]]:
+    """Tokens per second of ``rounds`` closed-loop rounds, per concurrency (request ids ``<tag><round>c<C>-<i>``)."""
+    out: dict[str, list[float]] = {str(c): [] for c in concurrencies}
     for round_index in range(rounds):
-        for concurrency in round_order(round_index):
-            out[str(concurrency)].append(timed_generate(llm, workload(prompts, concurrency), concurrency, max_tokens))
+        for concurrency in round_order(round_index, concurrencies):
+            lengths = output_lengths(requests_per_round(concurrency), max_tokens)
+            out[str(concurrency)].append(
+                closed_loop(llm, prompts, concurrency, lengths, f"{tag}{round_index}c{concurrency}"))
     return out
 
 
@@ -121,10 +171,10 @@ def slice_model_dir(model: str, out: Path) -> Path:
 
 
 def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, trace_dir: Path,
-                   max_tokens: int, eager: bool, tp: int) -> dict[str, Any]:
+                   max_tokens: int, eager: bool, tp: int, max_num_seqs: int) -> dict[str, Any]:
     """Engine settings of one recorded engine (``moetrace.record.engine_settings``) for the default model or a
     Kimi-K2 slice (``kimi-k2-tp8``: one rank of TP=8 on one GPU; ``kimi-k2-tp4`` at ``tp`` 2: the same per-GPU
-    shape with real all-reduces; dummy weights, bytes as token ids)."""
+    shape with real all-reduces; dummy weights, bytes as token ids), running at most ``max_num_seqs`` requests."""
     from moetrace.default_model import encode_text
     from moetrace.record import RecordRequest, engine_settings, resolve_model
 
@@ -136,7 +186,7 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
         engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 1024}
     # Every round does the same work: no prefix cache hits on prompts an earlier round sent.
     engine_args["enable_prefix_caching"] = False
-    request = RecordRequest(model=model_path, ks=ks, method=method, batch_size=max(CONCURRENCIES), tp=tp,
+    request = RecordRequest(model=model_path, ks=ks, method=method, batch_size=max_num_seqs, tp=tp,
                             max_tokens=max_tokens, out=out, eager=eager, engine_args=engine_args,
                             time_phases_every=TIME_PHASES_EVERY)
     settings = engine_settings(request, resolve_model(model_path), k, trace_dir, prompts,
@@ -208,8 +258,10 @@ def build_llm_within(settings: dict[str, Any], seconds: float) -> Any:
         done.set()
 
 
-def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start_timeout_s: float) -> dict[str, Any]:
-    """Start one engine, time ``rounds`` rounds with the hooks paused, record as many, close the trace."""
+def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start_timeout_s: float,
+                   timed: list[int], recorded: list[int]) -> dict[str, Any]:
+    """Start one engine, time ``rounds`` closed-loop rounds at the ``timed`` concurrencies with the hooks paused,
+    record as many at the ``recorded`` ones, close the trace."""
     from moetrace.engine import engine_prompts, spec_decode_counters
     from moetrace.trace.manifest import amend_manifest
     from moetrace.trace.reader import read_manifest
@@ -225,12 +277,13 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
         if settings["engine_args"].get("load_format") == "dummy" and not all(llm.collective_rpc(spread_routing)):
             raise RuntimeError("no MoE router found to spread")
         llm.collective_rpc("moetrace_pause")
-        for concurrency in CONCURRENCIES:  # warm-up, the whole workload: Triton compiles each new batch shape
-            timed_generate(llm, workload(prompts, concurrency), concurrency, max_tokens)
-        timings = run_rounds(llm, prompts, rounds, max_tokens)
+        for concurrency in timed:  # warm-up, short: Triton compiles each new batch shape
+            closed_loop(llm, prompts, concurrency, [min(WARM_UP_TOKENS, max_tokens)] * (2 * concurrency),
+                        f"w{concurrency}")
+        timings = run_rounds(llm, prompts, rounds, timed, max_tokens, "t")
         before = spec_decode_counters(llm)
         llm.collective_rpc("moetrace_resume")
-        recorded = run_rounds(llm, prompts, rounds, max_tokens)
+        recorded_rates = run_rounds(llm, prompts, rounds, recorded, max_tokens, "r")
         closed = [c for c in llm.collective_rpc("moetrace_close") if c is not None]
         # vLLM's counters over the recorded workload only: the cross-check of the trace's drafts and acceptances
         counters = {name: value - before.get(name, 0.0) for name, value in spec_decode_counters(llm).items()}
@@ -242,7 +295,7 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
         raise RuntimeError(f"{trace} holds a trace at k={recorded_k}, not k={settings['k']}")
     amend_manifest(trace, vllm_counters=counters)
     return {"method": settings["method"], "k": settings["k"], "trace": str(trace), "engine_start_s": start_s,
-            "tok_s": timings, "recorded_tok_s": recorded, "vllm_counters": counters,
+            "tok_s": timings, "recorded_tok_s": recorded_rates, "vllm_counters": counters,
             "recording_complete": all(c["complete"] for c in closed) and bool(closed),
             "engine_thread_us_per_step": [c.get("engine_thread_us_per_step") for c in closed]}
 
@@ -259,14 +312,21 @@ def measure(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / f"{args.model}-measurements.json"
     ks = [int(k) for k in args.ks.split(",")]
+    timed, recorded = args.timed, args.recorded
+    max_num_seqs = max(timed + recorded)
+    workload = {"load": LOAD, "timed": timed, "recorded": recorded, "max_num_seqs": max_num_seqs,
+                "max_tokens": args.max_tokens, "lengths": list(LENGTHS), "rounds": args.rounds,
+                "requests": {str(c): requests_per_round(c) for c in sorted(set(timed + recorded))}}
     doc: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {
         "model": args.model, "tp": args.tp, "vllm_version": vllm_version(),
-        "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
-        "cuda_graphs": not args.eager, "max_tokens": args.max_tokens, "lengths": list(LENGTHS), "rounds": args.rounds,
-        "requests": {str(c): n for c, n in REQUESTS.items()},
+        "device": (gpu_inventory()["gpus"] or ["cpu"])[0], "cuda_graphs": not args.eager, **workload,
         "command": "python benchmarks/bench_speedup_validation.py " + " ".join(sys.argv[1:]),
         "engines": [],
     }
+    differs = [name for name, value in workload.items() if doc.get(name) != value]
+    if differs:  # a resumed call adds engines to the same workload only
+        raise SystemExit(f"{results_path} measured another workload ({', '.join(differs)} differ): "
+                         "use another --out or the same arguments")
     done = {(e["method"], e["k"]) for e in doc["engines"] if "tok_s" in e}  # a failed engine is tried again
     # k = 0 runs no drafter: one engine serves as every drafter's baseline; "sync" is k = 0 without vLLM's async
     # scheduling, which vLLM switches off for n-gram drafting (the price of that switch, measured apart)
@@ -283,7 +343,7 @@ def measure(args: argparse.Namespace) -> None:
             return
         trace_dir = sweep / f"k{k}"
         settings = model_settings(args.model, out, "ngram" if method == "sync" else method, ks, k, trace_dir,
-                                  args.max_tokens, args.eager, args.tp)
+                                  args.max_tokens, args.eager, args.tp, max_num_seqs)
         if method == "sync":
             settings["engine_args"]["async_scheduling"] = False
         print(f"[{time.strftime('%H:%M:%S')}] {args.model} {method} k={k}: starting", flush=True)
@@ -291,7 +351,7 @@ def measure(args: argparse.Namespace) -> None:
             shutil.rmtree(trace_dir, ignore_errors=True)  # a half-written trace of an interrupted call or attempt
             engine_began = time.perf_counter()
             try:
-                engine = measure_engine(settings, args.rounds, args.max_tokens, args.start_timeout_s)
+                engine = measure_engine(settings, args.rounds, args.max_tokens, args.start_timeout_s, timed, recorded)
             except Exception as exc:  # one engine that vLLM cannot run must not cost the others
                 engine = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
                 print(f"{method} k={k}: FAILED {engine['error']}", flush=True)
@@ -325,48 +385,87 @@ def ratio_ci95(numerator: list[float], denominator: list[float], resamples: int 
             [ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]])
 
 
-def report_prediction(sweep: Path, calibration: Path, scratch: Path, k0_sync: Path | None) -> dict[str, Any]:
-    """``moetrace report --profile measured`` as a user runs it (a subprocess): its prediction section.
-    ``k0_sync``: the k=0 trace with async scheduling off, for a drafter vLLM runs that way."""
+def report_json(sweep: Path, calibration: Path, scratch: Path, k0_sync: Path | None,
+                batches: list[int]) -> dict[str, Any] | None:
+    """``moetrace report --profile measured --batch <batches>`` as a user runs it (a subprocess): its JSON, or None
+    (and why, printed) where it failed. ``k0_sync``: the k=0 trace with async scheduling off, for a drafter vLLM
+    runs that way."""
     command = [sys.executable, "-m", "moetrace", "report", str(sweep), "--calibration", str(calibration),
-               "--profile", "measured", "--batch", ",".join(map(str, CONCURRENCIES)), "--json",
+               "--profile", "measured", "--batch", ",".join(map(str, batches)), "--json",
                "-o", str(scratch / f"{sweep.name}.html"), "--force",
                *(["--k0-sync", str(k0_sync)] if k0_sync is not None else [])]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"{sweep}: moetrace report failed: {done.stderr.strip()}")
-    prediction: dict[str, Any] = json.loads(done.stdout)["runs"][0]["prediction"]
-    return prediction
+        print(f"{sweep.name}: moetrace report failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        return None
+    report: dict[str, Any] = json.loads(done.stdout)
+    return report
+
+
+def predicted_rows(report: dict[str, Any] | None) -> tuple[dict[tuple[int, int], Any], dict[tuple[int, int], Any]]:
+    """The report's predicted rows and its check against the recorded steps, each by (batch, k); empty where the
+    report failed or predicted nothing."""
+    prediction = report["runs"][0]["prediction"] if report is not None else None
+    if prediction is None:
+        return {}, {}
+    return ({(r["batch"], r["k"]): r for r in prediction["per_batch"]},
+            {(r["batch"], r["k"]): r for r in prediction["against_trace"]})
+
+
+def recommended(report: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    """The report's decision by concurrency: its row (``k`` null where it recommends none, ``status`` says why)."""
+    if report is None:
+        return {}
+    run = report["runs"][0]
+    decisions = run.get("decision") or [d for d in report.get("decision", []) if d.get("label") == run.get("label")]
+    decision = decisions if isinstance(decisions, dict) else (decisions[0] if decisions else {})
+    return {int(r["batch"]): r for r in decision.get("per_batch", [])}
 
 
 def recorded_tok_s(trace: Path, max_tokens: int, lengths: tuple[float, ...], rounds: int,
-                   requests: dict[int, int]) -> dict[int, float]:
-    """Per concurrency: output tokens per second of the recorded workload, from the trace's own step bounds (per
-    recorded round, the first step's start to the last step's end of the requests recorded at that concurrency:
-    prefill and the time between steps included; the median over rounds), so it tells the recorded decode steps
-    apart from everything else a request waits for."""
+                   recorded: list[int]) -> dict[int, float]:
+    """Per recorded concurrency: output tokens per second in the closed loop's window, from the trace's own steps
+    (the median over rounds), so it tells the recorded steps apart from what the host adds around them. Requests
+    were recorded in ``round_order``, ``requests_per_round(C)`` each; a request's index in the trace is the order
+    vLLM first ran it, which is the order they were added. Per round: the window opens as the step ends in which the
+    last of the first C requests produced its first token, and closes as the (n − C + 1)-th of its n requests ends
+    (the first that no request replaced); its tokens are what each request gained (1 + accepted drafts a step,
+    no more than its output length) in steps that ended inside it."""
     import polars as pl
 
-    steps = pl.scan_parquet(str(trace / "steps" / "*.parquet"))
-    spans = (steps.group_by("request").agg(start=pl.col("t_start_ns").min(), end=pl.col("t_end_ns").max())
-             .sort("request").collect())
-    rates: dict[int, list[float]] = {c: [] for c in CONCURRENCIES}
+    steps = (pl.scan_parquet(str(trace / "steps" / "*.parquet"))
+             .select(pl.col("request").cast(pl.Int64), "step", "t_end_ns",
+                     gained=pl.col("num_accepted").cast(pl.Int64) + 1).collect())
+    expected = rounds * sum(requests_per_round(c) for c in recorded)
+    if steps.get_column("request").n_unique() != expected:
+        raise SystemExit(f"{trace}: {steps.get_column('request').n_unique()} requests recorded, {expected} expected "
+                         f"from {rounds} round(s) at {recorded}")
+    rates: dict[int, list[float]] = {c: [] for c in recorded}
     first = 0
-    for round_index in range(rounds):  # recorded in round_order, requests[c] requests each
-        for concurrency in round_order(round_index):
-            part = spans.slice(first, requests[concurrency])
-            first += requests[concurrency]
-            seconds = (int(part["end"].max()) - int(part["start"].min())) / 1e9  # type: ignore[arg-type]
-            rates[concurrency].append(sum(output_lengths(part.height, max_tokens, lengths)) / seconds)
-    if first != spans.height:
-        raise SystemExit(f"{trace}: {spans.height} requests recorded, {first} expected from {rounds} round(s)")
+    for round_index in range(rounds):
+        for concurrency in round_order(round_index, recorded):
+            count = requests_per_round(concurrency)
+            caps = pl.DataFrame({"request": range(first, first + count),
+                                 "length": output_lengths(count, max_tokens, lengths)})
+            part = steps.join(caps, on="request").sort("request", "step").with_columns(
+                emitted=pl.min_horizontal(pl.col("gained").cum_sum().over("request"), pl.col("length")))
+            spans = (part.group_by("request").agg(first_end=pl.col("t_end_ns").min(), end=pl.col("t_end_ns").max())
+                     .sort("request"))
+            opened = int(spans.head(concurrency).get_column("first_end").max())  # type: ignore[arg-type]
+            closed = int(spans.get_column("end").sort()[count - concurrency])
+
+            def emitted_by(moment: int, part: pl.DataFrame = part) -> int:
+                return int(part.filter(pl.col("t_end_ns") <= moment).group_by("request")
+                           .agg(pl.col("emitted").max()).get_column("emitted").sum())
+
+            rates[concurrency].append((emitted_by(closed) - emitted_by(opened)) / ((closed - opened) / 1e9))
+            first += count
     return {c: statistics.median(r) for c, r in rates.items()}
 
 
 def recorded_rounds(engine: dict[str, Any]) -> int:
-    """Rounds an engine recorded (one, before the recording repeated the timed rounds)."""
-    rates = next(iter(engine["recorded_tok_s"].values()))
-    return len(rates) if isinstance(rates, list) else 1
+    """Rounds an engine recorded (as many as it timed)."""
+    return len(next(iter(engine["recorded_tok_s"].values())))
 
 
 def held_out_sweep(sweep: Path, k: int, scratch: Path) -> Path:
@@ -389,13 +488,20 @@ def held_out_sweep(sweep: Path, k: int, scratch: Path) -> Path:
     return out
 
 
+def measured_best(speedups: dict[int, tuple[float, list[float]]]) -> int:
+    """The k of the largest median measured speedup (k = 0 at 1.0 among them; the smaller k on a tie)."""
+    return max(sorted(speedups), key=lambda k: speedups[k][0])
+
+
 def compare(args: argparse.Namespace) -> None:
-    """Predicted and measured speedup per (model, drafter, concurrency, k): throughput with the hooks paused, and
-    the report's own check against the recorded decode steps (with the per-step time the prediction leaves out)."""
+    """Predicted and measured speedup per (model, drafter, timed concurrency, k): throughput with the hooks paused,
+    the report's own check against the recorded decode steps (with the per-step time the prediction leaves out)
+    where the concurrency was recorded, and per concurrency the measured best k beside the report's recommended k."""
     import tempfile
 
     runs: Path = args.runs
     rows: list[dict[str, Any]] = []
+    decisions: list[dict[str, Any]] = []
     models: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for path in sorted(runs.glob("*-measurements.json")):
@@ -403,16 +509,27 @@ def compare(args: argparse.Namespace) -> None:
             model = doc["model"]
             calibration = runs / f"calibration-{model}.json"
             engines = [e for e in doc["engines"] if "tok_s" in e]
-            lengths = tuple(doc.get("lengths", [1.0]))  # measured before output lengths varied: all max_tokens
-            requests = {int(c): int(n) for c, n in doc["requests"].items()}
             baseline = next((e for e in engines if e["k"] == 0 and e["method"] != "sync"), None)
+            if doc.get("load") != LOAD:
+                print(f"{model}: measured before the {LOAD} load: skipped")
+                continue
             if baseline is None or not calibration.exists():
                 print(f"{model}: no k=0 engine or no {calibration.name}: skipped")
                 continue
+            timed, recorded = [int(c) for c in doc["timed"]], [int(c) for c in doc["recorded"]]
+            lengths = tuple(doc["lengths"])
+
+            def wall(engine: dict[str, Any], doc: dict[str, Any] = doc, lengths: tuple[float, ...] = lengths,
+                     recorded: list[int] = recorded) -> dict[int, float]:
+                return recorded_tok_s(runs / engine["trace"], doc["max_tokens"], lengths, recorded_rounds(engine),
+                                      recorded)
+
+            baseline_wall = wall(baseline)
             sync = next((e for e in engines if e["method"] == "sync"), None)
             models[model] = {
                 "device": doc["device"], "vllm_version": doc["vllm_version"], "tp": doc.get("tp", 1),
-                "command": doc["command"], "calibration": calibration.name,
+                "command": doc["command"], "calibration": calibration.name, "load": doc["load"], "timed": timed,
+                "recorded": recorded, "max_num_seqs": doc["max_num_seqs"], "requests": doc["requests"],
                 "failed_engines": [f"{e['method']} k={e['k']}: {e['error']}" for e in doc["engines"] if "error" in e],
                 "async_off_k0": None if sync is None else {
                     c: ratio_ci95(sync["tok_s"][c], baseline["tok_s"][c])[0] for c in sync["tok_s"]},
@@ -425,22 +542,27 @@ def compare(args: argparse.Namespace) -> None:
                 k0_async = json.loads((runs / baseline["trace"] / "manifest.json").read_text())["capture"].get(
                     "async_scheduling", True)
                 k0_sync = runs / sync["trace"] if sync is not None and method != "mtp" and k0_async else None
-                prediction = report_prediction(sweep, calibration, Path(scratch), k0_sync)
-                models[model].setdefault("prediction_basis", {})[method] = prediction["basis"]["mode"]
-                predicted = {(r["batch"], r["k"]): r for r in prediction["per_batch"]}
-                checked = {(r["batch"], r["k"]): r for r in prediction["against_trace"]}
-                for engine in (e for e in engines if e["method"] == method and e["k"] > 0):
-                    held_out = {(r["batch"], r["k"]): r for r in report_prediction(
-                        held_out_sweep(sweep, engine["k"], Path(scratch)), calibration, Path(scratch),
-                        k0_sync)["per_batch"]}
-                    for concurrency in CONCURRENCIES:
-                        key = (concurrency, engine["k"])
+                report = report_json(sweep, calibration, Path(scratch), k0_sync, timed)
+                if report is not None and report["runs"][0]["prediction"] is not None:
+                    models[model].setdefault("prediction_basis", {})[method] = (
+                        report["runs"][0]["prediction"]["basis"]["mode"])
+                predicted, checked = predicted_rows(report)
+                chosen = recommended(report)
+                drafted = [e for e in engines if e["method"] == method and e["k"] > 0]
+                for engine in drafted:
+                    held_out, _ = predicted_rows(report_json(held_out_sweep(sweep, engine["k"], Path(scratch)),
+                                                             calibration, Path(scratch), k0_sync, timed))
+                    engine_wall = wall(engine)
+                    for concurrency in timed:
+                        key, at_recorded = (concurrency, engine["k"]), concurrency in recorded
                         measured, interval = ratio_ci95(engine["tok_s"][str(concurrency)],
                                                         baseline["tok_s"][str(concurrency)])
                         row, trace = predicted.get(key), checked.get(key, {})
                         row0 = predicted.get((concurrency, 0))
                         rows.append({
                             "model": model, "drafter": method, "concurrency": concurrency, "k": engine["k"],
+                            # predicted at a concurrency no trace recorded: from the recorded ones alone
+                            "held_out_concurrency": not at_recorded,
                             "predicted_speedup": row["speedup"] if row else None,
                             "measured_speedup": measured, "measured_ci95": interval,
                             "error": (row["speedup"] - measured) / measured if row else None,
@@ -449,11 +571,8 @@ def compare(args: argparse.Namespace) -> None:
                             "held_out_error": ((held_out[key]["speedup"] - measured) / measured
                                                if key in held_out else None),
                             "trace_measured_speedup": trace.get("measured_speedup"),
-                            "trace_wall_speedup": (
-                                recorded_tok_s(runs / engine["trace"], doc["max_tokens"], lengths,
-                                               recorded_rounds(engine), requests)[concurrency]
-                                / recorded_tok_s(runs / baseline["trace"], doc["max_tokens"], lengths,
-                                                 recorded_rounds(baseline), requests)[concurrency]),
+                            "trace_wall_speedup": (engine_wall[concurrency] / baseline_wall[concurrency]
+                                                   if at_recorded else None),
                             "trace_tokens_per_step": trace.get("measured_tokens_per_step"),
                             "trace_step_ms": trace.get("measured_step_ms"),
                             "predicted_step_ms": row["step_ms"] if row else None,
@@ -468,19 +587,82 @@ def compare(args: argparse.Namespace) -> None:
                             "async_off_growth_ms": row.get("scheduling_ms") if row else None,  # --k0-sync's term
                             "command": doc["command"],
                         })
-    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+                for concurrency in timed:  # the measured best k beside the one the report recommends
+                    base = baseline["tok_s"][str(concurrency)]
+                    speedups = {0: ratio_ci95(base, base), **{e["k"]: ratio_ci95(e["tok_s"][str(concurrency)], base)
+                                                              for e in drafted}}
+                    best = measured_best(speedups)
+                    decision = chosen.get(concurrency)
+                    pick = decision["k"] if decision else None
+                    pick_measured = speedups[pick][0] if pick in speedups else None
+                    low, high = speedups[best][1]
+                    decisions.append({
+                        "model": model, "drafter": method, "concurrency": concurrency,
+                        "held_out_concurrency": concurrency not in recorded,
+                        "predicted": any(b == concurrency for b, _ in predicted) or decision is not None,
+                        "measured_best_k": best, "measured_best_speedup": speedups[best][0],
+                        "measured_best_ci95": speedups[best][1],
+                        "recommended_k": pick, "recommended_status": decision["status"] if decision else None,
+                        "recommended_predicted_speedup": decision.get("speedup") if decision else None,
+                        "recommended_measured_speedup": pick_measured,
+                        "recommended_within_best_ci95": (low <= pick_measured <= high
+                                                         if pick_measured is not None else None),
+                    })
+    show_table(rows)
+    for model, facts in models.items():
+        if facts["async_off_k0"]:
+            print(f"{model}: k=0 with async scheduling off / on: "
+                  + ", ".join(f"B={c} {v:.3f}" for c, v in facts["async_off_k0"].items()))
+        for failed in facts["failed_engines"]:
+            print(f"{model}: engine failed: {failed}")
+    for d in decisions:
+        where = f"{d['model']} {d['drafter']} B={d['concurrency']}{' (held out)' if d['held_out_concurrency'] else ''}"
+        best = (f"measured best k={d['measured_best_k']} ({d['measured_best_speedup']:.2f}, "
+                f"95% {d['measured_best_ci95'][0]:.2f}-{d['measured_best_ci95'][1]:.2f})")
+        if not d["predicted"]:
+            print(f"{where}: {best}; no prediction")
+        elif d["recommended_k"] is None:
+            print(f"{where}: {best}; report recommends none: {d['recommended_status']}")
+        else:
+            measured, predicted = d["recommended_measured_speedup"], d["recommended_predicted_speedup"]
+            verdict = ("not measured" if measured is None else f"measured {measured:.2f}, "
+                       + ("within" if d["recommended_within_best_ci95"] else "outside") + " the best's interval")
+            print(f"{where}: {best}; report recommends k={d['recommended_k']}"
+                  + (f" (predicted {predicted:.2f})" if predicted is not None else "") + f": {verdict}")
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None and not r["held_out_concurrency"]]
+    unrecorded = [abs(r["error"]) for r in rows if r["error"] is not None and r["held_out_concurrency"]]
+    held_errors = [abs(r["held_out_error"]) for r in rows
+                   if r["held_out_error"] is not None and not r["held_out_concurrency"]]
+    if errors or unrecorded:
+        print("largest |predicted − measured| / measured: "
+              + (f"{100 * max(errors):.1f}% at recorded concurrencies" if errors else "none at recorded concurrencies")
+              + (f"; with each k's own timing held out: {100 * max(held_errors):.1f}%" if held_errors else "")
+              + (f"; {100 * max(unrecorded):.1f}% at held-out concurrencies" if unrecorded else
+                 "; no prediction at held-out concurrencies"))
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "models": models, "rows": rows, "decisions": decisions,
+            "largest_error": max(errors) if errors else None,  # at recorded concurrencies
+            "largest_held_out_error": max(held_errors) if held_errors else None,  # k's own timing held out
+            "largest_held_out_concurrency_error": max(unrecorded) if unrecorded else None,
+        }, indent=2) + "\n")
+
+
+def show_table(rows: list[dict[str, Any]]) -> None:
+    """The comparison rows as a table (``*`` after B: a held-out concurrency, predicted without its trace)."""
 
     def show(value: float | None, width: int, digits: int = 2) -> str:
         return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
-    print(f"{'model':<12} {'drafter':<6} {'B':>3} {'k':>2} {'predicted':>9} {'measured':>8} {'95% interval':>13} "
+    print(f"{'model':<12} {'drafter':<6} {'B':>4} {'k':>2} {'predicted':>9} {'measured':>8} {'95% interval':>13} "
           f"{'error':>6} {'held out':>8} {'error':>6} {'wall ×':>6} {'trace ×':>7} {'step ms':>7} {'missing ms':>10} "
           f"{'grew':>6} {'fwd':>6} {'moe':>6} "
           f"{'sample':>6} {'draft':>6} {'async':>6}")
     for r in rows:
         error = 100 * r["error"] if r["error"] is not None else None
         held_error = 100 * r["held_out_error"] if r["held_out_error"] is not None else None
-        print(f"{r['model']:<12} {r['drafter']:<6} {r['concurrency']:>3} {r['k']:>2} "
+        batch = f"{r['concurrency']}{'*' if r['held_out_concurrency'] else ''}"
+        print(f"{r['model']:<12} {r['drafter']:<6} {batch:>4} {r['k']:>2} "
               f"{show(r['predicted_speedup'], 9)} {show(r['measured_speedup'], 8)} "
               f"{r['measured_ci95'][0]:>6.2f}-{r['measured_ci95'][1]:<6.2f} {show(error, 5, 0)}% "
               f"{show(r['held_out_predicted_speedup'], 8)} {show(held_error, 5, 0)}% "
@@ -490,21 +672,6 @@ def compare(args: argparse.Namespace) -> None:
               f"{show(r['trace_forward_growth_ms'], 6)} {show(r['predicted_moe_growth_ms'], 6)} "
               f"{show(r['trace_sampling_growth_ms'], 6)} "
               f"{show(r['trace_drafting_ms'], 6)} {show(r['async_off_growth_ms'], 6)}")
-    for model, facts in models.items():
-        if facts["async_off_k0"]:
-            print(f"{model}: k=0 with async scheduling off / on: "
-                  + ", ".join(f"B={c} {v:.3f}" for c, v in facts["async_off_k0"].items()))
-        for failed in facts["failed_engines"]:
-            print(f"{model}: engine failed: {failed}")
-    held_errors = [abs(r["held_out_error"]) for r in rows if r["held_out_error"] is not None]
-    if errors:
-        print(f"largest |predicted − measured| / measured: {100 * max(errors):.1f}%"
-              + (f"; with each k's own timing held out: {100 * max(held_errors):.1f}%" if held_errors else ""))
-    if args.json is not None:
-        args.json.write_text(json.dumps({"models": models, "rows": rows,
-                                         "largest_error": max(errors) if errors else None,
-                                         "largest_held_out_error": max(held_errors) if held_errors else None},
-                                        indent=2) + "\n")
 
 
 def main() -> None:
@@ -515,7 +682,11 @@ def main() -> None:
     run.add_argument("--tp", type=int, default=1, help="tensor-parallel size (kimi-k2-tp4 at 2: TP=8's per-GPU shape)")
     run.add_argument("--methods", default="ngram", help="drafters, e.g. ngram,mtp (mtp: the default model only)")
     run.add_argument("--ks", default="0,1,2,3,4")
-    run.add_argument("--rounds", type=int, default=3)
+    run.add_argument("--timed", type=parse_concurrencies, default=[1, 4, 16, 48],
+                     help="concurrencies timed (hooks paused), closed loop")
+    run.add_argument("--recorded", type=parse_concurrencies, default=[1, 16],
+                     help="concurrencies recorded (hooks resumed) after the timed rounds")
+    run.add_argument("--rounds", type=int, default=3, help="timed rounds, and as many recorded ones")
     run.add_argument("--max-tokens", type=int, default=256)
     run.add_argument("--sync-baseline", action="store_true",
                      help="also k = 0 with async scheduling off (as vLLM runs n-gram drafting)")
