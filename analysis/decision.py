@@ -31,53 +31,51 @@ MIN_WINDOWS = 30
 included: fewer, and the table says so instead of recommending."""
 
 
-def across_batches(measured: Mapping[int, float], batch: int, proportional: bool = False) -> float:
+def across_batches(measured: Mapping[int, float], batch: int, extend: bool = True) -> float:
     """A per-step term measured at some concurrencies (``measured``: concurrency → value), at ``batch``: as measured
-    there; else linear in the concurrency between the recorded ones around it, and past them along the line through
-    the two nearest, its slope not below 0 (a step of more requests is not cheaper). With one recorded concurrency:
-    held, or proportional to the concurrency when ``proportional`` (a prefill, per token a request gains, stalls
-    every request of the step)."""
+    there; else linear in the concurrency between the recorded ones around it; past them, along the line through the
+    two nearest, its slope not below 0 (a step of more requests is not cheaper), or held at the nearest where not
+    ``extend``. With one recorded concurrency: held."""
     if batch in measured:
         return measured[batch]
     points = sorted(measured.items())
-    if len(points) == 1:
-        recorded, value = points[0]
-        return value * batch / recorded if proportional else value
     below = [point for point in points if point[0] < batch]
     above = [point for point in points if point[0] > batch]
     if below and above:
         (b0, v0), (b1, v1) = below[-1], above[0]
         return v0 + (v1 - v0) * (batch - b0) / (b1 - b0)
+    if len(points) == 1 or not extend:
+        return (above[0] if above else below[-1])[1]
     (b0, v0), (b1, v1) = points[:2] if above else points[-2:]
     slope = max((v1 - v0) / (b1 - b0), 0.0)
     return v0 + slope * (batch - b0) if above else v1 + slope * (batch - b1)
-
-
-ESTIMATED_TERMS = ("forward_beyond_moe_ms", "drafting_ms", "sampling_ms", "prefill_ms_per_token")
 
 
 def estimated_steps(batch: int, recorded: Mapping[int, pl.DataFrame]) -> MeasuredSteps:
     """What the sweep's steps would measure at ``batch``, a concurrency it did not record, from the predictions at
     the concurrencies it did (``recorded``: concurrency → ``analysis.cost.predict``'s table there): the k=0 step less
     its calibrated MoE and all-reduce (``rest_ms``), and per k the forward's growth beyond the calibrated MoE, the
-    drafter, the rejection sampler, async scheduling off and the prefill per token gained, each ``across_batches``
-    (prefill proportional to the concurrency). MoE and all-reduce are then calibrated at ``batch``'s own unions."""
-    def term(column: str, k: int, proportional: bool = False) -> float | None:
+    drafter, the rejection sampler, async scheduling off and the prefill per token gained, each ``across_batches``.
+    Prefill is held past the recorded concurrencies, not extended: per token a request gains it is a prefill's
+    stall of every request (growing with the concurrency) per request's tokens, and more requests end, and are
+    prefilled, together in one step as the concurrency grows. MoE and all-reduce are then calibrated at ``batch``'s
+    own unions."""
+    def term(column: str, k: int, extend: bool = True) -> float | None:
         values = {b: table.filter(pl.col("k") == k)[column].item() for b, table in recorded.items()}
         known = {b: float(v) for b, v in values.items() if v is not None}
-        return across_batches(known, batch, proportional) if known else None
+        return across_batches(known, batch, extend) if known else None
 
     ks = sorted(int(k) for k in next(iter(recorded.values()))["k"].to_list())
 
-    def per_k(column: str, proportional: bool = False, with_k0: bool = False) -> dict[int, float] | None:
-        found = {k: term(column, k, proportional) for k in ks if k > 0 or with_k0}
+    def per_k(column: str, extend: bool = True, with_k0: bool = False) -> dict[int, float] | None:
+        found = {k: term(column, k, extend) for k in ks if k > 0 or with_k0}
         known = {k: v for k, v in found.items() if v is not None}
         return known or None
 
     scheduling = term("scheduling_ms", max(ks)) if max(ks) > 0 else None
     return MeasuredSteps(None, sampling_ms=per_k("sampling_ms"), drafting_ms=per_k("drafting_ms"),
                          scheduling_ms=scheduling,
-                         prefill_ms_per_token=per_k("prefill_ms_per_token", proportional=True, with_k0=True) or {},
+                         prefill_ms_per_token=per_k("prefill_ms_per_token", extend=False, with_k0=True) or {},
                          rest_ms=term("rest_ms", 0), forward_beyond_ms=per_k("forward_beyond_moe_ms"),
                          estimated_from=tuple(sorted(recorded)))
 
@@ -119,8 +117,8 @@ def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Pro
             f"estimated (~) from the concurrencies it recorded ({', '.join(map(str, recorded))}): the k=0 step less "
             "its calibrated MoE and all-reduce, the forward's growth beyond them, the drafter, the rejection sampler "
             "and async scheduling off each linear in the concurrency between recorded ones and along the nearest two "
-            "past them (held with one), prefill per token gained proportional to it; MoE and all-reduce are "
-            "calibrated at each concurrency's own unions")]
+            "past them (held with one), prefill per token gained held past them; MoE and all-reduce are calibrated "
+            "at each concurrency's own unions")]
     return pl.concat(frames).select("batch", pl.exclude("batch")), basis
 
 

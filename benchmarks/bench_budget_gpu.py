@@ -45,7 +45,7 @@ from bench_speedup_validation import (
     model_settings,
     output_lengths,
     ratio_ci95,
-    report_prediction,
+    report_json,
 )
 
 CONCURRENCIES = (1, 16)
@@ -163,7 +163,8 @@ def measure(args: argparse.Namespace) -> None:
         if time.perf_counter() - began + max(longest, 90.0) > args.budget_s:
             print(f"time budget of {args.budget_s:.0f} s reached: run the same command again to go on")
             return
-        settings = model_settings(args.model, out, "ngram", ks, k, out / f"warmup-k{k}", args.max_tokens, args.eager, 1)
+        settings = model_settings(args.model, out, "ngram", ks, k, out / f"warmup-k{k}", args.max_tokens, args.eager, 1,
+                                  max(CONCURRENCIES))
         # B = E in every layer: the budgets' work, with nothing re-routed
         experts = int(kimi_k2_slice(8)["n_routed_experts"])
         settings["recording"].update(replay_routing=str(args.bank.resolve()), budget=experts, candidates=0)
@@ -233,8 +234,10 @@ def compare(args: argparse.Namespace) -> None:
                 for k in sorted(engines):
                     if k > 0:
                         (sweep / f"k{k}").symlink_to((runs / f"c{concurrency}-k{k}" / f"budget-{name}").resolve())
-                prediction = report_prediction(sweep, args.calibration, scratch, None)
-                for row in prediction["per_batch"]:
+                report = report_json(sweep, args.calibration, scratch, None, list(CONCURRENCIES))
+                if report is None:
+                    raise SystemExit(f"{sweep}: moetrace report failed")
+                for row in report["runs"][0]["prediction"]["per_batch"]:
                     if row["batch"] == concurrency:
                         predicted[(name, concurrency, row["k"])] = row["speedup"]
         baseline = engines[0]["tok_s"]["none"]

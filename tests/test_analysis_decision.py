@@ -137,7 +137,8 @@ def test_a_term_between_recorded_concurrencies_is_linear_and_past_them_follows_t
     assert across_batches(recorded, 10) == pytest.approx(8.0)  # 5 + (11 - 5) · 6/12
     assert across_batches(recorded, 48) == pytest.approx(11.0 + 0.5 * 32)  # the 4..16 slope, 0.5 per request
     assert across_batches({4: 5.0, 16: 2.0}, 48) == 2.0  # a falling slope is not carried past the last one
-    assert across_batches({16: 8.0}, 48) == 8.0 and across_batches({16: 8.0}, 48, proportional=True) == 24.0
+    assert across_batches(recorded, 48, extend=False) == 11.0 and across_batches(recorded, 10, extend=False) == 8.0
+    assert across_batches({16: 8.0}, 48) == 8.0 and across_batches({16: 8.0}, 2) == 8.0
 
 
 def test_measured_mode_estimates_a_concurrency_the_sweep_did_not_record_from_those_it_did() -> None:

@@ -68,3 +68,10 @@ def test_the_comparison_names_the_best_fixed_k_and_says_when_nothing_beats_the_t
     # at 4 the table already runs k=2, the best: nothing beats it
     assert verdict[1].startswith("B=4: no policy beats the static table beyond the noise")
     assert verdict[2] == "B=32: not replayed: the trace holds 20 request(s), fewer than 32 slots"
+
+
+def test_a_gain_below_two_percent_is_not_called_a_win_however_tight_its_interval() -> None:
+    rows = pl.DataFrame({"batch": [1, 1], "policy": ["static table", "utility"], "k": [4, None],
+                         "speedup": [2.0, 2.03], "mean_k": [4.0, 3.9], "vs_table": [1.0, 1.015],
+                         "vs_table_low": [1.0, 1.014], "vs_table_high": [1.0, 1.016]})
+    assert policy_verdict(rows, [1], 8)[0].startswith("B=1: no policy beats the static table beyond the noise")

@@ -16,6 +16,11 @@ from moetrace.trace.reader import SWEEP_MODEL_KEYS, Trace, first_difference, ope
 from moetrace.report.inputs import Run
 
 MIN_BASELINE_STEPS = 5  # decode step pairs a measured k=0 step time rests on
+# A concurrency the sweep ran at: its k=0 trace has at least this share of the decode step pairs it has at its most
+# measured concurrency. The few steps a round passes through as it fills and drains (a closed loop at 16 drains
+# through 14, 11, 8, ... a handful of steps each, their vLLM calls timed once or twice) are not measured enough to
+# predict from: those concurrencies are estimated from the ones the sweep ran at, as any other.
+RAN_AT_SHARE = 0.1
 MIN_PHASE_CALLS = 3  # timed calls a phase's median rests on
 
 
@@ -56,12 +61,15 @@ def recorded_phases(traces: Sequence[Trace]) -> pl.DataFrame:
 
 
 def measured_baselines(run: Run, steps: pl.DataFrame) -> dict[int, float]:
-    """The k=0 trace's decode step (start to start, ms) at each concurrency it has ``MIN_BASELINE_STEPS`` step pairs
-    of (``steps``: ``recorded_steps``)."""
+    """The k=0 trace's decode step (start to start, ms) at each concurrency the sweep ran at (``RAN_AT_SHARE``;
+    ``steps``: ``recorded_steps``)."""
     baseline = next((trace for trace in run.traces if trace.k == 0), None)
     if baseline is None:
         raise UserError(f"{run.path}: --profile measured needs a k=0 trace in the sweep (its steps are the baseline)")
-    found = {int(row["batch"]): float(row["period_ms"]) for row in steps.filter(pl.col("k") == 0).to_dicts()}
+    k0 = steps.filter(pl.col("k") == 0)
+    most = int(k0["decode_steps"].max() or 0)  # type: ignore[arg-type]
+    found = {int(row["batch"]): float(row["period_ms"]) for row in k0.to_dicts()
+             if row["decode_steps"] >= RAN_AT_SHARE * most}
     if not found:
         raise UserError(f"{baseline.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at any concurrency to "
                         f"measure the k=0 step at")
