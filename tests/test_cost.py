@@ -25,6 +25,8 @@ from moetrace.analysis.placement import linear_placement
 from moetrace.analysis.profile import PROFILE_PRESETS, Profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.cli import main
+from moetrace.report.inputs import open_run
+from moetrace.report.measured import measured_baselines
 from trace_builder import Model, decode_tokens, small_k2_trace, verify_tokens, write_trace
 
 SMALL = ModelShape(num_experts=64, top_k=8, num_layers=2, moe_layers=2, hidden_size=1000, expert_width=32,
@@ -381,6 +383,17 @@ def with_workload(trace: Path, workload: dict[str, Any]) -> None:
     manifest = json.loads((trace / "manifest.json").read_text())
     manifest["workload"] = workload
     (trace / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_round_draining_through_a_few_steps_of_a_concurrency_is_not_a_concurrency_the_sweep_ran_at(
+        tmp_path: Path) -> None:
+    model = Model()
+    write_trace(tmp_path / "sweep" / "k0", decode_tokens(np.random.default_rng(0), model, requests=2, steps=12),
+                model, k=0)
+    # decode step pairs per concurrency, as a closed loop at 1 and 16 leaves them: 39 at 5 is under a tenth of 400
+    steps = pl.DataFrame({"k": [0, 0, 0, 0], "batch": [1, 5, 14, 16], "decode_steps": [400, 39, 40, 120],
+                          "period_ms": [2.0, 4.0, 5.5, 6.0]})
+    assert measured_baselines(open_run(tmp_path / "sweep", 0), steps) == {1: 2.0, 14: 5.5, 16: 6.0}
 
 
 def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
