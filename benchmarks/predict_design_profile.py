@@ -1,7 +1,8 @@
-"""Prediction for DESIGN.md's deployment (Kimi-K2.5, INT4 experts, 8 GPUs) from a calibration, beside the hand
-estimate of 1.9–2.3x at k=3: uniform routing, a per-draft acceptance rate, the DESIGN.md step profile.
+"""Prediction for a measured Kimi-K2.5 deployment (INT4 experts, 8 GPUs, TP=8; the ``kimi-k2-tp8`` profile: a 12.1 ms
+decode step, all-reduce 51.5%, MoE 11.1%, attention 15.3%, other GEMMs 13.4%) from a calibration, beside the hand
+estimate of 1.9–2.3x at k=3: uniform routing, a per-draft acceptance rate, that step profile.
 
-    python benchmarks/predict_design_profile.py [--calibration benchmarks/results/calibration-h200x2.json]
+    python benchmarks/predict_design_profile.py [--calibration moetrace/data/calibration-h200.json]
         [--acceptance 0.7] [--max-k 6] [-o benchmarks/results/h200x2.md]
 
 Prints (and writes with -o) markdown: the calibration's fitted curves and all-reduce points, then step time,
@@ -118,7 +119,7 @@ def prediction_tables(doc: dict[str, Any], acceptance: float, max_k: int) -> lis
 
 @click.command()
 @click.option("--calibration", type=click.Path(path_type=Path, exists=True),
-              default=Path("benchmarks/results/calibration-h200x2.json"), show_default=True)
+              default=Path("moetrace/data/calibration-h200.json"), show_default=True)
 @click.option("--acceptance", default=0.7, show_default=True)
 @click.option("--max-k", default=6, show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None)
@@ -129,7 +130,7 @@ def main(calibration: Path, acceptance: float, max_k: int, output: Path | None) 
              + "   # on the GPU machine (PYTHONPATH=. , NCCL_NVLS_ENABLE=0)",
              "python " + " ".join(sys.argv), "```", "", "## Calibration", ""]
     lines += calibration_tables(doc)
-    lines += ["", "## Prediction for DESIGN.md's deployment (profile: 12.1 ms; all-reduce 51.5%, MoE 11.1%, "
+    lines += ["", "## Prediction for a measured Kimi-K2.5 deployment (profile: 12.1 ms; all-reduce 51.5%, MoE 11.1%, "
               "attention 15.3%, other GEMMs 13.4%)", ""]
     lines += prediction_tables(doc, acceptance, max_k)
     text = "\n".join(lines) + "\n"

@@ -5,33 +5,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
-import numpy as np
-import polars as pl
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from moetrace.analysis.growth import decode_and_verify
-from moetrace.analysis.verification_placement import (
-    SPREAD,
-    VERIFICATION_AWARE,
-    PlacementComparison,
-    compare_placements,
-    fitting_half,
-    fitting_load,
-    layer_windows,
-)
 from moetrace.errors import UserError
 from moetrace.export import sglang_physical_to_logical_map
 from moetrace.report.inputs import open_run
+from moetrace.report.placements import held_out_comparison, held_out_verdict
 from moetrace.trace.schema import MAX_K
-
-if TYPE_CHECKING:
-    from moetrace.analysis.growth import WindowRows
 
 
 def place_experts(trace: Path, ep: int, redundant: int, spread: float, max_load: float, target: Path,
@@ -99,43 +84,3 @@ def place_experts(trace: Path, ep: int, redundant: int, spread: float, max_load:
     click.echo(f"{sglang_target}: SGLang physical_to_logical_map")
     click.echo(f"next: python -m sglang.launch_server --model-path MODEL --init-expert-location {sglang_target} "
                f"--ep-size {ep} --ep-num-redundant-experts {redundant}")
-
-
-def held_out_comparison(rows: WindowRows, where: str, experts: int, layers: list[int], ep: int, redundant: int,
-                        spread: float = SPREAD, max_load: float = 1.1,
-                        progress: Callable[[int], None] | None = None) -> PlacementComparison:
-    """The verification-aware placement of ``rows`` (``analysis.growth.decode_and_verify``) fitted on the windows of
-    even steps, scored on those of odd steps beside vLLM's EPLB policy (fitted on the same windows' load) and the
-    linear placement. A ``UserError`` (naming ``where``) when the windows do not span both halves or vLLM's policy
-    cannot be reached."""
-    from moetrace.hooks.vllm_api import VllmApiError, eplb_placement
-
-    fit = fitting_half(rows.step[rows.is_verify])
-    if not fit.any() or fit.all():
-        raise UserError(f"{where}: needs verification windows in both even and odd steps (fitted on one, scored "
-                        f"on the other), it has {int(fit.sum())} and {int((~fit).sum())} verification rows: record "
-                        f"more steps")
-    try:
-        eplb = eplb_placement(fitting_load(rows, experts, layers), ep, redundant)
-    except VllmApiError as exc:
-        raise UserError(str(exc)) from None
-    baselines = {"linear": np.tile(np.arange(experts), (len(layers), 1)),
-                 "vLLM EPLB": np.asarray(eplb["physical_to_logical_map"])}
-    return compare_placements(layer_windows(rows, experts), layers, experts, ep, redundant, baselines, spread,
-                              max_load, progress)
-
-
-def held_out_verdict(scores: pl.DataFrame) -> str:
-    """Which placement the held-out windows favour by what a verify step waits for under EP, the busiest rank's
-    unique experts per step (ties: fewer ranks touched per window), and what the others trade against it."""
-    ranked = scores.sort("busiest_rank_experts", "ranks_touched")
-    best = ranked.row(0, named=True)
-    mine = scores.filter(pl.col("placement") == VERIFICATION_AWARE).row(0, named=True)
-    if best["placement"] == mine["placement"]:
-        return (f"held out, {mine['placement']} reads the fewest experts on the busiest rank per step "
-                f"({mine['busiest_rank_experts']:.2f}) and touches {mine['ranks_touched']:.2f} ranks a window")
-    return (f"held out, {best['placement']} reads fewer experts on the busiest rank per step "
-            f"({best['busiest_rank_experts']:.2f} against {mine['busiest_rank_experts']:.2f}), what a verify step "
-            f"waits for under EP; {mine['placement']} touches fewer ranks a window ({mine['ranks_touched']:.2f} "
-            f"against {best['ranks_touched']:.2f}): use {best['placement']}'s placement unless dispatches "
-            f"dominate the step")

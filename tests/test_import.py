@@ -18,6 +18,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+import moetrace
 from moetrace.cli import main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-routed-experts"
@@ -89,8 +90,7 @@ def test_imported_trace_reports_only_what_its_source_knows(tmp_path: Path) -> No
     assert run["budget_curves"] == []
     assert len(run["growth"]) > 1
     refused = subprocess.run([sys.executable, "-m", "moetrace", "report", str(out), "--profile", "measured",
-                              "--calibration", str(Path(__file__).parents[1] / "benchmarks" / "results"
-                                                   / "speedup-calibrations" / "default.json"),
+                              "--calibration", str(Path(moetrace.__file__).parent / "data" / "calibration-h200.json"),
                               "-o", str(tmp_path / "r.html"), "--force"], capture_output=True, text=True, check=False)
     assert refused.returncode == 1 and "imported without step timing" in refused.stderr
     assert "Traceback" not in refused.stderr

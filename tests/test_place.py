@@ -241,7 +241,7 @@ def test_place_as_a_subprocess_fails_in_one_line_without_a_traceback(tmp_path: P
 
 
 def test_the_verdict_names_the_placement_with_the_fewest_busiest_rank_experts_held_out() -> None:
-    from moetrace.place import held_out_verdict
+    from moetrace.report.placements import held_out_verdict
 
     def scores(mine: tuple[float, float]) -> pl.DataFrame:
         return pl.DataFrame({"placement": ["linear", "vLLM EPLB", "moetrace"],

@@ -7,7 +7,7 @@ from typing import Any
 
 import polars as pl
 
-from moetrace.place import held_out_verdict
+from moetrace.report.placements import held_out_verdict
 from moetrace.analysis.budgets import smallest_budgets
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, PER_BATCH, PER_REQUEST, best_window_estimate
 from moetrace.analysis.sources import least_direct_expr

@@ -47,7 +47,7 @@ from moetrace.analysis.profile import Profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
 from moetrace.errors import UserError
-from moetrace.place import held_out_comparison
+from moetrace.report.placements import held_out_comparison
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace
 from moetrace.report.inputs import PredictionPreset, Run, expert_placement, model_shape, parallel_size
@@ -106,7 +106,7 @@ class RunAnalysis:
     against_trace: pl.DataFrame | None = None  # --profile measured: the prediction beside the sweep's own steps
     decision: pl.DataFrame | None = None  # recommended k per batch
     prediction_note: str | None = None  # why the preset could not predict
-    placements: pl.DataFrame | None = None  # under EP: placements scored on held-out windows (moetrace.place)
+    placements: pl.DataFrame | None = None  # under EP: placements scored on held-out windows (report.placements)
     placement_note: str | None = None  # why they were not
     checks: list[str] = field(default_factory=list)  # the self-check's warnings (``self_check``)
     # the concurrency above which no k pays (``analysis.decision.crossover``): "predicted" over --batch, and
