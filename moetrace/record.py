@@ -23,6 +23,7 @@ from typing import Any
 from moetrace.hooks.options import RecordingOptions, replay_refusal
 from moetrace.analysis.shape import config_expert_count, config_value
 from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
+from moetrace.drafters import drafter_checkpoint, resolve_drafter
 from moetrace.engine import SPEC_METHODS
 from moetrace.errors import UserError
 from moetrace.host import gpu_inventory
@@ -178,15 +179,6 @@ def resolve_model(model: str | None) -> ResolvedModel:
     return ResolvedModel(path, path.name, False, "auto", None, experts, top_k if isinstance(top_k, int) else None)
 
 
-def _check_drafter(method: str, drafter: str | None) -> None:
-    if method not in SPEC_METHODS:
-        raise UserError(f"--method: unknown method {method!r} (choose from {', '.join(SPEC_METHODS)})")
-    if method in ("eagle3", "draft_model") and drafter is None:
-        raise UserError(f"--method {method} needs --drafter PATH")
-    if drafter is not None and not Path(drafter).expanduser().is_dir():
-        raise UserError(f"drafter not found: {drafter}")
-
-
 def run_directory(request: RecordRequest, model: ResolvedModel) -> Path:
     """Output name derived from the input: ``<out>/<model>-<method>-k<k>[-<k>...][-b<budget>[-<budget>...]]``."""
     budgets = "" if request.budgets == (("none", None),) else "-b" + "-".join(name for name, _ in request.budgets)
@@ -228,7 +220,8 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
         engine_args.setdefault("gpu_memory_utilization", 0.3)
         if model.byte_tokens and model.dtype is None:  # the default model in float32: on a CPU with AMX tiles vLLM
             engine_args.setdefault("attention_backend", "CPU_MLA")  # prefers AMX MLA, which takes no float32
-            if request.method == "mtp":  # the drafter's MLA layer picks its backend from the speculative config
+            if request.method in ("mtp", "eagle3"):  # a drafter's MLA layer picks its backend from the speculative
+                # config (the embedded EAGLE-3 head is MLA: its KV cache shares the target's group)
                 spec_args.setdefault("attention_backend", "CPU_MLA")
     engine_args.pop("max_model_len", None)
     return {
@@ -322,6 +315,9 @@ def record_one(request: RecordRequest, model: ResolvedModel, k: int, trace_dir: 
         raise _failure(log_path, k, child.returncode)
     manifest = amend_manifest(trace_dir, telemetry=(
         {"samples": samples} if samples is not None else {"note": "skipped: no NVIDIA GPU visible to NVML"}))
+    if request.drafter is not None and k > 0:
+        manifest = amend_manifest(trace_dir, spec={**manifest["spec"],
+                                                   "drafter_checkpoint": drafter_checkpoint(request.drafter)})
     progress(label, "done", len(prompts), len(prompts))
     return RecordedRun(label, k, trace_dir, manifest, wall)
 
@@ -343,7 +339,8 @@ def check_replayable(path: Path, model: ResolvedModel) -> None:
 
 def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[RecordedRun]]:
     """Record every k of the request; returns the run directory (a trace, or the parent of a sweep)."""
-    _check_drafter(request.method, request.drafter)
+    if request.method not in SPEC_METHODS:
+        raise UserError(f"--method: unknown method {request.method!r} (choose from {', '.join(SPEC_METHODS)})")
     if request.candidates < 0:
         raise UserError("--candidates must be >= 0")
     if request.time_phases_every is not None and request.time_phases_every < 1:
@@ -354,6 +351,8 @@ def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[Rec
             raise UserError("--num-prompts must be >= 1")
         prompts = [prompts[i % len(prompts)] for i in range(request.num_prompts)]
     model = resolve_model(request.model)
+    request = dataclasses.replace(request, drafter=resolve_drafter(request.method, request.drafter, model.path,
+                                                                   model.byte_tokens))
     if request.candidates and not (model.top_k or 0) < request.candidates <= model.num_experts:
         raise UserError(f"--candidates {request.candidates}: must be more than top-{model.top_k} and at most the "
                         f"model's {model.num_experts} experts")

@@ -46,8 +46,48 @@ def test_unknown_method_is_refused(tmp_path: Path) -> None:
     assert "unknown method 'medusa'" in refuse(["record", "--method", "medusa", "--out", str(tmp_path)])
 
 
-def test_eagle3_without_drafter_is_refused(tmp_path: Path) -> None:
-    assert "needs --drafter" in refuse(["record", "--method", "eagle3", "--out", str(tmp_path)])
+def test_eagle3_without_drafter_is_refused_for_a_model_no_head_ships_for(tmp_path: Path) -> None:
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 8,
+                                                 "num_experts_per_tok": 2, "vocab_size": 1000, "hidden_size": 64}))
+    assert refuse(["record", str(moe), "--method", "eagle3", "--out", str(tmp_path / "out")]) == (
+        "error: --method eagle3 needs --drafter PATH (a head ships for the embedded default model only)")
+    assert not (tmp_path / "out").exists()
+
+
+def drafter(tmp_path: Path, **config: object) -> str:
+    """A drafter checkpoint folder holding only ``config`` (the default model's EAGLE-3 head's, overridden)."""
+    shipped = json.loads((Path(__file__).parents[1] / "moetrace" / "data" / "eagle3-head" / "config.json").read_text())
+    folder = tmp_path / "drafter"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**shipped, **config}))
+    return str(folder)
+
+
+@pytest.mark.parametrize(("method", "config", "says"), [
+    ("eagle3", {"architectures": ["LlamaForCausalLM"], "eagle_aux_hidden_state_layer_ids": None,
+                "eagle_config": None}, "LlamaForCausalLM is not an EAGLE-3 head (--method eagle3)"),
+    ("eagle3", {"vocab_size": 163840}, "vocabulary of 163840 tokens, the target's has 320"),
+    ("eagle3", {"target_hidden_size": 7168}, "reads hidden states of size 7168, the target's auxiliary layers have 64"),
+    ("draft_model", {}, "Eagle3DeepseekV2ForCausalLM is an EAGLE head, not a draft model: use --method eagle3"),
+])
+def test_a_drafter_that_cannot_draft_for_the_target_is_refused_before_any_engine_starts(
+        method: str, config: dict[str, object], says: str, tmp_path: Path) -> None:
+    path = drafter(tmp_path, **config)
+    if config.get("eagle_aux_hidden_state_layer_ids", 0) is None:  # a plain Llama config: no EAGLE-3 keys at all
+        plain = {key: value for key, value in json.loads(Path(path, "config.json").read_text()).items()
+                 if value is not None}
+        Path(path, "config.json").write_text(json.dumps(plain))
+    assert refuse(["record", "--method", method, "--drafter", path, "--k", "2", "--out", str(tmp_path / "out")]) == (
+        f"error: --drafter {path}: {says}")
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_a_drafter_folder_without_a_config_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    line = refuse(["record", "--method", "eagle3", "--drafter", str(tmp_path / "empty"), "--out", str(tmp_path)])
+    assert "not an EAGLE-3 or draft-model checkpoint" in line
 
 
 def test_unreadable_prompt_file_is_refused(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -17,6 +18,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from safetensors import safe_open
 
 from vllm_fixtures import (  # noqa: F401 (fixture)
     CANDIDATES,
@@ -26,6 +28,7 @@ from vllm_fixtures import (  # noqa: F401 (fixture)
     recorded_trace,
     run_cli,
 )
+import moetrace
 from moetrace.cli import main
 from moetrace.compare import load_outputs
 from moetrace.default_model import default_model_dir
@@ -314,6 +317,33 @@ def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> N
     for request, output in load_outputs(trace_dir).items():
         mine = steps.filter((pl.col("request") == request) & (pl.col("num_drafts") > 0)).sort("step")
         assert mine["num_accepted"].to_list() == output["spec_decode"]["per_step_accepted"]
+
+
+def test_the_embedded_eagle3_head_drafts_and_only_the_targets_moe_layers_are_recorded(tmp_path: Path) -> None:
+    """The default model's shipped EAGLE-3 head (no MoE: one MLA decoder layer over three of the target's hidden
+    states) drafts without --drafter; the trace holds the target's MoE layers only, its acceptance is vLLM's own per
+    request and step, and the manifest names the head by architecture, parameters and hash."""
+    done = run_cli("record", "--method", "eagle3", "--k", "2", "--max-tokens", "24", "--batch-size", "4",
+                   "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (trace_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    trace = open_trace(trace_dir)
+    layers = trace.manifest.document["model"]["moe_layers"]
+    assert layers == [1, 2, 3] and trace.manifest.document["spec"]["method"] == "eagle3"
+    routing = trace.routing().collect()
+    assert sorted(routing["layer"].unique().to_list()) == layers
+    assert routing.height == trace.manifest.document["counts"]["tokens"] * len(layers)
+    steps = trace.steps().collect()
+    assert steps["num_drafts"].sum() > 0 and steps["num_accepted"].sum() > 0
+    for request, output in load_outputs(trace_dir).items():
+        mine = steps.filter((pl.col("request") == request) & (pl.col("num_drafts") > 0)).sort("step")
+        assert mine["num_accepted"].to_list() == output["spec_decode"]["per_step_accepted"]
+    head = Path(moetrace.__file__).parent / "data" / "eagle3-head"
+    with safe_open(str(head / "model.safetensors"), "np") as weights:
+        parameters = sum(int(np.prod(weights.get_slice(name).get_shape())) for name in weights.keys())
+    assert trace.manifest.document["spec"]["drafter_checkpoint"] == {
+        "path": str(head.resolve()), "architecture": "Eagle3DeepseekV2ForCausalLM", "parameters": parameters,
+        "sha256": hashlib.sha256((head / "model.safetensors").read_bytes()).hexdigest()}
 
 
 @ON_THE_SHARED_RECORDINGS_WORKER

@@ -1,0 +1,93 @@
+"""Drafter checkpoints for ``moetrace record --method eagle3 | draft_model``: which one runs (``--drafter``, or the
+EAGLE-3 head shipped for the embedded default model), checked against the target before any engine starts, and
+what the manifest says of it (path, architecture, parameter count, hash)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+from moetrace.errors import UserError
+
+# An EAGLE-3 head for the embedded default model, trained by scripts/train_eagle3.py on the default model's own
+# auxiliary hidden states over the corpus the model was trained on (MLA attention: on the CPU a head's attention
+# shares the target's KV cache group, and only the MLA backend serves the target).
+DEFAULT_EAGLE3_HEAD = Path(__file__).parent / "data" / "eagle3-head"
+
+MODEL_DRAFTER_METHODS = ("eagle3", "draft_model")
+
+
+def resolve_drafter(method: str, drafter: str | None, target: Path, embedded_target: bool) -> str | None:
+    """The drafter checkpoint ``method`` runs against the model at ``target``: ``drafter`` as given, after
+    ``check_drafter``; for eagle3 on the embedded default model (``embedded_target``), its shipped head; None for
+    methods that need none."""
+    if drafter is None:
+        if method == "eagle3" and embedded_target:
+            return str(DEFAULT_EAGLE3_HEAD)
+        if method in MODEL_DRAFTER_METHODS:
+            raise UserError(f"--method {method} needs --drafter PATH"
+                            + (" (a head ships for the embedded default model only)" if method == "eagle3" else ""))
+        return None
+    path = Path(drafter).expanduser()
+    if not path.is_dir():
+        raise UserError(f"drafter not found: {drafter}")
+    if method in MODEL_DRAFTER_METHODS:
+        check_drafter(method, path, read_config(target / "config.json", "the target model"))
+    return str(path)
+
+
+def read_config(path: Path, what: str) -> dict[str, Any]:
+    try:
+        config: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: {what} has no readable config.json ({exc.__class__.__name__})") from None
+    return config
+
+
+def is_eagle3(config: dict[str, Any]) -> bool:
+    architecture = " ".join(config.get("architectures") or [])
+    return "eagle3" in architecture.lower() or "eagle_aux_hidden_state_layer_ids" in config
+
+
+def check_drafter(method: str, path: Path, target: dict[str, Any]) -> None:
+    """``UserError`` in one line where the checkpoint at ``path`` cannot draft for ``target`` (its config):
+    not the kind ``method`` runs, another vocabulary, or (EAGLE-3) a hidden size that is not the target's, whose
+    auxiliary layers it reads."""
+    config = read_config(path / "config.json", "the drafter (not an EAGLE-3 or draft-model checkpoint)")
+    architecture = ", ".join(config.get("architectures") or ["none named"])
+    if method == "eagle3" and not is_eagle3(config):
+        raise UserError(f"--drafter {path}: {architecture} is not an EAGLE-3 head (--method eagle3)")
+    if method == "draft_model" and (is_eagle3(config) or "eagle" in architecture.lower()):
+        raise UserError(f"--drafter {path}: {architecture} is an EAGLE head, not a draft model: use --method eagle3")
+    if config.get("vocab_size") != target.get("vocab_size"):
+        raise UserError(f"--drafter {path}: vocabulary of {config.get('vocab_size')} tokens, the target's has "
+                        f"{target.get('vocab_size')}")
+    hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    if method == "eagle3" and hidden != target.get("hidden_size"):
+        raise UserError(f"--drafter {path}: reads hidden states of size {hidden}, the target's auxiliary layers "
+                        f"have {target.get('hidden_size')}")
+
+
+def safetensors_parameters(path: Path) -> int:
+    """Parameters in one safetensors file, from its header (8-byte length, then JSON of dtypes and shapes)."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+
+
+def drafter_checkpoint(path: str) -> dict[str, Any]:
+    """What the manifest says of a drafter checkpoint: its path, architecture, parameter count and the sha256 of
+    its weight files (in name order)."""
+    folder = Path(path)
+    config = read_config(folder / "config.json", "the drafter")
+    weights = sorted(folder.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for file in weights:
+        digest.update(file.read_bytes())
+    return {"path": str(folder.resolve()), "architecture": ", ".join(config.get("architectures") or []),
+            "parameters": sum(safetensors_parameters(file) for file in weights), "sha256": digest.hexdigest()}
