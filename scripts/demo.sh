@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Sets up, then records the embedded default model with two drafters — n-gram at k = 0..4 and its trained MTP layer
-# at k = 1..4 — and reports on both side by side, starting with the recommended k per drafter and concurrency.
+# Sets up, then records the embedded default model with the two drafters a Kimi-K2.5 user can run — n-gram at
+# k = 0..4 and its shipped EAGLE-3 head at k = 1..4 — and reports on both side by side, starting with the recommended
+# k per drafter and concurrency. (MTP, DeepSeek's drafter, is `moetrace record --method mtp`.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 moetrace record --method ngram --k 0,1,2,3,4 --out traces --force
-moetrace record --method mtp --k 1,2,3,4 --out traces --force
-moetrace report traces/kimi-k2-tiny-ngram-k0-1-2-3-4 traces/kimi-k2-tiny-mtp-k1-2-3-4 --k 3 \
+moetrace record --method eagle3 --k 1,2,3,4 --out traces --force
+moetrace report traces/kimi-k2-tiny-ngram-k0-1-2-3-4 traces/kimi-k2-tiny-eagle3-k1-2-3-4 --k 3 \
     -o traces/demo-report.html --force
