@@ -36,13 +36,11 @@ cache holds them when vLLM drafts), each step's label the target's next-token di
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -50,20 +48,9 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+import train_default_model as TRAIN  # noqa: E402  (the target's PyTorch model: TinyKimi, its rotary tables)
 from moetrace.default_model import CONFIG, WEIGHTS_FILE, WEIGHTS_SHA256, read_packed_weights  # noqa: E402
-
-
-def training_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_default_model", ROOT / "scripts" / "train_default_model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-TRAIN = training_script()
 
 
 # ---- the target -------------------------------------------------------------------------------------------------

@@ -299,37 +299,17 @@ def test_routing_recomputed_from_router_logits_equals_the_wrapped_routers(record
     assert counts["routing_rows"] == counts["tokens"] * 3
 
 
-def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> None:
-    """The MTP drafter is a MoE decoder layer (layer 4 of the default model) that runs after every target
-    forward; only the target's MoE layers may appear in the trace, and acceptance still matches vLLM's."""
-    done = run_cli("record", "--method", "mtp", "--k", "1", "--max-tokens", "24", "--batch-size", "4",
+def record_drafted_trace(method: str, k: int, tmp_path: Path) -> Path:
+    """Record the default model with ``method`` at ``k`` and check what every drafter's trace must hold: the
+    target's MoE layers only (every token in each), drafts, and per request and step the acceptance vLLM itself
+    counted. Returns the trace."""
+    done = run_cli("record", "--method", method, "--k", str(k), "--max-tokens", "24", "--batch-size", "4",
                    "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     (trace_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     trace = open_trace(trace_dir)
     layers = trace.manifest.document["model"]["moe_layers"]
-    assert layers == [1, 2, 3] and trace.manifest.document["spec"]["method"] == "mtp"
-    routing = trace.routing().collect()
-    assert sorted(routing["layer"].unique().to_list()) == layers
-    assert routing.height == trace.manifest.document["counts"]["tokens"] * len(layers)
-    steps = trace.steps().collect()
-    assert steps["num_drafts"].sum() > 0
-    for request, output in load_outputs(trace_dir).items():
-        mine = steps.filter((pl.col("request") == request) & (pl.col("num_drafts") > 0)).sort("step")
-        assert mine["num_accepted"].to_list() == output["spec_decode"]["per_step_accepted"]
-
-
-def test_the_embedded_eagle3_head_drafts_and_only_the_targets_moe_layers_are_recorded(tmp_path: Path) -> None:
-    """The default model's shipped EAGLE-3 head (no MoE: one MLA decoder layer over three of the target's hidden
-    states) drafts without --drafter; the trace holds the target's MoE layers only, its acceptance is vLLM's own per
-    request and step, and the manifest names the head by architecture, parameters and hash."""
-    done = run_cli("record", "--method", "eagle3", "--k", "2", "--max-tokens", "24", "--batch-size", "4",
-                   "--out", str(tmp_path))
-    assert done.returncode == 0, done.stderr[-3000:]
-    (trace_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    trace = open_trace(trace_dir)
-    layers = trace.manifest.document["model"]["moe_layers"]
-    assert layers == [1, 2, 3] and trace.manifest.document["spec"]["method"] == "eagle3"
+    assert layers == [1, 2, 3] and trace.manifest.document["spec"]["method"] == method
     routing = trace.routing().collect()
     assert sorted(routing["layer"].unique().to_list()) == layers
     assert routing.height == trace.manifest.document["counts"]["tokens"] * len(layers)
@@ -338,6 +318,20 @@ def test_the_embedded_eagle3_head_drafts_and_only_the_targets_moe_layers_are_rec
     for request, output in load_outputs(trace_dir).items():
         mine = steps.filter((pl.col("request") == request) & (pl.col("num_drafts") > 0)).sort("step")
         assert mine["num_accepted"].to_list() == output["spec_decode"]["per_step_accepted"]
+    return trace_dir
+
+
+def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> None:
+    """The MTP drafter is a MoE decoder layer (layer 4 of the default model) that runs after every target
+    forward; only the target's MoE layers may appear in the trace, and acceptance still matches vLLM's."""
+    record_drafted_trace("mtp", 1, tmp_path)
+
+
+def test_the_embedded_eagle3_head_drafts_and_only_the_targets_moe_layers_are_recorded(tmp_path: Path) -> None:
+    """The default model's shipped EAGLE-3 head (no MoE: one MLA decoder layer over three of the target's hidden
+    states) drafts without --drafter; the trace holds the target's MoE layers only, its acceptance is vLLM's own per
+    request and step, and the manifest names the head by architecture, parameters and hash."""
+    trace = open_trace(record_drafted_trace("eagle3", 2, tmp_path))
     head = Path(moetrace.__file__).parent / "data" / "eagle3-head"
     with safe_open(str(head / "model.safetensors"), "np") as weights:
         parameters = sum(int(np.prod(weights.get_slice(name).get_shape())) for name in weights.keys())
