@@ -162,3 +162,21 @@ def allreduce_model(doc: Mapping[str, Any], world_size: int) -> AllReduceModel |
         f"ring latency grows with its 2(N−1) steps); past the measured sizes {fit['latency_us']:.1f} us + "
         f"2(N−1)/N·bytes / {bandwidth:.0f} GB/s",
         byte_scale=ring_n / ring_m)
+
+
+def drafter_step_ms(curve: Mapping[str, Any], k: int, batch: int) -> float:
+    """ms one speculative step spends in the calibrated model drafter (``moetrace calibrate --drafter``) at ``k``
+    drafts per request and ``batch`` requests, passes as vLLM's EAGLE-style proposer runs them: the layers (and
+    EAGLE-3's fc) over every token the step verified, batch·(k+1), the LM head on the batch's last tokens, then
+    k−1 passes of ``batch`` tokens through the layers and the head. Each part piecewise linear in tokens between
+    the calibrated counts, along the end segments past them. 0 at k = 0 (no drafter runs)."""
+    if k == 0:
+        return 0.0
+    points = sorted(curve["points"], key=lambda p: p["tokens"])
+
+    def at(part: str, tokens: float) -> float:
+        return _interpolate([(float(p["tokens"]), float(p.get(part, 0.0))) for p in points], tokens, extend=True)
+
+    verified = batch * (k + 1)
+    first = at("fc_us", verified) + at("layers_us", verified) + at("head_us", batch)
+    return (first + (k - 1) * (at("layers_us", batch) + at("head_us", batch))) / 1e3

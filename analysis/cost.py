@@ -37,6 +37,7 @@ from moetrace.analysis.calibration import (
     allreduce_model,
     bandwidth_fit,
     check_calibration,
+    drafter_step_ms,
     expert_fit,
     expert_time_us,
     ring_model,
@@ -132,7 +133,8 @@ def forward_beyond_moe(forward_growth_ms: Mapping[int, float], moe_growth_ms: Ma
 def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None,
             calibration: Mapping[str, Any] | None,
             anchor: tuple[float, float] | None = None,
-            measured: MeasuredSteps | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+            measured: MeasuredSteps | None = None,
+            drafter: Mapping[str, Any] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Predicted step per k at ``deployment.batch`` requests per step. ``per_k`` has k, tokens (what the step moves),
     unique_experts, busiest_rank_experts (per layer, what one step of ``batch`` requests reads) and tokens_per_step
     (gained per request). A profile is one request's step of ``profile.tokens`` tokens (a window of tokens − 1
@@ -141,7 +143,9 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     many tokens, right when batch is 1; a one-token step reads top-k experts, at most top-k on a rank).
     ``measured`` (the sweep's own steps at this batch) replaces the profile: the k=0 step is measured; MoE and
     all-reduce grow as calibrated, plus what the forward measured beyond that at the nearest recorded k; the drafter,
-    the rejection sampler and async scheduling off add what they measured.
+    the rejection sampler and async scheduling off add what they measured. Without ``measured``, ``drafter`` (the
+    calibration's curve of the model drafter the trace ran) prices the drafter's passes
+    (``analysis.calibration.drafter_step_ms``).
     Returns the table and a description of the basis (mode, notes, checks)."""
     if profile is None and calibration is None:
         raise ValueError("a prediction needs a calibration, a profile, or both")
@@ -276,6 +280,14 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         return [float(values.get(k, 0.0)) if values and k > 0 else 0.0 for k in ks]
 
     drafting = at_k(measured.drafting_ms if measured else None)
+    priced_drafter = measured is None and drafter is not None
+    if priced_drafter:
+        assert drafter is not None
+        drafting = [drafter_step_ms(drafter, k, deployment.batch) for k in ks]
+        notes.append(f"the drafter's passes priced from the calibration's {drafter['method']} curve "
+                     f"({drafter['shape']['architecture']}, tp{drafter['tp']}, {drafter['parameters_per_rank']:,} "
+                     f"parameters per rank): the layers over B·(k+1) tokens, then k−1 passes of B; device time, "
+                     f"not the proposer's host work")
     scheduling = at_k(measured.scheduling_ms if measured else None)
     sampling = at_k(measured.sampling_ms if measured else None)
     forward = [beyond[k] for k in ks]
@@ -297,7 +309,8 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         # None: not measured
         "forward_beyond_moe_ms": forward if measured and (measured.forward_growth_ms or measured.forward_beyond_ms)
         else [None] * len(rows),
-        "drafting_ms": drafting if measured and measured.drafting_ms is not None else [None] * len(rows),
+        "drafting_ms": drafting if priced_drafter or (measured and measured.drafting_ms is not None)
+        else [None] * len(rows),
         "scheduling_ms": scheduling if measured and measured.scheduling_ms is not None else [None] * len(rows),
         "sampling_ms": sampling if measured and measured.sampling_ms is not None else [None] * len(rows),
         "step_ms": steps,

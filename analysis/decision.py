@@ -82,12 +82,14 @@ def estimated_steps(batch: int, recorded: Mapping[int, pl.DataFrame]) -> Measure
 
 def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Profile | None,
                       calibration: Mapping[str, Any] | None, anchor: tuple[float, float],
-                      measured: Mapping[int, MeasuredSteps] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+                      measured: Mapping[int, MeasuredSteps] | None = None,
+                      drafter: Mapping[str, Any] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per (batch, k): the prediction table of ``analysis.cost.predict`` with the inputs' other columns beside it.
     ``inputs``: batch, k, tokens (what the step moves), unique_experts, busiest_rank_experts (per layer, one step of
     ``batch`` requests), tokens_per_step (per request) and their sources and sample sizes. ``measured``: per
     concurrency the sweep recorded, what its own steps measured there (``analysis.cost.MeasuredSteps``); a batch
-    it did not record is predicted from ``estimated_steps`` (``step_source`` estimated)."""
+    it did not record is predicted from ``estimated_steps`` (``step_source`` estimated). ``drafter``: the
+    calibration's curve of the model drafter, priced where nothing is measured."""
     joined = inputs.sort("batch", "k")
     per_batch = {int(str(batch)): per_k for (batch,), per_k in joined.group_by("batch", maintain_order=True)}
     tables: dict[int, pl.DataFrame] = {}
@@ -95,7 +97,7 @@ def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Pro
 
     def run(size: int, steps: MeasuredSteps | None) -> None:
         tables[size], bases[size] = predict(per_batch[size], replace(deployment, batch=size), profile, calibration,
-                                            anchor, steps)
+                                            anchor, steps, drafter)
 
     recorded = [size for size in per_batch if measured is not None and size in measured]
     for size in recorded:

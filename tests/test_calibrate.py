@@ -221,3 +221,70 @@ def test_calibrate_measures_the_shape_of_a_model_directory(tmp_path: Path) -> No
         failed = CliRunner().invoke(main, ["calibrate", "--device", "cpu", "--model", str(path), "-o",
                                            str(tmp_path / "x.json")], catch_exceptions=False)
         assert failed.exit_code == 1 and fragment in failed.output and "Traceback" not in failed.output
+
+
+def _shipped_head_weights() -> dict[str, list[int]]:
+    """The shipped EAGLE-3 head's tensor shapes, from its safetensors header (an oracle apart from its config)."""
+    import struct
+
+    from moetrace.drafters import DEFAULT_EAGLE3_HEAD
+
+    with open(DEFAULT_EAGLE3_HEAD / "model.safetensors", "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return {name: entry["shape"] for name, entry in header.items() if name != "__metadata__"}
+
+
+def test_a_drafters_shape_reads_the_weights_its_checkpoint_holds() -> None:
+    from moetrace.calibrate.drafter import drafter_shape
+    from moetrace.drafters import DEFAULT_EAGLE3_HEAD
+
+    shape = drafter_shape(json.loads((DEFAULT_EAGLE3_HEAD / "config.json").read_text()), tp=1)
+    weights = _shipped_head_weights()
+    # what one pass reads: every matrix of the decoder layer ("midlayer") and the LM head (not the fc)
+    read = sum(s[0] * s[1] for name, s in weights.items() if len(s) == 2 and name.split(".")[0] in ("midlayer",
+                                                                                                   "lm_head"))
+    assert shape.parameters() == read
+    assert shape.fc_input == weights[next(n for n in weights if n.endswith("fc.weight"))][1]  # 3 aux layers × 64
+    assert shape.first_input == 2 * 64 and shape.lm_head_rows == 320
+
+
+def test_a_grouped_query_drafter_splits_over_tensor_parallel_ranks_by_hand() -> None:
+    from moetrace.calibrate.drafter import drafter_shape
+
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 512, "intermediate_size": 1024,
+              "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000,
+              "draft_vocab_size": 400}
+    shape = drafter_shape(config, tp=2)
+    # per rank: 4 heads and 1 KV head of 64 → qkv out (4 + 2·1)·64 = 384, o in 256; MLP 2·512 out, 512 in
+    assert shape.projections == ((512, 384), (256, 512), (512, 1024), (512, 512))
+    assert shape.first_input == 1024 and shape.lm_head_rows == 200 and shape.fc_input == 3 * 512
+    assert shape.parameters() == 512 * 384 + 256 * 512 + 512 * 1024 + 512 * 512 + 512 * 384 + 512 * 200
+    with pytest.raises(ValueError, match="does not split over tp=3"):
+        drafter_shape(config, tp=3)
+    with pytest.raises(ValueError, match="routed experts"):
+        drafter_shape({**config, "n_routed_experts": 8, "first_k_dense_replace": 0}, tp=1)
+
+
+def test_calibrate_times_the_shipped_eagle3_head_and_refuses_what_is_no_drafter(tmp_path: Path) -> None:
+    from moetrace.cli import main
+
+    out = tmp_path / "calib.json"
+    args = ["calibrate", "--device", "cpu", "--quick", "--formats", "bf16", "--no-allreduce", "--drafter", "default",
+            "-o", str(out)]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    drafter = json.loads(out.read_text())["drafter"]
+    assert drafter["method"] == "eagle3" and drafter["tp"] == 2 and drafter["timing"] == ["host-clock"]
+    assert [p["tokens"] for p in drafter["points"]] == [1, 2, 4, 8]
+    assert all(p["layers_us"] > 0 and p["head_us"] > 0 and p["fc_us"] > 0 for p in drafter["points"])
+    assert "drafter eagle3 (Eagle3DeepseekV2ForCausalLM" in result.output
+    (tmp_path / "moe").mkdir()
+    from moetrace.default_model import CONFIG
+
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(CONFIG))
+    for drafter_path, why in ((tmp_path / "nothing", "no readable config.json"), (tmp_path / "moe", "routed experts")):
+        failed = CliRunner().invoke(main, [*args[:-4], "--drafter", str(drafter_path), "-o", str(tmp_path / "x.json")],
+                                    catch_exceptions=False)
+        assert failed.exit_code == 1 and why in failed.output and "Traceback" not in failed.output
+        assert not (tmp_path / "x.json").exists()

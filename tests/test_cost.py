@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from moetrace.analysis.acceptance import acceptance_curve, tokens_per_step
 from moetrace.analysis.concurrency import uniform_unions
-from moetrace.analysis.calibration import allreduce_model, expert_fit, ring_model, table_time_us
+from moetrace.analysis.calibration import allreduce_model, drafter_step_ms, expert_fit, ring_model, table_time_us
 from moetrace.analysis.cost import MeasuredSteps, forward_beyond_moe, per_k_from_nearest, predict
 from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.decision import speedup_per_batch
@@ -88,6 +88,35 @@ def test_async_scheduling_off_adds_its_measured_time_to_every_step_that_drafts()
     sampled, basis = predict(*args, measured=MeasuredSteps(5.0, sampling_ms={1: 0.25}))
     assert sampled["sampling_ms"].to_list() == [0.0, 0.25] and sampled["step_ms"][1] == pytest.approx(5.25)
     assert any("rejection sampler's time over k=0's" in note for note in basis["notes"])
+
+
+DRAFTER = {"method": "eagle3", "tp": 2, "parameters_per_rank": 1000, "shape": {"architecture": "test head"},
+           "points": [{"tokens": 1, "layers_us": 10.0, "head_us": 2.0, "fc_us": 1.0},
+                      {"tokens": 4, "layers_us": 16.0, "head_us": 5.0, "fc_us": 4.0}]}
+
+
+def test_a_model_drafters_step_is_its_first_pass_over_the_verified_tokens_then_k_minus_1_passes() -> None:
+    assert drafter_step_ms(DRAFTER, 0, 4) == 0.0  # k = 0 runs no drafter
+    # k=1, one request: fc and layers over 2 tokens (2 + 12 µs), the head on 1 (2 µs)
+    assert drafter_step_ms(DRAFTER, 1, 1) == pytest.approx(16e-3)
+    # k=3, one request: 4 + 16 + 2 over 4 verified tokens, then 2 × (10 + 2)
+    assert drafter_step_ms(DRAFTER, 3, 1) == pytest.approx(46e-3)
+    # k=2, two requests: 6 verified tokens past the curve's end (layers +2 µs, fc +1 µs a token): 6 + 20, the head
+    # on 2 (3 µs), then one pass of 2 tokens: 12 + 3
+    assert drafter_step_ms(DRAFTER, 2, 2) == pytest.approx(44e-3)
+
+
+def test_a_calibrated_drafter_is_added_to_every_step_that_drafts_where_nothing_was_measured() -> None:
+    args = (_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None, _calibration())
+    plain, _ = predict(*args)
+    table, basis = predict(*args, drafter=DRAFTER)
+    assert table["drafting_ms"].to_list() == pytest.approx([0.0, 16e-3]) and plain["drafting_ms"][1] is None
+    assert table["step_ms"][1] - plain["step_ms"][1] == pytest.approx(16e-3)
+    assert any("priced from the calibration's eagle3 curve (test head, tp2" in note for note in basis["notes"])
+    # the sweep's own measured drafter wins over a calibrated one
+    measured, _ = predict(*args[:3], {**_calibration(), "copy_bandwidth_gbs": 100.0},
+                          measured=MeasuredSteps(5.0, drafting_ms={1: 0.5}), drafter=DRAFTER)
+    assert measured["drafting_ms"].to_list() == [0.0, 0.5]
 
 
 def _per_k(unique: list[float], tokens: list[float]) -> pl.DataFrame:
@@ -314,6 +343,33 @@ def test_report_predicts_with_profile_and_calibration(trace: Path, tmp_path: Pat
                                          "--acceptance", "0.7", "--calibration", str(calibration)],
                                   catch_exceptions=False)
     assert terminal.exit_code == 1 and "no expert curve for tp8" in terminal.output
+
+
+def test_report_prices_an_eagle3_trace_drafter_from_the_calibrations_curve(trace: Path, tmp_path: Path) -> None:
+    manifest = json.loads((trace / "manifest.json").read_text())
+    manifest["spec"]["method"] = "eagle3"
+    (trace / "manifest.json").write_text(json.dumps(manifest))
+    args = ["report", str(trace), "--tp", "2", "--json", "--force", "--batch", "1,4"]
+
+    def prediction(calibration: dict[str, Any]) -> dict[str, Any]:
+        path = tmp_path / "calib.json"
+        path.write_text(json.dumps(calibration))
+        result = CliRunner().invoke(main, [*args, "--calibration", str(path)], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        found: dict[str, Any] = json.loads(result.stdout)["runs"][0]["prediction"]
+        return found
+
+    priced = prediction({**_calibration(), "drafter": DRAFTER})
+    drafting = {(row["batch"], row["k"]): row["drafting_ms"] for row in priced["per_batch"]}
+    assert drafting[(1, 2)] == pytest.approx(drafter_step_ms(DRAFTER, 2, 1))
+    # 4 requests: fc and layers over 12 verified tokens (4 + 8·1, 16 + 8·2 µs), the head on 4, then one pass of 4
+    assert drafting[(4, 2)] == pytest.approx((12 + 32 + 5 + 16 + 5) / 1e3)
+    assert not any("not priced" in note for note in priced["basis"]["notes"])
+    unpriced = prediction(_calibration())
+    assert any("eagle3 drafter's passes are not priced (the calibration has no drafter curve" in note
+               for note in unpriced["basis"]["notes"])
+    other = prediction({**_calibration(), "drafter": {**DRAFTER, "method": "draft_model"}})
+    assert any("drafter curve is of draft_model" in note for note in other["basis"]["notes"])
 
 
 def test_report_prediction_bad_input(trace: Path, tmp_path: Path) -> None:

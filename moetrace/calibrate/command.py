@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape, shape_from_config
+from moetrace.drafters import DEFAULT_EAGLE3_HEAD
 from moetrace.errors import UserError
 
 
@@ -64,15 +65,20 @@ def model_shape(model: str) -> ModelShape:
 @click.option("--vllm-kernel", is_flag=True,
               help="Also time vLLM's own fused-MoE kernel (fused_experts, bf16, TP shapes) over the same grid; the "
                    "report then reads expert time from its table. Needs vLLM on a CUDA GPU.")
+@click.option("--drafter", default=None,
+              help="Also time this model drafter's forward passes at its shape on one rank of --tp: an EAGLE-3 head or "
+                   "draft model's checkpoint folder (its config.json; weights are not read), or 'default' for the "
+                   "EAGLE-3 head shipped for the embedded model.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Calibration file [default: calibration-<gpu>x<count>.json].")
 @click.option("--force", is_flag=True, help="Overwrite an existing calibration file.")
 def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp: int, ep: int, formats: str,
-              max_gpus: int | None, no_allreduce: bool, vllm_kernel: bool, output: Path | None, force: bool) -> None:
+              max_gpus: int | None, no_allreduce: bool, vllm_kernel: bool, drafter: str | None, output: Path | None,
+              force: bool) -> None:
     """Measure, on the GPUs present, MoE expert time against unique experts and rows (bf16 and fp8 grouped GEMMs
-    at the model's per-rank TP and EP shapes, with the weight bandwidth that INT4 is estimated from) and NCCL
-    all-reduce time against message size for 2, 4, 8... GPUs; write the fitted curves as a calibration JSON
-    for `moetrace report --calibration`."""
+    at the model's per-rank TP and EP shapes, with the weight bandwidth that INT4 is estimated from), NCCL
+    all-reduce time against message size for 2, 4, 8... GPUs and, with --drafter, a model drafter's passes
+    against tokens; write the curves as a calibration JSON for `moetrace report --calibration`."""
     from moetrace.calibrate.run import Settings, calibrate as run_calibrate, summary_lines, write_json
 
     path = output or default_output(device, quick)
@@ -84,6 +90,7 @@ def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp
         "allreduce": not no_allreduce,
         "max_gpus": max_gpus,
         "vllm_kernel": vllm_kernel,
+        "drafter": None if drafter is None else str(DEFAULT_EAGLE3_HEAD if drafter == "default" else drafter),
         "command": " ".join(["moetrace", *sys.argv[1:]]),
     }
     if quick:

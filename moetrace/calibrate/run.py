@@ -20,12 +20,15 @@ from moetrace.calibrate import SCHEMA
 from moetrace.calibrate.fit import fit_allreduce, fit_expert_time
 
 if TYPE_CHECKING:
+    from moetrace.calibrate.drafter import DrafterShape
     from moetrace.calibrate.experts import ExpertPool
 
 Progress = Callable[[str, int, int], None]  # (stage label, done, total)
 
 DECODE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 BANDWIDTH_BYTES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
+# a drafter's passes: B tokens (the later passes) and B·(k+1) (the first), k ≤ 7 at up to 64 requests
+DRAFTER_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class Settings:
     allreduce_bandwidth_bytes: tuple[int, ...] = BANDWIDTH_BYTES
     allreduce_iters: int = 50
     allreduce_replays: int = 5
+    drafter: str | None = None  # a drafter checkpoint's folder: its forward passes are timed too
+    drafter_tokens: tuple[int, ...] = DRAFTER_TOKENS
     command: str = field(default="", compare=False)
 
     @classmethod
@@ -60,6 +65,7 @@ class Settings:
         """A smoke run in seconds: a small model shape, a small grid, few repetitions."""
         base = cls(device=device, hidden=256, expert_width=256, num_experts=32, top_k=4, tp=2, ep=2, quick=True,
                    reps=2, replays=2, tokens=(1, 2, 4), ep_rows=(1, 2, 4, 8), allreduce_tokens=(1, 2, 4),
+                   drafter_tokens=(1, 2, 4, 8),
                    allreduce_bandwidth_bytes=(), allreduce_iters=5, allreduce_replays=2)
         return replace(base, **overrides)
 
@@ -220,6 +226,7 @@ def _expert_curve(pool: ExpertPool, config: ExpertConfig, kernel: str, curve: di
 def calibrate(s: Settings, progress: Progress) -> dict[str, Any]:
     """Measure everything ``s`` asks for and return the calibration document (schema ``moetrace-calibration/1``)."""
     s.check()
+    drafter = _drafter(s)
     import torch
 
     from moetrace.calibrate.allreduce import measure_allreduce
@@ -326,8 +333,34 @@ def calibrate(s: Settings, progress: Progress) -> dict[str, Any]:
             allreduce["measured"].append(result)
     allreduce["world_sizes_measured"] = [m["world_size"] for m in allreduce["measured"] if "fit" in m]
     doc["allreduce"] = allreduce
+    if drafter is not None:
+        from moetrace.calibrate.drafter import measure_drafter
+
+        method, shape = drafter
+        label = f"drafter {Path(str(s.drafter)).name} (tp{s.tp})"
+        progress(label, 0, len(s.drafter_tokens))
+        curve = measure_drafter(shape, device, s.drafter_tokens, s.reps, s.replays,
+                                lambda done, total: progress(label, done, total))
+        doc["drafter"] = {"method": method, "checkpoint": str(Path(str(s.drafter)).resolve()), "tp": s.tp, **curve}
     doc["notes"] = notes
     return doc
+
+
+def _drafter(s: Settings) -> tuple[str, DrafterShape] | None:
+    """The drafter ``s`` names (its checkpoint folder): the method vLLM runs it with and its shape on one rank of
+    TP ``s.tp``; ValueError in one line where it cannot be timed, before anything is measured."""
+    from moetrace.calibrate.drafter import drafter_shape
+
+    if s.drafter is None:
+        return None
+    folder = Path(s.drafter)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--drafter {folder}: not a drafter checkpoint, no readable config.json "
+                         f"({type(exc).__name__})") from None
+    shape = drafter_shape(config, s.tp)
+    return ("eagle3" if shape.fc_input else "draft_model"), shape
 
 
 def write_json(doc: dict[str, Any], path: Path) -> None:
@@ -353,6 +386,13 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
             f"; marginal {curve['marginal_weight_gbs'] or 0:.0f} GB/s"
             + (f", peak {curve['peak_weight_gbs']:.0f} GB/s, R2 {fit['r2']:.3f}" if not curve["estimated"]
                else " (est.)"))
+    if "drafter" in doc:
+        drafter = doc["drafter"]
+        points = {p["tokens"]: p for p in drafter["points"]}
+        lines.append(f"drafter {drafter['method']} ({drafter['shape']['architecture']}, "
+                     f"{drafter['parameters_per_rank'] / 1e6:.1f}M parameters per rank at tp{drafter['tp']}): "
+                     + ", ".join(f"{t} token(s) {p['layers_us'] + p['head_us'] + p.get('fc_us', 0.0):.0f} us"
+                                 for t, p in points.items() if t in (1, 8, 64, 512)))
     ar = doc["allreduce"]
     if ar.get("skipped"):
         lines.append(f"all-reduce skipped: {ar['skipped']}")

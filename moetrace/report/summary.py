@@ -20,7 +20,7 @@ from moetrace.analysis.acceptance import (
     measured_speedup,
     step_times,
 )
-from moetrace.analysis.cost import MeasuredSteps
+from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps
 from moetrace.analysis.budgets import WindowSample, budget_curves, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, union_means, uniform_unions
 from moetrace.analysis.consistency import disagreement, routing_gaps
@@ -211,13 +211,14 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
         raise UserError(f"--profile tokens={tokens}: its step is one request's window of {tokens} tokens, "
                         f"k={tokens - 1}: give --max-k {tokens - 1} or more")
     anchor = (float(at["unique_experts"].item()), float(at["busiest_rank_experts"].item()))
+    drafter, drafter_notes = (None, []) if measured is not None else calibrated_drafter(run, options.calibration)
     try:
         speedups, basis = speedup_per_batch(inputs, deployment_for(pred_shape, pred_tp, pred_ep),
-                                            options.profile, options.calibration, anchor, measured)
+                                            options.profile, options.calibration, anchor, measured, drafter)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
     table = speedups.filter(pl.col("batch") == 1).drop("batch")  # the per-k table is for one request
-    basis["notes"] = preset_notes + basis["notes"]
+    basis["notes"] = preset_notes + drafter_notes + basis["notes"]
     basis["routing"] = options.routing
     basis["acceptance"] = options.acceptance
     basis["shape"] = options.shape_preset or (options.preset.shape if pred_shape is not shape and options.preset
@@ -232,6 +233,22 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
         basis["calibration_device"] = f"{device.get('name')} x{device.get('count')}"
     decision = recommended_k(speedups, options.batches, disagreements, unpriced)
     return speedups, table, decision, basis
+
+
+def calibrated_drafter(run: Run, calibration: dict[str, Any] | None) -> tuple[dict[str, Any] | None, list[str]]:
+    """The calibration's drafter curve where it prices the model drafter the run's traces ran (same method); else
+    None, and for a model drafter a note that its passes are left out. N-gram drafts on the host: nothing to
+    price."""
+    method = next((t.manifest.spec.method for t in run.traces if t.k > 0), None)
+    if method not in MODEL_DRAFTERS:
+        return None, []
+    curve = (calibration or {}).get("drafter")
+    if curve is not None and curve.get("method") == method:
+        return curve, []
+    why = (f"the calibration's drafter curve is of {curve.get('method')}" if curve is not None
+           else "the calibration has no drafter curve")
+    return None, [f"the {method} drafter's passes are not priced ({why}; moetrace calibrate --drafter PATH times "
+                  f"them)"]
 
 
 def self_check(analysis: RunAnalysis) -> list[str]:

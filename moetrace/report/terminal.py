@@ -134,11 +134,12 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
     title = (f"Predicted verify step at one request per step ({basis['mode']}; "
              f"tp={basis['tp']}, ep={basis['ep']}, {basis['weight_format']} experts, routing {basis['routing']})")
     # a component is a column only where some k has it (measured mode has no attention or other GEMMs; the
-    # forward beyond MoE, drafter, scheduling and sampling are measured only there): 80 columns are tight
+    # forward beyond MoE, scheduling and sampling are measured only there, the drafter there or from a calibrated
+    # curve): 80 columns are tight
     parts = [(header, column, meaning) for header, column, meaning in (
         ("MoE", "moe_ms", "ms"), ("AR", "allreduce_ms", "all-reduce ms"), ("attn", "attention_ms", "attention ms"),
         ("other", "other_ms", "other GEMMs ms"), ("fwd+", "forward_beyond_moe_ms", "forward growth beyond MoE ms"),
-        ("draft", "drafting_ms", "drafter ms, as measured"),
+        ("draft", "drafting_ms", "drafter ms: as measured, or its calibrated passes"),
         ("sched", "scheduling_ms", "async off ms"), ("rej", "sampling_ms", "rejection sampler ms over k=0's"),
         ("pre", "prefill_ms_per_token", "prefill ms per token a request gained, as measured at the nearest recorded k"))
         if column == "moe_ms" or any(row[column] for row in prediction["per_k"])]
