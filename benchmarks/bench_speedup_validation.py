@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kimi_slice import kimi_k2_slice
+from kimi_slice import kimi_k2_eagle3_head, kimi_k2_slice
 
 LOAD = "closed-loop"
 PROMPT_CUTS = (1.0, 0.9, 0.8, 0.7, 0.6)  # each built-in prompt cut at these fractions: 50 distinct prompts
@@ -163,10 +163,13 @@ def run_rounds(llm: Any, prompts: list[Any], rounds: int, concurrencies: list[in
 
 
 def slice_model_dir(model: str, out: Path) -> Path:
-    """``<out>/<model>-model``: the config of a Kimi-K2 slice (``kimi-k2-tp8``, ``kimi-k2-tp4``), dummy weights."""
+    """``<out>/<model>-model``: the config of a Kimi-K2 slice (``kimi-k2-tp8``, ``kimi-k2-tp4``), dummy weights, or
+    of a Kimi-K2 EAGLE-3 head (``kimi-k2-eagle3``, for ``moetrace calibrate --drafter``)."""
     model_dir = out / f"{model}-model"
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(kimi_k2_slice(int(model.removeprefix("kimi-k2-tp")))))
+    config = (kimi_k2_eagle3_head() if model == "kimi-k2-eagle3"
+              else kimi_k2_slice(int(model.removeprefix("kimi-k2-tp"))))
+    (model_dir / "config.json").write_text(json.dumps(config))
     return model_dir
 
 
@@ -699,8 +702,9 @@ def main() -> None:
     check = commands.add_parser("compare", help="predicted against measured speedup from a measure directory")
     check.add_argument("runs", type=Path)
     check.add_argument("--json", type=Path, help="also write the table here")
-    slice_dir = commands.add_parser("model-dir", help="write a Kimi-K2 slice's model directory (for calibrate)")
-    slice_dir.add_argument("--model", choices=("kimi-k2-tp8", "kimi-k2-tp4"), required=True)
+    slice_dir = commands.add_parser("model-dir", help="write a Kimi-K2 slice's or EAGLE-3 head's model directory "
+                                                      "(for calibrate)")
+    slice_dir.add_argument("--model", choices=("kimi-k2-tp8", "kimi-k2-tp4", "kimi-k2-eagle3"), required=True)
     slice_dir.add_argument("--out", type=Path, default=Path("speedup-runs"))
     args = parser.parse_args()
     if args.command == "model-dir":

@@ -21,3 +21,16 @@ def kimi_k2_slice(tp: int) -> dict[str, Any]:
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 50000.0,
         "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1,
     }
+
+
+def kimi_k2_eagle3_head() -> dict[str, Any]:
+    """The shape of the public Kimi-K2 EAGLE-3 heads (one MLA decoder layer on hidden 7168, the target's MLA
+    dimensions and dense width, the full 163,840-token vocabulary, three auxiliary layers of the 61), for
+    ``moetrace calibrate --drafter`` at TP=8 (dummy weights: calibrate reads the config alone)."""
+    attention = {key: value for key, value in kimi_k2_slice(1).items()
+                 if key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                            "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps")}
+    return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "torch_dtype": "bfloat16",
+            "hidden_size": 7168, "num_hidden_layers": 1, "vocab_size": 163840, "draft_vocab_size": 163840,
+            "target_hidden_size": 7168, "eagle_aux_hidden_state_layer_ids": [1, 29, 57], "hidden_act": "silu",
+            **attention}
