@@ -1,0 +1,35 @@
+"""moetrace records which experts every token picks in every MoE layer during speculative-decoding verification
+inside vLLM, and turns the traces into the k that pays at each concurrency.
+
+The Python API (the CLI is ``moetrace --help``)::
+
+    import moetrace
+    trace = moetrace.open_trace("traces/RUN/k3")   # one recording at one k
+    trace.manifest.spec.k                           # the typed manifest (model, spec, parallel, capture, ...)
+    routing = trace.routing()                       # pl.LazyFrame: one row per (step, token, MoE layer)
+    steps = trace.steps()                           # pl.LazyFrame: one row per (step, request)
+    sweep = moetrace.open_traces("traces/RUN")      # every k of a sweep, ordered by k
+
+``moetrace.analysis`` holds the analyses the report runs (``moetrace.analysis.acceptance``, ``.growth``,
+``.concurrency``, ``.cost``, ``.decision``, ...): functions of Polars frames that return Polars frames. A trace that
+cannot be read raises ``moetrace.errors.UserError`` with one line naming the file.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moetrace.trace.reader import Trace, open_trace, open_traces
+
+__all__ = ["Trace", "open_trace", "open_traces"]
+
+
+def __getattr__(name: str) -> Any:
+    """The reader's names, imported on first use: the vLLM plugin imports this package in every engine process,
+    which has no use for Polars."""
+    if name in __all__:
+        from moetrace.trace import reader
+
+        return getattr(reader, name)
+    raise AttributeError(f"module 'moetrace' has no attribute {name!r}")

@@ -544,3 +544,26 @@ def test_amending_a_closed_manifest_keeps_what_the_writer_process_wrote(tmp_path
     assert {key: on_disk[key] for key in closed} == json.loads(json.dumps(closed))
     # 2 requests × 3-token windows, 1 of 2 drafts accepted in each: counted by the writer process, kept by the amend
     assert (on_disk["complete"], on_disk["counts"]["tokens"], on_disk["counts"]["drafts"]) == (True, 6, 4)
+
+
+def test_the_python_api_opens_a_trace_by_its_path_and_duckdb_reads_the_same_rows(tmp_path: Path) -> None:
+    import duckdb
+
+    import moetrace
+    from trace_builder import small_k2_trace
+
+    path = small_k2_trace(tmp_path / "run" / "k2")
+    trace = moetrace.open_trace(str(path))  # a plain string, as a notebook passes it
+    assert trace.k == 2 and trace.manifest.spec.method == "ngram"
+    rows = trace.routing().select(pl.len()).collect().item()
+    # another reader of the same files: DuckDB over the Parquet glob, no moetrace code involved
+    assert duckdb.sql(f"SELECT count(*) FROM '{path}/routing/*.parquet'").fetchall() == [(rows,)]
+    assert [t.k for t in moetrace.open_traces(tmp_path / "run")] == [2]
+    with pytest.raises(UserError, match="no such trace"):
+        moetrace.open_trace(str(tmp_path / "missing"))
+    with pytest.raises(AttributeError):
+        getattr(moetrace, "open_tracee")
+    # the engine process imports the package for its plugin: that alone loads no Polars
+    loaded = subprocess.run([sys.executable, "-c", "import sys, moetrace; print('polars' in sys.modules)"],
+                            capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "False"

@@ -8,6 +8,7 @@ naming the file while the intact files are still read.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -228,9 +229,10 @@ def open_ranks(directory: Path, ranks: list[Path]) -> Trace:
                  warnings=[w for t in traces for w in t.warnings], ranks=traces)
 
 
-def open_trace(directory: Path, dp_rank: int | None = None) -> Trace:
+def open_trace(directory: str | os.PathLike[str], dp_rank: int | None = None) -> Trace:
     """Open one trace directory (or a data-parallel recording's, holding one per rank); raises ``UserError`` for
     a directory that is not a readable trace. ``dp_rank``: see ``read_manifest``."""
+    directory = Path(directory)
     if not directory.exists():
         raise UserError(f"{directory}: no such trace")
     ranks = rank_directories(directory)
@@ -270,9 +272,10 @@ def run_path(path: Path) -> Path:
     return runs[0] if runs else path
 
 
-def open_traces(path: Path) -> list[Trace]:
+def open_traces(path: str | os.PathLike[str]) -> list[Trace]:
     """A trace directory, or a parent holding one trace per k (a sweep), ordered by k; or a folder holding one
     such run (``run_path``)."""
+    path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such trace")
     path = run_path(path)
