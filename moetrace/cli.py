@@ -10,19 +10,16 @@ from typing import Any, NoReturn
 import click
 import polars as pl
 import pyarrow as pa
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from moetrace.calibrate.command import calibrate
+from moetrace.commands.common import console, err_console, refuse_existing, trace_load
 from moetrace.errors import UserError
 from moetrace.hooks.options import BUDGET_SCOPES
 from moetrace.trace.reader import unreadable_file
 from moetrace.report.commands import budget, report
-
-err_console = Console(stderr=True)
-console = Console()
 
 
 class Group(click.Group):
@@ -350,33 +347,6 @@ def export_vllm_spec_schedule(summary: Path, label: str | None, output: Path | N
     click.echo(f"next: vllm serve MODEL --speculative-config \"$(cat {target})\"")
 
 
-
-
-def trace_load(trace_path: Path) -> tuple[Any, list[int]]:
-    """A trace's picks per (decoder layer, expert) in decode and verification [layers, experts] (dense layers all
-    zero; the trace at the largest k of a sweep), and its MoE layers; or an SGLang stat dump's counts (``.pt``)."""
-    if trace_path.suffix == ".pt":
-        from moetrace.imports.sglang_recorder import stat_load
-
-        return stat_load(trace_path)
-    from moetrace.analysis.growth import decode_and_verify
-    from moetrace.analysis.load import expert_load
-    from moetrace.export import sglang_logical_count
-    from moetrace.report.inputs import open_run
-    from moetrace.trace.schema import MAX_K
-
-    trace = open_run(trace_path, MAX_K).primary
-    model = trace.manifest.model
-    experts, moe_layers = model.num_experts, list(model.moe_layers)
-    layers = model.num_layers or max(moe_layers) + 1
-    load = expert_load(decode_and_verify(trace.routing()), experts)
-    return sglang_logical_count({(int(r["layer"]), int(r["expert"])): int(r["picks"]) for r in load.to_dicts()},
-                                layers, experts), moe_layers
-
-
-def refuse_existing(target: Path, force: bool) -> None:
-    if target.exists() and not force:
-        raise UserError(f"{target}: already exists (use --force to overwrite)")
 
 
 def export_sglang_expert_location(trace_path: Path, ep: int | None, redundant: int, output: Path | None,

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from moetrace.analysis.growth import decode_and_verify
+from moetrace.commands.common import console, err_console, refuse_existing, trace_load
 from moetrace.errors import UserError
 from moetrace.export import sglang_physical_to_logical_map
 from moetrace.report.inputs import open_run
@@ -24,8 +25,6 @@ def place_experts(trace: Path, ep: int, redundant: int, spread: float, max_load:
     """Fit the verification-aware placement of ``trace``'s experts on ``ep`` ranks, score it on held-out windows
     beside vLLM's EPLB policy and the linear placement, write it as vLLM EPLB maps (``target``) and SGLang's
     expert-location file beside it, and say which placement the held-out windows favour."""
-    from moetrace.cli import console, err_console, refuse_existing, trace_load
-
     sglang_target = target.with_name(f"{target.name.removesuffix('.json')}.sglang-expert-location.json")
     for path in (target, sglang_target):
         refuse_existing(path, force)

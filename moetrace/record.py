@@ -25,6 +25,7 @@ from moetrace.analysis.shape import config_expert_count, config_value
 from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.drafters import drafter_checkpoint, resolve_drafter
 from moetrace.engine import SPEC_METHODS
+from moetrace.commands.common import refuse_existing
 from moetrace.errors import UserError
 from moetrace.host import gpu_inventory
 from moetrace.prompts import load_prompts
@@ -186,9 +187,8 @@ def run_directory(request: RecordRequest, model: ResolvedModel) -> Path:
 
 
 def prepare_output(run_dir: Path, force: bool) -> None:
+    refuse_existing(run_dir, force)
     if run_dir.exists():
-        if not force:
-            raise UserError(f"{run_dir} exists; pass --force to overwrite it")
         shutil.rmtree(run_dir)
     try:
         run_dir.mkdir(parents=True)

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape, shape_from_config
+from moetrace.commands.common import refuse_existing
 from moetrace.drafters import DEFAULT_EAGLE3_HEAD
 from moetrace.errors import UserError
 
@@ -82,8 +83,7 @@ def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp
     from moetrace.calibrate.run import Settings, calibrate as run_calibrate, summary_lines, write_json
 
     path = output or default_output(device, quick)
-    if path.exists() and not force:
-        raise UserError(f"{path}: already exists (use --force to overwrite)")
+    refuse_existing(path, force)
     shape = SHAPE_PRESETS[shape_preset] if model is None else model_shape(model)
     common: dict[str, Any] = {
         "formats": tuple(f.strip() for f in formats.split(",") if f.strip()),

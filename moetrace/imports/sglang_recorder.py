@@ -55,7 +55,8 @@ from moetrace.trace.schema import (
     STEPS_SCHEMA,
     TOKEN_PHASES,
 )
-from moetrace.imports.trace import config_moe_layers, imported_manifest, refuse_existing, write_trace
+from moetrace.commands.common import refuse_existing
+from moetrace.imports.trace import config_moe_layers, imported_manifest, write_trace
 from moetrace.trace.files import StepCapture
 
 

@@ -47,11 +47,6 @@ def model_manifest(model: ResolvedModel, config: dict[str, Any], moe_layers: lis
     }
 
 
-def refuse_existing(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise UserError(f"{out} exists (--force to overwrite)")
-
-
 def config_moe_layers(config: dict[str, Any]) -> list[int]:
     """The MoE layers a config declares: every decoder layer from ``first_k_dense_replace`` on."""
     return list(range(int(config_value(config, "first_k_dense_replace") or 0),

@@ -15,6 +15,7 @@ from moetrace.analysis.calibration import check_calibration
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED
 from moetrace.analysis.profile import PROFILE_PRESETS, Profile, parse_profile
 from moetrace.analysis.shape import SHAPE_PRESETS
+from moetrace.commands.common import refuse_existing
 from moetrace.errors import UserError
 from moetrace.report.budget_sweep import budget_runs, budget_sweep_summary, print_budget_sweep, recorded_concurrency
 from moetrace.report.dashboard import render_dashboard
@@ -37,11 +38,6 @@ def _dashboard_path(traces: tuple[Path, ...], output: Path | None) -> Path:
     return Path("-vs-".join(path.name for path in traces)[:120] + ".report.html")
 
 
-def _refuse_overwrite(path: Path, force: bool) -> None:
-    if path.exists() and not force:
-        raise UserError(f"{path}: already exists (use --force to overwrite)")
-
-
 DASHBOARD_MARK = b'<meta name="generator" content="moetrace report">'
 
 
@@ -54,7 +50,7 @@ def _refuse_overwrite_unless_dashboard(path: Path, force: bool) -> None:
     except OSError:
         ours = False
     if not ours:
-        _refuse_overwrite(path, force)
+        refuse_existing(path, force)
 
 
 def _calibration(path: Path | None) -> dict[str, Any] | None:
@@ -243,7 +239,7 @@ def budget(trace: Path, k: int, coverage: float, shape_preset: str | None, outpu
     if k < 1:
         raise UserError("--k 0: a budget needs at least one draft")
     _coverage(coverage)
-    _refuse_overwrite(output, force)
+    refuse_existing(output, force)
     run = open_run(trace, k)
     if run.primary.lacks("router_weights"):
         raise UserError(f"{trace}: imported without router weights: no budget by routing-weight coverage")

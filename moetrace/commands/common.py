@@ -1,0 +1,42 @@
+"""What the commands share: the consoles, the one refusal to overwrite a file, and a trace's expert load for the
+placement commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from moetrace.errors import UserError
+
+err_console = Console(stderr=True)
+console = Console()
+
+
+def refuse_existing(target: Path, force: bool) -> None:
+    """A trace or a user's file is never overwritten without --force (derived reports are just rebuilt)."""
+    if target.exists() and not force:
+        raise UserError(f"{target}: already exists (use --force to overwrite)")
+
+
+def trace_load(trace_path: Path) -> tuple[Any, list[int]]:
+    """A trace's picks per (decoder layer, expert) in decode and verification [layers, experts] (dense layers all
+    zero; the trace at the largest k of a sweep), and its MoE layers; or an SGLang stat dump's counts (``.pt``)."""
+    if trace_path.suffix == ".pt":
+        from moetrace.imports.sglang_recorder import stat_load
+
+        return stat_load(trace_path)
+    from moetrace.analysis.growth import decode_and_verify
+    from moetrace.analysis.load import expert_load
+    from moetrace.export import sglang_logical_count
+    from moetrace.report.inputs import open_run
+    from moetrace.trace.schema import MAX_K
+
+    trace = open_run(trace_path, MAX_K).primary
+    model = trace.manifest.model
+    experts, moe_layers = model.num_experts, list(model.moe_layers)
+    layers = model.num_layers or max(moe_layers) + 1
+    load = expert_load(decode_and_verify(trace.routing()), experts)
+    return sglang_logical_count({(int(r["layer"]), int(r["expert"])): int(r["picks"]) for r in load.to_dicts()},
+                                layers, experts), moe_layers
