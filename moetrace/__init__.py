@@ -17,6 +17,7 @@ cannot be read raises ``moetrace.errors.UserError`` with one line naming the fil
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -33,3 +34,13 @@ def __getattr__(name: str) -> Any:
 
         return getattr(reader, name)
     raise AttributeError(f"module 'moetrace' has no attribute {name!r}")
+
+
+def require_same_checkout(module_file: str, name: str) -> None:
+    """ImportError in one line where ``name`` (moetrace.hooks or moetrace.analysis, top-level folders of the source
+    tree mapped by package-dir) comes from another checkout than ``moetrace`` itself: the editable install of one
+    clone and another clone's ``moetrace/`` on ``sys.path`` would otherwise mix their code in silence."""
+    root, package = Path(module_file).resolve().parents[1], Path(__file__).resolve().parent
+    if root not in (package, package.parent):
+        raise ImportError(f"{name} comes from {root}, moetrace from {package.parent}: two moetrace checkouts are "
+                          f"mixed; run from the checkout that is installed, or pip install -e the one you run")

@@ -567,3 +567,15 @@ def test_the_python_api_opens_a_trace_by_its_path_and_duckdb_reads_the_same_rows
     loaded = subprocess.run([sys.executable, "-c", "import sys, moetrace; print('polars' in sys.modules)"],
                             capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "False"
+
+
+def test_a_second_checkouts_package_beside_this_ones_analysis_is_refused_in_one_line(tmp_path: Path) -> None:
+    # another clone's moetrace/ first on sys.path, this checkout's editable install mapping moetrace.analysis
+    shutil.copytree(Path(moetrace.writer.__file__).parent, tmp_path / "moetrace",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    mixed = subprocess.run([sys.executable, "-c", "import moetrace.analysis"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert mixed.returncode != 0
+    last = mixed.stderr.strip().splitlines()[-1]
+    # an editable install maps the subpackage to its own checkout: refused by name; any other install has none
+    assert "two moetrace checkouts are mixed" in last or "No module named 'moetrace.analysis'" in last
