@@ -104,7 +104,7 @@ def measure_engine(settings: dict[str, Any], out: Path, budgets: list[str], roun
                    start_timeout_s: float) -> dict[str, Any]:
     """One engine at k: a warm-up round per concurrency, then ``rounds`` timed rounds per (budget, concurrency),
     each recorded into ``<out>/c<concurrency>-k<k>/budget-<name>``."""
-    from moetrace.engine import engine_prompts
+    from moetrace.recording.engine import engine_prompts
     from moetrace.hooks.options import RecordingOptions
 
     k = settings["k"]
@@ -140,7 +140,7 @@ def measure_engine(settings: dict[str, Any], out: Path, budgets: list[str], roun
 def measure(args: argparse.Namespace) -> None:
     """Every engine (k) not yet in ``<out>/budget-measurements.json``, while the time budget allows one more."""
     from moetrace.hooks.vllm_api import vllm_version
-    from moetrace.host import gpu_inventory
+    from moetrace.recording.host import gpu_inventory
 
     began = time.perf_counter()
     out: Path = args.out

@@ -57,7 +57,7 @@ def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) ->
     tokens vLLM counted meanwhile (greedy and deterministic: equal in every round unless the kernels are not)."""
     from vllm import SamplingParams
 
-    from moetrace.engine import spec_decode_counters
+    from moetrace.recording.engine import spec_decode_counters
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     before = spec_decode_counters(llm)
@@ -359,8 +359,8 @@ def median_ci95(ratios: list[float], resamples: int = 10_000) -> tuple[float, li
 def engine_settings_for(model: str, scratch: Path, batch: int, max_tokens: int, compiled: bool,
                         time_phases_every: int | None) -> dict[str, Any]:
     from moetrace.default_model import encode_text
-    from moetrace.prompts import BUILTIN_PROMPTS
-    from moetrace.record import RecordRequest, engine_settings, resolve_model
+    from moetrace.recording.prompts import BUILTIN_PROMPTS
+    from moetrace.recording.record import RecordRequest, engine_settings, resolve_model
 
     prompts = list(BUILTIN_PROMPTS)
     if model == "default":
@@ -408,9 +408,9 @@ def main() -> None:
         parser.error(f"--modes: 'off,on' first, then any of {', '.join(MODES[2:])} (got {args.modes!r})")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with functions from this script
 
-    from moetrace.engine import build_llm, engine_prompts
+    from moetrace.recording.engine import build_llm, engine_prompts
     from moetrace.hooks.vllm_api import vllm_version
-    from moetrace.host import gpu_inventory, host_facts
+    from moetrace.recording.host import gpu_inventory, host_facts
 
     with tempfile.TemporaryDirectory(prefix="moetrace-bench-") as scratch:
         settings = engine_settings_for(args.model, Path(scratch), args.engine_batch or max(batches), args.max_tokens,

@@ -76,7 +76,7 @@ def requests_per_round(concurrency: int) -> int:
 def distinct_prompts() -> list[str]:
     """The built-in prompts and shorter cuts of them (at a space), all distinct, so no two requests of a step route
     alike because they are the same text."""
-    from moetrace.prompts import BUILTIN_PROMPTS
+    from moetrace.recording.prompts import BUILTIN_PROMPTS
 
     out: list[str] = []
     for cut in PROMPT_CUTS:
@@ -175,11 +175,11 @@ def slice_model_dir(model: str, out: Path) -> Path:
 
 def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, trace_dir: Path,
                    max_tokens: int, eager: bool, tp: int, max_num_seqs: int) -> dict[str, Any]:
-    """Engine settings of one recorded engine (``moetrace.record.engine_settings``) for the default model or a
+    """Engine settings of one recorded engine (``moetrace.recording.record.engine_settings``) for the default model or a
     Kimi-K2 slice (``kimi-k2-tp8``: one rank of TP=8 on one GPU; ``kimi-k2-tp4`` at ``tp`` 2: the same per-GPU
     shape with real all-reduces; dummy weights, bytes as token ids), running at most ``max_num_seqs`` requests."""
     from moetrace.default_model import encode_text
-    from moetrace.record import RecordRequest, engine_settings, resolve_model
+    from moetrace.recording.record import RecordRequest, engine_settings, resolve_model
 
     prompts = distinct_prompts()
     engine_args: dict[str, Any] = {}
@@ -229,14 +229,14 @@ class EngineStartHung(RuntimeError):
 
 
 def build_llm_within(settings: dict[str, Any], seconds: float) -> Any:
-    """``moetrace.engine.build_llm``, or ``EngineStartHung`` once ``seconds`` pass: from then until vLLM gives up,
-    the engine's processes are killed as they appear, which ends vLLM's wait for them."""
+    """``moetrace.recording.engine.build_llm``, or ``EngineStartHung`` once ``seconds`` pass: from then until vLLM
+    gives up, the engine's processes are killed as they appear, which ends vLLM's wait for them."""
     import contextlib
     import threading
 
     import psutil
 
-    from moetrace.engine import build_llm
+    from moetrace.recording.engine import build_llm
 
     done, hung = threading.Event(), threading.Event()
 
@@ -265,7 +265,7 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
                    timed: list[int], recorded: list[int]) -> dict[str, Any]:
     """Start one engine, time ``rounds`` closed-loop rounds at the ``timed`` concurrencies with the hooks paused,
     record as many at the ``recorded`` ones, close the trace."""
-    from moetrace.engine import engine_prompts, spec_decode_counters
+    from moetrace.recording.engine import engine_prompts, spec_decode_counters
     from moetrace.trace.manifest import amend_manifest
     from moetrace.trace.reader import read_manifest
 
@@ -307,7 +307,7 @@ def measure(args: argparse.Namespace) -> None:
     """Every (drafter, k) engine not yet in ``<out>/<model>-measurements.json``, while the time budget allows one
     more (a call that stops early is resumed by running the same command again)."""
     from moetrace.hooks.vllm_api import vllm_version
-    from moetrace.host import gpu_inventory
+    from moetrace.recording.host import gpu_inventory
 
     began = time.perf_counter()
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(spread_routing): a function of this script

@@ -73,8 +73,8 @@ def serve_recording(out: Path, args: argparse.Namespace) -> tuple[Path, dict[str
     The client's tokens go to the trace's ``outputs.jsonl`` under the trace's request ids (matched on prompts);
     returns the trace and what the server counted and the client received."""
     from moetrace.default_model import encode_text, ensure_default_model
-    from moetrace.engine import served_spec_decode_counters, speculative_config
-    from moetrace.prompts import BUILTIN_PROMPTS
+    from moetrace.recording.engine import served_spec_decode_counters, speculative_config
+    from moetrace.recording.prompts import BUILTIN_PROMPTS
 
     prompts = [encode_text(BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)]) for i in range(args.num_prompts)]
     if len({tuple(p) for p in prompts}) < len(prompts):
@@ -210,7 +210,7 @@ def main() -> None:
 
     from moetrace.compare import compare_runs, reference_check, windows_after_finish
     from moetrace.hooks.vllm_api import vllm_version
-    from moetrace.host import gpu_inventory
+    from moetrace.recording.host import gpu_inventory
     from moetrace.trace.reader import open_trace
 
     with tempfile.TemporaryDirectory(prefix="moetrace-capture-") as scratch:

@@ -61,8 +61,8 @@ from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CUDA, PhaseTiming
 from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, copied_event, to_host
 from moetrace.trace.schema import TIMED_CALLS
-from moetrace.ring import RingRows, SharedRows, ring_capacity
-from moetrace.writer import TraceWriter
+from moetrace.recording.ring import RingRows, SharedRows, ring_capacity
+from moetrace.recording.writer import TraceWriter
 
 log = logging.getLogger("moetrace")
 _HOOK_MARK = "_moetrace_hook"

@@ -111,7 +111,7 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
     MODEL is a checkpoint directory (or a name in the local Hugging Face cache); without it, the embedded tiny
     Kimi-K2-shaped model (trained on Python's standard library) is unpacked once and used.
     """
-    from moetrace.record import RecordRequest, parse_budgets, parse_key_values, parse_ks, record as run_record
+    from moetrace.recording.record import RecordRequest, parse_budgets, parse_key_values, parse_ks, record as run_record
 
     request = RecordRequest(
         model=model, ks=parse_ks(ks), method=method, drafter=drafter, prompts_file=prompts_file,
@@ -213,7 +213,7 @@ def import_routing(source: Path, outputs: Path | None, model: str | None, prompt
     from moetrace.imports.returned import http_responses, vllm_offline, write_imported_trace
     from moetrace.imports.sglang_recorder import sglang_recorder
     from moetrace.imports.trace import model_layers
-    from moetrace.record import resolve_model
+    from moetrace.recording.record import resolve_model
 
     if prompt_start < 0:
         raise UserError(f"--prompt-start: {prompt_start} is negative")

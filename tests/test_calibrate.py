@@ -227,7 +227,7 @@ def _shipped_head_weights() -> dict[str, list[int]]:
     """The shipped EAGLE-3 head's tensor shapes, from its safetensors header (an oracle apart from its config)."""
     import struct
 
-    from moetrace.drafters import DEFAULT_EAGLE3_HEAD
+    from moetrace.recording.drafters import DEFAULT_EAGLE3_HEAD
 
     with open(DEFAULT_EAGLE3_HEAD / "model.safetensors", "rb") as handle:
         (length,) = struct.unpack("<Q", handle.read(8))
@@ -237,7 +237,7 @@ def _shipped_head_weights() -> dict[str, list[int]]:
 
 def test_a_drafters_shape_reads_the_weights_its_checkpoint_holds() -> None:
     from moetrace.calibrate.drafter import drafter_shape
-    from moetrace.drafters import DEFAULT_EAGLE3_HEAD
+    from moetrace.recording.drafters import DEFAULT_EAGLE3_HEAD
 
     shape = drafter_shape(json.loads((DEFAULT_EAGLE3_HEAD / "config.json").read_text()), tp=1)
     weights = _shipped_head_weights()

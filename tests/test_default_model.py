@@ -20,7 +20,7 @@ from moetrace.default_model import (
     write_checkpoint,
 )
 from moetrace.errors import UserError
-from moetrace.prompts import BUILTIN_PROMPTS
+from moetrace.recording.prompts import BUILTIN_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
 

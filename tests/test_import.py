@@ -210,7 +210,7 @@ def test_record_keeps_vllms_arrays_by_request_id_when_the_engine_returns_them(tm
     came this way): outputs as vLLM's ``RequestOutput`` holds them."""
     from types import SimpleNamespace
 
-    from moetrace.engine import save_engine_routed_experts
+    from moetrace.recording.engine import save_engine_routed_experts
 
     arrays = {"0": routed(9, 0), "1": routed(5, 1)}
     outputs = [SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(routed_experts=array)])

@@ -154,7 +154,7 @@ def test_a_phase_timing_rate_below_one_step_in_one_is_refused(tmp_path: Path) ->
 @pytest.mark.parametrize("engine_args, random", [({}, False), ({"load_format": "dummy"}, True)])
 def test_manifest_says_random_weights_exactly_when_vllm_loads_dummy_weights(
         engine_args: dict[str, str], random: bool, tmp_path: Path) -> None:
-    from moetrace.record import RecordRequest, engine_settings, resolve_model
+    from moetrace.recording.record import RecordRequest, engine_settings, resolve_model
 
     request = RecordRequest(model=None, ks=[1], out=tmp_path, engine_args=engine_args)
     settings = engine_settings(request, resolve_model(None), 1, tmp_path / "k1", ["x"], tmp_path / "progress")

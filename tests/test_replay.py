@@ -80,10 +80,10 @@ SWEEP_IN_ONE_ENGINE = """
 import dataclasses, json, sys
 from pathlib import Path
 from vllm import SamplingParams
-from moetrace.engine import build_llm, engine_prompts
+from moetrace.recording.engine import build_llm, engine_prompts
 from moetrace.hooks.options import RecordingOptions
-from moetrace.prompts import BUILTIN_PROMPTS
-from moetrace.record import RecordRequest, engine_settings, resolve_model
+from moetrace.recording.prompts import BUILTIN_PROMPTS
+from moetrace.recording.record import RecordRequest, engine_settings, resolve_model
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

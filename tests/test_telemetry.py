@@ -11,9 +11,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from moetrace.host import cpu_model, gpu_inventory
+from moetrace.recording.host import cpu_model, gpu_inventory
 from moetrace.trace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION, TELEMETRY_SCHEMA
-from moetrace.telemetry import TelemetrySampler
+from moetrace.recording.telemetry import TelemetrySampler
 
 GPUS = gpu_inventory()["gpus"]
 

@@ -20,9 +20,9 @@ import json, sys
 from pathlib import Path
 from types import SimpleNamespace
 from moetrace.default_model import encode_text
-from moetrace.engine import build_llm, engine_prompts
-from moetrace.prompts import BUILTIN_PROMPTS
-from moetrace.record import RecordRequest, engine_settings, resolve_model
+from moetrace.recording.engine import build_llm, engine_prompts
+from moetrace.recording.prompts import BUILTIN_PROMPTS
+from moetrace.recording.record import RecordRequest, engine_settings, resolve_model
 
 def renamed_inside_the_forward(worker):
     # What a vLLM release that renamed something the router wrapper reads looks like, from the forward's side.
@@ -206,10 +206,10 @@ def test_record_exits_non_zero_with_the_reason_when_its_writer_process_is_killed
 TWO_ENGINES_FROM_ONE_DRIVER = """
 import json, os, sys
 from pathlib import Path
-from moetrace.engine import run
+from moetrace.recording.engine import run
 from moetrace.hooks.plugin import ENV_VAR, register
-from moetrace.prompts import BUILTIN_PROMPTS
-from moetrace.record import RecordRequest, engine_settings, resolve_model
+from moetrace.recording.prompts import BUILTIN_PROMPTS
+from moetrace.recording.record import RecordRequest, engine_settings, resolve_model
 
 if __name__ == "__main__":
     earlier, now = Path(sys.argv[1]), Path(sys.argv[2])
@@ -246,9 +246,9 @@ import json, sys
 from pathlib import Path
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from moetrace.engine import build_llm
-from moetrace.prompts import BUILTIN_PROMPTS
-from moetrace.record import RecordRequest, engine_settings, resolve_model
+from moetrace.recording.engine import build_llm
+from moetrace.recording.prompts import BUILTIN_PROMPTS
+from moetrace.recording.record import RecordRequest, engine_settings, resolve_model
 
 if __name__ == "__main__":
     out, count = Path(sys.argv[1]), int(sys.argv[2])

@@ -32,7 +32,7 @@ import moetrace
 from moetrace.cli import main
 from moetrace.compare import load_outputs
 from moetrace.default_model import default_model_dir
-from moetrace.host import cpu_model
+from moetrace.recording.host import cpu_model
 from moetrace.trace.reader import open_trace
 
 pytestmark = pytest.mark.vllm

@@ -20,8 +20,8 @@ import polars as pl
 import pytest
 
 from moetrace.default_model import encode_text, ensure_default_model
-from moetrace.engine import served_spec_decode_counters
-from moetrace.prompts import BUILTIN_PROMPTS
+from moetrace.recording.engine import served_spec_decode_counters
+from moetrace.recording.prompts import BUILTIN_PROMPTS
 from moetrace.trace.reader import open_trace, open_traces
 
 pytestmark = pytest.mark.vllm

@@ -21,11 +21,11 @@ from moetrace.errors import UserError
 from moetrace.hooks.rows import PackedLayout, StepRecord
 from moetrace.trace.reader import open_trace, open_traces
 from moetrace.trace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION
-import moetrace.writer
-from moetrace.ring import RingRows, SharedRows
+import moetrace.recording.writer
+from moetrace.recording.ring import RingRows, SharedRows
 from moetrace.trace.files import StepCapture
 from moetrace.trace.manifest import amend_manifest, start_manifest
-from moetrace.writer import HAND_OVER_STEPS, TraceWriter
+from moetrace.recording.writer import HAND_OVER_STEPS, TraceWriter
 
 LAYERS = [1, 2, 3]
 TOP_K = 8
@@ -155,7 +155,7 @@ def test_reader_skips_a_corrupt_file_naming_it_and_reads_the_rest(tmp_path: Path
 
 def test_a_writer_process_that_cannot_start_leaves_no_descriptor_open(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("moetrace.writer.sys.executable", str(tmp_path / "no-python"))
+    monkeypatch.setattr("moetrace.recording.writer.sys.executable", str(tmp_path / "no-python"))
     before = set(os.listdir("/proc/self/fd"))
     with pytest.raises(FileNotFoundError):
         TraceWriter(tmp_path / "trace", manifest(), LAYERS, TOP_K)
@@ -283,7 +283,7 @@ def test_the_engine_thread_hands_steps_over_in_batches_not_a_pickle_per_step(
     """Code run once per step runs cold, so ``forward_ready`` only queues until ``HAND_OVER_STEPS`` steps wait (or
     the oldest has waited ``SEND_EVERY_SECONDS``, or a quarter of the ring is reserved), then hands them all over in
     one message; every step reaches the trace."""
-    monkeypatch.setattr(moetrace.writer, "SEND_EVERY_SECONDS", 3600.0)  # only the count or the ring decides
+    monkeypatch.setattr(moetrace.recording.writer, "SEND_EVERY_SECONDS", 3600.0)  # only the count or the ring decides
     rng = np.random.default_rng(12)
     writer = TraceWriter(tmp_path / "count", manifest(), LAYERS, TOP_K)
     for step in range(HAND_OVER_STEPS - 1):
@@ -362,8 +362,8 @@ from pathlib import Path
 import numpy as np
 sys.path.insert(0, {tests!r})
 from test_writer_reader import LAYERS, TOP_K, NotReadyYet, manifest, verify_step
-import moetrace.writer
-from moetrace.writer import TraceWriter
+import moetrace.recording.writer
+from moetrace.recording.writer import TraceWriter
 writer = TraceWriter(Path({root!r}), manifest(), LAYERS, TOP_K, row_group_rows=10)
 rng = np.random.default_rng(5)
 for step in range(4):
@@ -374,7 +374,7 @@ deadline = time.monotonic() + 30
 while writer.steps < 4 and time.monotonic() < deadline:
     time.sleep(0.05)
 if {unsent}:  # two more steps queued by the engine thread, not yet time to hand them over
-    moetrace.writer.SEND_EVERY_SECONDS = 3600
+    moetrace.recording.writer.SEND_EVERY_SECONDS = 3600
     for step in (5, 6):
         writer.submit(verify_step(step, rng))
     writer.forward_ready()
@@ -515,7 +515,7 @@ def test_a_failing_test_that_started_a_writer_process_leaves_none_behind(pyteste
     pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
     pytester.makepyfile(test_inner="""
 from pathlib import Path
-from moetrace.writer import TraceWriter
+from moetrace.recording.writer import TraceWriter
 
 def test_fails_with_its_writer_open(tmp_path):
     writer = TraceWriter(tmp_path / "t", {"schema": "moetrace/1", "run_id": "inner"}, [1], 2)
@@ -571,7 +571,7 @@ def test_the_python_api_opens_a_trace_by_its_path_and_duckdb_reads_the_same_rows
 
 def test_a_second_checkouts_package_beside_this_ones_analysis_is_refused_in_one_line(tmp_path: Path) -> None:
     # another clone's moetrace/ first on sys.path, this checkout's editable install mapping moetrace.analysis
-    shutil.copytree(Path(moetrace.writer.__file__).parent, tmp_path / "moetrace",
+    shutil.copytree(Path(moetrace.__file__).parent, tmp_path / "moetrace",
                     ignore=shutil.ignore_patterns("__pycache__"))
     mixed = subprocess.run([sys.executable, "-c", "import moetrace.analysis"], cwd=tmp_path, capture_output=True,
                            text=True)

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape, shape_from_config
 from moetrace.commands.common import refuse_existing
-from moetrace.drafters import DEFAULT_EAGLE3_HEAD
+from moetrace.recording.drafters import DEFAULT_EAGLE3_HEAD
 from moetrace.errors import UserError
 
 
@@ -23,7 +23,7 @@ def default_output(device: str, quick: bool) -> Path:
     """calibration-<gpu name>x<count>.json (from NVML, no torch), calibration-cpu.json; ``-quick`` for smoke runs."""
     name = "cpu"
     if device == "cuda":
-        from moetrace.host import gpu_inventory
+        from moetrace.recording.host import gpu_inventory
 
         gpus = gpu_inventory()["gpus"]
         if gpus:

@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetrace.errors import UserError
-from moetrace.record import ResolvedModel
+from moetrace.recording.record import ResolvedModel
 from moetrace.trace.schema import (
     ROUTED_EXPERTS_LACKS,
     STEPS_SCHEMA,

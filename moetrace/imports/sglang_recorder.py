@@ -49,7 +49,7 @@ import numpy.typing as npt
 
 from moetrace.analysis.shape import config_value
 from moetrace.errors import UserError
-from moetrace.record import ResolvedModel
+from moetrace.recording.record import ResolvedModel
 from moetrace.trace.schema import (
     SGLANG_RECORDER_LACKS,
     STEPS_SCHEMA,

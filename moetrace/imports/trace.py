@@ -12,7 +12,7 @@ from typing import Any
 
 from moetrace.analysis.shape import config_value
 from moetrace.errors import UserError
-from moetrace.record import ResolvedModel
+from moetrace.recording.record import ResolvedModel
 from moetrace.trace.schema import (
     SCHEMA_VERSION,
 )

@@ -5,8 +5,8 @@ that the engine process and the writer process both map (``SharedRows``); ``Trac
 and ``forward_ready`` (called where the GPU is busy with the next forward) hands the queued steps over in batches:
 one pickle of what is left of each step whose rows have landed (its request order, query starts, drafts, kept
 counts, and where its rows lie in the ring: a few hundred bytes) and one write down a non-blocking pipe to the writer
-process (``python -m moetrace.writer``), which copies the rows out of the ring, releasing them, and assembles rows,
-builds Arrow tables, compresses and writes. Done by a thread of the engine process, that work took
+process (``python -m moetrace.recording.writer``), which copies the rows out of the ring, releasing them, and
+assembles rows, builds Arrow tables, compresses and writes. Done by a thread of the engine process, that work took
 the GIL from the engine loop at high step rates (measured on an H200: 4-5% of throughput). A file being written is
 named ``*.parquet.inprogress`` and renamed when closed, so a killed recording leaves every rotated file readable and
 marks the one it lost; if the engine process dies, the writer process still closes its files. Any error stops
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moetrace.ring import SHARED_BYTES, EngineRecord, Pending, SharedRows
+from moetrace.recording.ring import SHARED_BYTES, EngineRecord, Pending, SharedRows
 from moetrace.trace.files import Assemblable, StepCapture, TraceFiles
 from moetrace.trace.manifest import amend_manifest, start_manifest
 from moetrace.trace.schema import ROUTING_DIR, STEPS_DIR
@@ -370,13 +370,14 @@ LAUNCH_DETACHED = (
     "    pass\n"
     f"os.nice({WRITER_NICENESS})\n"
     "fds = tuple(int(fd) for fd in sys.argv[1:])\n"
-    "subprocess.Popen([sys.executable, '-m', 'moetrace.writer', *sys.argv[1:]], pass_fds=fds,\n"
+    "subprocess.Popen([sys.executable, '-m', 'moetrace.recording.writer', *sys.argv[1:]], pass_fds=fds,\n"
     "                 stdin=subprocess.DEVNULL, start_new_session=True)\n"
 )
 
 if __name__ == "__main__":
-    # Run the importable module's serve, not this __main__ copy's: pickled steps name moetrace.writer's classes.
-    from moetrace.writer import serve as serve_steps
+    # Run the importable module's serve, not this __main__ copy's: pickled steps name the classes of
+    # moetrace.recording.writer.
+    from moetrace.recording.writer import serve as serve_steps
 
     serve_steps(os.fdopen(int(sys.argv[1]), "rb"), os.fdopen(int(sys.argv[2]), "wb"),
                 EngineRecord(mmap.mmap(int(sys.argv[3]), SHARED_BYTES)),

@@ -1,6 +1,6 @@
 """One recording at one k: runs vLLM's offline engine with the moetrace plugin switched on.
 
-Run as ``python -m moetrace.engine SETTINGS.json`` in a child process per k (vLLM spawns its workers, so the
+Run as ``python -m moetrace.recording.engine SETTINGS.json`` in a child process per k (vLLM spawns its workers, so the
 engine must be created under a ``__main__`` guard, and a fresh process per k keeps sweeps independent). Exit
 code 2 with one line on stderr means the run could not record; the trace directory then says why.
 """
@@ -51,7 +51,8 @@ def progress_to_file(path: Path, total: int) -> Any:
 
 
 def build_llm(settings: dict[str, Any]) -> Any:
-    """vLLM's offline engine for ``settings`` (see ``moetrace.record.engine_settings``), recording switched on."""
+    """vLLM's offline engine for ``settings`` (see ``moetrace.recording.record.engine_settings``), recording switched
+    on."""
     os.environ[ENV_VAR] = json.dumps(settings["recording"])
     from vllm import LLM
 

@@ -23,14 +23,14 @@ from typing import Any
 from moetrace.hooks.options import RecordingOptions, replay_refusal
 from moetrace.analysis.shape import config_expert_count, config_value
 from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
-from moetrace.drafters import drafter_checkpoint, resolve_drafter
-from moetrace.engine import SPEC_METHODS
+from moetrace.recording.drafters import drafter_checkpoint, resolve_drafter
+from moetrace.recording.engine import SPEC_METHODS
 from moetrace.commands.common import refuse_existing
 from moetrace.errors import UserError
-from moetrace.host import gpu_inventory
-from moetrace.prompts import load_prompts
+from moetrace.recording.host import gpu_inventory
+from moetrace.recording.prompts import load_prompts
 from moetrace.trace.schema import MAX_K
-from moetrace.telemetry import TelemetrySampler
+from moetrace.recording.telemetry import TelemetrySampler
 from moetrace.trace.manifest import amend_manifest
 from moetrace.trace.reader import read_manifest
 
@@ -295,7 +295,7 @@ def record_one(request: RecordRequest, model: ResolvedModel, k: int, trace_dir: 
         sampler = TelemetrySampler(trace_dir) if gpu_inventory()["gpus"] else None
         started = time.monotonic()
         with open(log_path, "w") as log:
-            child = subprocess.Popen([sys.executable, "-m", "moetrace.engine", str(settings_file)],
+            child = subprocess.Popen([sys.executable, "-m", "moetrace.recording.engine", str(settings_file)],
                                      stdout=log, stderr=subprocess.STDOUT, env=env)
             if sampler is not None:
                 sampler.start()
