@@ -16,7 +16,7 @@ from moetrace.errors import UserError
 # An EAGLE-3 head for the embedded default model, trained by scripts/train_eagle3.py on the default model's own
 # auxiliary hidden states over the corpus the model was trained on (MLA attention: on the CPU a head's attention
 # shares the target's KV cache group, and only the MLA backend serves the target).
-DEFAULT_EAGLE3_HEAD = Path(__file__).parent / "data" / "eagle3-head"
+DEFAULT_EAGLE3_HEAD = Path(__file__).parents[1] / "data" / "eagle3-head"
 
 MODEL_DRAFTER_METHODS = ("eagle3", "draft_model")
 
