@@ -129,34 +129,59 @@ def unpack_checkpoint(packed: dict[str, Any]) -> dict[str, Any]:
     return tensors
 
 
-def write_checkpoint(tensors: dict[str, Any], target: Path, description: dict[str, Any]) -> None:
-    """A checkpoint directory vLLM and transformers load: config.json, model.safetensors, moetrace.json."""
+def write_checkpoint(tensors: dict[str, Any], target: Path, description: dict[str, Any],
+                     config: dict[str, Any] | None = None) -> None:
+    """A checkpoint directory vLLM and transformers load: config.json (the default model's unless ``config``),
+    model.safetensors, moetrace.json."""
     from safetensors.torch import save_file
 
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
-    (target / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    (target / "config.json").write_text(json.dumps(CONFIG if config is None else config, indent=2))
     (target / "moetrace.json").write_text(json.dumps(description, indent=2))
 
 
-def ensure_default_model() -> Path:
-    """Return the cached checkpoint, unpacking the shipped weights first if needed (atomic: a crash leaves no
-    half checkpoint)."""
-    target = default_model_dir()
+def draft_model_config() -> dict[str, Any]:
+    """The default model cut to its dense first layer, as a DeepseekV2 model without MTP layers (vLLM runs a
+    DeepseekV3 drafter with MTP layers as MTP, not as a draft model)."""
+    config = {**CONFIG, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+              "num_hidden_layers": 1}
+    config.pop("num_nextn_predict_layers")
+    return config
+
+
+DRAFT_MODEL_TENSORS = ("model.embed_tokens.", "model.layers.0.", "model.norm.", "lm_head.")
+
+
+def _ensure_checkpoint(target: Path, name: str, config: dict[str, Any] | None, keep: tuple[str, ...] = ()) -> Path:
+    """``target``, unpacking the shipped weights there first if needed (only the tensors named with a prefix in
+    ``keep``, where given; atomic: a crash leaves no half checkpoint)."""
     if (target / "config.json").exists():
         return target
     packed, training = read_packed_weights(WEIGHTS_FILE, WEIGHTS_SHA256)
+    tensors = {key: value for key, value in unpack_checkpoint(packed).items() if not keep or key.startswith(keep)}
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        write_checkpoint(unpack_checkpoint(packed), staging,
-                         {"name": DEFAULT_MODEL_NAME, "random_weights": False, "training": training})
+        write_checkpoint(tensors, staging, {"name": name, "random_weights": False, "training": training}, config)
         os.replace(staging, target)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
         if not (target / "config.json").exists():  # another process may have won the race
             raise
     return target
+
+
+def ensure_default_model() -> Path:
+    """The cached checkpoint of the default model."""
+    return _ensure_checkpoint(default_model_dir(), DEFAULT_MODEL_NAME, None)
+
+
+def ensure_default_draft_model() -> Path:
+    """The cached draft model of the default model for ``--method draft_model``: its embedding, dense first
+    layer, final norm and LM head (a one-layer early exit of the target; no training of its own)."""
+    target = default_model_dir().with_name(default_model_dir().name + "-draft")
+    return _ensure_checkpoint(target, f"{DEFAULT_MODEL_NAME}-draft", draft_model_config(), DRAFT_MODEL_TENSORS)
 
 
 def encode_text(text: str) -> list[int]:

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from moetrace.cli import main
+from moetrace.hooks.vllm_api import vllm_version
 from moetrace.default_model import ensure_default_model
 from vllm_fixtures import run_cli
 
@@ -46,13 +47,21 @@ def test_unknown_method_is_refused(tmp_path: Path) -> None:
     assert "unknown method 'medusa'" in refuse(["record", "--method", "medusa", "--out", str(tmp_path)])
 
 
-def test_eagle3_without_drafter_is_refused_for_a_model_no_head_ships_for(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_a_model_drafter_without_drafter_is_refused_for_a_model_none_ships_for(method: str, tmp_path: Path) -> None:
     moe = tmp_path / "moe"
     moe.mkdir()
     (moe / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 8,
                                                  "num_experts_per_tok": 2, "vocab_size": 1000, "hidden_size": 64}))
-    assert refuse(["record", str(moe), "--method", "eagle3", "--out", str(tmp_path / "out")]) == (
-        "error: --method eagle3 needs --drafter PATH (a head ships for the embedded default model only)")
+    assert refuse(["record", str(moe), "--method", method, "--out", str(tmp_path / "out")]) == (
+        f"error: --method {method} needs --drafter PATH (drafters come with the embedded default model only)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not vllm_version().startswith("0.32."), reason="the refusal is of vLLM 0.32's MLA planner")
+def test_an_mla_draft_model_at_two_requests_per_step_is_refused_before_any_engine_starts(tmp_path: Path) -> None:
+    message = refuse(["record", "--method", "draft_model", "--batch-size", "2", "--out", str(tmp_path / "out")])
+    assert message.startswith("error: --method draft_model with an MLA draft model runs at --batch-size 1 on vLLM")
     assert not (tmp_path / "out").exists()
 
 

@@ -31,7 +31,7 @@ from vllm_fixtures import (  # noqa: F401 (fixture)
 import moetrace
 from moetrace.cli import main
 from moetrace.compare import load_outputs
-from moetrace.default_model import default_model_dir
+from moetrace.default_model import default_model_dir, ensure_default_model
 from moetrace.recording.host import cpu_model
 from moetrace.trace.reader import open_trace
 
@@ -299,11 +299,11 @@ def test_routing_recomputed_from_router_logits_equals_the_wrapped_routers(record
     assert counts["routing_rows"] == counts["tokens"] * 3
 
 
-def record_drafted_trace(method: str, k: int, tmp_path: Path) -> Path:
+def record_drafted_trace(method: str, k: int, tmp_path: Path, batch_size: int = 4) -> Path:
     """Record the default model with ``method`` at ``k`` and check what every drafter's trace must hold: the
     target's MoE layers only (every token in each), drafts, and per request and step the acceptance vLLM itself
     counted. Returns the trace."""
-    done = run_cli("record", "--method", method, "--k", str(k), "--max-tokens", "24", "--batch-size", "4",
+    done = run_cli("record", "--method", method, "--k", str(k), "--max-tokens", "24", "--batch-size", str(batch_size),
                    "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     (trace_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
@@ -333,11 +333,30 @@ def test_the_embedded_eagle3_head_drafts_and_only_the_targets_moe_layers_are_rec
     request and step, and the manifest names the head by architecture, parameters and hash."""
     trace = open_trace(record_drafted_trace("eagle3", 2, tmp_path))
     head = Path(moetrace.__file__).parent / "data" / "eagle3-head"
-    with safe_open(str(head / "model.safetensors"), "np") as weights:
-        parameters = sum(int(np.prod(weights.get_slice(name).get_shape())) for name in weights.keys())
+    parameters = sum(int(np.prod(shape)) for shape in checkpoint_shapes(head).values())
     assert trace.manifest.document["spec"]["drafter_checkpoint"] == {
         "path": str(head.resolve()), "architecture": "Eagle3DeepseekV2ForCausalLM", "parameters": parameters,
         "sha256": hashlib.sha256((head / "model.safetensors").read_bytes()).hexdigest()}
+
+
+def test_the_default_models_one_layer_draft_model_drafts_as_draft_model(tmp_path: Path) -> None:
+    """--method draft_model on the default model without --drafter runs its one-layer cut (embedding, dense
+    layer 0, final norm, LM head) as vLLM's draft_model, not as MTP; the trace holds the target's MoE layers
+    only and vLLM's own acceptance, and the manifest names a one-layer DeepseekV2 model."""
+    trace = open_trace(record_drafted_trace("draft_model", 2, tmp_path, batch_size=1))  # vLLM 0.32: one at a time
+    checkpoint = trace.manifest.document["spec"]["drafter_checkpoint"]
+    config = json.loads((Path(checkpoint["path"]) / "config.json").read_text())
+    assert checkpoint["architecture"] == "DeepseekV2ForCausalLM" and config["num_hidden_layers"] == 1
+    target = json.loads((ensure_default_model() / "config.json").read_text())
+    assert checkpoint["parameters"] == sum(  # the target's embedding, layer 0, final norm and LM head
+        int(np.prod(shape)) for name, shape in checkpoint_shapes(ensure_default_model()).items()
+        if name.startswith(("model.embed_tokens.", "model.layers.0.", "model.norm.", "lm_head.")))
+    assert config["vocab_size"] == target["vocab_size"] and "num_nextn_predict_layers" not in config
+
+
+def checkpoint_shapes(folder: Path) -> dict[str, list[int]]:
+    with safe_open(str(folder / "model.safetensors"), "np") as weights:
+        return {name: list(weights.get_slice(name).get_shape()) for name in weights.keys()}
 
 
 @ON_THE_SHARED_RECORDINGS_WORKER

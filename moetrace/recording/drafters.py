@@ -23,14 +23,18 @@ MODEL_DRAFTER_METHODS = ("eagle3", "draft_model")
 
 def resolve_drafter(method: str, drafter: str | None, target: Path, embedded_target: bool) -> str | None:
     """The drafter checkpoint ``method`` runs against the model at ``target``: ``drafter`` as given, after
-    ``check_drafter``; for eagle3 on the embedded default model (``embedded_target``), its shipped head; None for
-    methods that need none."""
+    ``check_drafter``; on the embedded default model (``embedded_target``), its shipped EAGLE-3 head for eagle3 and
+    its one-layer cut for draft_model; None for methods that need none."""
     if drafter is None:
         if method == "eagle3" and embedded_target:
             return str(DEFAULT_EAGLE3_HEAD)
+        if method == "draft_model" and embedded_target:
+            from moetrace.default_model import ensure_default_draft_model
+
+            return str(ensure_default_draft_model())
         if method in MODEL_DRAFTER_METHODS:
-            raise UserError(f"--method {method} needs --drafter PATH"
-                            + (" (a head ships for the embedded default model only)" if method == "eagle3" else ""))
+            raise UserError(f"--method {method} needs --drafter PATH (drafters come with the embedded default model "
+                            f"only)")
         return None
     path = Path(drafter).expanduser()
     if not path.is_dir():
@@ -38,6 +42,20 @@ def resolve_drafter(method: str, drafter: str | None, target: Path, embedded_tar
     if method in MODEL_DRAFTER_METHODS:
         check_drafter(method, path, read_config(target / "config.json", "the target model"))
     return str(path)
+
+
+def check_drafter_batch(method: str, drafter: str | None, batch_size: int) -> None:
+    """UserError in one line where vLLM cannot draft at ``batch_size`` requests per step: vLLM 0.32's planner of
+    MLA context chunks (``plan_mla_context_chunks``) asserts when a draft model's step holds a request with no
+    context yet before one with context, which an MLA draft model meets from two requests on."""
+    from moetrace.hooks.vllm_api import vllm_version
+
+    if method != "draft_model" or drafter is None or batch_size < 2 or not vllm_version().startswith("0.32."):
+        return
+    if read_config(Path(drafter) / "config.json", "the drafter").get("kv_lora_rank"):
+        raise UserError(f"--method draft_model with an MLA draft model runs at --batch-size 1 on vLLM 0.32 (its MLA "
+                        f"context-chunk planner fails once a draft step mixes a new request with running ones), not "
+                        f"{batch_size}")
 
 
 def read_config(path: Path, what: str) -> dict[str, Any]:

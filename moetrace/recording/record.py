@@ -23,7 +23,7 @@ from typing import Any
 from moetrace.hooks.options import RecordingOptions, replay_refusal
 from moetrace.analysis.shape import config_expert_count, config_value
 from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
-from moetrace.recording.drafters import drafter_checkpoint, resolve_drafter
+from moetrace.recording.drafters import check_drafter_batch, drafter_checkpoint, resolve_drafter
 from moetrace.recording.engine import SPEC_METHODS
 from moetrace.commands.common import refuse_existing
 from moetrace.errors import UserError
@@ -353,6 +353,7 @@ def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[Rec
     model = resolve_model(request.model)
     request = dataclasses.replace(request, drafter=resolve_drafter(request.method, request.drafter, model.path,
                                                                    model.byte_tokens))
+    check_drafter_batch(request.method, request.drafter, request.batch_size)
     if request.candidates and not (model.top_k or 0) < request.candidates <= model.num_experts:
         raise UserError(f"--candidates {request.candidates}: must be more than top-{model.top_k} and at most the "
                         f"model's {model.num_experts} experts")
