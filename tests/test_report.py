@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from moetrace.cli import main
-from moetrace.report.commands import budget, report
+from moetrace.commands.report import budget, report
 from moetrace.report.summary import RANDOM_WEIGHTS_NOTE
 from trace_builder import Model, decode_tokens, small_k2_trace, verify_tokens, well_sampled_sweep, write_trace
 

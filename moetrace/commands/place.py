@@ -83,3 +83,38 @@ def place_experts(trace: Path, ep: int, redundant: int, spread: float, max_load:
     click.echo(f"{sglang_target}: SGLang physical_to_logical_map")
     click.echo(f"next: python -m sglang.launch_server --model-path MODEL --init-expert-location {sglang_target} "
                f"--ep-size {ep} --ep-num-redundant-experts {redundant}")
+
+
+@click.command()
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option("--ep", type=int, required=True, help="Expert-parallel ranks to place the experts on.")
+@click.option("--redundant", default=0, show_default=True,
+              help="Extra expert slots per layer: replicas of the most picked experts.")
+@click.option("--spread", default=1.0, show_default=True,
+              help="Weight of a step's experts per rank (squared, a stand-in for the busiest rank) against ranks "
+                   "touched per window; 0: ranks touched alone.")
+@click.option("--max-load", default=1.1, show_default=True,
+              help="Cap on a rank's token load, times the mean (or the balanced start's busiest rank if higher).")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="vLLM EPLB-style file to write [default: TRACE's name with .placement-ep<N>.json]; SGLang's "
+                   "file goes beside it with .sglang-expert-location.json.")
+@click.option("--force", is_flag=True, help="Overwrite existing files.")
+def place(trace: Path, ep: int, redundant: int, spread: float, max_load: float, output: Path | None,
+          force: bool) -> None:
+    """Place experts on EP ranks for speculative verification: per MoE layer, the experts that appear together in
+    a request's verification window (its k+1 tokens in one step) go to one rank, so a window dispatches to fewer
+    ranks, while each step's experts stay spread and each rank's token load stays within --max-load.
+
+    Fitted on the windows of even steps and scored on those of odd steps, beside vLLM's default EPLB policy fitted
+    on the same windows' load and the default linear placement: ranks touched per window, unique experts on the
+    busiest rank per step, balancedness (mean over max tokens per rank per step, as vLLM's EPLB logs it). Writes
+    the placement scored there as vLLM EPLB maps (physical_to_logical_map, logical_to_physical_map,
+    logical_replica_count) and as SGLang's --init-expert-location file (physical_to_logical_map)."""
+    for bad, message in ((ep < 1, f"--ep {ep}: needs at least 1 rank"),
+                         (redundant < 0, f"--redundant {redundant}: must be 0 or more"),
+                         (spread < 0, f"--spread {spread}: must be 0 or more"),
+                         (max_load < 1, f"--max-load {max_load}: must be 1 or more (times the mean rank load)")):
+        if bad:
+            raise UserError(message)
+    target = output or trace.with_name(f"{trace.name}.placement-ep{ep}{f'-r{redundant}' if redundant else ''}.json")
+    place_experts(trace, ep, redundant, spread, max_load, target, force)

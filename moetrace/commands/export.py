@@ -1,0 +1,129 @@
+"""``moetrace export``: the decision and the expert load in engines' own formats (``moetrace.export``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from moetrace.commands.common import refuse_existing, trace_load
+from moetrace.errors import UserError
+
+
+@click.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--vllm-spec-schedule", "vllm_spec", is_flag=True,
+              help="SOURCE is the JSON of `moetrace report --json`: vLLM's dynamic speculative-decoding schedule "
+                   "(num_speculative_tokens_per_batch_size).")
+@click.option("--sglang-expert-location", "sglang_location", is_flag=True,
+              help="SOURCE is a trace (or an SGLang stat dump, .pt): SGLang's --init-expert-location file from its "
+                   "decode and verification load.")
+@click.option("--eplb", is_flag=True,
+              help="SOURCE is a trace (or an SGLang stat dump, .pt): its decode and verification load per layer and "
+                   "expert, and vLLM's default EPLB policy's placement from it (needs --ep).")
+@click.option("--drafter", "label", default=None, help="Which run's decision, by its label, when SUMMARY has several.")
+@click.option("--ep", type=int, default=None,
+              help="Expert-parallel ranks: with --eplb, those vLLM places on; with --sglang-expert-location, writes "
+                   "a physical_to_logical_map instead of logical_count.")
+@click.option("--redundant", default=0, show_default=True, help="With --ep: extra expert slots per layer.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="File to write [default: SOURCE's name with .vllm-spec-schedule.json, "
+                   ".sglang-expert-location.json or .eplb.json].")
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+def export(source: Path, vllm_spec: bool, sglang_location: bool, eplb: bool, label: str | None, ep: int | None,
+           redundant: int, output: Path | None, force: bool) -> None:
+    """Write what moetrace found in an engine's own format: with --vllm-spec-schedule, the recommended k per
+    concurrency of SOURCE (the JSON of `moetrace report --json`) as the speculative-config keys vLLM reads
+    (method, num_speculative_tokens, num_speculative_tokens_per_batch_size); with --sglang-expert-location, the
+    expert load of SOURCE (a trace in decode and verification, or the counts of an SGLang stat dump) as SGLang's
+    --init-expert-location file; with --eplb, that load and the placement vLLM's default EPLB policy makes of it
+    (physical_to_logical_map, logical_to_physical_map, logical_replica_count)."""
+    if vllm_spec + sglang_location + eplb != 1:
+        raise UserError("give one of --vllm-spec-schedule, --sglang-expert-location or --eplb")
+    if vllm_spec:
+        export_vllm_spec_schedule(source, label, output, force)
+    elif sglang_location:
+        export_sglang_expert_location(source, ep, redundant, output, force)
+    else:
+        export_eplb(source, ep, redundant, output, force)
+
+
+def export_vllm_spec_schedule(summary: Path, label: str | None, output: Path | None, force: bool) -> None:
+    from moetrace.export import vllm_spec_schedule
+
+    try:
+        decisions = json.loads(summary.read_text())["decision"]
+    except FileNotFoundError:
+        raise UserError(f"{summary}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise UserError(f"{summary}: not the JSON of `moetrace report --json` ({type(exc).__name__})") from None
+    chosen = [d for d in decisions if label is None or d.get("label") == label]
+    if len(chosen) != 1:
+        labels = ", ".join(str(d.get("label")) for d in decisions) or "none"
+        raise UserError(f"{summary}: {'no' if not chosen else 'several'} decisions"
+                        f"{f' labelled {label}' if label else ''}; give --drafter LABEL (labels: {labels})")
+    try:
+        schedule = vllm_spec_schedule(chosen[0])
+    except ValueError as exc:
+        raise UserError(f"{summary}: {exc}") from None
+    target = output or summary.with_name(f"{summary.stem}.vllm-spec-schedule.json")
+    refuse_existing(target, force)
+    target.write_text(json.dumps(schedule, indent=2) + "\n")
+    click.echo(f"{target}: {schedule['method']} {schedule['num_speculative_tokens_per_batch_size']}")
+    click.echo(f"next: vllm serve MODEL --speculative-config \"$(cat {target})\"")
+
+
+
+
+def export_sglang_expert_location(trace_path: Path, ep: int | None, redundant: int, output: Path | None,
+                                  force: bool) -> None:
+    from moetrace.export import sglang_physical_to_logical_map
+
+    if ep is None and redundant:
+        raise UserError("--redundant places replicas: give --ep too")
+    target = output or trace_path.with_name(f"{trace_path.name}.sglang-expert-location.json")
+    refuse_existing(target, force)
+    counts, moe_layers = trace_load(trace_path)
+    layers, experts = counts.shape
+    if ep is None:
+        document: dict[str, Any] = {"logical_count": counts.tolist()}
+        what = f"logical_count [{layers}, {experts}]"
+    else:
+        try:
+            mapping = sglang_physical_to_logical_map(counts, moe_layers, ep, redundant)
+        except ValueError as exc:
+            raise UserError(f"--ep {ep} --redundant {redundant}: {exc}") from None
+        document = {"physical_to_logical_map": mapping.tolist()}  # alone: SGLang passes every key on
+        what = f"physical_to_logical_map [{layers}, {experts + redundant}] over {ep} ranks"
+    target.write_text(json.dumps(document) + "\n")
+    click.echo(f"{target}: {what}, from {int(counts.sum()):,} expert picks (decode and verification; a stat dump: "
+               f"every counted pass)")
+    click.echo(f"next: python -m sglang.launch_server --model-path MODEL --init-expert-location {target}"
+               + (f" --ep-size {ep} --ep-num-redundant-experts {redundant}" if ep is not None else ""))
+
+
+def export_eplb(trace_path: Path, ep: int | None, redundant: int, output: Path | None, force: bool) -> None:
+    from moetrace.hooks.vllm_api import VllmApiError, eplb_placement, vllm_version
+
+    if ep is None or ep < 1:
+        raise UserError("--eplb places experts on ranks: give --ep N (N >= 1)")
+    target = output or trace_path.with_name(f"{trace_path.name}.eplb.json")
+    refuse_existing(target, force)
+    counts, moe_layers = trace_load(trace_path)
+    experts = counts.shape[1]
+    if (experts + redundant) % ep:
+        raise UserError(f"--ep {ep} --redundant {redundant}: {experts} experts + {redundant} redundant do not "
+                        f"split evenly over {ep} ranks")
+    load = counts[moe_layers]
+    try:
+        placement = eplb_placement(load, ep, redundant)
+    except VllmApiError as exc:
+        raise UserError(str(exc)) from None
+    document = {"policy": f"vLLM {vllm_version()} DefaultEplbPolicy, one node, one expert group", "ep": ep,
+                "redundant": redundant, "layers": moe_layers, "load": load.tolist(), **placement}
+    target.write_text(json.dumps(document) + "\n")
+    click.echo(f"{target}: vLLM's EPLB placement of {experts} experts (+{redundant}) over {ep} ranks in "
+               f"{len(moe_layers)} MoE layers, from {int(load.sum()):,} expert picks (decode and verification; a stat "
+               f"dump: every counted pass)")
