@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
+# setuptools reuses build/lib: a module moved or deleted since the last build would still be installed and checked
+rm -rf build
 python3 -m pip install -q --root-user-action=ignore --no-deps --no-build-isolation --target "$site" . >/dev/null
 cp pyproject.toml "$site/"
 repo=$PWD

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from moetrace.cli import main
 from moetrace.analysis.placement import replicated_placement
-from moetrace.export import LAST_BATCH, vllm_spec_schedule
+from moetrace.formats.export import LAST_BATCH, vllm_spec_schedule
 from trace_builder import small_k2_trace, well_sampled_sweep
 
 

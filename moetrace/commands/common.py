@@ -24,12 +24,12 @@ def trace_load(trace_path: Path) -> tuple[Any, list[int]]:
     """A trace's picks per (decoder layer, expert) in decode and verification [layers, experts] (dense layers all
     zero; the trace at the largest k of a sweep), and its MoE layers; or an SGLang stat dump's counts (``.pt``)."""
     if trace_path.suffix == ".pt":
-        from moetrace.imports.sglang_recorder import stat_load
+        from moetrace.formats.sglang_recorder import stat_load
 
         return stat_load(trace_path)
     from moetrace.analysis.growth import decode_and_verify
     from moetrace.analysis.load import expert_load
-    from moetrace.export import sglang_logical_count
+    from moetrace.formats.export import sglang_logical_count
     from moetrace.report.inputs import open_run
     from moetrace.trace.schema import MAX_K
 

@@ -1,4 +1,4 @@
-"""``moetrace export``: the decision and the expert load in engines' own formats (``moetrace.export``)."""
+"""``moetrace export``: the decision and the expert load in engines' own formats (``moetrace.formats.export``)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def export(source: Path, vllm_spec: bool, sglang_location: bool, eplb: bool, lab
 
 
 def export_vllm_spec_schedule(summary: Path, label: str | None, output: Path | None, force: bool) -> None:
-    from moetrace.export import vllm_spec_schedule
+    from moetrace.formats.export import vllm_spec_schedule
 
     try:
         decisions = json.loads(summary.read_text())["decision"]
@@ -79,7 +79,7 @@ def export_vllm_spec_schedule(summary: Path, label: str | None, output: Path | N
 
 def export_sglang_expert_location(trace_path: Path, ep: int | None, redundant: int, output: Path | None,
                                   force: bool) -> None:
-    from moetrace.export import sglang_physical_to_logical_map
+    from moetrace.formats.export import sglang_physical_to_logical_map
 
     if ep is None and redundant:
         raise UserError("--redundant places replicas: give --ep too")

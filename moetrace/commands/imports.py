@@ -1,4 +1,4 @@
-"""``moetrace import``: routing an engine returned or dumped, written as a moetrace trace (``moetrace.imports``)."""
+"""``moetrace import``: routing an engine returned or dumped, written as a moetrace trace (``moetrace.formats``)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def import_routing(source: Path, outputs: Path | None, model: str | None, prompt
     timing or batching. Or SOURCE is a .pt dump of SGLang's expert distribution recorder in per_token mode: each
     forward pass a step, each token group of it a request of its own (the dump has no request ids), no router
     weights or timing; stat and per_pass dumps hold counts, not routing, and are refused."""
-    from moetrace.imports.returned import http_responses, vllm_offline, write_imported_trace
-    from moetrace.imports.sglang_recorder import sglang_recorder
-    from moetrace.imports.trace import model_layers
+    from moetrace.formats.returned import http_responses, vllm_offline, write_imported_trace
+    from moetrace.formats.sglang_recorder import sglang_recorder
+    from moetrace.formats.imported_trace import model_layers
     from moetrace.recording.record import resolve_model
 
     if prompt_start < 0:

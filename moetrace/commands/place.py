@@ -14,7 +14,7 @@ from rich.table import Table
 from moetrace.analysis.growth import decode_and_verify
 from moetrace.commands.common import console, err_console, refuse_existing, trace_load
 from moetrace.errors import UserError
-from moetrace.export import sglang_physical_to_logical_map
+from moetrace.formats.export import sglang_physical_to_logical_map
 from moetrace.report.inputs import open_run
 from moetrace.report.placements import held_out_comparison, held_out_verdict
 from moetrace.trace.schema import MAX_K

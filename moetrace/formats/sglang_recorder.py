@@ -56,7 +56,7 @@ from moetrace.trace.schema import (
     TOKEN_PHASES,
 )
 from moetrace.commands.common import refuse_existing
-from moetrace.imports.trace import config_moe_layers, imported_manifest, write_trace
+from moetrace.formats.imported_trace import config_moe_layers, imported_manifest, write_trace
 from moetrace.trace.files import StepCapture
 
 
