@@ -87,9 +87,10 @@ class MeasuredSteps:
     throughput, prefill included (``end_to_end_speedup``).
 
     At a concurrency the sweep did not record (``estimated_from``: the recorded concurrencies it is drawn from,
-    ``analysis.decision.across_batches``), ``baseline_ms`` is None and the step is built from ``rest_ms``, the k=0
-    step less its calibrated MoE and all-reduce, and ``forward_beyond_ms``, the forward's growth beyond the
-    calibrated MoE per k, both estimated; the other terms are estimated the same way."""
+    ``analysis.decision.across_batches``), ``baseline_ms`` is the k=0 trace's decode step there where it passed
+    through that concurrency enough steps, else None and the step is built from ``rest_ms``, the k=0 step less its
+    calibrated MoE and all-reduce, estimated; ``forward_beyond_ms``, the forward's growth beyond the calibrated MoE
+    per k, and the other terms are estimated the same way."""
 
     baseline_ms: float | None
     forward_growth_ms: Mapping[int, float] = field(default_factory=dict)
@@ -317,7 +318,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         # where the k=0 step comes from: the sweep's own steps at this concurrency, estimated from other recorded
         # concurrencies, or (null) a profile or calibration
         "step_source": pl.Series([None if measured is None else Source.ESTIMATED.value
-                                  if measured.baseline_ms is None else Source.MEASURED.value] * len(rows),
+                                  if measured.estimated_from else Source.MEASURED.value] * len(rows),
                                  dtype=pl.String),
         "step_ratio": [s / steps[0] for s in steps],
         "prefill_ms_per_token": prefill,

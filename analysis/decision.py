@@ -51,10 +51,12 @@ def across_batches(measured: Mapping[int, float], batch: int, extend: bool = Tru
     return v0 + slope * (batch - b0) if above else v1 + slope * (batch - b1)
 
 
-def estimated_steps(batch: int, recorded: Mapping[int, pl.DataFrame]) -> MeasuredSteps:
+def estimated_steps(batch: int, recorded: Mapping[int, pl.DataFrame],
+                    baseline_ms: float | None = None) -> MeasuredSteps:
     """What the sweep's steps would measure at ``batch``, a concurrency it did not record, from the predictions at
-    the concurrencies it did (``recorded``: concurrency → ``analysis.cost.predict``'s table there): the k=0 step less
-    its calibrated MoE and all-reduce (``rest_ms``), and per k the forward's growth beyond the calibrated MoE, the
+    the concurrencies it did (``recorded``: concurrency → ``analysis.cost.predict``'s table there): the k=0 step as
+    ``baseline_ms`` where the k=0 trace measured it there (steps it passed through), else less its calibrated MoE
+    and all-reduce (``rest_ms``), and per k the forward's growth beyond the calibrated MoE, the
     drafter, the rejection sampler, async scheduling off and the prefill per token gained, each ``across_batches``.
     Prefill is held past the recorded concurrencies, not extended: per token a request gains it is a prefill's
     stall of every request (growing with the concurrency) per request's tokens, and more requests end, and are
@@ -73,7 +75,7 @@ def estimated_steps(batch: int, recorded: Mapping[int, pl.DataFrame]) -> Measure
         return known or None
 
     scheduling = term("scheduling_ms", max(ks)) if max(ks) > 0 else None
-    return MeasuredSteps(None, sampling_ms=per_k("sampling_ms"), drafting_ms=per_k("drafting_ms"),
+    return MeasuredSteps(baseline_ms, sampling_ms=per_k("sampling_ms"), drafting_ms=per_k("drafting_ms"),
                          scheduling_ms=scheduling,
                          prefill_ms_per_token=per_k("prefill_ms_per_token", extend=False, with_k0=True) or {},
                          rest_ms=term("rest_ms", 0), forward_beyond_ms=per_k("forward_beyond_moe_ms"),
@@ -83,13 +85,16 @@ def estimated_steps(batch: int, recorded: Mapping[int, pl.DataFrame]) -> Measure
 def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Profile | None,
                       calibration: Mapping[str, Any] | None, anchor: tuple[float, float],
                       measured: Mapping[int, MeasuredSteps] | None = None,
-                      drafter: Mapping[str, Any] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+                      drafter: Mapping[str, Any] | None = None,
+                      passed: Mapping[int, float] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per (batch, k): the prediction table of ``analysis.cost.predict`` with the inputs' other columns beside it.
     ``inputs``: batch, k, tokens (what the step moves), unique_experts, busiest_rank_experts (per layer, one step of
     ``batch`` requests), tokens_per_step (per request) and their sources and sample sizes. ``measured``: per
     concurrency the sweep recorded, what its own steps measured there (``analysis.cost.MeasuredSteps``); a batch
-    it did not record is predicted from ``estimated_steps`` (``step_source`` estimated). ``drafter``: the
-    calibration's curve of the model drafter, priced where nothing is measured."""
+    it did not record is predicted from ``estimated_steps`` (``step_source`` estimated), its k=0 step from
+    ``passed`` (concurrency → the k=0 trace's decode step there, ms) where the sweep passed through it. ``drafter``:
+    the calibration's curve of the model drafter, priced where nothing is measured."""
+    passed = passed or {}
     joined = inputs.sort("batch", "k")
     per_batch = {int(str(batch)): per_k for (batch,), per_k in joined.group_by("batch", maintain_order=True)}
     tables: dict[int, pl.DataFrame] = {}
@@ -106,7 +111,8 @@ def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Pro
         raise ValueError("no concurrency the sweep's k=0 trace recorded is among those predicted")
     estimated = [size for size in per_batch if size not in tables]
     for size in estimated:
-        run(size, None if measured is None else estimated_steps(size, {b: tables[b] for b in recorded}))
+        run(size, None if measured is None else estimated_steps(size, {b: tables[b] for b in recorded},
+                                                                passed.get(size)))
     frames = []
     for size in sorted(tables):
         beside = per_batch[size].drop(*(name for name in tables[size].columns if name != "k"), strict=False)
@@ -121,6 +127,13 @@ def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Pro
             "and async scheduling off each linear in the concurrency between recorded ones and along the nearest two "
             "past them (held with one), prefill per token gained held past them; MoE and all-reduce are calibrated "
             "at each concurrency's own unions")]
+        passed_through = [size for size in estimated if size in passed]
+        if passed_through:
+            basis["notes"].append(
+                f"at {', '.join(map(str, passed_through))} request(s) per step the k=0 step is the k=0 trace's own "
+                f"decode steps of that many requests, which it passed through (a round filling or draining, a "
+                f"server's spread): {', '.join(f'{passed[size]:.3f} ms at {size}' for size in passed_through)}; "
+                "the growth with k is estimated as above")
     return pl.concat(frames).select("batch", pl.exclude("batch")), basis
 
 

@@ -164,11 +164,15 @@ def run_rounds(llm: Any, prompts: list[Any], rounds: int, concurrencies: list[in
 
 def slice_model_dir(model: str, out: Path) -> Path:
     """``<out>/<model>-model``: the config of a Kimi-K2 slice (``kimi-k2-tp8``, ``kimi-k2-tp4``), dummy weights, or
-    of a Kimi-K2 EAGLE-3 head (``kimi-k2-eagle3``, for ``moetrace calibrate --drafter``)."""
+    of a Kimi-K2 EAGLE-3 head (``kimi-k2-eagle3``, for ``moetrace calibrate --drafter``; ``kimi-k2-tp8-eagle3``,
+    the drafter of the TP=8 slice)."""
     model_dir = out / f"{model}-model"
     model_dir.mkdir(parents=True, exist_ok=True)
-    config = (kimi_k2_eagle3_head() if model == "kimi-k2-eagle3"
-              else kimi_k2_slice(int(model.removeprefix("kimi-k2-tp"))))
+    if model.endswith("eagle3"):
+        tp = model.removeprefix("kimi-k2-").removesuffix("eagle3").strip("-").removeprefix("tp") or "1"
+        config = kimi_k2_eagle3_head(int(tp))
+    else:
+        config = kimi_k2_slice(int(model.removeprefix("kimi-k2-tp")))
     (model_dir / "config.json").write_text(json.dumps(config))
     return model_dir
 
@@ -179,6 +183,7 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
     Kimi-K2 slice (``kimi-k2-tp8``: one rank of TP=8 on one GPU; ``kimi-k2-tp4`` at ``tp`` 2: the same per-GPU
     shape with real all-reduces; dummy weights, bytes as token ids), running at most ``max_num_seqs`` requests."""
     from moetrace.default_model import encode_text
+    from moetrace.recording.drafters import resolve_drafter
     from moetrace.recording.record import RecordRequest, engine_settings, resolve_model
 
     prompts = distinct_prompts()
@@ -189,7 +194,11 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
         engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 1024}
     # Every round does the same work: no prefix cache hits on prompts an earlier round sent.
     engine_args["enable_prefix_caching"] = False
-    request = RecordRequest(model=model_path, ks=ks, method=method, batch_size=max_num_seqs, tp=tp,
+    drafter = None
+    if method == "eagle3":  # the slice's head, dummy weights as the slice's; the default model ships its own
+        drafter = (str(slice_model_dir(f"{model}-eagle3", out)) if model_path is not None
+                   else resolve_drafter(method, None, resolve_model(None).path, embedded_target=True))
+    request = RecordRequest(model=model_path, ks=ks, method=method, drafter=drafter, batch_size=max_num_seqs, tp=tp,
                             max_tokens=max_tokens, out=out, eager=eager, engine_args=engine_args,
                             time_phases_every=TIME_PHASES_EVERY)
     settings = engine_settings(request, resolve_model(model_path), k, trace_dir, prompts,
@@ -541,10 +550,15 @@ def compare(args: argparse.Namespace) -> None:
                 sweep = (runs / next(e["trace"] for e in engines if e["method"] == method)).parent
                 if not (sweep / "k0").exists():  # k = 0 runs no drafter: the shared baseline joins each sweep
                     (sweep / "k0").symlink_to(Path("..") / Path(baseline["trace"]))
-                # vLLM drafts n-gram with async scheduling off, MTP with it on (and the CPU never runs it)
-                k0_async = json.loads((runs / baseline["trace"] / "manifest.json").read_text())["capture"].get(
-                    "async_scheduling", True)
-                k0_sync = runs / sync["trace"] if sync is not None and method != "mtp" and k0_async else None
+                # vLLM 0.26 drafts n-gram with async scheduling off, MTP and EAGLE-3 with it on (the manifests say)
+
+                def asynchronous(engine: dict[str, Any]) -> bool:
+                    manifest = json.loads((runs / engine["trace"] / "manifest.json").read_text())
+                    return bool(manifest["capture"].get("async_scheduling", True))
+
+                drafted_sync = not asynchronous(next(e for e in engines if e["method"] == method and e["k"] > 0))
+                k0_sync = (runs / sync["trace"] if sync is not None and drafted_sync and asynchronous(baseline)
+                           else None)
                 report = report_json(sweep, calibration, Path(scratch), k0_sync, timed)
                 if report is not None and report["runs"][0]["prediction"] is not None:
                     models[model].setdefault("prediction_basis", {})[method] = (
@@ -704,7 +718,8 @@ def main() -> None:
     check.add_argument("--json", type=Path, help="also write the table here")
     slice_dir = commands.add_parser("model-dir", help="write a Kimi-K2 slice's or EAGLE-3 head's model directory "
                                                       "(for calibrate)")
-    slice_dir.add_argument("--model", choices=("kimi-k2-tp8", "kimi-k2-tp4", "kimi-k2-eagle3"), required=True)
+    slice_dir.add_argument("--model", choices=("kimi-k2-tp8", "kimi-k2-tp4", "kimi-k2-eagle3", "kimi-k2-tp8-eagle3"),
+                           required=True)
     slice_dir.add_argument("--out", type=Path, default=Path("speedup-runs"))
     args = parser.parse_args()
     if args.command == "model-dir":

@@ -23,14 +23,17 @@ def kimi_k2_slice(tp: int) -> dict[str, Any]:
     }
 
 
-def kimi_k2_eagle3_head() -> dict[str, Any]:
+def kimi_k2_eagle3_head(tp: int = 1) -> dict[str, Any]:
     """The shape of the public Kimi-K2 EAGLE-3 heads (one MLA decoder layer on hidden 7168, the target's MLA
-    dimensions and dense width, the full 163,840-token vocabulary, three auxiliary layers of the 61), for
-    ``moetrace calibrate --drafter`` at TP=8 (dummy weights: calibrate reads the config alone)."""
-    attention = {key: value for key, value in kimi_k2_slice(1).items()
+    dimensions and dense width, the full 163,840-token vocabulary, three auxiliary layers) with every per-GPU
+    dimension divided by ``tp`` as ``kimi_k2_slice`` divides the target's: at ``tp`` 1 for ``moetrace calibrate
+    --drafter`` (which splits it by its own TP), at 8 as the drafter of the TP=8 slice. Its auxiliary layers are 1,
+    8 and 14 of the slice's 17 (the public heads read 1, 29 and 57 of 61). Dummy weights."""
+    target = kimi_k2_slice(tp)
+    attention = {key: value for key, value in target.items()
                  if key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                             "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps")}
     return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "torch_dtype": "bfloat16",
-            "hidden_size": 7168, "num_hidden_layers": 1, "vocab_size": 163840, "draft_vocab_size": 163840,
-            "target_hidden_size": 7168, "eagle_aux_hidden_state_layer_ids": [1, 29, 57], "hidden_act": "silu",
-            **attention}
+            "hidden_size": 7168, "num_hidden_layers": 1, "vocab_size": target["vocab_size"],
+            "draft_vocab_size": target["vocab_size"], "target_hidden_size": 7168,
+            "eagle_aux_hidden_state_layer_ids": [1, 8, 14], "hidden_act": "silu", **attention}

@@ -26,7 +26,7 @@ from moetrace.analysis.profile import PROFILE_PRESETS, Profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.cli import main
 from moetrace.report.inputs import open_run
-from moetrace.report.measured import measured_baselines
+from moetrace.report.measured import measured_baselines, passed_baselines
 from trace_builder import Model, decode_tokens, small_k2_trace, verify_tokens, write_trace
 
 SMALL = ModelShape(num_experts=64, top_k=8, num_layers=2, moe_layers=2, hidden_size=1000, expert_width=32,
@@ -298,6 +298,32 @@ def test_speedup_per_batch_estimates_the_batches_without_a_measured_k0_step_from
     # here reads the same experts at both, and the all-reduce moves 1 token instead of 4
     assert k0[1]["step_source"] == "estimated"
     assert k0[1]["step_ms"] == pytest.approx(3.0 - k0[4]["allreduce_ms"] + k0[1]["allreduce_ms"])
+
+
+def test_a_concurrency_the_k0_trace_passed_through_takes_its_k0_step_from_those_steps() -> None:
+    per_batch = pl.concat([_per_k([8.0, 12.0], [1.0, 1.5]).with_columns(batch=pl.lit(b, pl.Int32)) for b in (1, 4)])
+    per_batch = per_batch.with_columns(uniform_bound=pl.col("unique_experts"), union_source=pl.lit("measured"))
+    deployment = deployment_for(SMALL, 2, 1)
+    held, _ = speedup_per_batch(per_batch, deployment, None, _calibration(), (8.0, 8.0), {4: MeasuredSteps(3.0)})
+    passed, basis = speedup_per_batch(per_batch, deployment, None, _calibration(), (8.0, 8.0),
+                                      {4: MeasuredSteps(3.0)}, passed={1: 2.25})
+    at_one = {row["k"]: row for row in passed.filter(pl.col("batch") == 1).to_dicts()}
+    before = {row["k"]: row for row in held.filter(pl.col("batch") == 1).to_dicts()}
+    # the k=0 step is the 2.25 ms the trace measured at one request; the k=1 step grows from it by the same
+    # calibrated MoE and all-reduce as the estimate grows from its own k=0 step
+    assert at_one[0]["step_ms"] == pytest.approx(2.25) and at_one[0]["step_source"] == "estimated"
+    assert at_one[1]["step_ms"] - 2.25 == pytest.approx(before[1]["step_ms"] - before[0]["step_ms"])
+    assert any("2.250 ms at 1" in note for note in basis["notes"])
+    # at the recorded concurrency nothing changes
+    assert passed.filter(pl.col("batch") == 4)["step_ms"].to_list() == held.filter(pl.col("batch") == 4)[
+        "step_ms"].to_list()
+
+
+def test_passed_concurrencies_need_enough_k0_steps_and_are_not_those_the_sweep_ran_at() -> None:
+    # decode step pairs per (k, batch): 1 and 16 ran at; 8 passed through 20 times, 5 only 19, 12 at k=2 only
+    steps = pl.DataFrame({"k": [0, 0, 0, 0, 2], "batch": [1, 5, 8, 16, 12], "decode_steps": [400, 19, 20, 120, 50],
+                          "period_ms": [2.0, 4.0, 4.5, 6.0, 7.0]})
+    assert passed_baselines(steps, {1: 2.0, 16: 6.0}) == {8: 4.5}
 
 
 def test_design_profile_uniform_k3_is_in_the_hand_band() -> None:

@@ -220,8 +220,8 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
         engine_args.setdefault("gpu_memory_utilization", 0.3)
         if model.byte_tokens and model.dtype is None:  # the default model in float32: on a CPU with AMX tiles vLLM
             engine_args.setdefault("attention_backend", "CPU_MLA")  # prefers AMX MLA, which takes no float32
-            if request.method in ("mtp", "eagle3"):  # a drafter's MLA layer picks its backend from the speculative
-                # config (the embedded EAGLE-3 head is MLA: its KV cache shares the target's group)
+            if request.method in ("mtp", "eagle3", "draft_model"):  # a drafter's MLA layer picks its backend from
+                # the speculative config (the embedded EAGLE-3 head and draft model are MLA, in float32)
                 spec_args.setdefault("attention_backend", "CPU_MLA")
     engine_args.pop("max_model_len", None)
     return {

@@ -3,7 +3,7 @@ periods, vLLM's timed calls, the ``--k0-sync`` trace), gathered per concurrency 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import polars as pl
@@ -22,6 +22,10 @@ MIN_BASELINE_STEPS = 5  # decode step pairs a measured k=0 step time rests on
 # predict from: those concurrencies are estimated from the ones the sweep ran at, as any other.
 RAN_AT_SHARE = 0.1
 MIN_PHASE_CALLS = 3  # timed calls a phase's median rests on
+# A concurrency the sweep passed through but did not run at: its k=0 decode step is measured where at least this many
+# step pairs of the k=0 trace ran it (a closed loop at 16 with 3 rounds drains through each of 15 … 1 for about 20
+# to 30 k=0 steps; a server's trace spreads over many); the mean of fewer steps than this is left to the estimate.
+MIN_PASSED_STEPS = 20
 
 
 def recorded_steps(run: Run) -> pl.DataFrame:
@@ -74,6 +78,14 @@ def measured_baselines(run: Run, steps: pl.DataFrame) -> dict[int, float]:
         raise UserError(f"{baseline.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at any concurrency to "
                         f"measure the k=0 step at")
     return found
+
+
+def passed_baselines(steps: pl.DataFrame, ran_at: Collection[int]) -> dict[int, float]:
+    """The k=0 trace's decode step (start to start, ms) at the concurrencies it passed through but did not run at
+    (``ran_at``: ``measured_baselines``' keys), where ``MIN_PASSED_STEPS`` step pairs or more measured it: what the
+    step costs there on the machine that recorded it, not a calibrated estimate (``steps``: ``recorded_steps``)."""
+    k0 = steps.filter((pl.col("k") == 0) & (pl.col("decode_steps") >= MIN_PASSED_STEPS))
+    return {int(row["batch"]): float(row["period_ms"]) for row in k0.to_dicts() if int(row["batch"]) not in ran_at}
 
 
 def engine_slots(run: Run) -> int | None:

@@ -51,7 +51,8 @@ from moetrace.report.placements import held_out_comparison
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace
 from moetrace.report.inputs import PredictionPreset, Run, expert_placement, model_shape, parallel_size
-from moetrace.report.measured import engine_slots, measured_steps, recorded_phases, recorded_steps, sync_trace
+from moetrace.report.measured import (engine_slots, measured_steps, passed_baselines, recorded_phases, recorded_steps,
+                                      sync_trace)
 
 RANDOM_WEIGHTS_NOTE = "routing of a random-weight model: says nothing about a trained model's routing"
 
@@ -196,11 +197,13 @@ def prediction_deployment(trace_shape: ModelShape, tp: int, ep: int,
 
 
 def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, ep: int, options: Options,
-                   measured: dict[int, MeasuredSteps] | None, unpriced: dict[int, str],
+                   measured: dict[int, MeasuredSteps] | None, passed: dict[int, float], unpriced: dict[int, str],
                    disagreements: dict[int, str]) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
     """Per (batch, k) predicted steps, the per-k prediction at one request, and the recommended k at every
     concurrency of --batch, from ``step_inputs`` (at the prediction's placement); ``measured``: what --profile
-    measured took from the sweep's steps, per recorded concurrency; ``unpriced``: concurrencies left out, and why."""
+    measured took from the sweep's steps, per recorded concurrency; ``passed``: the k=0 step at concurrencies the
+    sweep passed through but did not run at (``report.measured.passed_baselines``); ``unpriced``: concurrencies
+    left out, and why."""
     if options.acceptance is None and max(t.k for t in run.traces) == 0:
         raise UserError(f"{run.primary.path}: no verified drafts to measure acceptance from; give --acceptance RATE")
     pred_shape, pred_tp, pred_ep, preset_notes = prediction_deployment(shape, tp, ep, options)
@@ -214,7 +217,8 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
     drafter, drafter_notes = (None, []) if measured is not None else calibrated_drafter(run, options.calibration)
     try:
         speedups, basis = speedup_per_batch(inputs, deployment_for(pred_shape, pred_tp, pred_ep),
-                                            options.profile, options.calibration, anchor, measured, drafter)
+                                            options.profile, options.calibration, anchor, measured, drafter,
+                                            passed)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
     table = speedups.filter(pl.col("batch") == 1).drop("batch")  # the per-k table is for one request
@@ -344,6 +348,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     steps = recorded_steps(run) if options.measured_baseline else None
     sync = sync_trace(run, options.k0_sync) if steps is not None and options.k0_sync else None
     measured = measured_steps(run, steps, options.max_k, sync) if steps is not None and options.predicts else None
+    passed = {} if steps is None or measured is None else passed_baselines(steps, measured)
     unpriced = unpriced_batches(run, options.batches) if measured is not None else {}
     batches = sorted({1, *options.batches, *(measured or {})} - set(unpriced))
     inputs = step_inputs(run, sample, shape, placement, options, batches)
@@ -358,7 +363,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
             run, sample, shape, expert_placement(trace, pred_ep, options.placement_file), options, batches)
         try:
             speedups, prediction, decision, basis = run_prediction(run, pred_inputs, shape, tp, ep, options, measured,
-                                                                   unpriced, disagreements)
+                                                                   passed, unpriced, disagreements)
         except UserError as exc:
             if options.preset is None:  # the user asked for this prediction
                 raise
