@@ -342,9 +342,11 @@ def measure(args: argparse.Namespace) -> None:
     done = {(e["method"], e["k"]) for e in doc["engines"] if "tok_s" in e}  # a failed engine is tried again
     # k = 0 runs no drafter: one engine serves as every drafter's baseline; "sync" is k = 0 without vLLM's async
     # scheduling, which vLLM switches off for n-gram drafting (the price of that switch, measured apart)
-    plan = [(method, k) for position, method in enumerate(args.methods.split(","))
-            for k in (ks if position == 0 else [k for k in ks if k > 0])]
-    plan += [("sync", 0)] if args.sync_baseline else []
+    # sync right after k = 0: without it no n-gram k > 0 is predicted, so a time budget that ends the call early
+    # cuts a k > 0 engine (the next call resumes with it), not the baseline's other half
+    methods = args.methods.split(",")
+    plan = ([(methods[0], 0)] if 0 in ks else []) + ([("sync", 0)] if args.sync_baseline else []) + [
+        (method, k) for method in methods for k in ks if k > 0]
     longest = 0.0
     for method, k in plan:
         sweep = out / f"{args.model}-{method}-k{'-'.join(map(str, ks))}"
@@ -604,6 +606,17 @@ def compare(args: argparse.Namespace) -> None:
                             "async_off_growth_ms": row.get("scheduling_ms") if row else None,  # --k0-sync's term
                             "command": doc["command"],
                         })
+                if drafted_sync and k0_sync is None:
+                    models[model].setdefault("missing", []).append(
+                        f"{method}: drafted with async scheduling off, but no k=0 trace ran that way (--sync-baseline):"
+                        f" its predictions leave out what that switch costs a step")
+                for concurrency in timed:  # the k=0 step: time per token the report predicts, the k=0 engine ran
+                    row0 = predicted.get((concurrency, 0))
+                    ran = concurrency / statistics.median(baseline["tok_s"][str(concurrency)]) * 1e3
+                    estimate = (row0["step_ms"] + (row0["prefill_ms_per_token"] or 0.0)) if row0 else None
+                    models[model].setdefault("k0_ms_per_token", {})[str(concurrency)] = {
+                        "predicted": estimate, "measured": ran, "step_source": row0["step_source"] if row0 else None,
+                        "error": (estimate - ran) / ran if estimate is not None else None}
                 for concurrency in timed:  # the measured best k beside the one the report recommends
                     base = baseline["tok_s"][str(concurrency)]
                     speedups = {0: ratio_ci95(base, base), **{e["k"]: ratio_ci95(e["tok_s"][str(concurrency)], base)
@@ -632,6 +645,12 @@ def compare(args: argparse.Namespace) -> None:
                   + ", ".join(f"B={c} {v:.3f}" for c, v in facts["async_off_k0"].items()))
         for failed in facts["failed_engines"]:
             print(f"{model}: engine failed: {failed}")
+        for missing in facts.get("missing", []):
+            print(f"{model}: {missing}")
+        print(f"{model}: k=0 ms per token, predicted / ran (error): " + ", ".join(
+            f"B={c} " + (f"{v['predicted']:.3f} / {v['measured']:.3f} ({100 * v['error']:+.1f}%)"
+                         if v["predicted"] is not None else f"- / {v['measured']:.3f}")
+            for c, v in facts.get("k0_ms_per_token", {}).items()))
     for d in decisions:
         where = f"{d['model']} {d['drafter']} B={d['concurrency']}{' (held out)' if d['held_out_concurrency'] else ''}"
         best = (f"measured best k={d['measured_best_k']} ({d['measured_best_speedup']:.2f}, "

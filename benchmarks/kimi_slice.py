@@ -32,8 +32,13 @@ def kimi_k2_eagle3_head(tp: int = 1) -> dict[str, Any]:
     target = kimi_k2_slice(tp)
     attention = {key: value for key, value in target.items()
                  if key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                            "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps")}
+                            "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps",
+                            "rope_theta")}
     return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "torch_dtype": "bfloat16",
             "hidden_size": 7168, "num_hidden_layers": 1, "vocab_size": target["vocab_size"],
             "draft_vocab_size": target["vocab_size"], "target_hidden_size": 7168,
-            "eagle_aux_hidden_state_layer_ids": [1, 8, 14], "hidden_act": "silu", **attention}
+            "eagle_aux_hidden_state_layer_ids": [1, 8, 14], "hidden_act": "silu", **attention,
+            # Kimi-K2's own rope (YaRN): vLLM 0.26 gives a DeepSeek head without one a scaled rope and no factor
+            "max_position_embeddings": 131072,
+            "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
