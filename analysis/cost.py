@@ -239,8 +239,9 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
                         if measured.forward_growth_ms or measured.forward_beyond_ms else
                         "the rest of the forward held flat (the traces did not time vLLM's forward)")
                      + ("; the drafter's own time per step as the sweep's traces measured it (the longer of its host "
-                        "time and its device time), scaled with k from the nearest recorded k for a model drafter, "
-                        "held for n-gram" if measured.drafting_ms is not None else
+                        "time and its device time; under async scheduling, a model drafter's device time), scaled "
+                        "with k from the nearest recorded k for a model drafter, held for n-gram"
+                        if measured.drafting_ms is not None else
                         "; the drafter's own time is not in it (the traces did not measure it)")
                      + (f"; k>0 steps run with async scheduling off as vLLM runs this drafter: "
                         f"{measured.scheduling_ms:+.3f} ms per step, measured at k=0 (--k0-sync)"

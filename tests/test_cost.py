@@ -26,7 +26,8 @@ from moetrace.analysis.profile import PROFILE_PRESETS, Profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.cli import main
 from moetrace.report.inputs import open_run
-from moetrace.report.measured import measured_baselines, passed_baselines
+from moetrace.trace.reader import open_trace
+from moetrace.report.measured import measured_baselines, passed_baselines, recorded_phases
 from trace_builder import Model, decode_tokens, small_k2_trace, verify_tokens, write_trace
 
 SMALL = ModelShape(num_experts=64, top_k=8, num_layers=2, moe_layers=2, hidden_size=1000, expert_width=32,
@@ -476,6 +477,25 @@ def test_a_round_draining_through_a_few_steps_of_a_concurrency_is_not_a_concurre
     steps = pl.DataFrame({"k": [0, 0, 0, 0], "batch": [1, 5, 14, 16], "decode_steps": [400, 39, 40, 120],
                           "period_ms": [2.0, 4.0, 5.5, 6.0]})
     assert measured_baselines(open_run(tmp_path / "sweep", 0), steps) == {1: 2.0, 14: 5.5, 16: 6.0}
+
+
+def test_a_model_drafter_under_async_scheduling_costs_its_device_time(tmp_path: Path) -> None:
+    model = Model()
+    timing = {"drafting": {"4": {"calls": 10, "host_ms_median": 1.4, "device_ms_median": 0.35}},
+              "sampling": {"4": {"calls": 10, "host_ms_median": 0.3, "device_ms_median": 0.05}}}
+    costs = {}
+    for scheduling in (True, False):
+        trace = write_trace(tmp_path / f"async-{scheduling}", verify_tokens(
+            np.random.default_rng(1), model, requests=2, steps=6, k=2, accept_prob=0.5), model, k=2)
+        with_phases(trace, timing)
+        manifest = json.loads((trace / "manifest.json").read_text())
+        manifest["capture"] = {**manifest.get("capture", {}), "async_scheduling": scheduling}
+        (trace / "manifest.json").write_text(json.dumps(manifest))
+        costs[scheduling] = recorded_phases([open_trace(trace)]).to_dicts()[0]
+    # under async scheduling the drafter's host work overlaps the device: its 0.35 ms device median, not 1.4;
+    # with async scheduling off, and for every other call, the longer of the two
+    assert costs[True]["drafting_ms"] == 0.35 and costs[False]["drafting_ms"] == 1.4
+    assert costs[True]["sampling_ms"] == costs[False]["sampling_ms"] == 0.3
 
 
 def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -46,13 +47,22 @@ def decode_periods(trace: Trace) -> pl.DataFrame:
     return decode_step_periods(trace.steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
 
 
+def phase_ms(trace: Trace, phase: str, timing: dict[str, Any]) -> float:
+    """What one timed vLLM call costs a step: the longer of its host and device medians (the step waits for the
+    longer), except a model drafter's call under async scheduling, whose host work (inputs, attention metadata,
+    launches) runs while the device still computes the target's forward: there the device time."""
+    host, device = float(timing["host_ms_median"]), timing.get("device_ms_median")
+    if phase == "drafting" and device is not None and trace.manifest.capture.async_scheduling is True:
+        return float(device)
+    return max(host, float(device or 0.0))
+
+
 def recorded_phases(traces: Sequence[Trace]) -> pl.DataFrame:
     """Per (k, batch): ms per step in vLLM's forward, sampling and drafting calls (``PHASE_COLUMNS``), from each
-    trace's manifest ``phases``: the longer of the host and device medians (the step waits for the longer); null
-    where a trace did not time them (a trace without drafts has no drafting) or timed fewer than
-    ``MIN_PHASE_CALLS`` calls (a median of one or two calls can be a one-off: a new batch shape compiling)."""
-    rows = [{"k": trace.k, "batch": int(batch), "phase": f"{phase}_ms",
-             "ms": max(float(timing["host_ms_median"]), float(timing.get("device_ms_median") or 0.0))}
+    trace's manifest ``phases`` (``phase_ms``); null where a trace did not time them (a trace without drafts has no
+    drafting) or timed fewer than ``MIN_PHASE_CALLS`` calls (a median of one or two calls can be a one-off: a new
+    batch shape compiling)."""
+    rows = [{"k": trace.k, "batch": int(batch), "phase": f"{phase}_ms", "ms": phase_ms(trace, phase, timing)}
             for trace in traces
             for phase, per_batch in trace.manifest.phases.items()
             for batch, timing in per_batch.items() if int(timing.get("calls", 0)) >= MIN_PHASE_CALLS]
