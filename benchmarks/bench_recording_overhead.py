@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kimi_slice import kimi_k2_slice
+from lab.kimi_slice import kimi_k2_slice
 
 
 def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) -> tuple[float, float, dict[str, float]]:

@@ -19,8 +19,9 @@ same factor. No host sync, fixed shapes, nothing allocated on the host.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -114,3 +115,16 @@ def restrict(groups: TokenGroups, layer: LayerBudget, router_logits: torch.Tenso
     chosen_weights = chosen_scores * own_sum / scaled_by.sum(dim=1, keepdim=True)
     return (torch.where(keeps_its_experts, weights, chosen_weights.to(weights.dtype)),
             torch.where(keeps_its_experts, ids, chosen.to(ids.dtype)))
+
+
+def budgeted_layers(routers: Sequence[Any], scoring_funcs: Sequence[str], sizes: list[int], num_experts: int,
+                    max_num_tokens: int, max_num_reqs: int, scope: str, device: torch.device
+                    ) -> list[tuple[TokenGroups, LayerBudget]]:
+    """Each recorded layer's budget (``sizes``, its router and scoring function) and the token groups they share;
+    ``ValueError`` where a router cannot take one (another scoring function, or shared experts fused into it)."""
+    if any(func not in SCORING_FUNCS or getattr(router, "num_fused_shared_experts", 0)
+           for func, router in zip(scoring_funcs, routers)):
+        raise ValueError(f"a budget needs {' or '.join(SCORING_FUNCS)} routers without fused shared experts")
+    groups = TokenGroups(max_num_tokens, max_num_reqs, scope, sizes, num_experts, device)
+    return [(groups, LayerBudget(slot, func, bool(getattr(router, "renormalize", True))))
+            for slot, (func, router) in enumerate(zip(scoring_funcs, routers))]

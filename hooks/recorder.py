@@ -43,7 +43,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from moetrace.hooks.budget import SCORING_FUNCS, LayerBudget, TokenGroups, layer_budgets
+from moetrace.hooks.budget import LayerBudget, TokenGroups, budgeted_layers, layer_budgets
 from moetrace.hooks.capture import (
     RouterInfo,
     RoutingCapture,
@@ -55,7 +55,7 @@ from moetrace.hooks.capture import (
 )
 from moetrace.hooks.manifest import worker_manifest
 from moetrace.hooks.options import RecordingOptions
-from moetrace.hooks.replay import ReplayedRouting, load_bank
+from moetrace.hooks.replay import ReplayedRouting, replayed_routing
 from moetrace.hooks.vllm_api import ForwardPlan, HookPoint, RunnerV1, WorkerApi, require_fields
 from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CUDA, PhaseTiming
@@ -135,31 +135,30 @@ class Recorder:
 
     def _budgets(self, options: RecordingOptions, infos: list[RouterInfo], device: torch.device, data_parallel: int
                  ) -> list[tuple[TokenGroups, LayerBudget]]:
-        """Each layer's budget and the token groups they share (``hooks.budget``), or ``UnsupportedRunner`` saying
-        why this engine cannot enforce ``options.budget``."""
+        """``hooks.budget.budgeted_layers`` for this engine, or ``UnsupportedRunner`` saying why it cannot enforce
+        ``options.budget``."""
         self._engine_check("a budget", data_parallel)
-        routers = [moe.router for moe in self.runners]
-        if any(info.scoring_func not in SCORING_FUNCS or getattr(router, "num_fused_shared_experts", 0)
-               for info, router in zip(infos, routers)):
-            raise UnsupportedRunner(f"a budget needs {' or '.join(SCORING_FUNCS)} routers without fused shared experts")
         sizes = self._budget_sizes(options)
         assert sizes is not None
-        groups = TokenGroups(int(self.runner.max_num_tokens), int(self.runner.max_num_reqs), options.budget_scope,
-                             sizes, infos[0].num_experts, device)
-        return [(groups, LayerBudget(slot, info.scoring_func, bool(getattr(router, "renormalize", True))))
-                for slot, (info, router) in enumerate(zip(infos, routers))]
+        try:
+            return budgeted_layers([moe.router for moe in self.runners], [info.scoring_func for info in infos],
+                                   sizes, infos[0].num_experts, int(self.runner.max_num_tokens),
+                                   int(self.runner.max_num_reqs), options.budget_scope, device)
+        except ValueError as exc:
+            raise UnsupportedRunner(str(exc)) from None
 
     def _replay(self, options: RecordingOptions, infos: list[RouterInfo], device: torch.device, data_parallel: int
                 ) -> ReplayedRouting:
-        """The routing of the trace ``options.replay_routing`` names, ready to replay (``hooks.replay``), or
-        ``UnsupportedRunner`` saying why this engine cannot replay it."""
+        """``hooks.replay.replayed_routing`` of the trace ``options.replay_routing`` names, or ``UnsupportedRunner``
+        saying why this engine cannot replay it."""
         self._engine_check("replayed routing", data_parallel)
         assert options.replay_routing is not None
         try:
-            bank = load_bank(Path(options.replay_routing), infos[0].num_experts, self.top_k, device)
+            return replayed_routing(Path(options.replay_routing), infos[0].num_experts, self.top_k,
+                                    int(self.runner.max_num_tokens), cast(RunnerV1, self.model_runner).positions(),
+                                    device)
         except ValueError as exc:
-            raise UnsupportedRunner(f"cannot replay routing from {exc}") from None
-        return ReplayedRouting(bank, int(self.runner.max_num_tokens), cast(RunnerV1, self.model_runner).positions())
+            raise UnsupportedRunner(str(exc)) from None
 
     def _open_trace(self, options: RecordingOptions) -> None:
         """Start the trace ``options`` names (its directory, run id, workload, budget) and its step state."""

@@ -133,3 +133,14 @@ class ReplayedRouting:
         layer = slot % self.bank.layers
         replayed = torch.full_like(like, FLOOR)
         return replayed.scatter_(1, self.bank.ids[rows, layer], self.bank.scores[rows, layer].to(like.dtype))
+
+
+def replayed_routing(path: Path, num_experts: int, top_k: int, max_num_tokens: int, positions: torch.Tensor,
+                     device: torch.device) -> ReplayedRouting:
+    """The routing of the trace at ``path``, ready to replay on an engine of ``max_num_tokens`` tokens a step whose
+    runner keeps token positions in ``positions``; ``ValueError`` naming why it cannot."""
+    try:
+        bank = load_bank(path, num_experts, top_k, device)
+    except ValueError as exc:
+        raise ValueError(f"cannot replay routing from {exc}") from None
+    return ReplayedRouting(bank, max_num_tokens, positions)

@@ -1,4 +1,5 @@
-"""Test-wide setup: the tests' own helpers importable (``trace_builder``), and no writer process left behind."""
+"""Test-wide setup: the tests' own helpers importable (``fixtures/trace_builder``, ``fixtures/vllm_fixtures``,
+``oracles/decision_oracle``), and no writer process left behind."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+HERE = Path(__file__).parent
+# the helpers (trace builders, the engine fixtures, the decision oracle) importable from every folder of tests
+sys.path[:0] = [str(HERE), str(HERE / "fixtures"), str(HERE / "oracles")]
 
 pytest_plugins = ["pytester"]
 

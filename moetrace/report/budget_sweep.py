@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moetrace.analysis.acceptance import acceptance_summary, step_times
-from moetrace.analysis.budget_sweep import UNBUDGETED, best_budget, binds, greedy_agreement, largest_groups
+from moetrace.analysis.budgets import UNBUDGETED, best_budget, binds, greedy_agreement, largest_groups
 from moetrace.errors import UserError
 from moetrace.report.summary import RunAnalysis
 from moetrace.trace.reader import Trace, holds_run

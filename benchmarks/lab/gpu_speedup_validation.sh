@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU side of benchmarks/bench_speedup_validation.py in as few machine calls as possible: on a GPU machine
+# The GPU side of benchmarks/lab/bench_speedup_validation.py in as few machine calls as possible: on a GPU machine
 # with vLLM installed, run it again and again (same machine, same $SV) until it prints "speedup validation: all
 # measured". Each call measures what is missing while the time budget lasts, then packs $SV into $OUT/sv.tar.xz.
+# Evidence it produced: benchmarks/results/speedup-validation.json (commit 94e2e08, one H200, 2026-12-03).
 #   phase 1: the default model (n-gram k=0..4, MTP k=1..4) and the Kimi-K2 TP=8 slice (n-gram k=0..4), one GPU
 #            each, side by side when there are two GPUs; both with a k=0 run without async scheduling
 #   calibrations of the same shapes (expert curves) on the Kimi slice's GPU once it is done, while time is left;
@@ -25,7 +26,7 @@ began=$(date +%s)
 measure() {  # MODEL [args...]: resumable; done once its log ends with "measurements:"
   local model=$1; shift
   grep -q '^measurements:' "$SV/$model.log" 2>/dev/null && return 0
-  timeout -k 20 $((BUDGET + 90)) python3 "$R/benchmarks/bench_speedup_validation.py" measure --model "$model" \
+  timeout -k 20 $((BUDGET + 90)) python3 "$R/benchmarks/lab/bench_speedup_validation.py" measure --model "$model" \
     --out "$SV" --budget-s "$(left)" "$@" >> "$SV/$model.log" 2>&1
 }
 measured() { grep -q '^measurements:' "$SV/$1.log" 2>/dev/null; }
@@ -37,7 +38,7 @@ calibrate() {  # NAME [args...]: when at least 3 minutes are left
   timeout 240 python3 -m moetrace calibrate --formats bf16 --ep 1 --vllm-kernel -o "$SV/calibration-$name.json" --force "$@" \
     >> "$SV/calibrate-$name.log" 2>&1
 }
-slice_dir() { python3 "$R/benchmarks/bench_speedup_validation.py" model-dir --model "$1" --out "$SV"; }
+slice_dir() { python3 "$R/benchmarks/lab/bench_speedup_validation.py" model-dir --model "$1" --out "$SV"; }
 calibrate_default() { calibrate default --model default --tp 1 --no-allreduce; }
 calibrate_kimi() { calibrate kimi-k2-tp8 --model "$(slice_dir kimi-k2-tp8)" --tp 1 --no-allreduce; }
 

@@ -1,7 +1,7 @@
 """Benchmark: graph-safe routing capture (hooks/capture.py) inside CUDA graphs around Kimi-K2-shaped MoE layers.
 
-    python benchmarks/bench_capture_gpu.py [--layers 60] [--out DIR]      # on a CUDA GPU
-    python benchmarks/bench_capture_gpu.py --device cpu --smoke            # tiny sizes, eager paths only
+    python benchmarks/lab/bench_capture_gpu.py [--layers 60] [--out DIR]      # on a CUDA GPU
+    python benchmarks/lab/bench_capture_gpu.py --device cpu --smoke            # tiny sizes, eager paths only
 
 # T real tokens, P padded tokens (a CUDA-graph size), L layers, K top-k, E experts, H hidden, I expert width
 
@@ -23,6 +23,9 @@ Correctness: after each checked replay, the router logits the graph computed (re
 design's) are routed again eagerly by an independent implementation; the captured rows [:T] must equal it (ids as
 sets, weights to 1e-6), padding rows excluded; a row may differ only where the K-th and (K+1)-th selection scores
 tie.
+
+Evidence it produced: benchmarks/results/capture_h200.md, capture_h200_full.json, capture_h200_router_only.json
+(commit b38e599, one H200, 2026-11-29).
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 measured and predicted, with routing replayed token by token from a recording of the trained default model.
 
     # here (CPU): the default model's routing of the benchmark's prompts, top-16 candidates kept: the bank
-    python benchmarks/bench_budget_gpu.py bank --out runs
+    python benchmarks/lab/bench_budget_gpu.py bank --out runs
     # on the GPU: one engine per k, every budget in it (``moetrace_next_trace``), CUDA graphs, timed rounds
-    python benchmarks/bench_budget_gpu.py measure --bank runs/bank --out runs
+    python benchmarks/lab/bench_budget_gpu.py measure --bank runs/bank --out runs
     # anywhere moetrace runs: predicted (moetrace report) beside measured, and each budget sweep's table
-    python benchmarks/bench_budget_gpu.py compare runs --calibration \\
+    python benchmarks/lab/bench_budget_gpu.py compare runs --calibration \\
         benchmarks/results/speedup-calibrations/kimi-k2-tp8.json --json benchmarks/results/budget-sweep-h200.json
 
 Measured: output tokens per second of the same requests at concurrency 1 (4 requests one after another) and 16
@@ -20,6 +20,9 @@ Baseline: k = 0 in an engine of its own (asynchronous scheduling off, as vLLM ru
 speedup = median tok/s over median tok/s at k = 0, its 95% interval bootstrapped over rounds. Predicted: ``moetrace
 report --profile measured --calibration`` on the k-sweep of each (budget, concurrency), from the budgeted traces'
 own unique experts per step.
+
+Evidence it produced: benchmarks/results/budget-sweep-h200.json, budget-sweep-h200-k4-reversed.json
+(commit 3ca442f, one H200, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ def measure(args: argparse.Namespace) -> None:
         "model": args.model, "vllm_version": vllm_version(), "device": (gpu_inventory()["gpus"] or ["cpu"])[0],
         "cuda_graphs": not args.eager, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "requests": {str(c): n for c, n in REQUESTS.items()}, "budgets": budgets, "bank": str(args.bank),
-        "command": "python benchmarks/bench_budget_gpu.py " + " ".join(sys.argv[1:]), "engines": [],
+        "command": "python benchmarks/lab/bench_budget_gpu.py " + " ".join(sys.argv[1:]), "engines": [],
     }
     longest = 0.0
     for k in ks:

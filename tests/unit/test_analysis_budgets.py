@@ -126,7 +126,7 @@ def test_window_share_targets_max_windows_per_layer() -> None:
 
 def test_a_budget_binds_only_where_a_group_of_the_unbudgeted_run_used_more_experts_than_it_allows() -> None:
     """Two verification steps of two requests, one MoE layer (3) and another (5); prefill rows never count."""
-    from moetrace.analysis.budget_sweep import binds, largest_groups
+    from moetrace.analysis.budgets import binds, largest_groups
 
     routing = pl.LazyFrame({
         "step": [0, 0, 1, 1, 1, 1, 0],

@@ -1,14 +1,14 @@
 """Predicted against measured speedup per k: what vLLM delivers on a GPU beside what ``moetrace report`` predicts.
 
     # on the GPU: serve each k (and drafter) with CUDA graphs, time it, record a trace of the same workload
-    python benchmarks/bench_speedup_validation.py measure --model default --methods ngram,mtp --out runs
-    python benchmarks/bench_speedup_validation.py measure --model kimi-k2-tp8 --methods ngram --out runs
+    python benchmarks/lab/bench_speedup_validation.py measure --model default --methods ngram,mtp --out runs
+    python benchmarks/lab/bench_speedup_validation.py measure --model kimi-k2-tp8 --methods ngram --out runs
     moetrace calibrate --model default --tp 1 --ep 1 --formats bf16 --no-allreduce --vllm-kernel \\
         -o runs/calibration-default.json
     moetrace calibrate --model runs/kimi-k2-tp8-model --tp 1 --ep 1 --formats bf16 --no-allreduce --vllm-kernel \\
         -o runs/calibration-kimi-k2-tp8.json   # (model-dir --model kimi-k2-tp8 --out runs writes that folder alone)
     # anywhere: predict from the traces and calibrations, set beside the measurements
-    python benchmarks/bench_speedup_validation.py compare runs --json benchmarks/results/speedup-validation.json
+    python benchmarks/lab/bench_speedup_validation.py compare runs --json benchmarks/results/speedup-validation.json
 
 Load: closed loop, the shape of a server. At concurrency C exactly C requests are in flight: C are added to vLLM's
 engine (``LLMEngine.add_request``, stepped with ``step``), and each one that ends is replaced by the next until a
@@ -29,6 +29,9 @@ engine per (drafter, k). Dummy-weight models get spread routing (``spread_routin
 Baseline: k = 0 (no speculation) on the same GPU, same workload, same run (``--sync-baseline``: also k = 0 with
 async scheduling off). Measured speedup = median tok/s at k over median tok/s at k = 0; its 95% interval bootstraps
 the rounds of both engines.
+
+Evidence it produced: benchmarks/results/speedup-validation*.json, speedup-*-measurements.json (latest: commit
+f05fda7, one H200, 2026-12-04: the 64-slot hold-out and EAGLE-3 on the slice).
 """
 
 from __future__ import annotations
@@ -332,7 +335,7 @@ def measure(args: argparse.Namespace) -> None:
     doc: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {
         "model": args.model, "tp": args.tp, "vllm_version": vllm_version(),
         "device": (gpu_inventory()["gpus"] or ["cpu"])[0], "cuda_graphs": not args.eager, **workload,
-        "command": "python benchmarks/bench_speedup_validation.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/lab/bench_speedup_validation.py " + " ".join(sys.argv[1:]),
         "engines": [],
     }
     differs = [name for name, value in workload.items() if doc.get(name) != value]

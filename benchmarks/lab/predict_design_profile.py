@@ -2,12 +2,14 @@
 decode step, all-reduce 51.5%, MoE 11.1%, attention 15.3%, other GEMMs 13.4%) from a calibration, beside the hand
 estimate of 1.9–2.3x at k=3: uniform routing, a per-draft acceptance rate, that step profile.
 
-    python benchmarks/predict_design_profile.py [--calibration moetrace/data/calibration-h200.json]
+    python benchmarks/lab/predict_design_profile.py [--calibration moetrace/data/calibration-h200.json]
         [--acceptance 0.7] [--max-k 6] [-o benchmarks/results/h200x2.md]
 
 Prints (and writes with -o) markdown: the calibration's fitted curves and all-reduce points, then step time,
 tokens per step and speedup per k for TP=8 and EP=8 (linear placement), each in three modes: the profile scaled by
 simple models (no calibration), the profile anchored with calibrated growth, and the calibration alone.
+
+Evidence it produced: benchmarks/results/h200x2.md (commit edaee37, from the 2x H200 calibration, 2026-12-03).
 """
 
 from __future__ import annotations

@@ -512,7 +512,7 @@ def test_a_failing_test_that_started_a_writer_process_leaves_none_behind(pyteste
     before closing it (its traceback keeps the writer's pipe open) still leaves no writer process running."""
     from conftest import writer_processes
 
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
     pytester.makepyfile(test_inner="""
 from pathlib import Path
 from moetrace.recording.writer import TraceWriter

@@ -1,15 +1,16 @@
-"""Graph capture records the truth: eager against compiled (CUDA graphs) on a GPU vLLM, and both against a
+r"""Graph capture records the truth: eager against compiled (CUDA graphs) on a GPU vLLM, and both against a
 float32 reference routing computed from the same router logits; with ``--graphs-only``, eager against CUDA graphs
 without torch.compile (the same kernels: only the capture differs); with ``--v2``, Model Runner V1 against V2
 (both compiled); with ``--tp 2``, a tensor-parallel run against a one-GPU run the same way; with ``--dp 2``, a
 data-parallel ``vllm serve`` with expert parallelism the same way, and against the server's own counters and its
 client's tokens.
 
-    python benchmarks/gpu_vllm_capture.py --candidates 384 --json benchmarks/results/gpu-vllm-capture.json
-    python benchmarks/gpu_vllm_capture.py --graphs-only --candidates 384 --json benchmarks/results/gpu-vllm-graphs.json
-    python benchmarks/gpu_vllm_capture.py --v2 --method mtp --json benchmarks/results/gpu-vllm-runner-v2.json
-    python benchmarks/gpu_vllm_capture.py --tp 2 --json benchmarks/results/gpu-vllm-tp2.json   # 2 GPUs
-    python benchmarks/gpu_vllm_capture.py --dp 2 --num-prompts 10 --json benchmarks/results/gpu-vllm-dp2-ep.json
+    python tests/engine/gpu_vllm_capture.py --candidates 384 --json benchmarks/results/gpu-vllm-capture.json
+    python tests/engine/gpu_vllm_capture.py --graphs-only --candidates 384 \
+        --json benchmarks/results/gpu-vllm-graphs.json
+    python tests/engine/gpu_vllm_capture.py --v2 --method mtp --json benchmarks/results/gpu-vllm-runner-v2.json
+    python tests/engine/gpu_vllm_capture.py --tp 2 --json benchmarks/results/gpu-vllm-tp2.json   # 2 GPUs
+    python tests/engine/gpu_vllm_capture.py --dp 2 --num-prompts 10 --json benchmarks/results/gpu-vllm-dp2-ep.json
 
 Records the embedded default model twice (bf16 on the GPU, n-gram k=3, top-16 candidates), with
 ``moetrace record``: eager, and ``--compiled`` (vLLM's torch.compile with FULL_AND_PIECEWISE CUDA graphs); with
@@ -248,7 +249,7 @@ def main() -> None:
                                                                      else None) for name, d in runs.items()},
             "rows_equal_scheduled_tokens": {name: rows_equal_scheduled_tokens(d) for name, d in runs.items()},
             "windows_after_finish": {name: windows_after_finish(d).height for name, d in runs.items()},
-            "command": "python benchmarks/gpu_vllm_capture.py " + " ".join(
+            "command": "python tests/engine/gpu_vllm_capture.py " + " ".join(
                 f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
                 for k, v in vars(args).items() if v is not None and v is not False and k != "keep_traces"),
         }

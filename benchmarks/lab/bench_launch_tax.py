@@ -1,6 +1,6 @@
 """Launch tax: does the recorder's per-step pack make the engine's own CUDA launches slower? (GPU only)
 
-    python benchmarks/bench_launch_tax.py [--launches 200] [--sample-launches 20] [--rows 4] [--steps 3000]
+    python benchmarks/lab/bench_launch_tax.py [--launches 200] [--sample-launches 20] [--rows 4] [--steps 3000]
 
 Inside vLLM (H200, CUDA graphs) the host time of vLLM's own launches grew with recording on: a PIECEWISE forward's
 launch by 0.36-0.54 ms, the sampler's by 23-53 µs, but only in modes where the recorder's pack kernel ran. This
@@ -18,6 +18,8 @@ nothing copied), ``batched`` (pack into a
 device ring, one copy to pinned memory every 16 steps), ``one-kernel`` (one plain copy of a step-sized device tensor
 into device memory: a kernel whose arguments are a few pointers, where the pack's ``torch.cat`` passes its inputs'
 table, some kilobytes, as arguments).
+
+Evidence it produced: benchmarks/results/gpu-launch-tax.json (commit 2069aea, one H200, 2026-12-01).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 import moetrace
 from moetrace.cli import main
 
-FIXTURE = Path(__file__).parent / "fixtures" / "vllm-routed-experts"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "vllm-routed-experts"
 LAYERS, EXPERTS, TOP_K = 4, 384, 8  # the embedded default model: layer 0 dense, layers 1-3 MoE
 
 

@@ -67,7 +67,7 @@ def test_an_mla_draft_model_at_two_requests_per_step_is_refused_before_any_engin
 
 def drafter(tmp_path: Path, **config: object) -> str:
     """A drafter checkpoint folder holding only ``config`` (the default model's EAGLE-3 head's, overridden)."""
-    shipped = json.loads((Path(__file__).parents[1] / "moetrace" / "data" / "eagle3-head" / "config.json").read_text())
+    shipped = json.loads((Path(__file__).parents[2] / "moetrace" / "data" / "eagle3-head" / "config.json").read_text())
     folder = tmp_path / "drafter"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps({**shipped, **config}))

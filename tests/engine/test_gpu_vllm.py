@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def capture(tmp_path: Path, *args: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
     out = tmp_path / "capture.json"
-    script = Path(__file__).parent.parent / "benchmarks" / "gpu_vllm_capture.py"
+    script = Path(__file__).parent / "gpu_vllm_capture.py"
     done = subprocess.run([sys.executable, str(script), "--max-tokens", "48", "--json", str(out), *args],
                           capture_output=True, text=True, timeout=1200)
     assert out.exists(), done.stderr[-3000:]

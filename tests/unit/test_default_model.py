@@ -22,7 +22,7 @@ from moetrace.default_model import (
 from moetrace.errors import UserError
 from moetrace.recording.prompts import BUILTIN_PROMPTS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def training_script() -> ModuleType:
