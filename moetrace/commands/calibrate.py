@@ -14,9 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape, shape_from_config
-from moetrace.commands.common import refuse_existing
 from moetrace.recording.drafters import DEFAULT_EAGLE3_HEAD
-from moetrace.errors import UserError
+from moetrace.errors import UserError, refuse_existing
 
 
 def default_output(device: str, quick: bool) -> Path:

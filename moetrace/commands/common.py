@@ -8,16 +8,9 @@ from typing import Any
 
 from rich.console import Console
 
-from moetrace.errors import UserError
 
 err_console = Console(stderr=True)
 console = Console()
-
-
-def refuse_existing(target: Path, force: bool) -> None:
-    """A trace or a user's file is never overwritten without --force (derived reports are just rebuilt)."""
-    if target.exists() and not force:
-        raise UserError(f"{target}: already exists (use --force to overwrite)")
 
 
 def trace_load(trace_path: Path) -> tuple[Any, list[int]]:

@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from moetrace.commands.common import refuse_existing, trace_load
-from moetrace.errors import UserError
+from moetrace.commands.common import trace_load
+from moetrace.errors import UserError, refuse_existing
 
 
 @click.command()

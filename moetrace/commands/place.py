@@ -12,8 +12,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from moetrace.analysis.growth import decode_and_verify
-from moetrace.commands.common import console, err_console, refuse_existing, trace_load
-from moetrace.errors import UserError
+from moetrace.commands.common import console, err_console, trace_load
+from moetrace.errors import UserError, refuse_existing
 from moetrace.formats.export import sglang_physical_to_logical_map
 from moetrace.report.inputs import open_run
 from moetrace.report.placements import held_out_comparison, held_out_verdict

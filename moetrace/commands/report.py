@@ -15,8 +15,7 @@ from moetrace.analysis.calibration import check_calibration
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED
 from moetrace.analysis.profile import PROFILE_PRESETS, Profile, parse_profile
 from moetrace.analysis.shape import SHAPE_PRESETS
-from moetrace.commands.common import refuse_existing
-from moetrace.errors import UserError
+from moetrace.errors import UserError, refuse_existing
 from moetrace.report.budget_sweep import budget_runs, budget_sweep_summary, print_budget_sweep, recorded_concurrency
 from moetrace.report.dashboard import render_dashboard
 from moetrace.analysis.decision import DEFAULT_BATCHES, batches_from

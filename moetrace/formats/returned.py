@@ -31,14 +31,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from moetrace.errors import UserError
+from moetrace.errors import UserError, refuse_existing
 from moetrace.recording.record import ResolvedModel
 from moetrace.trace.schema import (
     ROUTED_EXPERTS_LACKS,
     STEPS_SCHEMA,
     TOKEN_PHASES,
 )
-from moetrace.commands.common import refuse_existing
 from moetrace.formats.imported_trace import config_moe_layers, imported_manifest, write_trace
 from moetrace.trace.files import StepCapture
 

@@ -48,14 +48,13 @@ import numpy as np
 import numpy.typing as npt
 
 from moetrace.analysis.shape import config_value
-from moetrace.errors import UserError
+from moetrace.errors import UserError, refuse_existing
 from moetrace.recording.record import ResolvedModel
 from moetrace.trace.schema import (
     SGLANG_RECORDER_LACKS,
     STEPS_SCHEMA,
     TOKEN_PHASES,
 )
-from moetrace.commands.common import refuse_existing
 from moetrace.formats.imported_trace import config_moe_layers, imported_manifest, write_trace
 from moetrace.trace.files import StepCapture
 

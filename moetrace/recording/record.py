@@ -25,8 +25,7 @@ from moetrace.analysis.shape import config_expert_count, config_value
 from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.recording.drafters import check_drafter_batch, drafter_checkpoint, resolve_drafter
 from moetrace.recording.engine import SPEC_METHODS
-from moetrace.commands.common import refuse_existing
-from moetrace.errors import UserError
+from moetrace.errors import UserError, refuse_existing
 from moetrace.recording.host import gpu_inventory
 from moetrace.recording.prompts import load_prompts
 from moetrace.trace.schema import MAX_K

@@ -370,7 +370,9 @@ LAUNCH_DETACHED = (
     "    pass\n"
     f"os.nice({WRITER_NICENESS})\n"
     "fds = tuple(int(fd) for fd in sys.argv[1:])\n"
-    "subprocess.Popen([sys.executable, '-m', 'moetrace.recording.writer', *sys.argv[1:]], pass_fds=fds,\n"
+    # -P: not the working directory first on sys.path, where a source checkout's moetrace/ would shadow the
+    # installed package the engine imported (seen: a checkout beside a non-editable install lacks moetrace.hooks)
+    "subprocess.Popen([sys.executable, '-P', '-m', 'moetrace.recording.writer', *sys.argv[1:]], pass_fds=fds,\n"
     "                 stdin=subprocess.DEVNULL, start_new_session=True)\n"
 )
 

@@ -108,6 +108,18 @@ def test_writer_rotates_files_orders_experts_by_weight_and_finalises_the_manifes
             == routing.filter(pl.col("draft_pos") == 0).height)
 
 
+def test_the_writer_process_imports_the_engines_moetrace_not_one_in_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    decoy = tmp_path / "cwd" / "moetrace"  # a source checkout's package where the engine runs, without recording/
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the working directory was imported')\n")
+    monkeypatch.chdir(decoy.parent)
+    writer = TraceWriter(tmp_path / "trace", manifest(), LAYERS, TOP_K)
+    submit_and_wait(writer, verify_step(0, np.random.default_rng(0)))
+    final = writer.close()
+    assert final["complete"] is True and final["counts"]["routing_rows"] == 6 * len(LAYERS)
+
+
 def test_killed_writer_leaves_closed_files_readable_and_the_open_one_reported(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K, rotate_rows=30, row_group_rows=10)

@@ -1,0 +1,67 @@
+"""The package's modules import one another without a cycle, deferred imports included (a cycle makes the import
+order matter and hides which layer depends on which: commands on recording and formats, never the other way)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# where each installed package's modules live (pyproject.toml's package-dir)
+PACKAGES = {"moetrace": ROOT / "moetrace", "moetrace.hooks": ROOT / "hooks", "moetrace.analysis": ROOT / "analysis"}
+
+
+def module_files() -> dict[str, Path]:
+    modules = {}
+    for package, folder in PACKAGES.items():
+        for file in folder.rglob("*.py"):
+            parts = [part for part in file.relative_to(folder).with_suffix("").parts if part != "__init__"]
+            modules[".".join([package, *parts])] = file
+    return modules
+
+
+def imports_of(file: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``file`` imports anywhere in it (``from a.b import c`` counts a.b, and a.b.c where c is
+    a module)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found & set(modules)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as the modules along it, or None (depth-first search, three colours)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)) is not None:
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)) is not None:
+            return cycle
+    return None
+
+
+def test_the_package_import_graph_has_no_cycle() -> None:
+    modules = module_files()
+    graph = {name: imports_of(file, modules) - {name} for name, file in modules.items()}
+    assert len(modules) > 50 and sum(map(len, graph.values())) > 100  # the graph was really read
+    assert find_cycle(graph) is None
+
+
+def test_the_cycle_finder_finds_a_cycle_and_none_where_there_is_none() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
