@@ -36,6 +36,8 @@ class RecordingOptions:
     budget_scope: str = "step"
     # route as the trace at this path routed (``hooks.replay``: a model with dummy weights, routed as a trained one)
     replay_routing: str | None = None
+    # serve live metrics (``moetrace.recording.metrics``) at this port (data-parallel rank r: port + r)
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.out, str) or not self.out:
@@ -49,6 +51,9 @@ class RecordingOptions:
             raise ValueError(f"'budget' must be a positive integer or a map of layer to one, got {self.budget!r}")
         if self.budget_scope not in BUDGET_SCOPES:
             raise ValueError(f"'budget_scope' must be one of {', '.join(BUDGET_SCOPES)}, got {self.budget_scope!r}")
+        if self.metrics_port is not None and (not isinstance(self.metrics_port, int) or isinstance(
+                self.metrics_port, bool) or not 1 <= self.metrics_port <= 65535):
+            raise ValueError(f"'metrics_port' must be a port number (1-65535), got {self.metrics_port!r}")
         for name in ("rotate_seconds", "seconds"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):

@@ -191,6 +191,7 @@ class Recorder:
             self.candidates,
             rotate_seconds=float(options.rotate_seconds),
             rows=self.ring,
+            metrics_port=None if options.metrics_port is None else options.metrics_port + self.dp_rank,
         )
         # vLLM's request id -> its index in the trace, for the requests still running (a finished one is dropped,
         # so a server that runs for days holds no more than it runs at once); the writer process keeps every id

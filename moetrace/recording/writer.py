@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moetrace.recording.metrics import serve_metrics
 from moetrace.recording.ring import SHARED_BYTES, EngineRecord, Pending, SharedRows
 from moetrace.trace.files import Assemblable, StepCapture, TraceFiles
 from moetrace.trace.manifest import amend_manifest, start_manifest
@@ -84,9 +85,11 @@ class TraceWriter:
         row_group_rows: int = 262_144,
         batch_seconds: float = 1.0,
         rows: SharedRows | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         """``rows``: the ring that steps leave their rows in, shared with the writer process (closed with the
-        writer)."""
+        writer); ``metrics_port``: where the writer process serves the recording's live metrics
+        (``moetrace.recording.metrics``), if anywhere."""
         self.root = root
         self._failed: str | None = None
         self.steps = 0  # steps written so far, as the writer process last reported
@@ -132,7 +135,7 @@ class TraceWriter:
         self._from_child = os.fdopen(from_child_r, "rb")
         config = {"root": root, "manifest": manifest, "moe_layers": moe_layers, "top_k": top_k,
                   "candidates": candidates, "rotate_rows": rotate_rows, "rotate_seconds": rotate_seconds,
-                  "row_group_rows": row_group_rows, "batch_seconds": batch_seconds}
+                  "row_group_rows": row_group_rows, "batch_seconds": batch_seconds, "metrics_port": metrics_port}
         ring = (self.rows.capacity, self.rows.width) if self.rows else None
         self._backlog += pickle.dumps(("init", config, ring), protocol=pickle.HIGHEST_PROTOCOL)
         self._drain(wait=False)  # the writer process starts its files now, not at the first hand-over
@@ -314,12 +317,20 @@ def serve(inbox: Any, outbox: Any, engine: EngineRecord, ring_fd: int | None = N
             pass
 
     kind, config, ring_shape = pickle.load(inbox)
+    metrics_port = config.pop("metrics_port", None)
     try:
         ring = SharedRows(ring_fd, *ring_shape) if ring_fd is not None and ring_shape else None
         files = TraceFiles(**config)
     except Exception as exc:  # the engine side finishes the manifest with this reason
         report("failed", f"{type(exc).__name__}: {exc}")
         return
+    metrics = None
+    if metrics_port is not None:
+        try:
+            model, spec = files.manifest["model"], files.manifest["spec"]
+            metrics = serve_metrics(metrics_port, model["moe_layers"], int(model["num_experts"]), int(spec["k"]))
+        except Exception as exc:  # metrics are extra: the trace is written without them, and says why
+            log.warning("moetrace: no live metrics on port %s (%s: %s)", metrics_port, type(exc).__name__, exc)
     threading.Thread(target=receive, daemon=True).start()
     steps_received = 0
     while True:
@@ -339,13 +350,20 @@ def serve(inbox: Any, outbox: Any, engine: EngineRecord, ring_fd: int | None = N
             else:
                 closing = message
         if files.failed is None:
+            written: list[StepCapture] = []
             try:
-                files.write(pending)
+                written = files.write(pending)
                 files.maybe_rotate()
             except Exception as exc:
                 files.failed = f"{type(exc).__name__}: {exc}"
                 report("failed", files.failed)
             report("progress", files.steps)
+            if metrics is not None:
+                try:
+                    metrics.observe(written)
+                except Exception as exc:  # never at the trace's cost: the metrics stop, the recording goes on
+                    log.warning("moetrace: live metrics stopped (%s: %s)", type(exc).__name__, exc)
+                    metrics = None
         if closing is not None:
             _, extra, error = closing
             report("closed", files.close(extra, error))

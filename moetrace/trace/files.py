@@ -170,10 +170,11 @@ class TraceFiles:
         # the engine side holds only the requests still running
         self.requests: list[str] = list(manifest.get("requests") or [])
 
-    def write(self, items: list[StepCapture | Assemblable]) -> None:
+    def write(self, items: list[StepCapture | Assemblable]) -> list[StepCapture]:
+        """Write the steps ``items`` hold; returns them as written."""
         captures = [item if isinstance(item, StepCapture) else item.assemble() for item in items]
         if not captures:
-            return
+            return captures
         self._routing.append(self.routing_table(captures))
         steps = {name: np.concatenate([c.steps_rows[name] for c in captures]) for name in STEPS_SCHEMA.names}
         self._steps.append(pa.Table.from_pydict(steps, schema=self._steps.schema))
@@ -183,6 +184,7 @@ class TraceFiles:
             self.drafts += int((cap.accepted >= 0).sum())
             self.accepted += int((cap.accepted == 1).sum())
             self.requests.extend(cap.new_requests)
+        return captures
 
     def maybe_rotate(self) -> None:
         self._routing.maybe_rotate()

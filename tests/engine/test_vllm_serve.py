@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,21 +17,18 @@ from typing import Any
 
 import polars as pl
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from moetrace.default_model import encode_text, ensure_default_model
 from moetrace.recording.engine import served_spec_decode_counters
+from moetrace.recording.metrics import series_bound
 from moetrace.recording.prompts import BUILTIN_PROMPTS
 from moetrace.trace.reader import open_trace, open_traces
+from conftest import free_port
 
 pytestmark = pytest.mark.vllm
 
 K = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -130,15 +126,45 @@ def assert_trace_matches(trace_dir: Path, counters: dict[str, float]) -> None:
     assert trace.routing().collect().height == trace.manifest.document["counts"]["tokens"] * layers
 
 
-def test_ctrl_c_on_vllm_serve_leaves_a_complete_trace_equal_to_the_servers_counters(tmp_path: Path) -> None:
+def live_metrics(port: int, drafts: float, timeout: float = 30) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """The recording's live metrics endpoint, parsed by prometheus_client's own parser, once its draft count reaches
+    ``drafts`` (the writer process updates them as it writes each batch of steps)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        found: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                found.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+        if found["moetrace_draft_tokens_total"][()] >= drafts or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def test_ctrl_c_on_vllm_serve_leaves_a_complete_trace_and_live_metrics_equal_to_the_servers_counters(
+        tmp_path: Path) -> None:
     trace_dir = tmp_path / "serve-trace"
-    with vllm_server({"out": str(trace_dir)}, tmp_path / "server.log") as base:
+    metrics_port = free_port()
+    with vllm_server({"out": str(trace_dir), "metrics_port": metrics_port}, tmp_path / "server.log") as base:
         send_traffic(base, requests=24, concurrency=6)
         counters = spec_decode_counters(base)
+        metrics = live_metrics(metrics_port, counters["num_draft_tokens"])
         # stopped while idle, as a person stops a server: the idle forwarder (every 0.1 s) has had its turn even on
         # a machine whose cores another engine keeps busy
         time.sleep(1.0)
+    # the live metrics count what vLLM counts, by draft position too, within the stated series bound (3 MoE layers:
+    # 3 layer groups)
+    assert metrics["moetrace_draft_tokens_total"][()] == counters["num_draft_tokens"] > 0
+    assert metrics["moetrace_accepted_tokens_total"][()] == counters["num_accepted_tokens"]
+    by_position = metrics["moetrace_accepted_at_position_total"]
+    assert sum(by_position.values()) == counters["num_accepted_tokens"] and len(by_position) == K
+    assert sum(map(len, metrics.values())) <= series_bound(3, K)
     manifest = finished_manifest(trace_dir)
+    # one observation per layer group for every engine step that verified drafts, as the trace holds them
+    verifying_steps = open_trace(trace_dir).steps().filter(pl.col("num_drafts") > 0).select(
+        pl.col("step").n_unique()).collect().item()
+    assert metrics["moetrace_unique_experts_per_verify_step_count"] == {
+        (("layers", f"{layer}-{layer}"),): float(verifying_steps) for layer in (1, 2, 3)}
     assert manifest["complete"] is True, manifest.get("error")
     assert manifest["run_id"].startswith("serve-trace-")
     assert not list(trace_dir.rglob("*.inprogress"))

@@ -31,6 +31,7 @@ def test_the_json_written_is_read_back_to_the_same_options() -> None:
     ('{"out": "/tmp/run", "steps": "5"}', "'steps' must be a non-negative integer, got '5'"),
     ('{"out": "/tmp/run", "seconds": 0}', "'seconds' must be a positive number, got 0"),
     ('{"out": "/tmp/run", "candidates": true}', "'candidates' must be a non-negative integer, got True"),
+    ('{"out": "/tmp/run", "metrics_port": 70000}', "'metrics_port' must be a port number (1-65535), got 70000"),
 ])
 def test_a_wrong_option_is_named(raw: str, message: str) -> None:
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):

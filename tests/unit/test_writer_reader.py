@@ -53,7 +53,7 @@ def verify_step(
     return StepCapture(
         step=step,
         request=np.repeat(np.arange(requests), window).astype(np.uint32),
-        position=(100 + step * window + draft_pos).astype(np.uint32),
+        position=(100 + step * window + draft_pos.astype(np.uint32)).astype(np.uint32),
         phase=np.full(tokens, 2, np.int8),
         draft_pos=draft_pos,
         token=rng.integers(0, 256, tokens).astype(np.uint32),
