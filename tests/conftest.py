@@ -30,7 +30,7 @@ WRITER_GRACE_SECONDS = 10.0  # a writer process whose engine side closed or went
 
 
 def writer_processes() -> set[int]:
-    """PIDs of the running ``python -m moetrace.recording.writer`` processes (their short-lived launcher runs
+    """PIDs of the running ``python -P -m moetrace.recording.writer`` processes (their short-lived launcher runs
     ``python -c``) started from this xdist worker (they inherit its environment), or from anywhere when not under
     xdist."""
     found = set()
@@ -39,7 +39,7 @@ def writer_processes() -> set[int]:
         if not entry.name.isdigit():
             continue
         try:
-            if (entry / "cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"moetrace.recording.writer"] and (
+            if b"-m\0moetrace.recording.writer\0" in (entry / "cmdline").read_bytes() and (
                     WORKER is None or mine in (entry / "environ").read_bytes().split(b"\0")):
                 found.add(int(entry.name))
         except OSError:
