@@ -11,6 +11,7 @@ from typing import Any
 
 from moetrace.trace.manifest import Manifest
 
+AT_CAP = ("drop-oldest", "stop")  # what always-on recording does at its disk cap (``moetrace.recording.partitions``)
 BUDGET_SCOPES = ("step", "window")  # a budget limits a step's verifying tokens together, or each request's window
 
 
@@ -38,6 +39,12 @@ class RecordingOptions:
     replay_routing: str | None = None
     # serve live metrics (``moetrace.recording.metrics``) at this port (data-parallel rank r: port + r)
     metrics_port: int | None = None
+    # always on under ``vllm serve`` (``moetrace.recording.partitions``): a complete trace every this many seconds,
+    # in <out>/date=YYYY-MM-DD/hour=HH/ (a shorter period: .../start=HHMMSS/), until shutdown
+    partition_seconds: float | None = None
+    # the most the partitions under ``out`` may hold; there, ``at_cap``: "drop-oldest" partitions, or "stop" recording
+    disk_cap_bytes: int | None = None
+    at_cap: str = "drop-oldest"
 
     def __post_init__(self) -> None:
         if not isinstance(self.out, str) or not self.out:
@@ -54,10 +61,21 @@ class RecordingOptions:
         if self.metrics_port is not None and (not isinstance(self.metrics_port, int) or isinstance(
                 self.metrics_port, bool) or not 1 <= self.metrics_port <= 65535):
             raise ValueError(f"'metrics_port' must be a port number (1-65535), got {self.metrics_port!r}")
-        for name in ("rotate_seconds", "seconds"):
+        for name in ("rotate_seconds", "seconds", "partition_seconds"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name!r} must be a positive number, got {value!r}")
+        if self.partition_seconds is not None:
+            if self.partition_seconds < 1:
+                raise ValueError(f"'partition_seconds' must be at least 1, got {self.partition_seconds!r}")
+            if self.steps is not None or self.seconds is not None:
+                raise ValueError("'partition_seconds' records until shutdown: drop 'steps' and 'seconds'")
+        if self.disk_cap_bytes is not None and (not isinstance(self.disk_cap_bytes, int) or isinstance(
+                self.disk_cap_bytes, bool) or self.disk_cap_bytes < 1 or self.partition_seconds is None):
+            raise ValueError(f"'disk_cap_bytes' must be a positive integer beside 'partition_seconds', got "
+                             f"{self.disk_cap_bytes!r}")
+        if self.at_cap not in AT_CAP:
+            raise ValueError(f"'at_cap' must be one of {', '.join(AT_CAP)}, got {self.at_cap!r}")
 
     @classmethod
     def from_text(cls, raw: str) -> RecordingOptions:

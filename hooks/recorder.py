@@ -31,6 +31,7 @@ The manifest's ``engine_thread_us_per_step`` says what each hook cost.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -61,10 +62,12 @@ from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CUDA, PhaseTiming
 from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, copied_event, to_host
 from moetrace.trace.schema import TIMED_CALLS
+from moetrace.recording.partitions import drop_oldest, over_cap, partition_dir
 from moetrace.recording.ring import RingRows, SharedRows, ring_capacity
 from moetrace.recording.writer import TraceWriter
 
 log = logging.getLogger("moetrace")
+CAP_CHECK_STEPS = 1024  # between partitions, how often (in steps) a partition root is checked against its disk cap
 _HOOK_MARK = "_moetrace_hook"
 
 
@@ -101,6 +104,11 @@ class Recorder:
         )
         data_parallel = int(vllm_config.parallel_config.data_parallel_size)
         self.options, self._vllm_config, self._infos = options, vllm_config, infos
+        # always on under `vllm serve`: a complete trace per period under this root (``recording.partitions``)
+        self._partition_root = Path(options.out) if options.partition_seconds is not None else None
+        self._run_id, self._partition_started = options.run_id, 0.0
+        if self._partition_root is not None:
+            options = self._partition_options(options)
         self.budgets = None if options.budget is None else self._budgets(options, infos, device, data_parallel)
         self.replay = None if options.replay_routing is None else self._replay(options, infos, device, data_parallel)
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
@@ -204,6 +212,7 @@ class Recorder:
         self._windowed = self.window_steps is not None or self.window_seconds is not None
         self._first_step_at: float | None = None
         self._window_ends = False  # the step under way is the window's last: close once it is queued
+        self._partition_ends = False  # the partition's period is over: the next step starts the next partition
         self._closed: dict[str, Any] | None = None
         self._pending: PendingStep | None = None
         self.own_ns = {"step": 0, "graph": 0, "hand_over": 0, "layout": 0, "sample": 0, "sample_tokens": 0,
@@ -318,6 +327,40 @@ class Recorder:
                                   "engine_thread_us_per_step": self.engine_thread_us_per_step(),
                                   "phases": {phase: timing.summary() for phase, timing in self.phases.items()}})
 
+    def _partition_options(self, options: RecordingOptions) -> RecordingOptions:
+        """``options`` for the partition that starts now: its folder under the partition root, its own run id."""
+        assert self._partition_root is not None and options.partition_seconds is not None
+        self._partition_started = time.time()
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self._partition_started))
+        return dataclasses.replace(options, run_id=f"{self._run_id}-{stamp}", out=str(
+            partition_dir(self._partition_root, self._partition_started, float(options.partition_seconds))))
+
+    def _partition_due(self) -> bool:
+        """Whether this partition's period is over, or (every ``CAP_CHECK_STEPS`` steps) its root is over its cap."""
+        assert self.options.partition_seconds is not None
+        if time.time() - self._partition_started >= self.options.partition_seconds:
+            return True
+        cap = self.options.disk_cap_bytes
+        return cap is not None and self.step % CAP_CHECK_STEPS == 0 and over_cap(Path(str(self._partition_root)), cap)
+
+    def _next_partition(self) -> None:
+        """Close this partition and record on into the next, between steps; at the disk cap, the oldest partitions
+        are dropped or recording stops (the server serves on unhooked), as ``at_cap`` says."""
+        root = self._partition_root
+        assert root is not None
+        self.next_trace(self._partition_options(self.options))
+        cap = self.options.disk_cap_bytes
+        if cap is None or not over_cap(root, cap):
+            return
+        if self.options.at_cap == "stop":
+            log.warning("moetrace: %s holds more than its cap of %d bytes: recording stops, the server serves on",
+                        root, cap)
+            self.uninstall()
+            threading.Thread(target=self.close, name="moetrace-close").start()
+            return
+        dropped = drop_oldest(root, cap, keep=Path(self.options.out))
+        log.info("moetrace: at the cap of %d bytes under %s, dropped %d partition(s)", cap, root, len(dropped))
+
     def _window_over(self) -> bool:
         if self._first_step_at is None:
             self._first_step_at = time.monotonic()
@@ -332,6 +375,8 @@ class Recorder:
         launched, so nothing else happens here but on timed steps: whether the step is recorded is read once its
         forward is launched."""
         with self._guarded:
+            if self._partition_ends and self._pending is None:  # every step so far handed over, none launched
+                self._next_partition()
             self._t_start = time.monotonic_ns()  # step bounds: CLOCK_MONOTONIC, one clock for a host's processes
             self._scheduled, self._step_kwargs, self._plan = scheduler_output, kwargs, None
             for finished in scheduler_output.finished_req_ids:  # done since the last step: no more rows to come
@@ -502,6 +547,8 @@ class Recorder:
                 if self._window_ends:  # the engine runs on unhooked; the trace is closed beside it
                     self.uninstall()
                     threading.Thread(target=self.close, name="moetrace-close").start()
+                elif self._partition_root is not None and self._partition_due():
+                    self._partition_ends = True  # switched at the next step's start, once nothing is in flight
             if self._timing:
                 self.own_ns["sample_tokens"] += time.perf_counter_ns() - began
                 self._timing, self._phases_in_flight = False, True

@@ -18,6 +18,7 @@ per-expert counters.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,6 +32,7 @@ LAYER_GROUPS = 4
 IMBALANCE_STEPS = 64
 UNIQUE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
 PREFILL = TOKEN_PHASES.index("prefill")
+PORT_WAIT_SECONDS = 5.0
 
 
 def layer_groups(moe_layers: Sequence[int], groups: int = LAYER_GROUPS) -> list[tuple[str, npt.NDArray[np.int64]]]:
@@ -114,5 +116,12 @@ def serve_metrics(port: int, moe_layers: Sequence[int], num_experts: int, max_k:
     disable_created_metrics()  # type: ignore[no-untyped-call]
     registry = CollectorRegistry()
     metrics = LiveMetrics(moe_layers, num_experts, max_k, registry)
-    start_http_server(port, registry=registry)
-    return metrics
+    deadline = time.monotonic() + PORT_WAIT_SECONDS
+    while True:  # the last partition's writer process may hold the port for a moment after it closed its trace
+        try:
+            start_http_server(port, registry=registry)
+            return metrics
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from moetrace.default_model import encode_text, ensure_default_model
 from moetrace.recording.engine import served_spec_decode_counters
 from moetrace.recording.metrics import series_bound
+from moetrace.recording.partitions import partitions
 from moetrace.recording.prompts import BUILTIN_PROMPTS
 from moetrace.trace.reader import open_trace, open_traces
 from conftest import free_port
@@ -170,6 +172,41 @@ def test_ctrl_c_on_vllm_serve_leaves_a_complete_trace_and_live_metrics_equal_to_
     assert not list(trace_dir.rglob("*.inprogress"))
     assert_trace_matches(trace_dir, counters)
     assert open_trace(trace_dir).warnings == []
+
+
+def test_always_on_recording_writes_complete_partitions_that_together_equal_the_servers_counters(
+        tmp_path: Path) -> None:
+    root = tmp_path / "always-on"
+    with vllm_server({"out": str(root), "partition_seconds": 1}, tmp_path / "server.log") as base:
+        for _ in range(3):  # traffic over more than one period
+            send_traffic(base, requests=8, concurrency=4)
+            time.sleep(1.2)
+        counters = spec_decode_counters(base)
+        time.sleep(1.0)
+    found = partitions(root)
+    assert len(found) >= 2
+    assert all(re.fullmatch(r"date=\d{4}-\d\d-\d\d/hour=\d\d/start=\d{6}", p.relative_to(root).as_posix())
+               for p in found)
+    manifests = [finished_manifest(p) for p in found]
+    assert all(m["complete"] is True for m in manifests) and len({m["run_id"] for m in manifests}) == len(found)
+    assert all(open_trace(p).warnings == [] for p in found)
+    # nothing lost or counted twice at a partition boundary
+    assert sum(m["counts"]["drafts"] for m in manifests) == counters["num_draft_tokens"] > 0
+    assert sum(m["counts"]["accepted"] for m in manifests) == counters["num_accepted_tokens"]
+
+
+def test_at_its_disk_cap_always_on_recording_stops_and_the_server_serves_on(tmp_path: Path) -> None:
+    root = tmp_path / "capped"
+    recording = {"out": str(root), "partition_seconds": 1, "disk_cap_bytes": 1, "at_cap": "stop"}
+    with vllm_server(recording, tmp_path / "server.log") as base:
+        send_traffic(base, requests=8, concurrency=4)
+        time.sleep(1.2)
+        send_traffic(base, requests=8, concurrency=4)  # a partition ends: the next one opens over the cap, and stops
+        stopped = partitions(root)
+        time.sleep(1.2)
+        send_traffic(base, requests=8, concurrency=4)  # served on, unhooked
+        assert partitions(root) == stopped
+    assert len(stopped) == 2 and all(finished_manifest(p)["complete"] is True for p in stopped)
 
 
 def test_a_recording_window_closes_the_trace_while_the_server_keeps_serving(tmp_path: Path) -> None:

@@ -32,6 +32,10 @@ def test_the_json_written_is_read_back_to_the_same_options() -> None:
     ('{"out": "/tmp/run", "seconds": 0}', "'seconds' must be a positive number, got 0"),
     ('{"out": "/tmp/run", "candidates": true}', "'candidates' must be a non-negative integer, got True"),
     ('{"out": "/tmp/run", "metrics_port": 70000}', "'metrics_port' must be a port number (1-65535), got 70000"),
+    ('{"out": "o", "partition_seconds": 0.5}', "'partition_seconds' must be at least 1, got 0.5"),
+    ('{"out": "o", "partition_seconds": 60, "steps": 10}', "'partition_seconds' records until shutdown"),
+    ('{"out": "o", "disk_cap_bytes": 100}', "'disk_cap_bytes' must be a positive integer beside 'partition_seconds'"),
+    ('{"out": "o", "partition_seconds": 60, "at_cap": "wait"}', "'at_cap' must be one of drop-oldest, stop"),
 ])
 def test_a_wrong_option_is_named(raw: str, message: str) -> None:
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):

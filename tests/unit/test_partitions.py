@@ -1,0 +1,36 @@
+"""Always-on recording's partitions (``moetrace.recording.partitions``): Hive-style folders by UTC time, and the
+disk cap that drops the oldest, never the one being written."""
+
+from __future__ import annotations
+
+import calendar
+from pathlib import Path
+
+from moetrace.recording.partitions import bytes_under, drop_oldest, partition_dir, partitions
+
+AFTERNOON = calendar.timegm((2026, 12, 4, 15, 30, 20, 0, 0, 0))  # 2026-12-04 15:30:20 UTC
+
+
+def test_a_partition_folder_is_its_utc_date_and_hour_and_its_start_below_an_hour() -> None:
+    root = Path("/data/prod")
+    assert partition_dir(root, AFTERNOON, 3600) == root / "date=2026-12-04" / "hour=15"
+    assert partition_dir(root, AFTERNOON, 60) == root / "date=2026-12-04" / "hour=15" / "start=153020"
+
+
+def write_partition(folder: Path, size: int) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+    (folder / "routing.bin").write_bytes(b"x" * size)
+    return folder
+
+
+def test_at_the_cap_the_oldest_partitions_go_first_and_never_the_one_being_written(tmp_path: Path) -> None:
+    old = write_partition(tmp_path / "date=2026-12-03" / "hour=23", 1000)
+    middle = write_partition(tmp_path / "date=2026-12-04" / "hour=00", 1000)
+    newest = write_partition(tmp_path / "date=2026-12-04" / "hour=01", 1000)
+    assert partitions(tmp_path) == [old, middle, newest]
+    dropped = drop_oldest(tmp_path, 2100, keep=newest)
+    assert dropped == [old] and not (tmp_path / "date=2026-12-03").exists()  # its emptied date folder too
+    assert bytes_under(tmp_path) <= 2100
+    # a cap below what the one being written holds: everything else goes, that one stays
+    assert drop_oldest(tmp_path, 10, keep=newest) == [middle] and partitions(tmp_path) == [newest]
