@@ -341,7 +341,8 @@ class Recorder:
         if time.time() - self._partition_started >= self.options.partition_seconds:
             return True
         cap = self.options.disk_cap_bytes
-        return cap is not None and self.step % CAP_CHECK_STEPS == 0 and over_cap(Path(str(self._partition_root)), cap)
+        root = self._partition_root
+        return cap is not None and root is not None and self.step % CAP_CHECK_STEPS == 0 and over_cap(root, cap)
 
     def _next_partition(self) -> None:
         """Close this partition and record on into the next, between steps; at the disk cap, the oldest partitions
@@ -355,11 +356,15 @@ class Recorder:
         if self.options.at_cap == "stop":
             log.warning("moetrace: %s holds more than its cap of %d bytes: recording stops, the server serves on",
                         root, cap)
-            self.uninstall()
-            threading.Thread(target=self.close, name="moetrace-close").start()
+            self._stop_beside_the_engine()
             return
         dropped = drop_oldest(root, cap, keep=Path(self.options.out))
         log.info("moetrace: at the cap of %d bytes under %s, dropped %d partition(s)", cap, root, len(dropped))
+
+    def _stop_beside_the_engine(self) -> None:
+        """Unhook now, on the engine thread, and close the trace on a thread of its own: the engine runs on."""
+        self.uninstall()
+        threading.Thread(target=self.close, name="moetrace-close").start()
 
     def _window_over(self) -> bool:
         if self._first_step_at is None:
@@ -544,9 +549,8 @@ class Recorder:
                         raise RuntimeError("vLLM's sample_tokens returned no host lists of sampled tokens")
                     pending.t_end = time.monotonic_ns()  # vLLM has synced: the step's GPU work (our copy too) is done
                 self.writer.submit(pending)
-                if self._window_ends:  # the engine runs on unhooked; the trace is closed beside it
-                    self.uninstall()
-                    threading.Thread(target=self.close, name="moetrace-close").start()
+                if self._window_ends:
+                    self._stop_beside_the_engine()
                 elif self._partition_root is not None and self._partition_due():
                     self._partition_ends = True  # switched at the next step's start, once nothing is in flight
             if self._timing:
