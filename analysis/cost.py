@@ -88,9 +88,10 @@ class MeasuredSteps:
 
     At a concurrency the sweep did not record (``estimated_from``: the recorded concurrencies it is drawn from,
     ``analysis.decision.across_batches``), ``baseline_ms`` is the k=0 trace's decode step there where it passed
-    through that concurrency enough steps, else None and the step is built from ``rest_ms``, the k=0 step less its
-    calibrated MoE and all-reduce, estimated; ``forward_beyond_ms``, the forward's growth beyond the calibrated MoE
-    per k, and the other terms are estimated the same way."""
+    through that concurrency enough steps (the k=0 step alone: the k > 0 steps are still built from ``rest_ms``),
+    else None and the step is built from ``rest_ms``, the k=0 step less its calibrated MoE and all-reduce,
+    estimated; ``forward_beyond_ms``, the forward's growth beyond the calibrated MoE per k, and the other terms are
+    estimated the same way."""
 
     baseline_ms: float | None
     forward_growth_ms: Mapping[int, float] = field(default_factory=dict)
@@ -223,6 +224,10 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
             flat = float(measured.rest_ms or 0.0)
         else:
             flat = measured.baseline_ms - moe[0] - ar[0]
+        # where the k=0 trace only passed through this concurrency, its step replaces the estimate at k=0 alone: the
+        # estimate's k=0 error there is the calibrated MoE's at these few tokens (vLLM's small-M kernel set-up), so
+        # growth from the measured step would carry it into every k > 0 step
+        rest_k = float(measured.rest_ms) if measured.estimated_from and measured.rest_ms is not None else flat
         if flat < 0 and measured.baseline_ms is not None:
             notes.append(f"the calibration's MoE and all-reduce ({moe[0] + ar[0]:.3f} ms) exceed the measured k=0 "
                          f"step ({measured.baseline_ms:.3f} ms) at {deployment.batch} request(s): only their growth "
@@ -231,7 +236,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         beyond.update(forward_beyond_moe(measured.forward_growth_ms, calibrated_growth, ks)
                       if measured.forward_beyond_ms is None else measured.forward_beyond_ms)
         attention = other = [0.0 for _ in rows]
-        rest = [flat for _ in rows]
+        rest = [flat if k == 0 else rest_k for k in ks]
         notes.append("k=0 step measured in the sweep's k=0 trace at each concurrency (decode step start to start, "
                      "host scheduling included); MoE and all-reduce grow with k as calibrated, "
                      + ("and the forward by what it grew beyond that in the sweep's traces (attention and dense "

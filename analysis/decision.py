@@ -133,7 +133,8 @@ def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Pro
                 f"at {', '.join(map(str, passed_through))} request(s) per step the k=0 step is the k=0 trace's own "
                 f"decode steps of that many requests, which it passed through (a round filling or draining, a "
                 f"server's spread): {', '.join(f'{passed[size]:.3f} ms at {size}' for size in passed_through)}; "
-                "the growth with k is estimated as above")
+                "the k>0 steps stay estimated as above, not grown from it (the estimate's k=0 error there is the "
+                "calibrated MoE's at those few tokens, which its k>0 steps do not share)")
     return pl.concat(frames).select("batch", pl.exclude("batch")), basis
 
 

@@ -31,7 +31,7 @@ async scheduling off). Measured speedup = median tok/s at k over median tok/s at
 the rounds of both engines.
 
 Evidence it produced: benchmarks/results/speedup-validation*.json, speedup-*-measurements.json (latest: commit
-f05fda7, one H200, 2026-12-04: the 64-slot hold-out and EAGLE-3 on the slice).
+047fb12, one H200, 2026-12-04: the 64-slot hold-out and EAGLE-3 k = 0..4 on the slice, both complete).
 """
 
 from __future__ import annotations
