@@ -45,11 +45,15 @@ class RecordingOptions:
     # the most the partitions under ``out`` may hold; there, ``at_cap``: "drop-oldest" partitions, or "stop" recording
     disk_cap_bytes: int | None = None
     at_cap: str = "drop-oldest"
+    # sampled under ``vllm serve`` (``moetrace.recording.sampling``): a window of this many request steps every
+    # ``sample_every_seconds`` (from one window's first step to the next's); the steps between run unrecorded
+    sample_steps: int | None = None
+    sample_every_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.out, str) or not self.out:
             raise ValueError("'out' must name the trace directory")
-        for name in ("candidates", "time_phases_every", "steps"):
+        for name in ("candidates", "time_phases_every", "steps", "sample_steps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"{name!r} must be a non-negative integer, got {value!r}")
@@ -61,7 +65,7 @@ class RecordingOptions:
         if self.metrics_port is not None and (not isinstance(self.metrics_port, int) or isinstance(
                 self.metrics_port, bool) or not 1 <= self.metrics_port <= 65535):
             raise ValueError(f"'metrics_port' must be a port number (1-65535), got {self.metrics_port!r}")
-        for name in ("rotate_seconds", "seconds", "partition_seconds"):
+        for name in ("rotate_seconds", "seconds", "partition_seconds", "sample_every_seconds"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name!r} must be a positive number, got {value!r}")
@@ -74,6 +78,10 @@ class RecordingOptions:
                 self.disk_cap_bytes, bool) or self.disk_cap_bytes < 1 or self.partition_seconds is None):
             raise ValueError(f"'disk_cap_bytes' must be a positive integer beside 'partition_seconds', got "
                              f"{self.disk_cap_bytes!r}")
+        if (self.sample_steps is None) != (self.sample_every_seconds is None) or self.sample_steps == 0:
+            raise ValueError("a sampled recording takes both 'sample_steps' (at least 1) and 'sample_every_seconds'")
+        if self.sample_steps is not None and (self.steps is not None or self.seconds is not None):
+            raise ValueError("a sampled recording runs until shutdown: drop 'steps' and 'seconds'")
         if self.at_cap not in AT_CAP:
             raise ValueError(f"'at_cap' must be one of {', '.join(AT_CAP)}, got {self.at_cap!r}")
 

@@ -64,6 +64,7 @@ from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, cop
 from moetrace.trace.schema import TIMED_CALLS
 from moetrace.recording.partitions import drop_oldest, over_cap, partition_dir
 from moetrace.recording.ring import RingRows, SharedRows, ring_capacity
+from moetrace.recording.sampling import StepWindows
 from moetrace.recording.writer import TraceWriter
 
 log = logging.getLogger("moetrace")
@@ -109,6 +110,10 @@ class Recorder:
         self._run_id, self._partition_started = options.run_id, 0.0
         if self._partition_root is not None:
             options = self._partition_options(options)
+        # sampled: request steps outside the windows run unrecorded (``recording.sampling``); across partitions
+        self.windows = None if options.sample_steps is None else StepWindows(
+            options.sample_steps, float(options.sample_every_seconds or 0.0))
+        self._sampled = True  # whether the step under way is in a window
         self.budgets = None if options.budget is None else self._budgets(options, infos, device, data_parallel)
         self.replay = None if options.replay_routing is None else self._replay(options, infos, device, data_parallel)
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
@@ -191,6 +196,8 @@ class Recorder:
                 "phases_timed_every": self.timing_every,
                 "host_copy": self.copier.path,
                 "replayed_routing": options.replay_routing,
+                "sampled": None if options.sample_steps is None else {
+                    "steps": options.sample_steps, "every_seconds": options.sample_every_seconds},
                 "budget": None if sizes is None else {
                     "scope": options.budget_scope,
                     "per_layer": {str(info.layer): size for info, size in zip(self._infos, sizes)}}}),
@@ -384,6 +391,8 @@ class Recorder:
                 self._next_partition()
             self._t_start = time.monotonic_ns()  # step bounds: CLOCK_MONOTONIC, one clock for a host's processes
             self._scheduled, self._step_kwargs, self._plan = scheduler_output, kwargs, None
+            if self.windows is not None:
+                self._sampled = self._is_request_step() and self.windows.admits(time.monotonic())
             for finished in scheduler_output.finished_req_ids:  # done since the last step: no more rows to come
                 self.request_index.pop(finished, None)
             if self.capture.ran:  # outside CUDA graphs the routers' Python ran and kept references to their outputs
@@ -413,6 +422,10 @@ class Recorder:
         self._time_next = self._timing_phase * self.timing_every < 1.0
 
     def _is_recorded(self) -> bool:
+        """Whether the step under way is recorded: a request's step, in a sampling window if sampled."""
+        return self._sampled and self._is_request_step()
+
+    def _is_request_step(self) -> bool:
         """Whether the step under way is a request's: V2 runs its dummy batches (profiling, idle DP ranks) through
         execute_model too, and warms its kernels up with batches of requests of its own."""
         scheduled = self._scheduled

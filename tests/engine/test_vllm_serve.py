@@ -209,6 +209,29 @@ def test_at_its_disk_cap_always_on_recording_stops_and_the_server_serves_on(tmp_
     assert len(stopped) == 2 and all(finished_manifest(p)["complete"] is True for p in stopped)
 
 
+def test_a_sampled_recording_keeps_windows_of_n_steps_every_m_seconds_while_the_server_serves(
+        tmp_path: Path) -> None:
+    root = tmp_path / "sampled"
+    recording = {"out": str(root), "partition_seconds": 3600, "sample_steps": 3, "sample_every_seconds": 1.0}
+    with vllm_server(recording, tmp_path / "server.log") as base:
+        for _ in range(3):  # traffic without a pause, over several periods
+            send_traffic(base, requests=8, concurrency=4)
+        counters = spec_decode_counters(base)
+        time.sleep(1.0)
+    [partition] = partitions(root)
+    manifest = finished_manifest(partition)
+    assert manifest["complete"] is True and manifest["capture"]["sampled"] == {"steps": 3, "every_seconds": 1.0}
+    trace = open_trace(partition)
+    assert trace.warnings == []
+    starts = sorted(trace.steps().group_by("step").agg(pl.col("t_start_ns").first()).collect()["t_start_ns"])
+    # each window is 3 recorded steps in a row, so every third step opens one: at least a second after the last
+    firsts = starts[::3]
+    assert len(firsts) >= 2
+    assert all(after - before >= 1_000_000_000 for before, after in zip(firsts, firsts[1:]))
+    # the server verified more drafts than the windows hold: the steps between them ran unrecorded
+    assert 0 < manifest["counts"]["drafts"] < counters["num_draft_tokens"]
+
+
 def test_a_recording_window_closes_the_trace_while_the_server_keeps_serving(tmp_path: Path) -> None:
     trace_dir = tmp_path / "window"
     with vllm_server({"out": str(trace_dir), "steps": 20}, tmp_path / "server.log") as base:

@@ -36,6 +36,10 @@ def test_the_json_written_is_read_back_to_the_same_options() -> None:
     ('{"out": "o", "partition_seconds": 60, "steps": 10}', "'partition_seconds' records until shutdown"),
     ('{"out": "o", "disk_cap_bytes": 100}', "'disk_cap_bytes' must be a positive integer beside 'partition_seconds'"),
     ('{"out": "o", "partition_seconds": 60, "at_cap": "wait"}', "'at_cap' must be one of drop-oldest, stop"),
+    ('{"out": "o", "sample_steps": 8}', "a sampled recording takes both"),
+    ('{"out": "o", "sample_steps": 0, "sample_every_seconds": 60}', "a sampled recording takes both 'sample_steps'"),
+    ('{"out": "o", "sample_steps": 8, "sample_every_seconds": 0}', "'sample_every_seconds' must be a positive"),
+    ('{"out": "o", "sample_steps": 8, "sample_every_seconds": 60, "seconds": 5}', "a sampled recording runs until"),
 ])
 def test_a_wrong_option_is_named(raw: str, message: str) -> None:
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):

@@ -1,0 +1,26 @@
+"""Sampled recording under ``vllm serve`` (``sample_steps`` and ``sample_every_seconds`` in ``MOETRACE_RECORD``): a
+window of N request steps every M seconds, the steps between windows run unrecorded."""
+
+from __future__ import annotations
+
+
+class StepWindows:
+    """Admits ``steps`` request steps, then none until ``every_seconds`` have passed since that window's first step,
+    then the next window's. The clock is the caller's (seconds, monotonic)."""
+
+    def __init__(self, steps: int, every_seconds: float) -> None:
+        self.steps, self.every_seconds = steps, every_seconds
+        self.taken = 0  # steps admitted in the window under way
+        self.began = 0.0  # when it began
+        self.windows = 0  # windows begun
+
+    def admits(self, now: float) -> bool:
+        """Whether the request step that begins at ``now`` is recorded (called once per request step)."""
+        if self.taken >= self.steps:
+            if now - self.began < self.every_seconds:
+                return False
+            self.taken = 0
+        if self.taken == 0:
+            self.began, self.windows = now, self.windows + 1
+        self.taken += 1
+        return True
