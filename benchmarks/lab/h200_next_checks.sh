@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The next H200 checks, decided before the run (2026-12-04, prediction code at the commit that added this file):
+#   1. a fourth n-gram hold-out on the Kimi-K2 TP=8 slice: 32 slots, k = 0, 1, 3 and k = 0 with async scheduling
+#      off, closed loop, recorded at 1 and 16, timed (hooks paused, 3 rounds) at 2, 6, 12 and 32 only: a slot
+#      count, a k set and concurrencies (6, 12) no earlier run timed; it tests the rule that at a concurrency the
+#      k = 0 trace passed through only the k = 0 step is taken from those steps;
+#   2. EAGLE-3 k = 0..4 on the slice again, 5 rounds of 256 tokens at 1 and 16 (the 2-round, 128-token run's k = 0
+#      timed rounds at 16 ran at 0.81x its recorded ones).
+# Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until both print
+# "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS; results in $OUT/holdout-32.tar.gz, eagle3.tar.gz.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+R=$(cd "$(dirname "$0")/../.." && pwd)
+OUT=${OUT:-/tmp/moetrace-out}
+end=$(( $(date +%s) + ${1:-540} ))
+mkdir -p "$OUT"
+cd /tmp || exit 1
+bench() {
+  local left=$(( end - $(date +%s) - 25 ))
+  if [ "$left" -lt 150 ]; then echo "not run now ($left s left): $*"; return 0; fi
+  timeout $(( left + 15 )) python "$R/benchmarks/lab/bench_speedup_validation.py" measure --model kimi-k2-tp8 "$@" \
+    --budget-s "$left"
+}
+bench --methods ngram --ks 0,1,3 --sync-baseline --rounds 3 --timed 2,6,12,32 --recorded 1,16 --out /root/holdout-32
+bench --methods eagle3 --ks 0,1,2,3,4 --rounds 5 --timed 1,16 --recorded 1,16 --max-tokens 256 --out /root/eagle3
+for run in holdout-32 eagle3; do
+  [ -d "/root/$run" ] && tar -C /root --exclude='*-model' -czf "$OUT/$run.tar.gz" "$run"
+done
+ls -la "$OUT"
