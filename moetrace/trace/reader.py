@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace.errors import UserError
+from moetrace.recording.partitions import partitions
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.schema import (
     FOOTER_SCHEMA_KEY,
@@ -45,6 +46,8 @@ class Trace:
     telemetry_files: list[Path]
     warnings: list[str] = field(default_factory=list)
     ranks: list[Trace] = field(default_factory=list)  # a data-parallel recording: one trace per DP rank
+    # an always-on recording: its partitions, oldest first, and where each one's steps and requests start
+    parts: list[tuple[Trace, int, int]] = field(default_factory=list)
 
     @property
     def k(self) -> int:
@@ -60,6 +63,9 @@ class Trace:
             size = len(self.ranks)
             return {request * size + index: rid for index, rank in enumerate(self.ranks)
                     for request, rid in rank.request_ids().items()}
+        if self.parts:
+            return {first + request: rid
+                    for part, _, first in self.parts for request, rid in part.request_ids().items()}
         return dict(enumerate(self.manifest.requests))
 
     def lacks(self, what: str) -> bool:
@@ -74,6 +80,8 @@ class Trace:
         """The routing rows, with a ``dp_rank`` column (0 without data parallelism)."""
         if self.ranks:
             return self._merged([rank.routing() for rank in self.ranks])
+        if self.parts:
+            return self._in_sequence([part.routing() for part, _, _ in self.parts])
         schema = routing_schema(self.manifest.model.top_k, self.manifest.capture.candidates)
         return _scan(self.routing_files, schema).with_columns(dp_rank=pl.lit(self.dp_rank, pl.UInt16))
 
@@ -81,6 +89,8 @@ class Trace:
         """The steps rows, with a ``dp_rank`` column (0 without data parallelism)."""
         if self.ranks:
             return self._merged([rank.steps() for rank in self.ranks])
+        if self.parts:
+            return self._in_sequence([part.steps() for part, _, _ in self.parts])
         return _scan(self.steps_files, STEPS_SCHEMA).with_columns(dp_rank=pl.lit(self.dp_rank, pl.UInt16))
 
     def _merged(self, frames: list[pl.LazyFrame]) -> pl.LazyFrame:
@@ -91,6 +101,14 @@ class Trace:
         return pl.concat([
             frame.with_columns(request=(pl.col("request").cast(pl.Int64) * size + index).cast(pl.UInt32))
             for index, frame in enumerate(frames)
+        ])
+
+    def _in_sequence(self, frames: list[pl.LazyFrame]) -> pl.LazyFrame:
+        """Every partition's rows, its steps and requests numbered on after the partition before it's."""
+        return pl.concat([
+            frame.with_columns(step=(pl.col("step").cast(pl.Int64) + first_step).cast(pl.UInt32),
+                               request=(pl.col("request").cast(pl.Int64) + first_request).cast(pl.UInt32))
+            for frame, (_, first_step, first_request) in zip(frames, self.parts)
         ])
 
     def telemetry(self) -> pl.LazyFrame | None:
@@ -255,6 +273,50 @@ def open_trace(directory: str | os.PathLike[str], dp_rank: int | None = None) ->
     )
 
 
+def open_partitions(root: Path, found: list[Path]) -> Trace:
+    """One trace over an always-on recording's partitions ``found`` under ``root``, oldest first: the first one's
+    manifest with the counts and requests of all, complete when every one is; each partition's steps and requests
+    numbered on after the one before (a request that ran across a boundary is a request in each). A partition whose
+    manifest cannot be read is named in the warnings and left out; one of another model, drafter, k or schema
+    version is refused, naming it."""
+    parts: list[Trace] = []
+    warnings: list[str] = []
+    for path in found:
+        try:
+            json.loads((path / MANIFEST_NAME).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            warnings.append(f"{path}: unreadable manifest ({exc}): partition left out")
+            continue
+        parts.append(open_trace(path))
+    if not parts:
+        raise UserError(f"{root}: none of its {len(found)} partition(s) is readable")
+    first = parts[0]
+    for part in parts[1:]:
+        differs = first_difference(first.manifest.document, part.manifest.document,
+                                   ("spec.k", "spec.method", *SWEEP_MODEL_KEYS))
+        if differs is not None:
+            raise UserError(f"{part.path}: not a partition of the recording under {root} ({differs[0]} differs "
+                            f"from {first.path.relative_to(root)})")
+    starts: list[tuple[Trace, int, int]] = []
+    first_step = first_request = 0
+    for part in parts:
+        starts.append((part, first_step, first_request))
+        last = part.steps().select(pl.col("step").max(), pl.col("request").max()).collect()
+        first_step += 0 if last["step"][0] is None else int(last["step"][0]) + 1
+        first_request += max(len(part.manifest.requests), 0 if last["request"][0] is None else
+                             int(last["request"][0]) + 1)
+    document = json.loads(json.dumps(first.manifest.document))
+    document["complete"] = all(part.complete for part in parts)
+    counts = [part.manifest.counts for part in parts]
+    document["counts"] = {key: sum(c.get(key, 0) for c in counts) for key in counts[0]}
+    document["requests"] = [rid for part in parts for rid in part.manifest.requests]
+    return Trace(path=root, manifest=Manifest.from_document(document),
+                 routing_files=[f for t in parts for f in t.routing_files],
+                 steps_files=[f for t in parts for f in t.steps_files],
+                 telemetry_files=[f for t in parts for f in t.telemetry_files],
+                 warnings=warnings + [w for t in parts for w in t.warnings], parts=starts)
+
+
 def holds_run(directory: Path) -> bool:
     """A trace, or a sweep (a folder holding traces)."""
     return is_trace(directory) or any(is_trace(child) for child in directory.iterdir() if child.is_dir())
@@ -263,7 +325,7 @@ def holds_run(directory: Path) -> bool:
 def run_path(path: Path) -> Path:
     """``path`` where it is a trace or a sweep; else the one run below it, so the folder given to ``moetrace record
     --out`` (which writes OUT/RUN/k<k>) is enough. A folder of several runs is refused, naming them."""
-    if not path.is_dir() or holds_run(path):
+    if not path.is_dir() or holds_run(path) or partitions(path):  # partitions: an always-on recording's
         return path
     runs = sorted(child for child in path.iterdir() if child.is_dir() and holds_run(child))
     if len(runs) > 1:
@@ -274,10 +336,13 @@ def run_path(path: Path) -> Path:
 
 def open_traces(path: str | os.PathLike[str]) -> list[Trace]:
     """A trace directory, or a parent holding one trace per k (a sweep), ordered by k; or a folder holding one
-    such run (``run_path``)."""
+    such run (``run_path``); or an always-on recording's partitions, as one trace (``open_partitions``)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such trace")
+    found = [] if is_trace(path) else partitions(path)
+    if found:
+        return [open_partitions(path, found)]
     path = run_path(path)
     if is_trace(path):
         return [open_trace(path)]
