@@ -222,22 +222,37 @@ def is_trace(directory: Path) -> bool:
     return (directory / MANIFEST_NAME).exists() or bool(rank_directories(directory))
 
 
+def not_one_recording(traces: list[Trace]) -> tuple[Trace, str] | None:
+    """The first of ``traces`` that is not of the first one's recording (another model, drafter or k), and the
+    manifest key that differs; None when all are."""
+    for trace in traces[1:]:
+        differs = first_difference(traces[0].manifest.document, trace.manifest.document,
+                                   ("spec.k", "spec.method", *SWEEP_MODEL_KEYS))
+        if differs is not None:
+            return trace, differs[0]
+    return None
+
+
+def merged_manifest(traces: list[Trace]) -> dict[str, Any]:
+    """The first trace's manifest (a copy) with the counts of all, complete when every one is."""
+    document: dict[str, Any] = json.loads(json.dumps(traces[0].manifest.document))
+    document["complete"] = all(trace.complete for trace in traces)
+    counts = [trace.manifest.counts for trace in traces]
+    document["counts"] = {key: sum(c.get(key, 0) for c in counts) for key in counts[0]}
+    return document
+
+
 def open_ranks(directory: Path, ranks: list[Path]) -> Trace:
     """One trace over a data-parallel recording's ranks: rank 0's manifest with the counts of all, complete
     when every rank is; the ranks must be one recording (same model, drafter and k; under `vllm serve` each rank
     names its run by its own start time, so run ids may differ by a second)."""
     traces = [open_trace(rank, dp_rank=int(rank.name[2:])) for rank in ranks]
     first = traces[0]
-    for trace in traces[1:]:
-        differs = first_difference(first.manifest.document, trace.manifest.document,
-                                   ("spec.k", "spec.method", *SWEEP_MODEL_KEYS))
-        if differs is not None:
-            raise UserError(f"{directory}: DP ranks {first.path.name} and {trace.path.name} are not one "
-                            f"recording ({differs[0]} differs)")
-    document = json.loads(json.dumps(first.manifest.document))
-    document["complete"] = all(trace.complete for trace in traces)
-    counts = [trace.manifest.counts for trace in traces]
-    document["counts"] = {key: sum(c.get(key, 0) for c in counts) for key in counts[0]}
+    mismatch = not_one_recording(traces)
+    if mismatch is not None:
+        raise UserError(f"{directory}: DP ranks {first.path.name} and {mismatch[0].path.name} are not one "
+                        f"recording ({mismatch[1]} differs)")
+    document = merged_manifest(traces)
     document["parallel"]["dp_ranks"] = [t.manifest.parallel.dp_rank for t in traces]
     manifest = Manifest.from_document(document)
     return Trace(path=directory, manifest=manifest,
@@ -291,12 +306,10 @@ def open_partitions(root: Path, found: list[Path]) -> Trace:
     if not parts:
         raise UserError(f"{root}: none of its {len(found)} partition(s) is readable")
     first = parts[0]
-    for part in parts[1:]:
-        differs = first_difference(first.manifest.document, part.manifest.document,
-                                   ("spec.k", "spec.method", *SWEEP_MODEL_KEYS))
-        if differs is not None:
-            raise UserError(f"{part.path}: not a partition of the recording under {root} ({differs[0]} differs "
-                            f"from {first.path.relative_to(root)})")
+    mismatch = not_one_recording(parts)
+    if mismatch is not None:
+        raise UserError(f"{mismatch[0].path}: not a partition of the recording under {root} ({mismatch[1]} differs "
+                        f"from {first.path.relative_to(root)})")
     starts: list[tuple[Trace, int, int]] = []
     first_step = first_request = 0
     for part in parts:
@@ -305,10 +318,7 @@ def open_partitions(root: Path, found: list[Path]) -> Trace:
         first_step += 0 if last["step"][0] is None else int(last["step"][0]) + 1
         first_request += max(len(part.manifest.requests), 0 if last["request"][0] is None else
                              int(last["request"][0]) + 1)
-    document = json.loads(json.dumps(first.manifest.document))
-    document["complete"] = all(part.complete for part in parts)
-    counts = [part.manifest.counts for part in parts]
-    document["counts"] = {key: sum(c.get(key, 0) for c in counts) for key in counts[0]}
+    document = merged_manifest(parts)
     document["requests"] = [rid for part in parts for rid in part.manifest.requests]
     return Trace(path=root, manifest=Manifest.from_document(document),
                  routing_files=[f for t in parts for f in t.routing_files],

@@ -160,8 +160,11 @@ def test_a_long_always_on_recording_keeps_one_writer_a_partition_and_its_memory_
         for _ in range(8):
             send_traffic(base, requests=8, concurrency=4)
             readings.append(server_memory(base, root))
+        time.sleep(1.0)  # idle before the stop: every step handed over (a server stopped mid-step loses its last)
     found = partitions(root)
-    assert len(found) >= 4 and all(finished_manifest(p)["complete"] is True for p in found)
+    manifests = {p.relative_to(root).as_posix(): finished_manifest(p) for p in found}
+    assert len(found) >= 4
+    assert not {name: m.get("error") or m.get("end") for name, m in manifests.items() if m["complete"] is not True}
     # a partition's writer process ends once it has closed its trace: at most the closing one beside the new one
     assert all(1 <= reading["writers"] <= 2 for reading in readings)
     assert all(reading["writer_mib"] <= 2 * 160 for reading in readings)
