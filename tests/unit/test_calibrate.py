@@ -120,7 +120,10 @@ def test_calibrate_command_writes_json_and_refuses_overwrite(tmp_path: Path) -> 
     assert {"torch", "python", "moetrace"} <= set(doc["versions"])
     assert {c["config"] for c in doc["experts"]} == {"tp2", "ep2"}
     assert all("fit" in c for c in doc["experts"])
-    assert {c["format"] for c in doc["int4_estimate"]} == {"int4"}
+    # INT4 is estimated for each config whose measured curve rose with the experts (a 2-core CPU under load can
+    # time a quick curve flat): its marginal weight bandwidth is what the estimate divides by
+    rising = {c["config"] for c in doc["experts"] if c["fit"]["per_expert_us"] > 0 and not c.get("table")}
+    assert {(e["config"], e["format"]) for e in doc["int4_estimate"]} == {(name, "int4") for name in rising}
     assert doc["allreduce"]["skipped"] and doc["allreduce"]["world_sizes_measured"] == []
     again = CliRunner().invoke(main, args, catch_exceptions=False)
     assert again.exit_code == 1 and "already exists" in again.output and "Traceback" not in again.output
