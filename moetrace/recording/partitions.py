@@ -43,11 +43,13 @@ def drop_oldest(root: Path, cap: int, keep: Path) -> list[Path]:
     """Delete the oldest partitions under ``root`` until it holds at most ``cap`` bytes, never ``keep`` (the one
     being written); returns those deleted, oldest first. Emptied date and hour folders go with them."""
     dropped = []
+    held = bytes_under(root)  # walked once (this runs on the engine thread), less each partition as it goes
     for partition in partitions(root):
-        if not over_cap(root, cap):
+        if held <= cap:
             break
         if partition == keep or keep.is_relative_to(partition):
             continue
+        held -= bytes_under(partition)
         shutil.rmtree(partition, ignore_errors=True)
         dropped.append(partition)
         for parent in partition.parents:  # hour=, then date= folders left empty
