@@ -86,21 +86,41 @@ class WindowSample:
             pl.col("step_key").hash(seed=1) % HASH_RANGE < int(share * HASH_RANGE))
 
 
-def window_sample(routing: pl.LazyFrame, trace_k: int, columns: list[str],
-                  max_rows: int = MAX_SAMPLE_ROWS) -> WindowSample:
-    """One pass over the trace per table (see ``WindowSample``); ``columns`` besides the keys every window needs."""
+def sample_share(rows: int, max_rows: int = MAX_SAMPLE_ROWS) -> float:
+    """The share of a trace of ``rows`` routing rows that ``sampled_windows`` keeps: all of it up to ``max_rows``."""
+    return min(1.0, max_rows / max(rows, 1))
+
+
+def sampled_windows(routing: pl.LazyFrame, share: float, columns: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The accepted and stepped tables of a ``WindowSample`` at ``share``, one pass over the rows per table;
+    ``columns`` besides the keys every window needs. Each row is kept or not by a hash of its own block or step
+    key, so the sample of a trace's parts is the sample of the whole."""
     keys = ["layer", "step", "dp_rank", "request", "position", "phase", "draft_pos", "accepted"]
-    total = int(routing.select(pl.len()).collect().item())
-    share = min(1.0, max_rows / max(total, 1))
-    keep = int(share * HASH_RANGE)
     accepted = accepted_sequence(routing)
     stepped = routing.filter(not_prefill()).with_columns(step_key())
     if share < 1.0:
-        block = pl.struct(pl.col("request"), pl.col("position") // SAMPLE_BLOCK).hash(seed=0) % HASH_RANGE
-        accepted = accepted.filter(block < keep)
-        stepped = stepped.filter(pl.col("step_key").hash(seed=0) % HASH_RANGE < keep)
+        accepted, stepped = accepted.filter(block_sampled(share)), stepped.filter(step_sampled(share))
     chosen = [*keys, *columns]
-    return WindowSample(accepted.select(chosen).collect(), stepped.select(*chosen, "step_key").collect(), share)
+    return accepted.select(chosen).collect(), stepped.select(*chosen, "step_key").collect()
+
+
+def block_sampled(share: float) -> pl.Expr:
+    """Whether a routing row's position block ``(request, position // SAMPLE_BLOCK)`` is in the sample at
+    ``share``: a hash below the share of its range, so a smaller share keeps a subset of a larger one's blocks."""
+    block = pl.struct(pl.col("request"), pl.col("position") // SAMPLE_BLOCK).hash(seed=0) % HASH_RANGE
+    return block < int(share * HASH_RANGE)
+
+
+def step_sampled(share: float) -> pl.Expr:
+    """Whether a row's step (``step_key``) is in the sample at ``share`` (as ``block_sampled``)."""
+    return pl.col("step_key").hash(seed=0) % HASH_RANGE < int(share * HASH_RANGE)
+
+
+def window_sample(routing: pl.LazyFrame, trace_k: int, columns: list[str],
+                  max_rows: int = MAX_SAMPLE_ROWS) -> WindowSample:
+    """A ``WindowSample`` of the trace (see ``sampled_windows``)."""
+    share = sample_share(int(routing.select(pl.len()).collect().item()), max_rows)
+    return WindowSample(*sampled_windows(routing, share, columns), share)
 
 
 def window_share(rows: int, layers: int, k: int, max_windows: int) -> float:

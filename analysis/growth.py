@@ -50,6 +50,19 @@ GROWTH_SCHEMA: dict[str, pl.DataType] = {
     "busiest_rank_experts": pl.Float64(),
     "ranks_touched": pl.Float64(),
 }
+WINDOW_KEYS = ["layer", "k", "source", "scope"]
+# The growth table before its means: integer sums over windows, so that the sums of two parts of a trace (two
+# partitions of an always-on recording) are the sums of the whole, exactly.
+WINDOW_SUMS_SCHEMA: dict[str, pl.DataType] = {
+    "layer": pl.UInt16(),
+    "k": pl.Int32(),
+    "source": pl.String(),
+    "scope": pl.String(),
+    "windows": pl.Int64(),
+    "unique_sum": pl.Int64(),
+    "busiest_sum": pl.Int64(),
+    "touched_sum": pl.Int64(),
+}
 
 
 def _layer_parts(frame: pl.DataFrame) -> Iterator[tuple[int, pl.DataFrame]]:
@@ -66,32 +79,42 @@ def _window_row(
 ) -> dict[str, object] | None:
     if len(unions) == 0:
         return None
-    unique = float(count_experts(unions).mean())
+    unique = count_experts(unions)
     if len(ranks) == 1:  # every expert on one rank: nothing more to count
-        busiest, touched = unique, 1.0
+        busiest, touched = int(unique.sum()), len(unions)
     else:
         on_rank = per_rank_counts(unions, ranks)
-        busiest, touched = float(on_rank.max(axis=1).mean()), float((on_rank > 0).sum(axis=1).mean())
+        busiest, touched = int(on_rank.max(axis=1).sum()), int((on_rank > 0).sum())
     return {
         "layer": layer,
         "k": k,
         "source": source,
         "scope": scope,
         "windows": len(unions),
-        "unique_experts": unique,
-        "busiest_rank_experts": busiest,
-        "ranks_touched": touched,
+        "unique_sum": int(unique.sum()),
+        "busiest_sum": busiest,
+        "touched_sum": touched,
     }
 
 
 def _frame(rows: Sequence[dict[str, object] | None]) -> pl.DataFrame:
-    return pl.DataFrame([row for row in rows if row is not None], schema=GROWTH_SCHEMA, orient="row")
+    return pl.DataFrame([row for row in rows if row is not None], schema=WINDOW_SUMS_SCHEMA, orient="row")
 
 
-def counterfactual_growth(
+def window_means(sums: pl.DataFrame) -> pl.DataFrame:
+    """Window sums (``WINDOW_SUMS_SCHEMA``) as means per window (``GROWTH_SCHEMA``): sums of whole numbers below
+    2^53 are exact in float64, so a mean is the one correctly rounded quotient however the sums were split."""
+    per_window = [(pl.col(total) / pl.col("windows")).alias(mean) for total, mean in
+                  (("unique_sum", "unique_experts"), ("busiest_sum", "busiest_rank_experts"),
+                   ("touched_sum", "ranks_touched"))]
+    return sums.select(*WINDOW_KEYS, "windows", *per_window).cast(GROWTH_SCHEMA)  # type: ignore[arg-type]
+
+
+def counterfactual_window_sums(
     routing: pl.LazyFrame, num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64]
 ) -> pl.DataFrame:
-    """Unique experts per window of k+1 consecutive accepted tokens, per layer and k (see module doc).
+    """Window sums (``WINDOW_SUMS_SCHEMA``) of unique experts per window of k+1 consecutive accepted tokens, per
+    layer and k (see module doc).
 
     Token-major traces (every token's layers on consecutive rows, in one layer order, and each request's positions
     increasing from batch to batch: what the recorder writes) are streamed in batches, without a sort; anything else
@@ -190,10 +213,11 @@ def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
     return WindowRows(**columns)
 
 
-def measured_growth(
+def measured_window_sums(
     rows: WindowRows, num_experts: int, trace_k: int, expert_rank: npt.NDArray[np.int64]
 ) -> pl.DataFrame:
-    """Unique experts per recorded verification window (per request) and per step (whole batch), k = 0..trace_k.
+    """Window sums (``WINDOW_SUMS_SCHEMA``) of unique experts per recorded verification window (per request) and
+    per step (whole batch), k = 0..trace_k.
     ``rows``: ``decode_and_verify`` of the trace."""
     ranks = rank_masks(expert_rank, num_experts)
     found: list[dict[str, object] | None] = []
@@ -213,9 +237,10 @@ def measured_growth(
     return _frame(found)
 
 
-def rejected_only_experts(rows: WindowRows, num_experts: int) -> pl.DataFrame:
-    """Per layer, over verification windows with drafts: mean unique experts and mean experts that only rejected
-    drafts pulled in (read for nothing). ``rows``: ``decode_and_verify`` of the trace."""
+def rejected_only_sums(rows: WindowRows, num_experts: int) -> pl.DataFrame:
+    """Per layer, over verification windows with drafts: the windows, their unique experts and the experts that
+    only rejected drafts pulled in (read for nothing), summed (``rejected_only_experts`` takes the means).
+    ``rows``: ``decode_and_verify`` of the trace."""
     found = []
     for layer, everything_in_layer in rows.by_layer():
         part = everything_in_layer.take(np.flatnonzero(everything_in_layer.is_verify))
@@ -228,25 +253,39 @@ def rejected_only_experts(rows: WindowRows, num_experts: int) -> pl.DataFrame:
         kept = group_union(np.where(part.in_sequence[:, None], masks, np.uint64(0)), starts)[has_drafts]
         if len(everything) == 0:
             continue
-        unique = count_experts(everything)
-        rejected_only = count_experts(everything & ~kept)
-        found.append(
-            {
-                "layer": layer,
-                "windows": len(everything),
-                "unique_experts": float(unique.mean()),
-                "rejected_only_experts": float(rejected_only.mean()),
-                "rejected_only_share": float(rejected_only.sum() / unique.sum()),
-            }
-        )
-    schema = {
-        "layer": pl.UInt16(),
-        "windows": pl.Int64(),
-        "unique_experts": pl.Float64(),
-        "rejected_only_experts": pl.Float64(),
-        "rejected_only_share": pl.Float64(),
-    }
-    return pl.DataFrame(found, schema=schema, orient="row")
+        found.append((layer, len(everything), int(count_experts(everything).sum()),
+                      int(count_experts(everything & ~kept).sum())))
+    return pl.DataFrame(found, schema=REJECTED_SUMS_SCHEMA, orient="row")
+
+
+REJECTED_SUMS_SCHEMA: dict[str, pl.DataType] = {
+    "layer": pl.UInt16(), "windows": pl.Int64(), "unique_sum": pl.Int64(), "rejected_only_sum": pl.Int64()}
+
+
+def rejected_only_experts(sums: pl.DataFrame) -> pl.DataFrame:
+    """Per layer: windows, mean unique experts, mean rejected-only experts and their share of the unique ones, from
+    ``rejected_only_sums`` (of one trace, or summed over its partitions)."""
+    return sums.select(
+        "layer",
+        "windows",
+        unique_experts=pl.col("unique_sum") / pl.col("windows"),
+        rejected_only_experts=pl.col("rejected_only_sum") / pl.col("windows"),
+        rejected_only_share=pl.col("rejected_only_sum") / pl.col("unique_sum"),
+    )
+
+
+def growth_sums(
+    routing: pl.LazyFrame,
+    num_experts: int,
+    ks: Sequence[int],
+    trace_k: int,
+    expert_rank: npt.NDArray[np.int64],
+    rows: WindowRows,
+) -> pl.DataFrame:
+    """Window sums of the measured (k ≤ trace_k) and counterfactual (every k in ks) growth per layer.
+    ``rows``: ``decode_and_verify`` of ``routing``."""
+    measured = measured_window_sums(rows, num_experts, min(trace_k, max(ks, default=0)), expert_rank)
+    return pl.concat([measured, counterfactual_window_sums(routing, num_experts, ks, expert_rank)])
 
 
 def growth(
@@ -258,18 +297,22 @@ def growth(
     expert_rank: npt.NDArray[np.int64],
     rows: WindowRows | None = None,
 ) -> pl.DataFrame:
-    """Measured (k ≤ trace_k) and counterfactual (every k in ks) growth per layer, with the uniform bound and the
-    routing locality (unique experts / uniform bound: below 1 means tokens share experts more than chance).
+    """Measured (k ≤ trace_k) and counterfactual (every k in ks) growth per layer (``growth_table``).
     ``rows``: ``decode_and_verify`` of the trace when the caller has it already."""
     rows = decode_and_verify(routing) if rows is None else rows
-    measured = measured_growth(rows, num_experts, min(trace_k, max(ks, default=0)), expert_rank)
-    combined = pl.concat([measured, counterfactual_growth(routing, num_experts, ks, expert_rank)])
+    return growth_table(growth_sums(routing, num_experts, ks, trace_k, expert_rank, rows), num_experts, top_k, ks)
+
+
+def growth_table(sums: pl.DataFrame, num_experts: int, top_k: int, ks: Sequence[int]) -> pl.DataFrame:
+    """The growth table from ``growth_sums`` (of one trace, or summed over its partitions): means per window, the
+    uniform bound and the routing locality (unique experts / uniform bound: below 1 means tokens share experts more
+    than chance)."""
     uniform = pl.DataFrame(
         {"k": list(ks), "uniform_bound": [uniform_unique_experts(num_experts, top_k, k + 1) for k in ks]},
         schema={"k": pl.Int32(), "uniform_bound": pl.Float64()},
     )
     return (
-        combined.join(uniform, on="k", how="left")
+        window_means(sums).join(uniform, on="k", how="left")
         .with_columns(
             # The bound is for one request's k+1 tokens; a batch holds more tokens, so it has none.
             uniform_bound=pl.when(pl.col("scope") == PER_REQUEST).then(pl.col("uniform_bound")),

@@ -1,4 +1,4 @@
-"""The streamed path of the counterfactual growth (``growth.counterfactual_growth``): a token-major trace (every
+"""The streamed path of the counterfactual growth (``growth.counterfactual_window_sums``): a token-major trace (every
 token's layers on consecutive rows, in one layer order, each request's positions increasing from batch to batch:
 what the recorder writes) read in batches, windows of k+1 consecutive accepted tokens counted as they complete,
 without a sort."""
@@ -159,10 +159,10 @@ class _WindowStats:
                 windows = self.windows[k]
                 if windows == 0:
                     continue
-                unique = int(self.unique[k][index]) / windows
-                busiest, touched = unique, 1.0
+                unique = int(self.unique[k][index])
+                busiest, touched = unique, windows
                 if len(self.ranks) > 1:
-                    busiest, touched = int(self.busiest[k][index]) / windows, int(self.touched[k][index]) / windows
+                    busiest, touched = int(self.busiest[k][index]), int(self.touched[k][index])
                 rows.append(
                     {
                         "layer": int(layers[index]),
@@ -170,9 +170,9 @@ class _WindowStats:
                         "source": source,
                         "scope": scope,
                         "windows": windows,
-                        "unique_experts": unique,
-                        "busiest_rank_experts": busiest,
-                        "ranks_touched": touched,
+                        "unique_sum": unique,
+                        "busiest_sum": busiest,
+                        "touched_sum": touched,
                     }
                 )
         return rows
@@ -296,7 +296,7 @@ def counterfactual_streamed(
     scope: str
 ) -> list[dict[str, object]]:
     """Counterfactual windows of k+1 consecutive accepted tokens over a token-major trace, streamed in batches:
-    one row of sums per (layer, k) (``growth.GROWTH_SCHEMA``, labelled ``source`` and ``scope``); raises
+    one row of sums per (layer, k) (``growth.WINDOW_SUMS_SCHEMA``, labelled ``source`` and ``scope``); raises
     ``NotTokenMajor`` for a trace not laid out so."""
     query = routing.select("request", "position", "layer", "experts", in_sequence().alias("in_sequence"))
     tokens = _TokenMajor(_batches(query), ("request", "position"), keep="in_sequence")

@@ -95,12 +95,12 @@ def generate(root: Path, tokens: int, layers: int) -> None:
 
 
 def run_moetrace(root: Path) -> list[dict[str, object]]:
-    from moetrace.analysis.growth import counterfactual_growth
+    from moetrace.analysis.growth import counterfactual_window_sums, window_means
     from moetrace.analysis.placement import linear_placement
     from moetrace.trace.reader import open_trace
 
     trace = open_trace(root)
-    frame = counterfactual_growth(trace.routing(), NUM_EXPERTS, KS, linear_placement(NUM_EXPERTS, 1))
+    frame = window_means(counterfactual_window_sums(trace.routing(), NUM_EXPERTS, KS, linear_placement(NUM_EXPERTS, 1)))
     return frame.select("layer", "k", "unique_experts").to_dicts()
 
 

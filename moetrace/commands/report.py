@@ -18,6 +18,7 @@ from moetrace.analysis.shape import SHAPE_PRESETS
 from moetrace.errors import UserError, refuse_existing
 from moetrace.report.budget_sweep import budget_runs, budget_sweep_summary, print_budget_sweep, recorded_concurrency
 from moetrace.report.dashboard import render_dashboard
+from moetrace.report.distributed import check_address
 from moetrace.analysis.decision import DEFAULT_BATCHES, batches_from
 from moetrace.trace.reader import run_path
 from moetrace.report.inputs import DEFAULT_PREDICTION, check_k, model_shape, open_run
@@ -131,6 +132,9 @@ def _coverage(value: float) -> float:
 @click.option("--min-agreement", type=float, default=0.99, show_default=True,
               help="A budget sweep: the least share of tokens a budget's greedy output must share with the "
                    "unbudgeted run's for its budget to be recommended.")
+@click.option("--ray", "ray_address", default=None, metavar="auto|local|HOST:PORT",
+              help="An always-on recording: summarise each partition as a Ray task (auto: the cluster this machine "
+                   "belongs to, local: a new one on this machine's cores) and cache each summary in its partition.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Dashboard file [default: TRACE/report.html, or NAME-vs-NAME.report.html for several].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
@@ -152,6 +156,7 @@ def report(
     routing: str,
     batch_text: str,
     min_agreement: float,
+    ray_address: str | None,
     output: Path | None,
     as_json: bool,
     force: bool,
@@ -188,6 +193,7 @@ def report(
         preset=preset,
         measured_baseline=measured_baseline,
         k0_sync=k0_sync,
+        ray=ray_address,
     )
     if options.max_k < k:
         raise UserError(f"--max-k {options.max_k}: must be at least --k {k}")
@@ -196,8 +202,12 @@ def report(
     _refuse_overwrite_unless_dashboard(dashboard, force)
     if not 0.0 <= min_agreement <= 1.0:
         raise UserError(f"--min-agreement {min_agreement}: must be in [0, 1]")
+    if ray_address is not None:
+        check_address(ray_address)
     swept = budget_runs(traces[0]) if len(traces) == 1 else []
     runs = [open_run(path, k) for path in swept or traces]
+    if ray_address is not None and (one := next((run for run in runs if not run.primary.parts), None)):
+        raise UserError(f"--ray: {one.path} is not an always-on recording's partitions (report it without --ray)")
     if swept:  # what a budget's routing buys is measured at the concurrency that routing was recorded at
         options = dataclasses.replace(options, batches=(recorded_concurrency(runs[0].primary),))
     analyses = [analyse_run(run, options) for run in runs]

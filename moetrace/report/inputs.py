@@ -57,6 +57,7 @@ class Run:
     path: Path
     traces: list[Trace]
     primary: Trace
+    routing_rows: dict[int, int]  # routing rows per k
 
     @property
     def label(self) -> str:
@@ -72,11 +73,12 @@ def open_run(path: Path, k: int) -> Run:
     the one recorded at ``k``, else the one with the largest k."""
     path = run_path(path) if path.exists() else path
     traces = open_traces(path)
+    rows = {trace.k: int(trace.routing().select(pl.len()).collect().item()) for trace in traces}
     for trace in traces:
-        if trace.routing().select(pl.len()).collect().item() == 0:
+        if rows[trace.k] == 0:
             raise UserError(f"{trace.path}: trace has no routing rows (no readable routing/*.parquet)")
     exact = [trace for trace in traces if trace.k == k]
-    return Run(path=path, traces=traces, primary=exact[0] if exact else traces[-1])
+    return Run(path=path, traces=traces, primary=exact[0] if exact else traces[-1], routing_rows=rows)
 
 
 def check_k(k: int) -> None:

@@ -21,7 +21,7 @@ from moetrace.analysis.acceptance import (
     step_times,
 )
 from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps
-from moetrace.analysis.budgets import WindowSample, budget_curves, smallest_budgets, window_sample
+from moetrace.analysis.budgets import WindowSample, budget_curves, sample_share, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, union_means, uniform_unions
 from moetrace.analysis.consistency import disagreement, routing_gaps
 from moetrace.analysis.decision import (
@@ -38,15 +38,16 @@ from moetrace.analysis.growth import (
     MEASURED,
     WindowRows,
     decode_and_verify,
-    growth,
+    growth_table,
     rejected_only_experts,
 )
-from moetrace.analysis.load import expert_load
 from moetrace.analysis.policies import compare_policies, policy_verdict
 from moetrace.analysis.profile import Profile
+from moetrace.analysis.routing_summary import RoutingSummary, SummaryRequest, summarise_routing
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
 from moetrace.errors import UserError
+from moetrace.report.distributed import partitioned_summary
 from moetrace.report.placements import held_out_comparison
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace
@@ -75,6 +76,7 @@ class Options:
     preset: PredictionPreset | None = None  # the shipped deployment assumption, used without calibration/profile
     measured_baseline: bool = False  # --profile measured: the sweep's own k=0 step times instead of a profile
     k0_sync: Path | None = None  # --k0-sync: a k=0 trace recorded with async scheduling off
+    ray: str | None = None  # --ray: an always-on recording's partitions summarised on this Ray cluster
 
     @property
     def predicts(self) -> bool:
@@ -131,12 +133,31 @@ MAX_BUDGET_WINDOWS = 5_000
 MAX_BUDGET_WINDOWS_ALL_LAYERS = 30_000
 
 
+def sample_columns(trace: Trace) -> tuple[str, ...]:
+    """The routing columns the window sample keeps besides its keys (budgets rank by candidates where recorded)."""
+    candidates = trace.manifest.capture.candidates > 0
+    return ("experts", "weights", *(("cand_experts", "cand_scores") if candidates else ()))
+
+
 def trace_windows(run: Run) -> WindowSample:
     """The rows every windowed analysis (budgets, batch unions) cuts its windows from, read once."""
     trace = run.primary
-    candidates = trace.manifest.capture.candidates > 0
-    return window_sample(trace.routing(), trace.k, ["experts", "weights",
-                                                    *(["cand_experts", "cand_scores"] if candidates else [])])
+    return window_sample(trace.routing(), trace.k, list(sample_columns(trace)))
+
+
+def summary_request(trace: Trace, num_experts: int, max_k: int, placement: npt.NDArray[np.int64],
+                    rows: int) -> SummaryRequest:
+    """What the report asks of a trace of ``rows`` routing rows (``analysis.routing_summary``)."""
+    return SummaryRequest(num_experts, tuple(range(max_k + 1)), trace.k, placement, sample_share(rows),
+                          sample_columns(trace))
+
+
+def primary_summary(run: Run, request: SummaryRequest) -> tuple[RoutingSummary, WindowRows]:
+    """The primary trace's routing summary on this machine, and its non-prefill rows (placements take them)."""
+    trace = run.primary
+    routing = trace.routing()
+    rows = decode_and_verify(routing)
+    return summarise_routing(routing, trace.steps(), rows, request), rows
 
 
 def budget_curves_per_k(run: Run, sample: WindowSample, ks: range, expert_bytes: int) -> tuple[pl.DataFrame, float]:
@@ -293,13 +314,16 @@ def self_check(analysis: RunAnalysis) -> list[str]:
 CHECK_TOLERANCE = 0.01
 
 
-def placement_scores(trace: Trace, rows: WindowRows, ep: int) -> tuple[pl.DataFrame | None, str | None]:
+def placement_scores(trace: Trace, rows: WindowRows | None, ep: int) -> tuple[pl.DataFrame | None, str | None]:
     """Under expert parallelism (``ep`` > 1) with verification windows: ``moetrace place``'s held-out comparison
     of the verification-aware placement, vLLM's EPLB and the linear one (no redundant experts); else None. A
-    comparison that cannot be made is a note, not a failed report."""
+    comparison that cannot be made is a note, not a failed report. ``rows`` None: the rows were summarised per
+    partition (--ray) and never met on one machine."""
     experts = trace.manifest.model.num_experts
     if ep < 2 or trace.k == 0:
         return None, None
+    if rows is None:
+        return None, "placements not compared under --ray: the held-out comparison needs every row on one machine"
     if experts % ep:
         return None, f"placements not compared: {experts} experts do not split evenly over {ep} ranks"
     try:
@@ -324,11 +348,12 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     tp = parallel_size(trace.manifest.parallel.tp, "tp", options.tp)
     ep = parallel_size(trace.manifest.parallel.ep, "ep", options.ep)
     placement = expert_placement(trace, ep, options.placement_file)
-    routing = trace.routing()
-    rows = decode_and_verify(routing)
-    growth_table = growth(
-        routing, shape.num_experts, shape.top_k, range(options.max_k + 1), trace.k, placement, rows
-    )
+    request = summary_request(trace, shape.num_experts, options.max_k, placement, run.routing_rows[trace.k])
+    if options.ray is not None and trace.parts:
+        summary, rows = partitioned_summary(trace, request, options.ray), None
+    else:
+        summary, rows = primary_summary(run, request)
+    growth = growth_table(summary.growth, shape.num_experts, shape.top_k, request.ks)
     by_position = pl.concat(
         [acceptance_by_position(t.steps(), t.k).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
     )
@@ -338,9 +363,9 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
          .with_columns(step_ms=pl.lit(None, pl.Float64) if t.lacks("step_timing") else pl.col("step_ms"))
          for t in run.traces]
     ).select("k", pl.exclude("k")).lazy())
-    disagreements = {t.k: found for t in run.traces
-                     if (found := disagreement(routing_gaps(t.routing(), t.steps()))) is not None}
-    sample = trace_windows(run)
+    gaps = {t.k: summary.gaps if t is trace else routing_gaps(t.routing(), t.steps()) for t in run.traces}
+    disagreements = {k: found for k, table in gaps.items() if (found := disagreement(table)) is not None}
+    sample = WindowSample(summary.accepted, summary.stepped, request.share)
     curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape.expert_bytes)
     if trace.lacks("router_weights"):  # budgets are by routing-weight coverage
         curves = curves.clear()
@@ -377,8 +402,8 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         shape=shape,
         tp=tp,
         ep=ep,
-        growth=growth_table,
-        rejected_only=rejected_only_experts(rows, shape.num_experts),
+        growth=growth,
+        rejected_only=rejected_only_experts(summary.rejected_only),
         unions=inputs,
         step_bytes=bytes_table,
         acceptance_by_position=by_position,
@@ -388,7 +413,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         budget_curves=curves,
         budget_share=budget_share,
         budgets=smallest_budgets(at_k.lazy(), options.coverage),
-        load=expert_load(rows, shape.num_experts),
+        load=summary.load,
         k=options.k,
         prediction=prediction,
         prediction_basis=basis,

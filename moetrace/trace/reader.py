@@ -105,14 +105,18 @@ class Trace:
 
     def _in_sequence(self, frames: list[pl.LazyFrame]) -> pl.LazyFrame:
         """Every partition's rows, its steps and requests numbered on after the partition before it's."""
-        return pl.concat([
-            frame.with_columns(step=(pl.col("step").cast(pl.Int64) + first_step).cast(pl.UInt32),
-                               request=(pl.col("request").cast(pl.Int64) + first_request).cast(pl.UInt32))
-            for frame, (_, first_step, first_request) in zip(frames, self.parts)
-        ])
+        return pl.concat([numbered_on(frame, first_step, first_request)
+                          for frame, (_, first_step, first_request) in zip(frames, self.parts)])
 
     def telemetry(self) -> pl.LazyFrame | None:
         return pl.scan_parquet(self.telemetry_files, glob=False) if self.telemetry_files else None
+
+
+def numbered_on(frame: pl.LazyFrame, first_step: int, first_request: int) -> pl.LazyFrame:
+    """A partition's routing or steps rows with its steps and requests numbered from ``first_step`` and
+    ``first_request`` (where they start in its recording: ``Trace.parts``)."""
+    return frame.with_columns(step=(pl.col("step").cast(pl.Int64) + first_step).cast(pl.UInt32),
+                              request=(pl.col("request").cast(pl.Int64) + first_request).cast(pl.UInt32))
 
 
 def _scan(files: list[Path], schema: pa.Schema) -> pl.LazyFrame:

@@ -10,11 +10,13 @@ import polars as pl
 import pytest
 
 from moetrace.analysis.growth import (
-    counterfactual_growth,
+    counterfactual_window_sums,
     growth,
     decode_and_verify,
-    measured_growth,
+    measured_window_sums,
     rejected_only_experts,
+    rejected_only_sums,
+    window_means,
 )
 from moetrace.analysis.concurrency import uniform_unique_experts
 from moetrace.analysis.placement import linear_placement
@@ -50,16 +52,16 @@ def test_measured_growth_of_rows_out_of_recording_order_equals_the_recorded_orde
     ordered = routing_frame(tokens, MODEL)
     shuffled = ordered.collect().sample(fraction=1.0, shuffle=True, seed=0).lazy()
     placement = linear_placement(16, EP)
-    expected = measured_growth(decode_and_verify(ordered), MODEL.num_experts, 3, placement)
-    assert measured_growth(decode_and_verify(shuffled), MODEL.num_experts, 3, placement).equals(expected)
+    expected = measured_window_sums(decode_and_verify(ordered), MODEL.num_experts, 3, placement)
+    assert measured_window_sums(decode_and_verify(shuffled), MODEL.num_experts, 3, placement).equals(expected)
 
 
 def test_measured_matches_brute_force() -> None:
     tokens = verify_tokens(np.random.default_rng(1), MODEL, requests=3, steps=12, k=3, accept_prob=0.6,
                            variable_drafts=True)
     rows = _rows(tokens)
-    frame = measured_growth(decode_and_verify(routing_frame(tokens, MODEL)), MODEL.num_experts, 3,
-                            linear_placement(16, EP))
+    frame = window_means(measured_window_sums(decode_and_verify(routing_frame(tokens, MODEL)), MODEL.num_experts, 3,
+                                              linear_placement(16, EP)))
     for layer in MODEL.layers:
         mine = [r for r in rows if r["layer"] == layer and r["phase"] != "prefill"]
         by_window: dict[tuple[object, object], list[dict[str, object]]] = defaultdict(list)
@@ -83,7 +85,8 @@ def test_counterfactual_matches_brute_force() -> None:
     tokens = verify_tokens(np.random.default_rng(2), MODEL, requests=2, steps=15, k=2, accept_prob=0.5,
                            variable_drafts=True)
     rows = _rows(tokens)
-    frame = counterfactual_growth(routing_frame(tokens, MODEL), MODEL.num_experts, range(6), linear_placement(16, EP))
+    frame = window_means(counterfactual_window_sums(routing_frame(tokens, MODEL), MODEL.num_experts, range(6),
+                                                    linear_placement(16, EP)))
     for layer in MODEL.layers:
         in_sequence = [
             r
@@ -102,7 +105,8 @@ def test_counterfactual_matches_brute_force() -> None:
 def test_uniform_random_routing_meets_closed_form() -> None:
     model = Model(num_experts=384, top_k=8, layers=(0,))
     tokens = decode_tokens(np.random.default_rng(3), model, requests=4, steps=6000)
-    frame = counterfactual_growth(routing_frame(tokens, model), 384, range(1, 9), linear_placement(384, 1))
+    frame = window_means(counterfactual_window_sums(routing_frame(tokens, model), 384, range(1, 9),
+                                                    linear_placement(384, 1)))
     for row in frame.to_dicts():
         assert row["unique_experts"] == pytest.approx(uniform_unique_experts(384, 8, row["k"] + 1), rel=0.01)
 
@@ -135,7 +139,7 @@ def test_rejected_only_matches_brute_force() -> None:
     tokens = verify_tokens(np.random.default_rng(6), MODEL, requests=3, steps=10, k=3, accept_prob=0.5,
                            variable_drafts=True)
     rows = _rows(tokens)
-    frame = rejected_only_experts(decode_and_verify(routing_frame(tokens, MODEL)), 16)
+    frame = rejected_only_experts(rejected_only_sums(decode_and_verify(routing_frame(tokens, MODEL)), 16))
     for layer in MODEL.layers:
         windows: dict[tuple[object, object], list[dict[str, object]]] = defaultdict(list)
         for r in rows:

@@ -15,7 +15,7 @@ from polars.testing import assert_frame_equal
 import moetrace.analysis.growth as growth_module
 import moetrace.analysis.streamed_windows as streamed_module
 from moetrace.analysis.expert_sets import MaskTable, expert_masks, window_union
-from moetrace.analysis.growth import counterfactual_growth
+from moetrace.analysis.growth import counterfactual_window_sums, window_means
 from moetrace.analysis.placement import linear_placement
 from moetrace.trace.reader import open_trace
 from trace_builder import Model, decode_tokens, routing_frame, verify_tokens, write_trace
@@ -84,9 +84,9 @@ def test_streamed_matches_brute_force_across_batches(
     tokens = verify_tokens(np.random.default_rng(7), MODEL, requests=3, steps=25, k=3, accept_prob=0.6,
                            variable_drafts=True)
     routing = routing_frame(tokens, MODEL)
-    result = counterfactual_growth(routing, MODEL.num_experts, KS, linear_placement(16, ep))
+    result = counterfactual_window_sums(routing, MODEL.num_experts, KS, linear_placement(16, ep))
     assert not general_path_calls
-    assert_brute_force(result, routing.collect(), ep)
+    assert_brute_force(window_means(result), routing.collect(), ep)
     assert_frame_equal(result, growth_module._counterfactual_sorted(routing, 16, KS, linear_placement(16, ep)))
 
 
@@ -114,7 +114,7 @@ def test_other_layouts_take_the_general_path(
         routing = frame.filter(pl.int_range(pl.len()) != frame.height // 2).lazy()
     else:
         routing = frame.reverse().lazy()
-    result = counterfactual_growth(routing, MODEL.num_experts, KS, linear_placement(16, 4))
+    result = window_means(counterfactual_window_sums(routing, MODEL.num_experts, KS, linear_placement(16, 4)))
     assert general_path_calls
     assert_brute_force(result, routing.collect(), 4)
 
@@ -130,7 +130,7 @@ def test_repeated_positions_count_rows_like_the_general_path(general_path_calls:
         [np.arange(0, 11 * width), np.arange(10 * width, 25 * width), np.arange(26 * width, frame.height)]
     )  # token 10 twice, token 25 missing
     routing = frame[rows].lazy()
-    result = counterfactual_growth(routing, MODEL.num_experts, KS, linear_placement(16, 4))
+    result = window_means(counterfactual_window_sums(routing, MODEL.num_experts, KS, linear_placement(16, 4)))
     assert not general_path_calls
     assert_brute_force(result, routing.collect(), 4)
 
@@ -138,7 +138,8 @@ def test_repeated_positions_count_rows_like_the_general_path(general_path_calls:
 def test_streamed_from_parquet_files(tmp_path: Path, general_path_calls: list[int]) -> None:
     tokens = verify_tokens(np.random.default_rng(10), MODEL, requests=4, steps=40, k=3, accept_prob=0.7)
     trace = open_trace(write_trace(tmp_path / "t", tokens, MODEL, k=3, files=3))
-    result = counterfactual_growth(trace.routing(), MODEL.num_experts, KS, linear_placement(16, 2))
+    result = window_means(counterfactual_window_sums(trace.routing(), MODEL.num_experts, KS,
+                                                     linear_placement(16, 2)))
     assert not general_path_calls
     assert_brute_force(result, trace.routing().collect(), 2)
 
@@ -146,9 +147,9 @@ def test_streamed_from_parquet_files(tmp_path: Path, general_path_calls: list[in
 def test_empty_and_single_token() -> None:
     tokens = decode_tokens(np.random.default_rng(11), MODEL, requests=1, steps=1)
     frame = routing_frame(tokens, MODEL)
-    one = counterfactual_growth(frame, 16, KS, linear_placement(16, 1))
+    one = counterfactual_window_sums(frame, 16, KS, linear_placement(16, 1))
     assert one["k"].to_list() == [0, 0, 0] and one["windows"].to_list() == [1, 1, 1]
-    empty = counterfactual_growth(frame.filter(pl.lit(False)), 16, KS, linear_placement(16, 1))
+    empty = counterfactual_window_sums(frame.filter(pl.lit(False)), 16, KS, linear_placement(16, 1))
     assert empty.height == 0 and empty.schema == one.schema
 
 

@@ -4,6 +4,10 @@ report equals that of the same rows recorded as one trace; bad partitions named.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,10 +17,17 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from polars.testing import assert_frame_equal
 
+from moetrace.analysis.growth import decode_and_verify
+from moetrace.analysis.placement import linear_placement
+from moetrace.analysis.predicates import accepted_sequence
+from moetrace.analysis.routing_summary import RoutingSummary, SummaryRequest, added_summaries, summarise_routing
 from moetrace.cli import main
 from moetrace.errors import UserError
-from moetrace.trace.reader import open_traces
+from moetrace.report.distributed import CACHE_DIR, partition_summary
+from moetrace.trace.manifest import Manifest
+from moetrace.trace.reader import Trace, open_traces
 from trace_builder import Model, Tokens, verify_tokens, write_trace
 
 MODEL = Model(num_experts=32, top_k=2)
@@ -108,3 +119,111 @@ def test_a_partition_of_another_k_is_refused_naming_it(recorded: tuple[Path, Pat
     (root / HOUR_16 / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(UserError, match=r"hour=16: not a partition of the recording .*spec\.k differs"):
         open_traces(root)
+
+
+# --- per-partition summaries (analysis.routing_summary), their cache and --ray (report.distributed) ---
+
+def summary_request(share: float) -> SummaryRequest:
+    return SummaryRequest(MODEL.num_experts, tuple(range(6)), 2, linear_placement(MODEL.num_experts, 4), share,
+                          ("experts", "weights"))
+
+
+def whole_summary(trace: Trace, request: SummaryRequest) -> RoutingSummary:
+    return summarise_routing(trace.routing(), trace.steps(), decode_and_verify(trace.routing()), request)
+
+
+def assert_same_summary(mine: RoutingSummary, expected: RoutingSummary) -> None:
+    assert_frame_equal(mine.growth, expected.growth, check_row_order=False)
+    for name in ("rejected_only", "load", "gaps", "accepted", "stepped"):
+        assert_frame_equal(getattr(mine, name), getattr(expected, name)), name
+
+
+@pytest.mark.parametrize("share", [1.0, 0.4])
+def test_partition_summaries_added_equal_the_summary_of_all_rows(recorded: tuple[Path, Path], share: float) -> None:
+    root, _ = recorded
+    [trace] = open_traces(root)
+    request = summary_request(share)
+    parts = [partition_summary(part, first_step, first_request, request)
+             for part, first_step, first_request in trace.parts]
+    expected = whole_summary(trace, request)
+    assert expected.growth.height and expected.gaps["request_steps"].item() > 0
+    if share < 1.0:  # some rows sampled out, some kept
+        assert 0 < expected.accepted.height < accepted_sequence(trace.routing()).collect().height
+    assert_same_summary(added_summaries([part.summary for part in parts]), expected)
+    assert not any(part.cached for part in parts)
+
+
+def test_a_partition_summary_is_cached_and_serves_a_smaller_sample(recorded: tuple[Path, Path]) -> None:
+    root, _ = recorded
+    [trace] = open_traces(root)
+    part, first_step, first_request = trace.parts[1]
+    fresh = partition_summary(part, first_step, first_request, summary_request(1.0))
+    again = partition_summary(part, first_step, first_request, summary_request(1.0))
+    assert again.cached and not fresh.cached
+    assert_same_summary(again.summary, fresh.summary)
+    thinned = partition_summary(part, first_step, first_request, summary_request(0.3))
+    assert thinned.cached
+    assert_same_summary(thinned.summary, whole_summary(replace(part, parts=[(part, first_step, first_request)]),
+                                                       summary_request(0.3)))
+    # the cache holds the rows of its own numbering only: numbered from elsewhere, the partition is read again
+    assert not partition_summary(part, first_step + 1, first_request, summary_request(1.0)).cached
+
+
+def test_a_rewritten_or_unfinished_partition_is_read_again(recorded: tuple[Path, Path]) -> None:
+    root, _ = recorded
+    [trace] = open_traces(root)
+    part, first_step, first_request = trace.parts[0]
+    partition_summary(part, first_step, first_request, summary_request(1.0))
+    routing_file = part.routing_files[0]
+    pq.write_table(pq.read_table(routing_file).slice(0, 40), routing_file)  # the same file, other rows
+    assert not partition_summary(part, first_step, first_request, summary_request(1.0)).cached
+    unfinished = replace(part, manifest=Manifest.from_document({**part.manifest.document, "complete": False}))
+    shutil.rmtree(part.path / CACHE_DIR)
+    partition_summary(unfinished, first_step, first_request, summary_request(1.0))
+    assert not (part.path / CACHE_DIR).exists()
+
+
+@pytest.mark.parametrize("address, said", [("127.0.0.1:1", "no Ray cluster answers there"),
+                                           ("somewhere", "give auto, local or HOST:PORT")])
+def test_a_ray_address_that_does_not_answer_is_one_line_within_30_s(
+        recorded: tuple[Path, Path], address: str, said: str) -> None:
+    root, _ = recorded
+    started = time.monotonic()
+    result = CliRunner().invoke(main, ["report", str(root), "--ray", address])
+    assert result.exit_code == 1 and time.monotonic() - started < 30
+    assert result.output.count("\n") == 1 and said in result.output, result.output
+
+
+def test_ray_is_refused_for_a_trace_that_is_not_partitioned(recorded: tuple[Path, Path]) -> None:
+    _, whole = recorded
+    result = CliRunner().invoke(main, ["report", str(whole), "--ray", "local"])
+    assert result.exit_code == 1 and "not an always-on recording's partitions" in result.output, result.output
+
+
+def report_process(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "moetrace", "report", *args], capture_output=True, text=True,
+                          timeout=600, check=False)
+
+
+@pytest.mark.xdist_group("ray")
+def test_report_on_a_local_ray_cluster_equals_the_one_machine_report(tmp_path: Path) -> None:
+    """Three partitions summarised as Ray tasks on a new local cluster (this machine's 2 cores), as a user runs it:
+    the whole summary (decision, growth, acceptance, budgets, step reads) equals the one-machine report's; run
+    again, every partition's summary comes from its cache and the report is the same."""
+    rng = np.random.default_rng(3)
+    root = tmp_path / "always-on"
+    clock = 0
+    for hour in (15, 16, 17):
+        tokens = verify_tokens(rng, MODEL, requests=3, steps=18, k=2, accept_prob=0.6, variable_drafts=True)
+        write_partition(root / f"date=2026-12-04/hour={hour}", tokens, clock)
+        clock += int(tokens.step.max()) + 1
+    one_machine = report_process(str(root), "--json", "--batch", "1,4,8")
+    assert one_machine.returncode == 0, one_machine.stderr
+    expected = json.loads(one_machine.stdout)
+    for attempt in ("computed", "cached"):
+        on_ray = report_process(str(root), "--json", "--batch", "1,4,8", "--ray", "local")
+        assert on_ray.returncode == 0, on_ray.stderr
+        assert json.loads(on_ray.stdout) == expected, attempt
+        reused = 3 if attempt == "cached" else 0
+        assert f"3 partitions summarised on Ray ({reused} from their cache)" in on_ray.stderr, on_ray.stderr
+    assert expected["decision"] and expected["runs"][0]["growth"]

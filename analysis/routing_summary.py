@@ -1,0 +1,76 @@
+"""Everything the report reads from a trace's routing rows, in a form whose parts add up: integer sums over windows
+(growth, rejected-only experts), expert picks, the routing/steps agreement counts, and the rows of the window sample
+(each kept by a hash of its own key). The summaries of an always-on recording's partitions, added
+(``added_summaries``), equal the summary of all its rows read as one trace, exactly: a window, a step and a sampled
+block never span two partitions (a request that ran across a boundary is a request in each, on both paths)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+import numpy.typing as npt
+import polars as pl
+
+from moetrace.analysis.budgets import sampled_windows
+from moetrace.analysis.consistency import routing_gaps
+from moetrace.analysis.growth import WINDOW_KEYS, WindowRows, growth_sums, rejected_only_sums
+from moetrace.analysis.load import expert_load
+
+
+@dataclass(frozen=True)
+class RoutingSummary:
+    growth: pl.DataFrame  # growth.WINDOW_SUMS_SCHEMA
+    rejected_only: pl.DataFrame  # growth.REJECTED_SUMS_SCHEMA
+    load: pl.DataFrame  # load.expert_load: picks per (layer, expert)
+    gaps: pl.DataFrame  # consistency.routing_gaps: one row of counts
+    accepted: pl.DataFrame  # the window sample's tables (budgets.WindowSample)
+    stepped: pl.DataFrame
+
+
+@dataclass(frozen=True)
+class SummaryRequest:
+    """What a summary is for: the model's expert count, the ks of the growth, the trace's own k, the expert
+    placement (rank of every expert), and the window sample's share and columns."""
+
+    num_experts: int
+    ks: tuple[int, ...]
+    trace_k: int
+    expert_rank: npt.NDArray[np.int64]
+    share: float
+    sample_columns: tuple[str, ...]
+
+
+def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame, rows: WindowRows,
+                      request: SummaryRequest) -> RoutingSummary:
+    """The summary of one trace's rows (or one partition's, numbered as in the whole). ``rows``:
+    ``growth.decode_and_verify`` of ``routing``."""
+    accepted, stepped = sampled_windows(routing, request.share, list(request.sample_columns))
+    return RoutingSummary(
+        growth=growth_sums(routing, request.num_experts, request.ks, request.trace_k, request.expert_rank, rows),
+        rejected_only=rejected_only_sums(rows, request.num_experts),
+        load=expert_load(rows, request.num_experts),
+        gaps=routing_gaps(routing, steps),
+        accepted=accepted,
+        stepped=stepped,
+    )
+
+
+def added_summaries(parts: Sequence[RoutingSummary]) -> RoutingSummary:
+    """The summary of the parts' rows taken together, in the parts' order."""
+    def joined(name: str) -> pl.DataFrame:
+        frames: list[pl.DataFrame] = [getattr(part, name) for part in parts]
+        return pl.concat(frames)
+
+    return RoutingSummary(
+        growth=joined("growth").group_by(WINDOW_KEYS).agg(pl.exclude(WINDOW_KEYS).sum()),
+        rejected_only=joined("rejected_only").group_by("layer").agg(pl.exclude("layer").sum()).sort("layer"),
+        load=joined("load").group_by("layer", "expert").agg(pl.col("picks").sum()).sort("layer", "expert"),
+        gaps=joined("gaps").sum(),
+        accepted=joined("accepted"),
+        stepped=joined("stepped"),
+    )
+
+
+SUMMARY_TABLES = tuple(field.name for field in fields(RoutingSummary))
