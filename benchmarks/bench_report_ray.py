@@ -72,9 +72,12 @@ def timed_report(root: Path, scratch: Path, *extra: str) -> tuple[float, dict[st
 
 
 def child_one_machine(root: Path, scratch: Path) -> dict[str, Any]:
+    from moetrace.report.inputs import open_run
+
     wall, summary = timed_report(root, scratch)
+    run = open_run(root, 3)
     return {"report_s": wall, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "summary": summary}
+            "rows": run.routing_rows[run.primary.k], "summary": summary}
 
 
 def child_ray(root: Path, scratch: Path, workers: int) -> dict[str, Any]:
@@ -132,7 +135,7 @@ def main(context: click.Context, partitions: int, tokens: int, layers: int, cach
         return
     root = recording(cache, partitions, tokens, layers)
     one = in_child("one-machine", str(root))
-    rows = partitions * tokens * layers
+    rows = one["rows"]
     print(f"{partitions} partitions, {rows:,} rows. one machine: report {one['report_s']:.1f} s, peak "
           f"{one['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
     measured = []

@@ -17,6 +17,7 @@ from moetrace.recording.metrics import series_bound
 from moetrace.recording.partitions import partitions
 from moetrace.trace.reader import open_trace, open_traces
 from conftest import free_port
+from vllm_fixtures import run_cli
 from served import K, finished_manifest, send_traffic, server_memory, spec_decode_counters, vllm_server
 
 pytestmark = pytest.mark.vllm
@@ -124,6 +125,12 @@ def test_always_on_recording_writes_complete_partitions_that_equal_the_servers_c
     # the engine's memory over the second half of the requests: vLLM's own growth only (benchmarks/bench_soak.py
     # measures it against a server without moetrace: over 1,800 requests +255 MiB without, +205 MiB recording)
     assert readings[-1]["engine_mib"] - readings[3]["engine_mib"] <= 64
+    # and the report over them as Ray tasks on a new local cluster equals the one-machine report
+    one_machine = run_cli("report", str(root), "--json")
+    on_ray = run_cli("report", str(root), "--json", "--ray", "local")
+    assert one_machine.returncode == 0 and on_ray.returncode == 0, one_machine.stderr + on_ray.stderr
+    assert json.loads(on_ray.stdout) == json.loads(one_machine.stdout)
+    assert f"{len(found)} partitions summarised on Ray (0 from their cache)" in on_ray.stderr
 
 
 def test_at_its_disk_cap_always_on_recording_stops_and_the_server_serves_on(tmp_path: Path) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +27,7 @@ from moetrace.report.distributed import CACHE_DIR, partition_summary
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace, open_traces
 from trace_builder import Model, Tokens, verify_tokens, write_trace
+from vllm_fixtures import run_cli
 
 MODEL = Model(num_experts=32, top_k=2)
 HOUR_15, HOUR_16 = "date=2026-12-04/hour=15", "date=2026-12-04/hour=16"
@@ -200,11 +199,6 @@ def test_ray_is_refused_for_a_trace_that_is_not_partitioned(recorded: tuple[Path
     assert result.exit_code == 1 and "not an always-on recording's partitions" in result.output, result.output
 
 
-def report_process(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "moetrace", "report", *args], capture_output=True, text=True,
-                          timeout=600, check=False)
-
-
 @pytest.mark.xdist_group("ray")
 def test_report_on_a_local_ray_cluster_equals_the_one_machine_report(tmp_path: Path) -> None:
     """Three partitions summarised as Ray tasks on a new local cluster (this machine's 2 cores), as a user runs it:
@@ -217,11 +211,11 @@ def test_report_on_a_local_ray_cluster_equals_the_one_machine_report(tmp_path: P
         tokens = verify_tokens(rng, MODEL, requests=3, steps=18, k=2, accept_prob=0.6, variable_drafts=True)
         write_partition(root / f"date=2026-12-04/hour={hour}", tokens, clock)
         clock += int(tokens.step.max()) + 1
-    one_machine = report_process(str(root), "--json", "--batch", "1,4,8")
+    one_machine = run_cli("report", str(root), "--json", "--batch", "1,4,8")
     assert one_machine.returncode == 0, one_machine.stderr
     expected = json.loads(one_machine.stdout)
     for attempt in ("computed", "cached"):
-        on_ray = report_process(str(root), "--json", "--batch", "1,4,8", "--ray", "local")
+        on_ray = run_cli("report", str(root), "--json", "--batch", "1,4,8", "--ray", "local")
         assert on_ray.returncode == 0, on_ray.stderr
         assert json.loads(on_ray.stdout) == expected, attempt
         reused = 3 if attempt == "cached" else 0
