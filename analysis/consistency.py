@@ -11,13 +11,16 @@ from moetrace.analysis.predicates import decoding, not_prefill
 KEYS = ["dp_rank", "step", "request"]
 
 
-def routing_gaps(routing: pl.LazyFrame, steps: pl.LazyFrame) -> pl.DataFrame:
+def routing_gaps(routing: pl.LazyFrame, steps: pl.LazyFrame, sampled_requests: bool = False) -> pl.DataFrame:
     """One row: decoding request-steps in the steps table, how many of them lack some of their tokens in the
     routing rows (``missing``: counted on the first recorded layer), and routed request-steps the steps table
-    does not list (``unlisted``)."""
+    does not list (``unlisted``). ``sampled_requests``: the routing rows are of some requests only (one request in
+    N), so only the request-steps of requests with routing rows are listed."""
     routed = (routing.filter(not_prefill() & (pl.col("layer") == pl.col("layer").min()))
               .group_by(KEYS).agg(routed_tokens=pl.len()))
     listed = steps.filter(decoding()).select(*KEYS, "num_tokens")
+    if sampled_requests:
+        listed = listed.join(routing.select("dp_rank", "request").unique(), on=["dp_rank", "request"], how="semi")
     return listed.join(routed, on=KEYS, how="full", coalesce=True).select(
         request_steps=pl.col("num_tokens").is_not_null().sum().cast(pl.Int64),
         missing=(pl.col("num_tokens").is_not_null()

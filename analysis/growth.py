@@ -214,10 +214,10 @@ def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
 
 
 def measured_window_sums(
-    rows: WindowRows, num_experts: int, trace_k: int, expert_rank: npt.NDArray[np.int64]
+    rows: WindowRows, num_experts: int, trace_k: int, expert_rank: npt.NDArray[np.int64], whole_steps: bool = True
 ) -> pl.DataFrame:
     """Window sums (``WINDOW_SUMS_SCHEMA``) of unique experts per recorded verification window (per request) and
-    per step (whole batch), k = 0..trace_k.
+    per step (whole batch, where ``whole_steps``: not where the rows are of one request in N), k = 0..trace_k.
     ``rows``: ``decode_and_verify`` of the trace."""
     ranks = rank_masks(expert_rank, num_experts)
     found: list[dict[str, object] | None] = []
@@ -232,8 +232,9 @@ def measured_window_sums(
             in_window = capped & is_verify & (drafts_in_window >= k)
             unions = group_union(masks[in_window], group_starts(step[in_window], request[in_window]))
             found.append(_window_row(layer, k, MEASURED, PER_REQUEST, unions, ranks))
-            unions = group_union(masks[capped], group_starts(step[capped]))
-            found.append(_window_row(layer, k, MEASURED, PER_BATCH, unions, ranks))
+            if whole_steps:
+                unions = group_union(masks[capped], group_starts(step[capped]))
+                found.append(_window_row(layer, k, MEASURED, PER_BATCH, unions, ranks))
     return _frame(found)
 
 
@@ -281,10 +282,11 @@ def growth_sums(
     trace_k: int,
     expert_rank: npt.NDArray[np.int64],
     rows: WindowRows,
+    whole_steps: bool = True,
 ) -> pl.DataFrame:
     """Window sums of the measured (k ≤ trace_k) and counterfactual (every k in ks) growth per layer.
-    ``rows``: ``decode_and_verify`` of ``routing``."""
-    measured = measured_window_sums(rows, num_experts, min(trace_k, max(ks, default=0)), expert_rank)
+    ``rows``: ``decode_and_verify`` of ``routing``; ``whole_steps``: as ``measured_window_sums``."""
+    measured = measured_window_sums(rows, num_experts, min(trace_k, max(ks, default=0)), expert_rank, whole_steps)
     return pl.concat([measured, counterfactual_window_sums(routing, num_experts, ks, expert_rank)])
 
 

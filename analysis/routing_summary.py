@@ -32,7 +32,8 @@ class RoutingSummary:
 @dataclass(frozen=True)
 class SummaryRequest:
     """What a summary is for: the model's expert count, the ks of the growth, the trace's own k, the expert
-    placement (rank of every expert), and the window sample's share and columns."""
+    placement (rank of every expert), the window sample's share and columns, and whether the routing rows hold
+    whole steps (not where they are of one request in N)."""
 
     num_experts: int
     ks: tuple[int, ...]
@@ -40,6 +41,7 @@ class SummaryRequest:
     expert_rank: npt.NDArray[np.int64]
     share: float
     sample_columns: tuple[str, ...]
+    whole_steps: bool = True
 
 
 def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame, rows: WindowRows,
@@ -48,10 +50,11 @@ def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame, rows: WindowRo
     ``growth.decode_and_verify`` of ``routing``."""
     accepted, stepped = sampled_windows(routing, request.share, list(request.sample_columns))
     return RoutingSummary(
-        growth=growth_sums(routing, request.num_experts, request.ks, request.trace_k, request.expert_rank, rows),
+        growth=growth_sums(routing, request.num_experts, request.ks, request.trace_k, request.expert_rank, rows,
+                           request.whole_steps),
         rejected_only=rejected_only_sums(rows, request.num_experts),
         load=expert_load(rows, request.num_experts),
-        gaps=routing_gaps(routing, steps),
+        gaps=routing_gaps(routing, steps, sampled_requests=not request.whole_steps),
         accepted=accepted,
         stepped=stepped,
     )

@@ -49,6 +49,9 @@ class RecordingOptions:
     # ``sample_every_seconds`` (from one window's first step to the next's); the steps between run unrecorded
     sample_steps: int | None = None
     sample_every_seconds: float | None = None
+    # or one request in this many (every N-th request to arrive, the first included) has its routing rows recorded;
+    # every request's steps rows are (``moetrace.trace.files.TraceFiles``)
+    sample_requests: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.out, str) or not self.out:
@@ -82,6 +85,13 @@ class RecordingOptions:
             raise ValueError("a sampled recording takes both 'sample_steps' (at least 1) and 'sample_every_seconds'")
         if self.sample_steps is not None and (self.steps is not None or self.seconds is not None):
             raise ValueError("a sampled recording runs until shutdown: drop 'steps' and 'seconds'")
+        if self.sample_requests is not None and (not isinstance(self.sample_requests, int)
+                                                 or isinstance(self.sample_requests, bool) or self.sample_requests < 2):
+            raise ValueError(f"'sample_requests' must be an integer of at least 2 (one request in N), got "
+                             f"{self.sample_requests!r}")
+        if self.sample_requests is not None and self.sample_steps is not None:
+            raise ValueError("one sampling policy at a time: 'sample_steps' (windows of steps) or 'sample_requests' "
+                             "(one request in N)")
         if self.at_cap not in AT_CAP:
             raise ValueError(f"'at_cap' must be one of {', '.join(AT_CAP)}, got {self.at_cap!r}")
 

@@ -64,7 +64,7 @@ from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, cop
 from moetrace.trace.schema import TIMED_CALLS
 from moetrace.recording.partitions import drop_oldest, over_cap, partition_dir
 from moetrace.recording.ring import RingRows, SharedRows, ring_capacity
-from moetrace.recording.sampling import StepWindows
+from moetrace.recording.sampling import StepWindows, sampled_manifest
 from moetrace.recording.writer import TraceWriter
 
 log = logging.getLogger("moetrace")
@@ -196,8 +196,7 @@ class Recorder:
                 "phases_timed_every": self.timing_every,
                 "host_copy": self.copier.path,
                 "replayed_routing": options.replay_routing,
-                "sampled": None if options.sample_steps is None else {
-                    "steps": options.sample_steps, "every_seconds": options.sample_every_seconds},
+                "sampled": sampled_manifest(options),
                 "budget": None if sizes is None else {
                     "scope": options.budget_scope,
                     "per_layer": {str(info.layer): size for info, size in zip(self._infos, sizes)}}}),

@@ -1,7 +1,23 @@
-"""Sampled recording under ``vllm serve`` (``sample_steps`` and ``sample_every_seconds`` in ``MOETRACE_RECORD``): a
-window of N request steps every M seconds, the steps between windows run unrecorded."""
+"""Sampled recording under ``vllm serve``, one policy of ``MOETRACE_RECORD`` at a time: ``sample_steps`` and
+``sample_every_seconds``, a window of N request steps every M seconds (the steps between windows run unrecorded); or
+``sample_requests``, one request in N (every N-th request to arrive keeps its routing rows, written by
+``moetrace.trace.files.TraceFiles``; every request keeps its steps rows, so steps, counts and acceptance stay whole).
+"""
 
 from __future__ import annotations
+
+from typing import Any
+
+from moetrace.hooks.options import RecordingOptions
+
+
+def sampled_manifest(options: RecordingOptions) -> dict[str, Any] | None:
+    """The manifest's ``capture.sampled``: what the policy kept (None: everything)."""
+    if options.sample_steps is not None:
+        return {"steps": options.sample_steps, "every_seconds": options.sample_every_seconds}
+    if options.sample_requests is not None:
+        return {"one_request_in": options.sample_requests}
+    return None
 
 
 class StepWindows:

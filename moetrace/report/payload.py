@@ -66,6 +66,10 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
             f"recorded at k={analysis.run.primary.k}: figures at k={k} are counterfactual "
             f"(windows of {k + 1} consecutive accepted tokens)"
         )
+    one_in = analysis.manifest.capture.one_request_in
+    if one_in > 1:
+        found.append(f"routing of one request in {one_in} (steps and acceptance of all): a step's batch union is not "
+                     "measured; what B requests read is estimated from the sampled requests' request-steps")
     source = analysis.manifest.source
     if source is not None:
         found.append(f"imported from {source.engine} ({source.format}): it holds {source.holds}; it has no "

@@ -149,7 +149,7 @@ def summary_request(trace: Trace, num_experts: int, max_k: int, placement: npt.N
                     rows: int) -> SummaryRequest:
     """What the report asks of a trace of ``rows`` routing rows (``analysis.routing_summary``)."""
     return SummaryRequest(num_experts, tuple(range(max_k + 1)), trace.k, placement, sample_share(rows),
-                          sample_columns(trace))
+                          sample_columns(trace), whole_steps=trace.manifest.capture.one_request_in == 1)
 
 
 def primary_summary(run: Run, request: SummaryRequest) -> tuple[RoutingSummary, WindowRows]:
@@ -363,7 +363,9 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
          .with_columns(step_ms=pl.lit(None, pl.Float64) if t.lacks("step_timing") else pl.col("step_ms"))
          for t in run.traces]
     ).select("k", pl.exclude("k")).lazy())
-    gaps = {t.k: summary.gaps if t is trace else routing_gaps(t.routing(), t.steps()) for t in run.traces}
+    gaps = {t.k: summary.gaps if t is trace else routing_gaps(t.routing(), t.steps(),
+                                                             t.manifest.capture.one_request_in > 1)
+            for t in run.traces}
     disagreements = {k: found for k, table in gaps.items() if (found := disagreement(table)) is not None}
     sample = WindowSample(summary.accepted, summary.stepped, request.share)
     curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape.expert_bytes)

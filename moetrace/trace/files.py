@@ -4,6 +4,8 @@ being written is ``*.parquet.inprogress``, renamed once closed) and the manifest
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import time
@@ -67,6 +69,15 @@ class StepCapture:
     cand_scores: npt.NDArray[np.float32] | None  # [T, L, C]
     steps_rows: dict[str, npt.NDArray[Any]]  # one entry per STEPS_SCHEMA column, each [R]
     new_requests: tuple[str, ...] = ()  # vLLM's ids of the requests first seen in this step, in index order
+
+    PER_TOKEN = ("request", "position", "phase", "draft_pos", "token", "accepted", "experts", "weights",
+                 "cand_experts", "cand_scores")
+
+    def of_requests(self, kept: npt.NDArray[np.bool_]) -> StepCapture:
+        """The capture with the tokens ``kept`` ([T]) only: its steps rows stay whole."""
+        per_token: dict[str, Any] = {name: None if getattr(self, name) is None else getattr(self, name)[kept]
+                                     for name in self.PER_TOKEN}
+        return dataclasses.replace(self, **per_token)
 
 
 @dataclass
@@ -169,13 +180,17 @@ class TraceFiles:
         # vLLM's id of every request index (the manifest's ``requests``): kept here, in the writer process, so that
         # the engine side holds only the requests still running
         self.requests: list[str] = list(manifest.get("requests") or [])
+        # sampled by request (``capture.sampled.one_request_in``): routing rows of every N-th request index only
+        self.one_request_in = int(((manifest.get("capture") or {}).get("sampled") or {}).get("one_request_in", 1))
 
     def write(self, items: list[StepCapture | Assemblable]) -> list[StepCapture]:
         """Write the steps ``items`` hold; returns them as written."""
         captures = [item if isinstance(item, StepCapture) else item.assemble() for item in items]
         if not captures:
             return captures
-        self._routing.append(self.routing_table(captures))
+        routed = captures if self.one_request_in == 1 else [
+            capture.of_requests(capture.request % self.one_request_in == 0) for capture in captures]
+        self._routing.append(self.routing_table(routed))
         steps = {name: np.concatenate([c.steps_rows[name] for c in captures]) for name in STEPS_SCHEMA.names}
         self._steps.append(pa.Table.from_pydict(steps, schema=self._steps.schema))
         for cap in captures:

@@ -113,6 +113,8 @@ class CaptureInfo:
     async_scheduling: bool | None  # None where the recorder did not say (an imported trace)
     budget: BudgetInfo | None  # None: the router's own routing
     on_gpu: bool  # the rows came off a GPU (``host_copy`` other than ``host``)
+    # routing rows of one request in this many (``sampled.one_request_in``; steps rows of every request): 1 = all
+    one_request_in: int = 1
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,8 @@ class Manifest:
                                         scope=str(capture["budget"]["scope"]),
                                         per_layer={int(layer): int(size)
                                                    for layer, size in capture["budget"]["per_layer"].items()}),
-                                    on_gpu=capture.get("host_copy") not in (None, "host")),
+                                    on_gpu=capture.get("host_copy") not in (None, "host"),
+                                    one_request_in=int((capture.get("sampled") or {}).get("one_request_in", 1))),
                 counts={str(key): int(value or 0) for key, value in (document.get("counts") or {}).items()},
                 requests=tuple(str(r) for r in document.get("requests") or []),
                 phases=document.get("phases") or {},

@@ -170,6 +170,27 @@ def test_a_sampled_recording_keeps_windows_of_n_steps_every_m_seconds_while_the_
     assert 0 < manifest["counts"]["drafts"] < counters["num_draft_tokens"]
 
 
+def test_a_recording_sampled_by_request_keeps_routing_of_one_request_in_n_and_every_step_while_serving(
+        tmp_path: Path) -> None:
+    trace_dir = tmp_path / "one-in-3"
+    with vllm_server({"out": str(trace_dir), "sample_requests": 3}, tmp_path / "server.log") as base:
+        send_traffic(base, requests=12, concurrency=4)
+        counters = spec_decode_counters(base)
+        time.sleep(1.0)
+    manifest = finished_manifest(trace_dir)
+    assert manifest["complete"] is True and manifest["capture"]["sampled"] == {"one_request_in": 3}
+    trace = open_trace(trace_dir)
+    listed = set(trace.steps().select("request").unique().collect()["request"].to_list())
+    routed = set(trace.routing().select("request").unique().collect()["request"].to_list())
+    assert len(listed) == 12 and routed == {request for request in listed if request % 3 == 0}
+    # every request's steps rows: the counts are the server's
+    assert manifest["counts"]["drafts"] == counters["num_draft_tokens"] > 0
+    assert manifest["counts"]["accepted"] == counters["num_accepted_tokens"]
+    reported = run_cli("report", str(trace_dir), "--json")
+    assert reported.returncode == 0, reported.stderr
+    assert not [w for w in json.loads(reported.stdout)["warnings"] if "routing rows" in w]
+
+
 def test_a_recording_window_closes_the_trace_while_the_server_keeps_serving(tmp_path: Path) -> None:
     trace_dir = tmp_path / "window"
     with vllm_server({"out": str(trace_dir), "steps": 20}, tmp_path / "server.log") as base:

@@ -40,6 +40,8 @@ def test_the_json_written_is_read_back_to_the_same_options() -> None:
     ('{"out": "o", "sample_steps": 0, "sample_every_seconds": 60}', "a sampled recording takes both 'sample_steps'"),
     ('{"out": "o", "sample_steps": 8, "sample_every_seconds": 0}', "'sample_every_seconds' must be a positive"),
     ('{"out": "o", "sample_steps": 8, "sample_every_seconds": 60, "seconds": 5}', "a sampled recording runs until"),
+    ('{"out": "o", "sample_requests": 1}', "'sample_requests' must be an integer of at least 2 (one request in N)"),
+    ('{"out": "o", "sample_requests": 4, "sample_steps": 8, "sample_every_seconds": 60}', "one sampling policy at a"),
 ])
 def test_a_wrong_option_is_named(raw: str, message: str) -> None:
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):

@@ -17,6 +17,8 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
+from moetrace.analysis.consistency import disagreement, routing_gaps
+
 from moetrace.errors import UserError
 from moetrace.hooks.rows import PackedLayout, StepRecord
 from moetrace.trace.reader import open_trace, open_traces
@@ -106,6 +108,30 @@ def test_writer_rotates_files_orders_experts_by_weight_and_finalises_the_manifes
     assert (np.diff(weights, axis=1) <= 0).all()
     assert (routing.filter(pl.col("draft_pos") == 0)["accepted"].null_count()
             == routing.filter(pl.col("draft_pos") == 0).height)
+
+
+def test_sampled_by_request_the_writer_keeps_routing_of_every_nth_request_and_every_steps_row(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    document = manifest()
+    document["capture"] = {"sampled": {"one_request_in": 3}}
+    writer = TraceWriter(tmp_path, document, LAYERS, TOP_K)
+    captures = [verify_step(s, rng, requests=7) for s in range(4)]  # requests 0..6 in every step
+    for capture in captures:
+        submit_and_wait(writer, capture)
+    final = writer.close()
+    trace = open_trace(tmp_path)
+    routing, steps = trace.routing().collect(), trace.steps().collect()
+    assert sorted(routing["request"].unique().to_list()) == [0, 3, 6]
+    assert routing.height == 4 * 3 * 3 * len(LAYERS)  # 4 steps x 3 requests x 3 tokens (anchor, 2 drafts)
+    assert steps.height == 4 * 7 and final["counts"]["steps_rows"] == 4 * 7
+    # counts are the whole steps' (they equal the engine's counters): 7 requests x 2 drafts, 1 accepted, x 4 steps
+    assert final["counts"]["drafts"] == 4 * 7 * 2 and final["counts"]["accepted"] == 4 * 7
+    assert final["counts"]["routing_rows"] == routing.height
+    assert trace.manifest.capture.one_request_in == 3
+    assert disagreement(routing_gaps(trace.routing(), trace.steps(), sampled_requests=True)) is None
+    # read as if every request were routed, the 4 x 4 request-steps of requests 1, 2, 4, 5 would be missing
+    assert disagreement(routing_gaps(trace.routing(), trace.steps())) == (
+        "16 of 28 decoding request-steps lack routing rows")
 
 
 def test_the_writer_process_imports_the_engines_moetrace_not_one_in_the_working_directory(
