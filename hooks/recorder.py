@@ -126,6 +126,10 @@ class Recorder:
         self._plan: tuple[Callable[..., ForwardPlan], Any, tuple[Any, ...], dict[str, Any]] | None = None
         self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
         self._close_lock = threading.Lock()
+        # always on: the partitions closing on threads of their own, and the engine thread's time (ms) on the switch
+        # that opened the partition under way (the manifest's ``partition``)
+        self._closing_partitions: list[tuple[threading.Thread, Path]] = []
+        self._switch_ms: float | None = None
         self._open_trace(options)
         self._guarded = Guard(self._stop)
         self._roles: dict[str, Callable[..., Any]] = {
@@ -173,8 +177,9 @@ class Recorder:
         except ValueError as exc:
             raise UnsupportedRunner(str(exc)) from None
 
-    def _open_trace(self, options: RecordingOptions) -> None:
-        """Start the trace ``options`` names (its directory, run id, workload, budget) and its step state."""
+    def _open_trace(self, options: RecordingOptions, launch_beside: bool = False) -> None:
+        """Start the trace ``options`` names (its directory, run id, workload, budget) and its step state;
+        ``launch_beside``: its writer process starts beside the engine thread (``TraceWriter``)."""
         self.options = options
         self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
         self.timing_every = int(options.time_phases_every or (
@@ -206,6 +211,7 @@ class Recorder:
             rotate_seconds=float(options.rotate_seconds),
             rows=self.ring,
             metrics_port=None if options.metrics_port is None else options.metrics_port + self.dp_rank,
+            launch_beside=launch_beside,
         )
         # vLLM's request id -> its index in the trace, for the requests still running (a finished one is dropped,
         # so a server that runs for days holds no more than it runs at once); the writer process keeps every id
@@ -319,19 +325,29 @@ class Recorder:
         self.capture.begin_step()  # the last forward's router outputs are not held while unhooked
 
     def close(self) -> dict[str, Any]:
-        """Unhook and close the trace; idempotent, and safe from any thread."""
+        """Unhook and close the trace, once every partition still closing has closed; idempotent, and safe from any
+        thread."""
         with self._close_lock:
             if self._closed is None:
                 self.uninstall()
                 self._closed = self._close_trace()
-            return self._closed
+        for thread, _ in self._closing_partitions:
+            thread.join()
+        return self._closed
 
     def _close_trace(self) -> dict[str, Any]:
         """Close the trace under way (the hooks stay as they are) and return its manifest."""
         self.copier.release()
-        return self.writer.close({"capture_mechanisms": self.mechanisms,
-                                  "engine_thread_us_per_step": self.engine_thread_us_per_step(),
-                                  "phases": {phase: timing.summary() for phase, timing in self.phases.items()}})
+        return self.writer.close(self._closing_sections())
+
+    def _closing_sections(self) -> dict[str, Any]:
+        """What the recorder adds to the manifest of the trace under way at its close."""
+        sections: dict[str, Any] = {
+            "capture_mechanisms": self.mechanisms, "engine_thread_us_per_step": self.engine_thread_us_per_step(),
+            "phases": {phase: timing.summary() for phase, timing in self.phases.items()}}
+        if self._switch_ms is not None:
+            sections["partition"] = {"switch_ms": round(self._switch_ms, 3)}
+        return sections
 
     def _partition_options(self, options: RecordingOptions) -> RecordingOptions:
         """``options`` for the partition that starts now: its folder under the partition root, its own run id."""
@@ -351,11 +367,30 @@ class Recorder:
         return cap is not None and root is not None and self.step % CAP_CHECK_STEPS == 0 and over_cap(root, cap)
 
     def _next_partition(self) -> None:
-        """Close this partition and record on into the next, between steps; at the disk cap, the oldest partitions
-        are dropped or recording stops (the server serves on unhooked), as ``at_cap`` says."""
+        """Record on into the next partition, between steps, while this one closes on a thread of its own (its
+        writer process finishes it beside the new one's: the engine thread waits for neither); at the disk cap, the
+        oldest partitions are dropped (never one still closing) or recording stops (the server serves on unhooked),
+        as ``at_cap`` says."""
+        began = time.perf_counter()
+        try:
+            self._switch_partition()
+        finally:  # the engine thread's whole time on the switch, the cap's walk included
+            self._switch_ms = (time.perf_counter() - began) * 1e3
+
+    def _switch_partition(self) -> None:
         root = self._partition_root
         assert root is not None
-        self.next_trace(self._partition_options(self.options))
+        with self._close_lock:
+            if self._closed is not None:
+                return
+            self.copier.release()
+            writer, sections = self.writer, self._closing_sections()
+            self._open_trace(self._partition_options(self.options), launch_beside=True)
+            closing = threading.Thread(target=self._close_partition, args=(writer, sections),
+                                       name="moetrace-partition-close")
+            closing.start()
+            self._closing_partitions = [(thread, path) for thread, path in self._closing_partitions
+                                        if thread.is_alive()] + [(closing, writer.root)]
         cap = self.options.disk_cap_bytes
         if cap is None or not over_cap(root, cap):
             return
@@ -364,8 +399,17 @@ class Recorder:
                         root, cap)
             self._stop_beside_the_engine()
             return
-        dropped = drop_oldest(root, cap, keep=Path(self.options.out))
+        still_closing = [path for _, path in self._closing_partitions]
+        dropped = drop_oldest(root, cap, keep=[Path(self.options.out), *still_closing])
         log.info("moetrace: at the cap of %d bytes under %s, dropped %d partition(s)", cap, root, len(dropped))
+
+    @staticmethod
+    def _close_partition(writer: TraceWriter, sections: dict[str, Any]) -> None:
+        """Thread: close a partition's trace beside the engine (what the engine thread once waited for)."""
+        began = time.perf_counter()
+        writer.close(sections)
+        log.info("moetrace: partition %s closed in %.1f ms beside the engine thread", writer.root,
+                 (time.perf_counter() - began) * 1e3)
 
     def _stop_beside_the_engine(self) -> None:
         """Unhook now, on the engine thread, and close the trace on a thread of its own: the engine runs on."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from moetrace.trace.schema import MANIFEST_NAME
@@ -39,15 +40,16 @@ def over_cap(root: Path, cap: int) -> bool:
     return bytes_under(root) > cap
 
 
-def drop_oldest(root: Path, cap: int, keep: Path) -> list[Path]:
-    """Delete the oldest partitions under ``root`` until it holds at most ``cap`` bytes, never ``keep`` (the one
-    being written); returns those deleted, oldest first. Emptied date and hour folders go with them."""
+def drop_oldest(root: Path, cap: int, keep: Collection[Path]) -> list[Path]:
+    """Delete the oldest partitions under ``root`` until it holds at most ``cap`` bytes, never one of ``keep`` (the
+    one being written, those still closing); returns those deleted, oldest first. Emptied date and hour folders go
+    with them."""
     dropped = []
     held = bytes_under(root)  # walked once (this runs on the engine thread), less each partition as it goes
     for partition in partitions(root):
         if held <= cap:
             break
-        if partition == keep or keep.is_relative_to(partition):
+        if any(path == partition or path.is_relative_to(partition) for path in keep):
             continue
         held -= bytes_under(partition)
         shutil.rmtree(partition, ignore_errors=True)

@@ -86,10 +86,14 @@ class TraceWriter:
         batch_seconds: float = 1.0,
         rows: SharedRows | None = None,
         metrics_port: int | None = None,
+        launch_beside: bool = False,
     ) -> None:
         """``rows``: the ring that steps leave their rows in, shared with the writer process (closed with the
         writer); ``metrics_port``: where the writer process serves the recording's live metrics
-        (``moetrace.recording.metrics``), if anywhere."""
+        (``moetrace.recording.metrics``), if anywhere; ``launch_beside``: start the writer process on a thread of
+        its own and return at once (an always-on recording's next partition: the engine thread does not wait for a
+        Python to start; steps queue in the pipe meanwhile, and a launch that fails stops the recording, not the
+        engine); else it is started before this returns, and a launch that fails raises."""
         self.root = root
         self._failed: str | None = None
         self.steps = 0  # steps written so far, as the writer process last reported
@@ -115,22 +119,21 @@ class TraceWriter:
         # Nor may it inherit the engine's CPU pinning (vLLM's CPU worker sets GOMP_CPU_AFFINITY for its OpenMP team).
         unpinned = {key: value for key, value in os.environ.items() if key not in CPU_PINNING_VARIABLES}
         fds = (to_child_r, from_child_w, self._shared_file.fileno(), *([self.rows.fd] if self.rows else []))
-        try:
-            subprocess.run(
-                [sys.executable, "-c", LAUNCH_DETACHED, *map(str, fds)], pass_fds=fds, stdin=subprocess.DEVNULL,
-                env=unpinned, check=True,
-            )
-        except BaseException:  # no writer process: nothing may stay open behind the error
-            for fd in (self._to_child, from_child_r):
-                os.close(fd)
-            self._shared.memory.close()
-            self._shared_file.close()
-            if self.rows is not None:
-                self.rows.close()
-            raise
-        finally:
-            os.close(to_child_r)
-            os.close(from_child_w)
+        self._launcher: threading.Thread | None = None
+        if launch_beside:
+            self._launcher = threading.Thread(target=self._launch_beside, args=(fds, unpinned),
+                                              name="moetrace-writer-launch", daemon=True)
+        else:
+            try:
+                self._launch(fds, unpinned)
+            except BaseException:  # no writer process: nothing may stay open behind the error
+                for fd in (self._to_child, from_child_r):
+                    os.close(fd)
+                self._shared.memory.close()
+                self._shared_file.close()
+                if self.rows is not None:
+                    self.rows.close()
+                raise
         os.set_blocking(self._to_child, False)
         self._from_child = os.fdopen(from_child_r, "rb")
         config = {"root": root, "manifest": manifest, "moe_layers": moe_layers, "top_k": top_k,
@@ -146,6 +149,25 @@ class TraceWriter:
         self._reader.start()
         self._idle = threading.Thread(target=self._forward_when_idle, name="moetrace-writer-idle", daemon=True)
         self._idle.start()
+        if self._launcher is not None:
+            self._launcher.start()
+
+    @staticmethod
+    def _launch(fds: tuple[int, ...], env: dict[str, str]) -> None:
+        """Start the writer process; the launch's ends of the pipes (``fds``' first two) are closed either way."""
+        try:
+            subprocess.run([sys.executable, "-c", LAUNCH_DETACHED, *map(str, fds)], pass_fds=fds,
+                           stdin=subprocess.DEVNULL, env=env, check=True)
+        finally:
+            os.close(fds[0])
+            os.close(fds[1])
+
+    def _launch_beside(self, fds: tuple[int, ...], env: dict[str, str]) -> None:
+        """Thread: ``_launch``; a launch that fails stops the recording (said as it is)."""
+        try:
+            self._launch(fds, env)
+        except Exception as exc:
+            self._fail(f"the writer process could not start ({type(exc).__name__}: {exc})")
 
     @property
     def failed(self) -> str | None:
@@ -197,6 +219,8 @@ class TraceWriter:
     def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Flush everything, rename the open files and rewrite the manifest as complete (or say why not)."""
         extra = dict(extra or {})
+        if self._launcher is not None:  # the descriptors it passes stay open until it has passed them
+            self._launcher.join()
         self._closing.set()
         with self._lock:
             try:
@@ -209,6 +233,8 @@ class TraceWriter:
             finally:
                 os.close(self._to_child)  # the writer process sees the end either way, and closes its files
         self._reader.join(timeout=120)  # the writer process reports "closed", then exits
+        if not self._reader.is_alive():
+            self._from_child.close()
         if self._final is None:  # the writer process died: say so in the manifest it could not finish
             self._final = amend_manifest(self.root, **extra, complete=False,
                                          error=self.failed or "the writer process ended unexpectedly")

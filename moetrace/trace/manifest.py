@@ -25,6 +25,7 @@ MANIFEST_SECTIONS = frozenset({
     "host", "source",
     # at close (the writer process)
     "end_time", "end", "error", "counts", "requests", "capture_mechanisms", "engine_thread_us_per_step", "phases",
+    "partition",
     # after close (the process that drove the engine)
     "vllm_counters", "telemetry",
 })

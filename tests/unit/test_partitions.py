@@ -29,8 +29,8 @@ def test_at_the_cap_the_oldest_partitions_go_first_and_never_the_one_being_writt
     middle = write_partition(tmp_path / "date=2026-12-04" / "hour=00", 1000)
     newest = write_partition(tmp_path / "date=2026-12-04" / "hour=01", 1000)
     assert partitions(tmp_path) == [old, middle, newest]
-    dropped = drop_oldest(tmp_path, 2100, keep=newest)
+    dropped = drop_oldest(tmp_path, 2100, keep=[newest])
     assert dropped == [old] and not (tmp_path / "date=2026-12-03").exists()  # its emptied date folder too
     assert bytes_under(tmp_path) <= 2100
     # a cap below what the one being written holds: everything else goes, that one stays
-    assert drop_oldest(tmp_path, 10, keep=newest) == [middle] and partitions(tmp_path) == [newest]
+    assert drop_oldest(tmp_path, 10, keep=[newest]) == [middle] and partitions(tmp_path) == [newest]

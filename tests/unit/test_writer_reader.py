@@ -200,6 +200,28 @@ def test_a_writer_process_that_cannot_start_leaves_no_descriptor_open(tmp_path: 
     assert set(os.listdir("/proc/self/fd")) == before
 
 
+def test_a_writer_launched_beside_takes_steps_before_its_process_runs_and_writes_them_all(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K, launch_beside=True)
+    for step in range(5):  # queued at once, in the pipe while the writer process may still be starting
+        writer.submit(verify_step(step, rng))
+        writer.forward_ready()
+    final = writer.close()
+    assert final["complete"] is True and final["counts"]["steps"] == 5
+    assert open_trace(tmp_path).steps().collect()["step"].n_unique() == 5
+
+
+def test_a_writer_launched_beside_that_cannot_start_stops_the_recording_not_the_caller(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("moetrace.recording.writer.sys.executable", str(tmp_path / "no-python"))
+    before = set(os.listdir("/proc/self/fd"))
+    writer = TraceWriter(tmp_path / "trace", manifest(), LAYERS, TOP_K, launch_beside=True)  # no raise
+    writer.submit(verify_step(0, np.random.default_rng(3)))
+    final = writer.close()
+    assert final["complete"] is False and "the writer process could not start (FileNotFoundError" in final["error"]
+    assert writer.failed is not None and set(os.listdir("/proc/self/fd")) == before
+
+
 def test_reader_refuses_unknown_schema_and_missing_manifest_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not a moetrace trace"):
         open_traces(tmp_path)
