@@ -86,6 +86,12 @@ def decode_steps(steps: pl.LazyFrame) -> pl.LazyFrame:
         t_end_ns=pl.col("t_end_ns").first(), kept=(pl.col("num_accepted") + 1).sum())
 
 
+def mean_ms(nanoseconds: pl.Expr) -> pl.Expr:
+    """The mean of integer nanoseconds, in ms: summed as integers (exact, so the same however the rows are split
+    over threads; a float mean may differ in its last bit from run to run)."""
+    return (nanoseconds.sum() / pl.len() / 1e6).cast(pl.Float64)
+
+
 def step_times(steps: pl.LazyFrame) -> pl.DataFrame:
     """One row over the steps in which every request was decoding (no prefill chunk): how many, their mean
     duration in ms (recorded bounds: from vLLM's ``execute_model`` to its sync after sampling, drafting included)
@@ -93,7 +99,7 @@ def step_times(steps: pl.LazyFrame) -> pl.DataFrame:
     per_step = decode_steps(steps).filter(pl.col("decoding"))
     return per_step.select(
         decode_steps=pl.len().cast(pl.Int64),
-        step_ms=((pl.col("t_end_ns") - pl.col("t_start_ns")) / 1e6).mean().cast(pl.Float64),
+        step_ms=mean_ms(pl.col("t_end_ns") - pl.col("t_start_ns")),
         requests_per_step=pl.col("requests").median().cast(pl.Float64),
     ).collect()
 
@@ -119,13 +125,13 @@ def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
     next_decoding_requests = pl.when(pl.col("decoding")).then(pl.col("requests")).backward_fill().over("dp_rank")
     per_step = decode_steps(steps).sort("dp_rank", "step").with_columns(following).with_columns(
         # start to the next step's start where the rank's next step was recorded, else the step's own duration
-        period_ms=(pl.when(pl.col("next_step") == pl.col("step") + 1).then(pl.col("next_t_start_ns"))
-                   .otherwise(pl.col("t_end_ns")) - pl.col("t_start_ns")) / 1e6,
+        period_ns=pl.when(pl.col("next_step") == pl.col("step") + 1).then(pl.col("next_t_start_ns"))
+        .otherwise(pl.col("t_end_ns")) - pl.col("t_start_ns"),
         served=pl.when(pl.col("decoding")).then(pl.col("requests"))
         .otherwise(pl.max_horizontal(pl.col("requests"), next_decoding_requests.fill_null(0))))
     outside = per_step.group_by(batch=pl.col("served").cast(pl.Int32)).agg(
         prefill_steps=(~pl.col("decoding")).sum(),
-        prefill_ms=pl.col("period_ms").filter(~pl.col("decoding")).sum(),
+        prefill_ms=pl.col("period_ns").filter(~pl.col("decoding")).sum() / 1e6,
         gained=pl.col("kept").sum())
     excess = pl.max_horizontal(pl.col("prefill_ms") - pl.col("prefill_steps") * pl.col("period_ms"), pl.lit(0.0))
     return (
@@ -134,7 +140,7 @@ def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
                 & (pl.col("next_requests") == pl.col("requests")))
         .group_by(batch=pl.col("requests").cast(pl.Int32))
         .agg(decode_steps=pl.len().cast(pl.Int64),
-             period_ms=pl.col("period_ms").mean().cast(pl.Float64),
+             period_ms=mean_ms(pl.col("period_ns")),
              tokens_per_step=(pl.col("kept").sum() / pl.col("requests").sum()).cast(pl.Float64))
         .join(outside, on="batch", how="left")
         .with_columns(prefill_ms_per_token=(excess * pl.col("batch") / pl.col("gained")).cast(pl.Float64))

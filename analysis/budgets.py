@@ -161,7 +161,9 @@ def budget_curves(windows: pl.LazyFrame, expert_bytes: int, use_candidates: bool
         return (pl.int_range(pl.len()) + 1).over(WINDOW, order_by=[pl.col(column).neg(), pl.col("expert")])
 
     ranked = scored.with_columns(rank_by("score").alias("rank"))
-    kept_by_rank = ranked.group_by("layer", pl.col("rank").alias("budget")).agg(kept_weight=pl.col("weight").sum())
+    # summed in one row order (``ranked`` comes out of group_bys in any): the same float sums run after run
+    kept_by_rank = (ranked.sort(*WINDOW, "expert").group_by("layer", pl.col("rank").alias("budget"))
+                    .agg(kept_weight=pl.col("weight").sum()))
     windows_reaching = (  # windows with at least `budget` picked experts
         picked.with_columns(rank_by("weight").alias("budget")).group_by("layer", "budget").agg(reaching=pl.len())
     )

@@ -68,7 +68,7 @@ from moetrace.recording.sampling import StepWindows, sampled_manifest
 from moetrace.recording.writer import TraceWriter
 
 log = logging.getLogger("moetrace")
-CAP_CHECK_STEPS = 1024  # between partitions, how often (in steps) a partition root is checked against its disk cap
+CAP_CHECK_SECONDS = 5.0  # between partitions, how often a thread checks the partition root against its disk cap
 _HOOK_MARK = "_moetrace_hook"
 
 
@@ -130,7 +130,12 @@ class Recorder:
         # that opened the partition under way (the manifest's ``partition``)
         self._closing_partitions: list[tuple[threading.Thread, Path]] = []
         self._switch_ms: float | None = None
+        # the disk cap, checked on threads (its walk of the root never on the engine thread): the root is over it,
+        # so switch at the next step (``_watch_cap``); after a switch it still is under "stop" (``_enforce_cap``)
+        self._cap_reached, self._stop_at_cap = threading.Event(), threading.Event()
         self._open_trace(options)
+        if self._partition_root is not None and options.disk_cap_bytes is not None:
+            threading.Thread(target=self._watch_cap, name="moetrace-disk-cap", daemon=True).start()
         self._guarded = Guard(self._stop)
         self._roles: dict[str, Callable[..., Any]] = {
             "step": self.step_begins, "sample": self.sample, "sample_tokens": self.sample_tokens,
@@ -358,58 +363,63 @@ class Recorder:
             partition_dir(self._partition_root, self._partition_started, float(options.partition_seconds))))
 
     def _partition_due(self) -> bool:
-        """Whether this partition's period is over, or (every ``CAP_CHECK_STEPS`` steps) its root is over its cap."""
+        """Whether this partition's period is over, or its root is over its cap (``_watch_cap``)."""
         assert self.options.partition_seconds is not None
-        if time.time() - self._partition_started >= self.options.partition_seconds:
-            return True
-        cap = self.options.disk_cap_bytes
-        root = self._partition_root
-        return cap is not None and root is not None and self.step % CAP_CHECK_STEPS == 0 and over_cap(root, cap)
+        return (time.time() - self._partition_started >= self.options.partition_seconds
+                or self._cap_reached.is_set())
+
+    def _watch_cap(self) -> None:
+        """Thread: every ``CAP_CHECK_SECONDS`` until recording ends, whether the partitions are over their cap."""
+        root, cap = self._partition_root, self.options.disk_cap_bytes
+        assert root is not None and cap is not None
+        while self._closed is None and not self._stop_at_cap.is_set():
+            time.sleep(CAP_CHECK_SECONDS)
+            if over_cap(root, cap):
+                self._cap_reached.set()
 
     def _next_partition(self) -> None:
         """Record on into the next partition, between steps, while this one closes on a thread of its own (its
-        writer process finishes it beside the new one's: the engine thread waits for neither); at the disk cap, the
-        oldest partitions are dropped (never one still closing) or recording stops (the server serves on unhooked),
-        as ``at_cap`` says."""
+        writer process finishes it beside the new one's) and the new one's writer process starts on another: the
+        engine thread waits for neither. That closing thread then holds the root to its disk cap
+        (``_enforce_cap``)."""
         began = time.perf_counter()
-        try:
-            self._switch_partition()
-        finally:  # the engine thread's whole time on the switch, the cap's walk included
-            self._switch_ms = (time.perf_counter() - began) * 1e3
-
-    def _switch_partition(self) -> None:
-        root = self._partition_root
-        assert root is not None
         with self._close_lock:
             if self._closed is not None:
                 return
             self.copier.release()
             writer, sections = self.writer, self._closing_sections()
             self._open_trace(self._partition_options(self.options), launch_beside=True)
+            self._cap_reached.clear()
             closing = threading.Thread(target=self._close_partition, args=(writer, sections),
                                        name="moetrace-partition-close")
             closing.start()
             self._closing_partitions = [(thread, path) for thread, path in self._closing_partitions
                                         if thread.is_alive()] + [(closing, writer.root)]
-        cap = self.options.disk_cap_bytes
-        if cap is None or not over_cap(root, cap):
-            return
-        if self.options.at_cap == "stop":
-            log.warning("moetrace: %s holds more than its cap of %d bytes: recording stops, the server serves on",
-                        root, cap)
-            self._stop_beside_the_engine()
-            return
-        still_closing = [path for _, path in self._closing_partitions]
-        dropped = drop_oldest(root, cap, keep=[Path(self.options.out), *still_closing])
-        log.info("moetrace: at the cap of %d bytes under %s, dropped %d partition(s)", cap, root, len(dropped))
+            self._switch_ms = (time.perf_counter() - began) * 1e3
 
-    @staticmethod
-    def _close_partition(writer: TraceWriter, sections: dict[str, Any]) -> None:
-        """Thread: close a partition's trace beside the engine (what the engine thread once waited for)."""
+    def _close_partition(self, writer: TraceWriter, sections: dict[str, Any]) -> None:
+        """Thread: close a partition's trace beside the engine (what the engine thread once waited for), then hold
+        the root to its cap."""
         began = time.perf_counter()
         writer.close(sections)
         log.info("moetrace: partition %s closed in %.1f ms beside the engine thread", writer.root,
                  (time.perf_counter() - began) * 1e3)
+        self._enforce_cap()
+
+    def _enforce_cap(self) -> None:
+        """At the disk cap, drop the oldest partitions (never the one being written nor one still closing), or under
+        "stop" have the engine thread stop recording at its next step (the server serves on unhooked)."""
+        root, cap = self._partition_root, self.options.disk_cap_bytes
+        if root is None or cap is None or not over_cap(root, cap):
+            return
+        if self.options.at_cap == "stop":
+            log.warning("moetrace: %s holds more than its cap of %d bytes: recording stops, the server serves on",
+                        root, cap)
+            self._stop_at_cap.set()
+            return
+        still_closing = [path for thread, path in self._closing_partitions if thread is not threading.current_thread()]
+        dropped = drop_oldest(root, cap, keep=[Path(self.options.out), *still_closing])
+        log.info("moetrace: at the cap of %d bytes under %s, dropped %d partition(s)", cap, root, len(dropped))
 
     def _stop_beside_the_engine(self) -> None:
         """Unhook now, on the engine thread, and close the trace on a thread of its own: the engine runs on."""
@@ -605,7 +615,7 @@ class Recorder:
                         raise RuntimeError("vLLM's sample_tokens returned no host lists of sampled tokens")
                     pending.t_end = time.monotonic_ns()  # vLLM has synced: the step's GPU work (our copy too) is done
                 self.writer.submit(pending)
-                if self._window_ends:
+                if self._window_ends or self._stop_at_cap.is_set():
                     self._stop_beside_the_engine()
                 elif self._partition_root is not None and self._partition_due():
                     self._partition_ends = True  # switched at the next step's start, once nothing is in flight

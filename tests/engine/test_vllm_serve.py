@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from moetrace.recording.engine import served_spec_decode_counters
 from moetrace.recording.metrics import series_bound
-from moetrace.recording.partitions import partitions
+from moetrace.recording.partitions import bytes_under, partitions
 from moetrace.trace.reader import open_trace, open_traces
 from conftest import free_port
 from vllm_fixtures import run_cli
@@ -153,6 +153,23 @@ def test_at_its_disk_cap_always_on_recording_stops_and_the_server_serves_on(tmp_
         send_traffic(base, requests=8, concurrency=4)  # served on, unhooked
         assert partitions(root) == stopped
     assert len(stopped) == 2 and all(finished_manifest(p)["complete"] is True for p in stopped)
+
+
+def test_at_its_disk_cap_always_on_recording_drops_the_oldest_partitions_while_serving(tmp_path: Path) -> None:
+    root = tmp_path / "capped"
+    cap = 64 * 1024
+    seen: set[Path] = set()
+    recording = {"out": str(root), "partition_seconds": 1, "disk_cap_bytes": cap}
+    with vllm_server(recording, tmp_path / "server.log") as base:
+        for _ in range(6):  # a partition a second, each tens of KiB: the oldest have to go
+            send_traffic(base, requests=8, concurrency=4)
+            seen.update(partitions(root))
+        time.sleep(1.0)
+    kept = partitions(root)
+    assert set(kept) < seen and min(seen) not in kept  # the oldest went, the newest stayed
+    assert all(finished_manifest(p)["complete"] is True for p in kept)
+    # what is left: under the cap, but for the partition written last and the one closing beside it
+    assert bytes_under(root) <= cap + sum(bytes_under(p) for p in kept[-2:])
 
 
 def test_a_sampled_recording_keeps_windows_of_n_steps_every_m_seconds_while_the_server_serves(
