@@ -15,7 +15,7 @@ import polars as pl
 
 from moetrace.analysis.budgets import sampled_windows
 from moetrace.analysis.consistency import routing_gaps
-from moetrace.analysis.growth import WINDOW_KEYS, WindowRows, growth_sums, rejected_only_sums
+from moetrace.analysis.growth import WINDOW_KEYS, WindowRows, decode_and_verify, growth_sums, rejected_only_sums
 from moetrace.analysis.load import expert_load
 
 
@@ -44,10 +44,11 @@ class SummaryRequest:
     whole_steps: bool = True
 
 
-def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame, rows: WindowRows,
-                      request: SummaryRequest) -> RoutingSummary:
-    """The summary of one trace's rows (or one partition's, numbered as in the whole). ``rows``:
-    ``growth.decode_and_verify`` of ``routing``."""
+def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame,
+                      request: SummaryRequest) -> tuple[RoutingSummary, WindowRows]:
+    """The summary of one trace's rows (or one partition's, numbered as in the whole), and its non-prefill rows
+    (``growth.decode_and_verify``: the placement comparison takes them)."""
+    rows = decode_and_verify(routing)
     accepted, stepped = sampled_windows(routing, request.share, list(request.sample_columns))
     return RoutingSummary(
         growth=growth_sums(routing, request.num_experts, request.ks, request.trace_k, request.expert_rank, rows,
@@ -57,7 +58,7 @@ def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame, rows: WindowRo
         gaps=routing_gaps(routing, steps, sampled_requests=not request.whole_steps),
         accepted=accepted,
         stepped=stepped,
-    )
+    ), rows
 
 
 def added_summaries(parts: Sequence[RoutingSummary]) -> RoutingSummary:

@@ -23,7 +23,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetrace.analysis.budgets import block_sampled, step_sampled
-from moetrace.analysis.growth import decode_and_verify
 from moetrace.analysis.routing_summary import (SUMMARY_TABLES, RoutingSummary, SummaryRequest, added_summaries,
                                                summarise_routing)
 from moetrace.errors import UserError
@@ -103,11 +102,9 @@ def partition_summary(part: Trace, first_step: int, first_request: int, request:
     cached = summary is not None
     rows = 0
     if summary is None:
-        routing = numbered_on(part.routing(), first_step, first_request)
-        window_rows = decode_and_verify(routing)
+        summary, window_rows = summarise_routing(numbered_on(part.routing(), first_step, first_request),
+                                                 numbered_on(part.steps(), first_step, first_request), request)
         rows = len(window_rows.layer)
-        summary = summarise_routing(routing, numbered_on(part.steps(), first_step, first_request), window_rows,
-                                    request)
         del window_rows
         if part.complete:
             write_cache(folder, summary, request.share)

@@ -37,13 +37,12 @@ from moetrace.analysis.growth import (
     COUNTERFACTUAL,
     MEASURED,
     WindowRows,
-    decode_and_verify,
     growth_table,
     rejected_only_experts,
 )
 from moetrace.analysis.policies import compare_policies, policy_verdict
 from moetrace.analysis.profile import Profile
-from moetrace.analysis.routing_summary import RoutingSummary, SummaryRequest, summarise_routing
+from moetrace.analysis.routing_summary import SummaryRequest, summarise_routing
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
 from moetrace.errors import UserError
@@ -150,14 +149,6 @@ def summary_request(trace: Trace, num_experts: int, max_k: int, placement: npt.N
     """What the report asks of a trace of ``rows`` routing rows (``analysis.routing_summary``)."""
     return SummaryRequest(num_experts, tuple(range(max_k + 1)), trace.k, placement, sample_share(rows),
                           sample_columns(trace), whole_steps=trace.manifest.capture.one_request_in == 1)
-
-
-def primary_summary(run: Run, request: SummaryRequest) -> tuple[RoutingSummary, WindowRows]:
-    """The primary trace's routing summary on this machine, and its non-prefill rows (placements take them)."""
-    trace = run.primary
-    routing = trace.routing()
-    rows = decode_and_verify(routing)
-    return summarise_routing(routing, trace.steps(), rows, request), rows
 
 
 def budget_curves_per_k(run: Run, sample: WindowSample, ks: range, expert_bytes: int) -> tuple[pl.DataFrame, float]:
@@ -352,7 +343,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     if options.ray is not None and trace.parts:
         summary, rows = partitioned_summary(trace, request, options.ray), None
     else:
-        summary, rows = primary_summary(run, request)
+        summary, rows = summarise_routing(trace.routing(), trace.steps(), request)
     growth = growth_table(summary.growth, shape.num_experts, shape.top_k, request.ks)
     by_position = pl.concat(
         [acceptance_by_position(t.steps(), t.k).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
