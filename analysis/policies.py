@@ -16,7 +16,10 @@ Policies (``POLICIES``):
 
 The noise: the same replay over resampled request streams (``RESAMPLES``, seeded), each policy's throughput over the
 static table's on the same resample; a policy beats the table when the lower end of that ratio's 95% interval is
-above 1 and it gains at least ``MIN_GAIN``.
+above 1 and it gains at least ``MIN_GAIN``. A concurrency whose replay keeps all B slots busy for fewer than
+``MIN_REPLAY_STEPS`` steps is replayed but not judged: the few requests that start it decide the outcome (a demo
+trace of 10 requests at B = 8 replays 27 steps, and its recorded order fell outside the spread of 100 reorderings
+of the same requests).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ RESAMPLES = 20
 # A policy beats the static table only by more than this too: the replay prices every policy with the same
 # predicted steps, and a timed comparison on the H200 does not resolve less (its rounds vary by about 5%).
 MIN_GAIN = 0.02
+MIN_REPLAY_STEPS = 4 * PROBE_EVERY  # utility probes K every PROBE_EVERY steps: fewer than 4 probes judge nothing
 MAX_REQUEST_STEPS = 10_000  # per replay: a longer trace is cut to its first requests up to this many request-steps
 
 Choose = Callable[[list[float], int], int]  # (moving averages of acceptance at positions 1..K, step index) → k
@@ -117,8 +121,8 @@ def compare_policies(steps: pl.LazyFrame, max_k: int, step_ms: Mapping[int, Mapp
     """Per concurrency of ``table`` (batch → the static table's k; ``step_ms``: batch → k → predicted step ms, k =
     0..``max_k``; ``steps``: the steps table of the trace recorded at ``max_k``) that has as many requests as slots:
     each policy's replayed speedup over k = 0, its mean k, and its throughput over the static table's with the 95%
-    interval over resampled requests (``vs_table_low``, ``vs_table_high``). ``best fixed`` is the fixed k of
-    largest speedup (``k``; the static table's k on its row)."""
+    interval over resampled requests (``vs_table_low``, ``vs_table_high``; None below ``MIN_REPLAY_STEPS`` replayed
+    ``steps``). ``best fixed`` is the fixed k of largest speedup (``k``; the static table's k on its row)."""
     streams = request_streams(steps)
     rng = np.random.default_rng(seed)
     draws = [rng.integers(0, len(streams), len(streams)) for _ in range(RESAMPLES)] if streams else []
@@ -133,20 +137,21 @@ def compare_policies(steps: pl.LazyFrame, max_k: int, step_ms: Mapping[int, Mapp
         compared = {"static table": "static table", "best fixed": f"fixed k={best}", "acceptance EMA":
                     "acceptance EMA", "utility": "utility"}
         ratios: dict[str, list[float]] = {name: [] for name in compared}
-        for draw in draws:
+        for draw in draws if len(accepted) >= MIN_REPLAY_STEPS else []:
             again = lockstep([streams[i] for i in draw], batch)
             table_rate = replay(again, step_ms[batch], max_k, named["static table"])[0]
             for name, policy in compared.items():
                 ratios[name].append(replay(again, step_ms[batch], max_k, named[policy])[0] / table_rate)
         for name, policy in compared.items():
             rate, mean_k = found[policy]
-            low, high = np.percentile(ratios[name], [2.5, 97.5]) if draws else (rate, rate)
-            rows.append({"batch": batch, "policy": name,
+            low, high = (float(bound) for bound in np.percentile(ratios[name], [2.5, 97.5])) if ratios[name] \
+                else (None, None)
+            rows.append({"batch": batch, "policy": name, "steps": len(accepted),
                          "k": best if name == "best fixed" else min(table_k, max_k) if name == "static table" else None,
                          "speedup": rate / found["fixed k=0"][0], "mean_k": mean_k,
-                         "vs_table": rate / found["static table"][0], "vs_table_low": float(low),
-                         "vs_table_high": float(high)})
-    schema = {"batch": pl.Int32(), "policy": pl.String(), "k": pl.Int32(), "speedup": pl.Float64(),
+                         "vs_table": rate / found["static table"][0], "vs_table_low": low,
+                         "vs_table_high": high})
+    schema = {"batch": pl.Int32(), "policy": pl.String(), "steps": pl.Int32(), "k": pl.Int32(), "speedup": pl.Float64(),
               "mean_k": pl.Float64(), "vs_table": pl.Float64(), "vs_table_low": pl.Float64(),
               "vs_table_high": pl.Float64()}
     return pl.DataFrame(rows, schema=schema, orient="row")
@@ -154,12 +159,16 @@ def compare_policies(steps: pl.LazyFrame, max_k: int, step_ms: Mapping[int, Mapp
 
 def policy_verdict(compared: pl.DataFrame, batches: Sequence[int], requests: int) -> list[str]:
     """Per concurrency of ``batches``: which policy replayed fastest and whether it beats the static table beyond
-    the noise, or that it was not replayed (``requests``: the requests the replayed trace holds)."""
+    the noise, or that it was not replayed or judged (``requests``: the requests the replayed trace holds)."""
     lines = []
     for batch in batches:
         rows = compared.filter(pl.col("batch") == batch).to_dicts()
         if not rows:
             lines.append(f"B={batch}: not replayed: the trace holds {requests} request(s), fewer than {batch} slots")
+            continue
+        if rows[0]["steps"] < MIN_REPLAY_STEPS:
+            lines.append(f"B={batch}: not judged: {rows[0]['steps']} replayed steps with all {batch} slots busy, "
+                         f"fewer than {MIN_REPLAY_STEPS}")
             continue
         winner = max(rows, key=lambda row: row["vs_table"])
         if winner["policy"] == "static table" or winner["vs_table_low"] <= 1.0 or winner["vs_table"] < 1 + MIN_GAIN:

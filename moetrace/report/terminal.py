@@ -282,7 +282,7 @@ def _policies(decision: dict[str, Any]) -> Table:
     for row in policies["rows"]:
         table.add_row(str(row["batch"]), row["policy"], str(row["k"]) if row["k"] is not None else "–",
                       _number(row["mean_k"]), _number(row["speedup"]), f"{row['vs_table']:.3f}",
-                      f"{row['vs_table_low']:.3f}-{row['vs_table_high']:.3f}")
+                      "–" if row["vs_table_low"] is None else f"{row['vs_table_low']:.3f}-{row['vs_table_high']:.3f}")
     return table
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.analysis.policies import compare_policies, lockstep, policies, policy_verdict, replay
+from moetrace.analysis.policies import MIN_REPLAY_STEPS, compare_policies, lockstep, policies, policy_verdict, replay
 
 STEP_MS = {0: 1.0, 1: 1.2, 2: 1.5}
 
@@ -56,22 +56,37 @@ def test_utility_probes_the_largest_k_then_runs_the_k_of_largest_expected_tokens
 
 
 def test_the_comparison_names_the_best_fixed_k_and_says_when_nothing_beats_the_table_beyond_the_noise() -> None:
-    table = steps_table(*([[2, 2, 1, 0]] * 20))
+    table = steps_table(*([[2, 2, 1, 0] * 4] * 40))
     compared = compare_policies(table, 2, {1: STEP_MS, 4: STEP_MS}, {1: 0, 4: 2})
     one = {row["policy"]: row for row in compared.filter(pl.col("batch") == 1).to_dicts()}
-    # every request accepts 2, 2, 1, 0: k=2 gains 3 + 3 + 2 + 1 = 9 tokens per 6 ms, k=1 7 per 4.8, k=0 4 per 4
+    # 40 requests of 16 steps: 640 steps through one slot, 160 through four
+    assert set(compared.filter(pl.col("batch") == 1)["steps"]) == {640}
+    assert set(compared.filter(pl.col("batch") == 4)["steps"]) == {160}
+    # every request accepts 2, 2, 1, 0 (four times): k=2 gains 3 + 3 + 2 + 1 = 9 tokens per 6 ms, k=1 7 per 4.8,
+    # k=0 4 per 4
     assert one["best fixed"]["k"] == 2 and one["best fixed"]["speedup"] == pytest.approx(9 / 6)
     assert one["static table"]["k"] == 0 and one["static table"]["speedup"] == pytest.approx(1.0)
     assert one["best fixed"]["vs_table"] == pytest.approx(1.5) and one["best fixed"]["vs_table_low"] > 1.0
-    verdict = policy_verdict(compared, [1, 4, 32], 20)
+    verdict = policy_verdict(compared, [1, 4, 32], 40)
     assert verdict[0] == "B=1: best fixed beats the static table by +50.0% (95% 1.500-1.500x)"
     # at 4 the table already runs k=2, the best: nothing beats it
     assert verdict[1].startswith("B=4: no policy beats the static table beyond the noise")
-    assert verdict[2] == "B=32: not replayed: the trace holds 20 request(s), fewer than 32 slots"
+    assert verdict[2] == "B=32: not replayed: the trace holds 40 request(s), fewer than 32 slots"
+
+
+def test_a_replay_that_keeps_the_slots_busy_for_few_steps_is_shown_but_not_judged() -> None:
+    # 10 requests of 4 steps through 8 slots: all 8 end together after step 4 and only 2 are left to start
+    table = steps_table(*([[2, 2, 1, 0]] * 10))
+    compared = compare_policies(table, 2, {8: STEP_MS}, {8: 0})
+    assert set(compared["steps"]) == {4} and compared["vs_table_low"].null_count() == len(compared)
+    best = compared.filter(pl.col("policy") == "best fixed").row(0, named=True)
+    assert best["k"] == 2 and best["vs_table"] == pytest.approx(1.5)  # the replay itself still runs
+    assert policy_verdict(compared, [8], 10) == [
+        f"B=8: not judged: 4 replayed steps with all 8 slots busy, fewer than {MIN_REPLAY_STEPS}"]
 
 
 def test_a_gain_below_two_percent_is_not_called_a_win_however_tight_its_interval() -> None:
-    rows = pl.DataFrame({"batch": [1, 1], "policy": ["static table", "utility"], "k": [4, None],
+    rows = pl.DataFrame({"batch": [1, 1], "policy": ["static table", "utility"], "steps": [500, 500], "k": [4, None],
                          "speedup": [2.0, 2.03], "mean_k": [4.0, 3.9], "vs_table": [1.0, 1.015],
                          "vs_table_low": [1.0, 1.014], "vs_table_high": [1.0, 1.016]})
     assert policy_verdict(rows, [1], 8)[0].startswith("B=1: no policy beats the static table beyond the noise")
