@@ -331,7 +331,8 @@ def measure(args: argparse.Namespace) -> None:
     max_num_seqs = max(timed + recorded)
     workload = {"load": LOAD, "timed": timed, "recorded": recorded, "max_num_seqs": max_num_seqs,
                 "max_tokens": args.max_tokens, "lengths": list(LENGTHS), "rounds": args.rounds,
-                "requests": {str(c): requests_per_round(c) for c in sorted(set(timed + recorded))}}
+                "requests": {str(c): requests_per_round(c) for c in sorted(set(timed + recorded))},
+                "gpu_memory_utilization": args.gpu_memory_utilization}
     doc: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {
         "model": args.model, "tp": args.tp, "vllm_version": vllm_version(),
         "device": (gpu_inventory()["gpus"] or ["cpu"])[0], "cuda_graphs": not args.eager, **workload,
@@ -363,6 +364,8 @@ def measure(args: argparse.Namespace) -> None:
                                   args.max_tokens, args.eager, args.tp, max_num_seqs)
         if method == "sync":
             settings["engine_args"]["async_scheduling"] = False
+        if args.gpu_memory_utilization is not None:
+            settings["engine_args"]["gpu_memory_utilization"] = args.gpu_memory_utilization
         print(f"[{time.strftime('%H:%M:%S')}] {args.model} {method} k={k}: starting", flush=True)
         for attempt in (1, 2):
             shutil.rmtree(trace_dir, ignore_errors=True)  # a half-written trace of an interrupted call or attempt
@@ -748,6 +751,8 @@ def main() -> None:
     run.add_argument("--max-tokens", type=int, default=256)
     run.add_argument("--sync-baseline", action="store_true",
                      help="also k = 0 with async scheduling off (as vLLM runs n-gram drafting)")
+    run.add_argument("--gpu-memory-utilization", type=float,
+                     help="vLLM's share of GPU memory [default: vLLM's] (the TP=8 slice on an 80 GB H100: 0.95)")
     run.add_argument("--eager", action="store_true", help="no torch.compile or CUDA graphs (CPU smoke runs)")
     run.add_argument("--start-timeout-s", type=float, default=240.0,
                      help="an engine not started by then has hung: killed, and tried once more (slowest seen: 108 s)")

@@ -8,6 +8,9 @@
 #      timed rounds at 16 ran at 0.81x its recorded ones).
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until both print
 # "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS; results in $OUT/holdout-32.tar.gz, eagle3.tar.gz.
+# On another card (an 80 GB H100): CARD=h100 calibrates the slice on that card first (the committed calibration is
+# the H200's; it lands in each run folder and in $OUT) and gives vLLM 0.95 of the GPU's memory (the slice's weights
+# take 64.5 GiB).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 R=$(cd "$(dirname "$0")/../.." && pwd)
@@ -15,11 +18,24 @@ OUT=${OUT:-/tmp/moetrace-out}
 end=$(( $(date +%s) + ${1:-540} ))
 mkdir -p "$OUT"
 cd /tmp || exit 1
+memory=()
+if [ "${CARD:-h200}" != h200 ]; then
+  memory=(--gpu-memory-utilization 0.95)
+  cal=/root/calibration-kimi-k2-tp8.json
+  if [ ! -f "$cal" ]; then
+    model=$(python "$R/benchmarks/lab/bench_speedup_validation.py" model-dir --model kimi-k2-tp8 --out /root/cal) &&
+      timeout $(( end - $(date +%s) )) moetrace calibrate --model "$model" --tp 1 --ep 1 --formats bf16 \
+        --no-allreduce --vllm-kernel -o /root/cal/partial.json --force && mv /root/cal/partial.json "$cal"
+  fi
+  [ -f "$cal" ] || { echo "no calibration of this card"; exit 1; }
+  cp "$cal" "$OUT/"
+  for run in holdout-32 eagle3; do mkdir -p "/root/$run" && cp "$cal" "/root/$run/"; done
+fi
 bench() {
   local left=$(( end - $(date +%s) - 25 ))
   if [ "$left" -lt 150 ]; then echo "not run now ($left s left): $*"; return 0; fi
   timeout $(( left + 15 )) python "$R/benchmarks/lab/bench_speedup_validation.py" measure --model kimi-k2-tp8 "$@" \
-    --budget-s "$left"
+    "${memory[@]}" --budget-s "$left"
 }
 bench --methods ngram --ks 0,1,3 --sync-baseline --rounds 3 --timed 2,6,12,32 --recorded 1,16 --out /root/holdout-32
 bench --methods eagle3 --ks 0,1,2,3,4 --rounds 5 --timed 1,16 --recorded 1,16 --max-tokens 256 --out /root/eagle3
