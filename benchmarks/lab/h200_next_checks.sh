@@ -8,7 +8,7 @@
 #      timed rounds at 16 ran at 0.81x its recorded ones).
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until both print
 # "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS; results in $OUT/holdout-32.tar.gz, eagle3.tar.gz.
-# On another card (an 80 GB H100): CARD=h100 calibrates the slice on that card first (the committed calibration is
+# On another card (an 80 GB H100; CARD, default from nvidia-smi): it calibrates the slice on that card first (the committed calibration is
 # the H200's; it lands in each run folder and in $OUT) and gives vLLM 0.95 of the GPU's memory (the slice's weights
 # take 64.5 GiB).
 set -o pipefail
@@ -19,7 +19,9 @@ end=$(( $(date +%s) + ${1:-540} ))
 mkdir -p "$OUT"
 cd /tmp || exit 1
 memory=()
-if [ "${CARD:-h200}" != h200 ]; then
+CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)}
+echo "card: $CARD"
+if [[ "$CARD" != *H200* ]]; then
   memory=(--gpu-memory-utilization 0.95)
   cal=/root/calibration-kimi-k2-tp8.json
   if [ ! -f "$cal" ]; then
