@@ -8,9 +8,9 @@
 #      timed rounds at 16 ran at 0.81x its recorded ones).
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until both print
 # "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS; results in $OUT/holdout-32.tar.gz, eagle3.tar.gz.
-# On another card (an 80 GB H100; CARD, default from nvidia-smi): it calibrates the slice on that card first (the committed calibration is
-# the H200's; it lands in each run folder and in $OUT) and gives vLLM 0.95 of the GPU's memory (the slice's weights
-# take 64.5 GiB).
+# On another card (an 80 GB H100; CARD, default from nvidia-smi) it calibrates the slice on that card first (the
+# committed calibration is the H200's; it lands in each run folder and in $OUT) and gives vLLM 0.95 of the GPU's
+# memory (the slice's weights take 64.5 GiB).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 R=$(cd "$(dirname "$0")/../.." && pwd)
