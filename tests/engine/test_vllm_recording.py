@@ -299,12 +299,12 @@ def test_routing_recomputed_from_router_logits_equals_the_wrapped_routers(record
     assert counts["routing_rows"] == counts["tokens"] * 3
 
 
-def record_drafted_trace(method: str, k: int, tmp_path: Path, batch_size: int = 4) -> Path:
+def record_drafted_trace(method: str, k: int, tmp_path: Path, batch_size: int = 4, num_prompts: int = 10) -> Path:
     """Record the default model with ``method`` at ``k`` and check what every drafter's trace must hold: the
     target's MoE layers only (every token in each), drafts, and per request and step the acceptance vLLM itself
     counted. Returns the trace."""
     done = run_cli("record", "--method", method, "--k", str(k), "--max-tokens", "24", "--batch-size", str(batch_size),
-                   "--out", str(tmp_path))
+                   "--num-prompts", str(num_prompts), "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     (trace_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     trace = open_trace(trace_dir)
@@ -343,7 +343,8 @@ def test_the_default_models_one_layer_draft_model_drafts_as_draft_model(tmp_path
     """--method draft_model on the default model without --drafter runs its one-layer cut (embedding, dense
     layer 0, final norm, LM head) as vLLM's draft_model, not as MTP; the trace holds the target's MoE layers
     only and vLLM's own acceptance, and the manifest names a one-layer DeepseekV2 model."""
-    trace = open_trace(record_drafted_trace("draft_model", 2, tmp_path, batch_size=1))  # vLLM 0.32: one at a time
+    # vLLM 0.32 drafts with a draft model one request at a time: 4 requests keep the test short
+    trace = open_trace(record_drafted_trace("draft_model", 2, tmp_path, batch_size=1, num_prompts=4))
     checkpoint = trace.manifest.document["spec"]["drafter_checkpoint"]
     config = json.loads((Path(checkpoint["path"]) / "config.json").read_text())
     assert checkpoint["architecture"] == "DeepseekV2ForCausalLM" and config["num_hidden_layers"] == 1
