@@ -49,8 +49,8 @@ class RecordingOptions:
     # ``sample_every_seconds`` (from one window's first step to the next's); the steps between run unrecorded
     sample_steps: int | None = None
     sample_every_seconds: float | None = None
-    # or one request in this many (every N-th request to arrive, the first included) has its routing rows recorded;
-    # every request's steps rows are (``moetrace.trace.files.TraceFiles``)
+    # or one request in this many (chosen by its vLLM id: ``moetrace.trace.files.sampled_request``) has its routing
+    # rows recorded; every request's steps rows are
     sample_requests: int | None = None
 
     def __post_init__(self) -> None:

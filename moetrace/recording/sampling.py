@@ -1,7 +1,7 @@
 """Sampled recording under ``vllm serve``, one policy of ``MOETRACE_RECORD`` at a time: ``sample_steps`` and
 ``sample_every_seconds``, a window of N request steps every M seconds (the steps between windows run unrecorded); or
-``sample_requests``, one request in N (every N-th request to arrive keeps its routing rows, written by
-``moetrace.trace.files.TraceFiles``; every request keeps its steps rows, so steps, counts and acceptance stay whole).
+``sample_requests``, one request in N (the requests whose vLLM id ``moetrace.trace.files.sampled_request`` keeps have
+their routing rows written; every request keeps its steps rows, so steps, counts and acceptance stay whole).
 """
 
 from __future__ import annotations

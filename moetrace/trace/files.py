@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,6 +48,13 @@ PARQUET_OPTIONS: dict[str, Any] = {
     "use_byte_stream_split": ["experts.list.element", "cand_experts.list.element"],
     "write_statistics": ["step", "request", "layer", "draft_pos"],
 }
+
+
+def sampled_request(request_id: str, one_in: int) -> bool:
+    """Whether a recording of one request in ``one_in`` keeps the routing rows of vLLM's request ``request_id``:
+    its id's CRC-32 is a multiple of ``one_in``. The id decides, not the request's index, so a request running
+    across a partition boundary, or seen by several data-parallel ranks, is kept in each or in none."""
+    return zlib.crc32(request_id.encode()) % one_in == 0
 
 
 @dataclass
@@ -180,16 +188,23 @@ class TraceFiles:
         # vLLM's id of every request index (the manifest's ``requests``): kept here, in the writer process, so that
         # the engine side holds only the requests still running
         self.requests: list[str] = list(manifest.get("requests") or [])
-        # sampled by request (``capture.sampled.one_request_in``): routing rows of every N-th request index only
+        # sampled by request (``capture.sampled.one_request_in``): routing rows of the requests ``sampled_request``
+        # keeps, decided once per request index
         self.one_request_in = int(((manifest.get("capture") or {}).get("sampled") or {}).get("one_request_in", 1))
+        self.kept = [sampled_request(rid, self.one_request_in) for rid in self.requests]
 
     def write(self, items: list[StepCapture | Assemblable]) -> list[StepCapture]:
         """Write the steps ``items`` hold; returns them as written."""
         captures = [item if isinstance(item, StepCapture) else item.assemble() for item in items]
         if not captures:
             return captures
-        routed = captures if self.one_request_in == 1 else [
-            capture.of_requests(capture.request % self.one_request_in == 0) for capture in captures]
+        for cap in captures:  # first: every request index these steps use has its id
+            self.requests.extend(cap.new_requests)
+            self.kept.extend(sampled_request(rid, self.one_request_in) for rid in cap.new_requests)
+        routed = captures
+        if self.one_request_in > 1:
+            kept = np.asarray(self.kept, dtype=np.bool_)  # [requests so far]
+            routed = [capture.of_requests(kept[capture.request]) for capture in captures]
         self._routing.append(self.routing_table(routed))
         steps = {name: np.concatenate([c.steps_rows[name] for c in captures]) for name in STEPS_SCHEMA.names}
         self._steps.append(pa.Table.from_pydict(steps, schema=self._steps.schema))
@@ -198,7 +213,6 @@ class TraceFiles:
             self.tokens += len(cap.request)
             self.drafts += int((cap.accepted >= 0).sum())
             self.accepted += int((cap.accepted == 1).sum())
-            self.requests.extend(cap.new_requests)
         return captures
 
     def maybe_rotate(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -110,28 +111,52 @@ def test_writer_rotates_files_orders_experts_by_weight_and_finalises_the_manifes
             == routing.filter(pl.col("draft_pos") == 0).height)
 
 
-def test_sampled_by_request_the_writer_keeps_routing_of_every_nth_request_and_every_steps_row(tmp_path: Path) -> None:
-    rng = np.random.default_rng(1)
+# CRC-32 of vLLM-style request ids (as gzip's trailer gives them): cmpl-3 3943220874 and cmpl-5 40592319 are
+# multiples of 3; cmpl-0, -1, -2, -4 and -6 are not
+KEPT_ONE_IN_3 = {"cmpl-3", "cmpl-5"}
+
+
+def sampled_by_request(tmp_path: Path, ids: list[str], steps: int) -> Path:
+    """A trace recorded one request in 3, of ``steps`` steps each verifying the requests ``ids`` (indices 0..)."""
     document = manifest()
     document["capture"] = {"sampled": {"one_request_in": 3}}
     writer = TraceWriter(tmp_path, document, LAYERS, TOP_K)
-    captures = [verify_step(s, rng, requests=7) for s in range(4)]  # requests 0..6 in every step
-    for capture in captures:
-        submit_and_wait(writer, capture)
-    final = writer.close()
-    trace = open_trace(tmp_path)
+    rng = np.random.default_rng(1)
+    for step in range(steps):
+        capture = verify_step(step, rng, requests=len(ids))
+        submit_and_wait(writer, dataclasses.replace(capture, new_requests=tuple(ids) if step == 0 else ()))
+    writer.close()
+    return tmp_path
+
+
+def test_sampled_by_request_the_writer_keeps_routing_of_requests_chosen_by_id_and_every_steps_row(
+        tmp_path: Path) -> None:
+    ids = [f"cmpl-{i}" for i in range(7)]
+    trace = open_trace(sampled_by_request(tmp_path, ids, steps=4))
     routing, steps = trace.routing().collect(), trace.steps().collect()
-    assert sorted(routing["request"].unique().to_list()) == [0, 3, 6]
-    assert routing.height == 4 * 3 * 3 * len(LAYERS)  # 4 steps x 3 requests x 3 tokens (anchor, 2 drafts)
+    assert sorted(routing["request"].unique().to_list()) == [3, 5]
+    assert routing.height == 4 * 2 * 3 * len(LAYERS)  # 4 steps x 2 requests x 3 tokens (anchor, 2 drafts)
+    final = trace.manifest.document
     assert steps.height == 4 * 7 and final["counts"]["steps_rows"] == 4 * 7
     # counts are the whole steps' (they equal the engine's counters): 7 requests x 2 drafts, 1 accepted, x 4 steps
     assert final["counts"]["drafts"] == 4 * 7 * 2 and final["counts"]["accepted"] == 4 * 7
     assert final["counts"]["routing_rows"] == routing.height
     assert trace.manifest.capture.one_request_in == 3
     assert disagreement(routing_gaps(trace.routing(), trace.steps(), sampled_requests=True)) is None
-    # read as if every request were routed, the 4 x 4 request-steps of requests 1, 2, 4, 5 would be missing
+    # read as if every request were routed, the 5 x 4 request-steps of the other requests would be missing
     assert disagreement(routing_gaps(trace.routing(), trace.steps())) == (
-        "16 of 28 decoding request-steps lack routing rows")
+        "20 of 28 decoding request-steps lack routing rows")
+
+
+def test_a_request_running_across_a_partition_boundary_is_sampled_in_both_partitions(tmp_path: Path) -> None:
+    """Each partition numbers its requests from 0: cmpl-3 is request 3 of the first and request 0 of the next, and
+    it is kept in both (by index, 0 and 3 would be kept in each)."""
+    first = open_trace(sampled_by_request(tmp_path / "p1", ["cmpl-0", "cmpl-1", "cmpl-2", "cmpl-3"], steps=2))
+    second = open_trace(sampled_by_request(tmp_path / "p2", ["cmpl-3", "cmpl-4", "cmpl-5", "cmpl-6"], steps=2))
+    for trace in (first, second):
+        ids = trace.request_ids()
+        routed = {ids[request] for request in trace.routing().collect()["request"].unique().to_list()}
+        assert routed == KEPT_ONE_IN_3 & set(ids.values())
 
 
 def test_the_writer_process_imports_the_engines_moetrace_not_one_in_the_working_directory(
