@@ -52,8 +52,8 @@ PARQUET_OPTIONS: dict[str, Any] = {
 
 def sampled_request(request_id: str, one_in: int) -> bool:
     """Whether a recording of one request in ``one_in`` keeps the routing rows of vLLM's request ``request_id``:
-    its id's CRC-32 is a multiple of ``one_in``. The id decides, not the request's index, so a request running
-    across a partition boundary, or seen by several data-parallel ranks, is kept in each or in none."""
+    its id's CRC-32 is a multiple of ``one_in``. The id decides, not the request's index (which each partition
+    numbers from 0), so a request running across a partition boundary is kept in both partitions or in neither."""
     return zlib.crc32(request_id.encode()) % one_in == 0
 
 
