@@ -189,9 +189,9 @@ class TraceFiles:
         # the engine side holds only the requests still running
         self.requests: list[str] = list(manifest.get("requests") or [])
         # sampled by request (``capture.sampled.one_request_in``): routing rows of the requests ``sampled_request``
-        # keeps, decided once per request index
+        # keeps, decided once per request index (only where sampled)
         self.one_request_in = int(((manifest.get("capture") or {}).get("sampled") or {}).get("one_request_in", 1))
-        self.kept = [sampled_request(rid, self.one_request_in) for rid in self.requests]
+        self.kept: list[bool] = []
 
     def write(self, items: list[StepCapture | Assemblable]) -> list[StepCapture]:
         """Write the steps ``items`` hold; returns them as written."""
@@ -200,9 +200,9 @@ class TraceFiles:
             return captures
         for cap in captures:  # first: every request index these steps use has its id
             self.requests.extend(cap.new_requests)
-            self.kept.extend(sampled_request(rid, self.one_request_in) for rid in cap.new_requests)
         routed = captures
         if self.one_request_in > 1:
+            self.kept.extend(sampled_request(rid, self.one_request_in) for rid in self.requests[len(self.kept):])
             kept = np.asarray(self.kept, dtype=np.bool_)  # [requests so far]
             routed = [capture.of_requests(kept[capture.request]) for capture in captures]
         self._routing.append(self.routing_table(routed))
