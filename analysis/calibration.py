@@ -70,6 +70,15 @@ def expert_time_us(fit: Mapping[str, Any], experts: float, rows: float) -> float
     return float(fit["c0_us"]) + float(fit["per_expert_us"]) * experts + float(fit["per_row_us"]) * rows
 
 
+def moe_layer_us(fit: Mapping[str, Any], experts: float, rows: float, shared_experts: float, top_k: int) -> float:
+    """One MoE layer's µs on one rank: the routed experts' kernel over ``experts`` experts and ``rows`` rows, plus
+    ``shared_experts`` shared experts, which vLLM runs as a dense MLP beside the kernel: each reads its weights once
+    whatever the tokens, priced as one expert of the kernel's one-token point (time at top-k experts and rows ÷
+    top-k). Not as rows of the kernel: where vLLM launches one block per routed row (a few tokens), each row there
+    re-reads its expert's weights."""
+    return expert_time_us(fit, experts, rows) + shared_experts * expert_time_us(fit, top_k, top_k) / top_k
+
+
 def table_time_us(table: Sequence[tuple[float, float, float]], experts: float, rows: float) -> float:
     """µs at (experts, rows) from measured (experts, rows, µs) points: piecewise linear in experts within each
     measured rows level, then linear in rows between the two levels around ``rows`` (the first level held below

@@ -5,10 +5,11 @@ functions on plain data; Polars out. No torch here.
 step(k) = attention(k) + other GEMMs(k) + rest + MoE(k) + all-reduce(k), where for a step of T tokens (B requests
 × the tokens a request-step reads at k: measured where the sweep recorded k, else k+1):
 
-- MoE(k): per MoE layer, the expert layer's time at the unique experts one rank computes (TP: every unique expert
-  of the window plus the shared experts, at width/tp; EP: the busiest rank's experts at full width plus 1/ep of the
-  shared experts) and the rows routed to it; calibrated: ``c0 + per_expert·E + per_row·rows`` as measured; without
-  a calibration, proportional to E (weight-read bound).
+- MoE(k): per MoE layer, the routed experts' kernel at the unique experts one rank computes (TP: every unique
+  expert of the window, at width/tp; EP: the busiest rank's experts at full width) and the rows routed to it, plus
+  the shared experts (TP: all of them at width/tp; EP: 1/ep of each), a dense MLP read once per step
+  (``analysis.calibration.moe_layer_us``); calibrated: the kernel's measured table or ``c0 + per_expert·E +
+  per_row·rows``; without a calibration, proportional to the experts read (weight-read bound).
 - all-reduce(k): ``num_layers × allreduces_per_layer`` all-reduces of T × hidden × 2 bytes; calibrated: the
   measured curve for that many GPUs (interpolated, made non-decreasing in bytes), else the ring model
   ``latency + 2(N−1)/N·bytes/bus bandwidth``
@@ -39,7 +40,7 @@ from moetrace.analysis.calibration import (
     check_calibration,
     drafter_step_ms,
     expert_fit,
-    expert_time_us,
+    moe_layer_us,
     ring_model,
 )
 from moetrace.analysis.deployment import Deployment, ring_factor
@@ -189,16 +190,17 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         cal_hidden = calibration.get("shape", {}).get("hidden_size")
         if cal_hidden is not None and int(cal_hidden) != shape.hidden_size:
             notes.append(f"calibration measured hidden {cal_hidden}, the model has {shape.hidden_size}")
-        expert_us = [expert_time_us(fit, e, m) for e, m in work]
-        anchor_expert_us = expert_time_us(fit, *anchor_work)
+        shared = deployment.shared_per_rank
+        expert_us = [moe_layer_us(fit, e, m, shared, shape.top_k) for e, m in work]
+        anchor_expert_us = moe_layer_us(fit, *anchor_work, shared, shape.top_k)
         if deployment.world_size > 1:
             ar_model = allreduce_model(calibration, deployment.world_size)
             if ar_model is None:
                 notes.append("calibration has no all-reduce curve: all-reduce left out"
                              if profile is None else "calibration has no all-reduce curve: profile model used")
     if not expert_us:  # no calibration: weight-read bound, proportional to experts read per rank
-        expert_us = [e for e, _ in work]
-        anchor_expert_us = anchor_work[0]
+        expert_us = [e + deployment.shared_per_rank for e, _ in work]
+        anchor_expert_us = anchor_work[0] + deployment.shared_per_rank
     if ar_model is None and profile is not None and deployment.world_size > 1:
         per_call = profile.step_ms * profile.allreduce * 1e3 / max(n_ar, 1)
         ring = ring_factor(deployment.world_size)

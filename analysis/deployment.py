@@ -76,13 +76,13 @@ class Deployment:
         return self.shape.hidden_size, self.shape.expert_width // self.tp, self.shape.num_experts
 
     def rank_work(self, unique: float, busiest: float, tokens: float) -> tuple[float, float]:
-        """(experts, rows) one rank computes in one MoE layer: under EP the busiest rank's experts and its share of
-        the routed rows, plus its share of the shared experts; under TP every unique expert and every row."""
+        """(experts, rows) one rank's routed-expert kernel computes in one MoE layer: under EP the busiest rank's
+        experts and its share of the routed rows, under TP every unique expert and every routed row. The shared
+        experts are not in it: vLLM runs them as a dense MLP beside the fused kernel (``shared_per_rank``)."""
         top_k = self.shape.top_k
         if self.ep > 1:
-            rows = tokens * top_k * (busiest / unique if unique > 0 else 0.0) + tokens * self.shared_per_rank
-            return busiest + self.shared_per_rank, rows
-        return unique + self.shared_per_rank, tokens * (top_k + self.shared_per_rank)
+            return busiest, tokens * top_k * (busiest / unique if unique > 0 else 0.0)
+        return unique, tokens * top_k
 
     def expert_weight_bytes(self, unique: float) -> float:
         """Expert weights a step reads over all ranks: the routed experts it uses and the shared ones, every MoE
@@ -90,9 +90,10 @@ class Deployment:
         return (unique + self.shape.shared_experts) * self.shape.expert_bytes * self.shape.moe_layers
 
     def busiest_rank_weight_bytes(self, unique: float, busiest: float) -> float:
-        """Expert weights the busiest rank reads per step (``rank_work``'s experts at ``rank_expert_bytes``)."""
+        """Expert weights the busiest rank reads per step (``rank_work``'s experts and its shared experts at
+        ``rank_expert_bytes``)."""
         experts, _ = self.rank_work(unique, busiest, 1.0)
-        return experts * self.rank_expert_bytes * self.shape.moe_layers
+        return (experts + self.shared_per_rank) * self.rank_expert_bytes * self.shape.moe_layers
 
 
 def deployment_for(shape: ModelShape, tp: int, ep: int, weight_format: str | None = None) -> Deployment:

@@ -173,12 +173,13 @@ def test_predict_profile_only_by_hand() -> None:
 def test_predict_calibration_only_by_hand() -> None:
     table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None, _calibration())
     k1 = table.filter(pl.col("k") == 1).to_dicts()[0]
-    # tp2: experts 12 + 1 shared, rows 2 tokens × (8 + 1): 10 + 2·13 + 0.5·18 = 45 µs per layer, 2 layers
-    assert k1["expert_layer_us"] == pytest.approx(45.0) and k1["moe_ms"] == pytest.approx(0.090)
+    # tp2: the kernel over 12 experts and 2 tokens × 8 rows, 10 + 2·12 + 0.5·16 = 42 µs, plus the shared expert at
+    # the one-token point's price per expert, (10 + 2·8 + 0.5·8) / 8 = 3.75 µs: 45.75 µs per layer, 2 layers
+    assert k1["expert_layer_us"] == pytest.approx(45.75) and k1["moe_ms"] == pytest.approx(0.0915)
     # 4 all-reduces of 2 tokens × 1000 × 2 B = 4000 B: 10 + 3·(2000/6000) = 11 µs
     assert k1["allreduce_ms"] == pytest.approx(4 * 11.0 / 1e3)
     k0 = table.filter(pl.col("k") == 0).to_dicts()[0]
-    assert k0["step_ms"] == pytest.approx(2 * (10 + 18 + 4.5) / 1e3 + 4 * 10.0 / 1e3)
+    assert k0["step_ms"] == pytest.approx(2 * (10 + 16 + 4 + 3.75) / 1e3 + 4 * 10.0 / 1e3)
     assert k1["speedup"] == pytest.approx(1.5 / (k1["step_ms"] / k0["step_ms"]))
     assert basis["mode"] == "calibration only" and any("lower bound" in n for n in basis["notes"])
     with pytest.raises(ValueError, match="no expert curve for ep2"):
@@ -199,16 +200,16 @@ def test_a_kernel_table_is_read_by_interpolation_between_measured_levels() -> No
 
 def test_the_engines_kernel_table_is_preferred_to_a_fitted_grouped_gemm() -> None:
     calibration = _calibration()
-    points = [{"experts": 9, "rows": 9, "time_us": 20.0}, {"experts": 9, "rows": 18, "time_us": 30.0},
-              {"experts": 18, "rows": 18, "time_us": 48.0}]
+    points = [{"experts": 8, "rows": 8, "time_us": 20.0}, {"experts": 8, "rows": 16, "time_us": 30.0},
+              {"experts": 16, "rows": 16, "time_us": 46.0}]
     calibration["experts"].append({"config": "tp2", "format": "bf16", "weight_bits": 16, "estimated": False,
                                    "kernel": "vLLM fused_experts (Triton)", "table": True, "points": points,
                                    "fit": {"c0_us": 0.0, "per_expert_us": 1.0, "per_row_us": 1.0}})
     table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None, calibration)
     k0, k1 = table.to_dicts()
-    # k=0: 8 + 1 shared experts over 9 rows: the point itself; k=1: 13 experts over 18 rows: 30 + 18·4/9 at 18
-    # rows (the 9-row level, one point, held at 20, weighs nothing at 18 rows)
-    assert k0["expert_layer_us"] == pytest.approx(20.0) and k1["expert_layer_us"] == pytest.approx(38.0)
+    # the shared expert: the one-token point (8 experts, 8 rows) ÷ 8 = 2.5 µs. k=0: 8 experts over 8 rows, the point
+    # itself; k=1: 12 experts over 16 rows, 30 + 16·4/8 inside the 16-row level
+    assert k0["expert_layer_us"] == pytest.approx(20.0 + 2.5) and k1["expert_layer_us"] == pytest.approx(38.0 + 2.5)
     assert any("table of vLLM fused_experts (Triton) (3 points)" in note for note in basis["notes"])
 
 
@@ -216,19 +217,20 @@ def test_predict_from_a_measured_k0_step_by_hand() -> None:
     table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None, _calibration(),
                            measured=MeasuredSteps(5.0))
     k0, k1 = table.to_dicts()
-    # k=0: 2 layers × (10 + 2·(8+1) + 0.5·9) µs MoE and 4 all-reduces of 10 µs; the rest of the 5 ms is held flat
-    assert k0["moe_ms"] == pytest.approx(0.065) and k0["allreduce_ms"] == pytest.approx(0.040)
-    assert k0["rest_ms"] == pytest.approx(5.0 - 0.065 - 0.040) and k0["step_ms"] == pytest.approx(5.0)
-    # k=1: 2 × 45 µs MoE, 4 × 11 µs all-reduce, the same rest
-    assert k1["step_ms"] == pytest.approx(5.0 - 0.105 + 0.090 + 0.044)
+    # k=0: 2 layers × (10 + 2·8 + 0.5·8 + 3.75 shared) µs MoE and 4 all-reduces of 10 µs; the rest of the 5 ms is
+    # held flat
+    assert k0["moe_ms"] == pytest.approx(0.0675) and k0["allreduce_ms"] == pytest.approx(0.040)
+    assert k0["rest_ms"] == pytest.approx(5.0 - 0.0675 - 0.040) and k0["step_ms"] == pytest.approx(5.0)
+    # k=1: 2 × 45.75 µs MoE, 4 × 11 µs all-reduce, the same rest
+    assert k1["step_ms"] == pytest.approx(5.0 - 0.1075 + 0.0915 + 0.044)
     assert k1["speedup"] == pytest.approx(1.5 / (k1["step_ms"] / 5.0))
     assert basis["mode"] == "measured k=0 step, calibrated growth"
     small, small_basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None,
                                  _calibration(), measured=MeasuredSteps(0.05))
-    # the calibration's 0.105 ms at k=0 is above the measured 0.05 ms step: the step stays anchored at what was
-    # measured and only the calibration's growth (0.134 - 0.105 ms) is added at k=1
-    assert small["step_ms"].to_list() == pytest.approx([0.05, 0.05 - 0.105 + 0.090 + 0.044])
-    assert small["rest_ms"].to_list() == pytest.approx([0.05 - 0.105] * 2)
+    # the calibration's 0.1075 ms at k=0 is above the measured 0.05 ms step: the step stays anchored at what was
+    # measured and only the calibration's growth (0.1355 - 0.1075 ms) is added at k=1
+    assert small["step_ms"].to_list() == pytest.approx([0.05, 0.05 - 0.1075 + 0.0915 + 0.044])
+    assert small["rest_ms"].to_list() == pytest.approx([0.05 - 0.1075] * 2)
     assert any("only their growth" in n for n in small_basis["notes"])
     for profile, calibration in ((PROFILE_PRESETS["kimi-k2-tp8"], _calibration()), (None, None)):
         with pytest.raises(ValueError):
@@ -248,7 +250,7 @@ def test_a_measured_time_is_kept_where_recorded_and_scaled_or_held_elsewhere() -
                            measured=MeasuredSteps(5.0, drafting_ms={1: 0.5}))
     k0, k1 = table.to_dicts()
     assert k0["drafting_ms"] == 0.0 and k1["drafting_ms"] == 0.5
-    assert k1["step_ms"] == pytest.approx(5.0 - 0.105 + 0.090 + 0.044 + 0.5)
+    assert k1["step_ms"] == pytest.approx(5.0 - 0.1075 + 0.0915 + 0.044 + 0.5)
     assert any("drafter's own time per step" in note for note in basis["notes"])
 
 
