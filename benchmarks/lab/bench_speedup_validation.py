@@ -30,8 +30,11 @@ Baseline: k = 0 (no speculation) on the same GPU, same workload, same run (``--s
 async scheduling off). Measured speedup = median tok/s at k over median tok/s at k = 0; its 95% interval bootstraps
 the rounds of both engines.
 
+``--hooks-ab``: the timed concurrencies only, in rounds with the hooks paused and on in turn (``hooks_on_tok_s``
+beside ``tok_s``), to tell a paused engine's speed from round order and drift.
+
 Evidence it produced: benchmarks/results/speedup-validation*.json, speedup-*-measurements.json (latest: commit
-047fb12, one H200, 2026-12-04: the 64-slot hold-out and EAGLE-3 k = 0..4 on the slice, both complete).
+7743107, an H100, 2026-12-05: EAGLE-3 k = 0..2 on the slice, 5 rounds).
 """
 
 from __future__ import annotations
@@ -273,10 +276,29 @@ def build_llm_within(settings: dict[str, Any], seconds: float) -> Any:
         done.set()
 
 
+def hooks_ab_rounds(llm: Any, prompts: list[Any], rounds: int, concurrencies: list[int],
+                    max_tokens: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Tokens per second of ``rounds`` closed-loop rounds with the hooks paused and as many with them on, each round
+    of one right after a round of the other (which comes first alternates): (paused, on) per concurrency. Tells
+    whether "paused" runs the engine as fast as the recorded rounds, round order and drift aside."""
+    paused: dict[str, list[float]] = {str(c): [] for c in concurrencies}
+    hooked: dict[str, list[float]] = {str(c): [] for c in concurrencies}
+    for round_index in range(rounds):
+        for hooks_on in ((False, True) if round_index % 2 == 0 else (True, False)):
+            llm.collective_rpc("moetrace_resume" if hooks_on else "moetrace_pause")
+            for concurrency in round_order(round_index, concurrencies):
+                lengths = output_lengths(requests_per_round(concurrency), max_tokens)
+                tag = f"{'on' if hooks_on else 'off'}{round_index}c{concurrency}"
+                (hooked if hooks_on else paused)[str(concurrency)].append(
+                    closed_loop(llm, prompts, concurrency, lengths, tag))
+    return paused, hooked
+
+
 def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start_timeout_s: float,
-                   timed: list[int], recorded: list[int]) -> dict[str, Any]:
+                   timed: list[int], recorded: list[int], hooks_ab: bool = False) -> dict[str, Any]:
     """Start one engine, time ``rounds`` closed-loop rounds at the ``timed`` concurrencies with the hooks paused,
-    record as many at the ``recorded`` ones, close the trace."""
+    record as many at the ``recorded`` ones, close the trace. With ``hooks_ab``, the timed concurrencies instead
+    in rounds with the hooks paused and on in turn (``hooks_ab_rounds``), and nothing more recorded."""
     from moetrace.recording.engine import engine_prompts, spec_decode_counters
     from moetrace.trace.manifest import amend_manifest
     from moetrace.trace.reader import read_manifest
@@ -295,10 +317,16 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
         for concurrency in timed:  # warm-up, short: Triton compiles each new batch shape
             closed_loop(llm, prompts, concurrency, [min(WARM_UP_TOKENS, max_tokens)] * (2 * concurrency),
                         f"w{concurrency}")
-        timings = run_rounds(llm, prompts, rounds, timed, max_tokens, "t")
         before = spec_decode_counters(llm)
-        llm.collective_rpc("moetrace_resume")
-        recorded_rates = run_rounds(llm, prompts, rounds, recorded, max_tokens, "r")
+        hooks_on_rates: dict[str, list[float]] = {}
+        if hooks_ab:
+            timings, hooks_on_rates = hooks_ab_rounds(llm, prompts, rounds, timed, max_tokens)
+            recorded_rates: dict[str, list[float]] = {}
+        else:
+            timings = run_rounds(llm, prompts, rounds, timed, max_tokens, "t")
+            before = spec_decode_counters(llm)
+            llm.collective_rpc("moetrace_resume")
+            recorded_rates = run_rounds(llm, prompts, rounds, recorded, max_tokens, "r")
         closed = [c for c in llm.collective_rpc("moetrace_close") if c is not None]
         # vLLM's counters over the recorded workload only: the cross-check of the trace's drafts and acceptances
         counters = {name: value - before.get(name, 0.0) for name, value in spec_decode_counters(llm).items()}
@@ -311,6 +339,7 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
     amend_manifest(trace, vllm_counters=counters)
     return {"method": settings["method"], "k": settings["k"], "trace": str(trace), "engine_start_s": start_s,
             "tok_s": timings, "recorded_tok_s": recorded_rates, "vllm_counters": counters,
+            **({"hooks_on_tok_s": hooks_on_rates} if hooks_ab else {}),
             "recording_complete": all(c["complete"] for c in closed) and bool(closed),
             "engine_thread_us_per_step": [c.get("engine_thread_us_per_step") for c in closed]}
 
@@ -332,7 +361,7 @@ def measure(args: argparse.Namespace) -> None:
     workload = {"load": LOAD, "timed": timed, "recorded": recorded, "max_num_seqs": max_num_seqs,
                 "max_tokens": args.max_tokens, "lengths": list(LENGTHS), "rounds": args.rounds,
                 "requests": {str(c): requests_per_round(c) for c in sorted(set(timed + recorded))},
-                "gpu_memory_utilization": args.gpu_memory_utilization}
+                "gpu_memory_utilization": args.gpu_memory_utilization, **({"hooks_ab": True} if args.hooks_ab else {})}
     doc: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {
         "model": args.model, "tp": args.tp, "vllm_version": vllm_version(),
         "device": (gpu_inventory()["gpus"] or ["cpu"])[0], "cuda_graphs": not args.eager, **workload,
@@ -371,7 +400,8 @@ def measure(args: argparse.Namespace) -> None:
             shutil.rmtree(trace_dir, ignore_errors=True)  # a half-written trace of an interrupted call or attempt
             engine_began = time.perf_counter()
             try:
-                engine = measure_engine(settings, args.rounds, args.max_tokens, args.start_timeout_s, timed, recorded)
+                engine = measure_engine(settings, args.rounds, args.max_tokens, args.start_timeout_s, timed, recorded,
+                                        args.hooks_ab)
             except Exception as exc:  # one engine that vLLM cannot run must not cost the others
                 engine = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
                 print(f"{method} k={k}: FAILED {engine['error']}", flush=True)
@@ -386,6 +416,9 @@ def measure(args: argparse.Namespace) -> None:
         results_path.write_text(json.dumps(doc, indent=2) + "\n")  # after every engine: nothing lost on a crash
         if "tok_s" in engine:
             medians = {c: round(statistics.median(v), 1) for c, v in engine["tok_s"].items()}
+            if "hooks_on_tok_s" in engine:
+                medians |= {f"{c} hooks on": round(statistics.median(v), 1)
+                            for c, v in engine["hooks_on_tok_s"].items()}
             print(f"[{time.strftime('%H:%M:%S')}] {method} k={k}: start {engine['engine_start_s']:.0f} s, "
                   f"tok/s by concurrency {medians}", flush=True)
     failed = [f"{e['method']} k={e['k']}" for e in doc["engines"] if "tok_s" not in e]
@@ -751,6 +784,9 @@ def main() -> None:
     run.add_argument("--max-tokens", type=int, default=256)
     run.add_argument("--sync-baseline", action="store_true",
                      help="also k = 0 with async scheduling off (as vLLM runs n-gram drafting)")
+    run.add_argument("--hooks-ab", action="store_true",
+                     help="time the --timed concurrencies in rounds with the hooks paused and on in turn, record "
+                          "nothing more (is a paused engine as fast as a recording one?)")
     run.add_argument("--gpu-memory-utilization", type=float,
                      help="vLLM's share of GPU memory [default: vLLM's] (the TP=8 slice on an 80 GB H100: 0.95)")
     run.add_argument("--eager", action="store_true", help="no torch.compile or CUDA graphs (CPU smoke runs)")

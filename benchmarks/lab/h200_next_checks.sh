@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The next H200 checks, decided before the run (2026-12-04, prediction code at the commit that added this file):
-#   1. a fourth n-gram hold-out on the Kimi-K2 TP=8 slice: 32 slots, k = 0, 1, 3 and k = 0 with async scheduling
-#      off, closed loop, recorded at 1 and 16, timed (hooks paused, 3 rounds) at 2, 6, 12 and 32 only: a slot
-#      count, a k set and concurrencies (6, 12) no earlier run timed; it tests the rule that at a concurrency the
-#      k = 0 trace passed through only the k = 0 step is taken from those steps;
-#   2. EAGLE-3 k = 0..4 on the slice again, 5 rounds of 256 tokens at 1 and 16 (the 2-round, 128-token run's k = 0
-#      timed rounds at 16 ran at 0.81x its recorded ones).
-# Part 1 ran on 2026-12-05 (docs/validation.md, "A fourth hold-out"); part 2 reached its k = 0 engine only.
+# The next H200 checks, decided before they run (2026-12-05, prediction code at the commit that wrote this header:
+# the shared experts priced as a dense MLP, analysis.calibration.moe_layer_us):
+#   k0-ab:      the k = 0 engine of the slice, 5 rounds at 1 and 16 with the hooks paused and on in turn
+#               (--hooks-ab): every k = 0 engine so far timed 6-13% slower with the hooks paused than its recorded
+#               rounds, k > 0 engines within 2-6%; this tells the hooks' state from round order and drift;
+#   holdout-24: a fifth n-gram hold-out: 24 slots, k = 0, 2, 4 and k = 0 with async scheduling off, closed loop,
+#               recorded at 1 and 16, timed (hooks paused, 3 rounds) at 3, 8, 20 and 24 only (a slot count, a k set
+#               and concurrencies no earlier run used; 3 requests at k = 2 and 4 put 9 and 15 tokens through the
+#               kernel's one-block-per-row regime and its aligned one);
+#   eagle3:     EAGLE-3 k = 0..4 on the slice, 5 rounds of 256 tokens at 1 and 16 (on 2026-12-05 an H100 ran k = 0..2
+#               of it: docs/validation.md).
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
-# prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...], PART holdout-32 or eagle3
-# (default both); results in $OUT/holdout-32.tar.gz, eagle3.tar.gz.
+# prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: all three, in that
+# order); results in $OUT/<part>-<folder>.tar.gz, one per engine's trace (each small enough to come back).
 # On another card (an 80 GB H100; CARD, default from nvidia-smi) it calibrates the slice on that card first (the
 # committed calibration is the H200's; it lands in each run folder and in $OUT) and gives vLLM 0.95 of the GPU's
 # memory (the slice's weights take 64.5 GiB).
@@ -19,7 +22,7 @@ R=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/moetrace-out}
 end=$(( $(date +%s) + ${1:-540} ))
 [ $# -gt 0 ] && shift
-parts=" ${*:-holdout-32 eagle3} "
+parts=" ${*:-k0-ab holdout-24 eagle3} "
 mkdir -p "$OUT"
 cd /tmp || exit 1
 memory=()
@@ -30,24 +33,32 @@ if [[ "$CARD" != *H200* ]]; then
   cal=/root/calibration-kimi-k2-tp8.json
   if [ ! -f "$cal" ]; then
     model=$(python "$R/benchmarks/lab/bench_speedup_validation.py" model-dir --model kimi-k2-tp8 --out /root/cal) &&
-      timeout $(( end - $(date +%s) )) moetrace calibrate --model "$model" --tp 1 --ep 1 --formats bf16 \
+      timeout $(( end - $(date +%s) )) python -m moetrace calibrate --model "$model" --tp 1 --ep 1 --formats bf16 \
         --no-allreduce --vllm-kernel -o /root/cal/partial.json --force && mv /root/cal/partial.json "$cal"
   fi
   [ -f "$cal" ] || { echo "no calibration of this card"; exit 1; }
   cp "$cal" "$OUT/"
-  for run in holdout-32 eagle3; do mkdir -p "/root/$run" && cp "$cal" "/root/$run/"; done
+  for run in k0-ab holdout-24 eagle3; do mkdir -p "/root/$run" && cp "$cal" "/root/$run/"; done
 fi
 bench() {
   local left=$(( end - $(date +%s) - 25 ))
-  if [ "$left" -lt 150 ]; then echo "not run now ($left s left): $*"; return 0; fi
+  # an engine takes 190-330 s (start, rounds, teardown): one cut by the timeout loses its timings
+  if [ "$left" -lt 330 ]; then echo "not run now ($left s left): $*"; return 0; fi
   timeout $(( left + 15 )) python "$R/benchmarks/lab/bench_speedup_validation.py" measure --model kimi-k2-tp8 "$@" \
     "${memory[@]}" --budget-s "$left"
 }
-[[ "$parts" == *" holdout-32 "* ]] &&
-  bench --methods ngram --ks 0,1,3 --sync-baseline --rounds 3 --timed 2,6,12,32 --recorded 1,16 --out /root/holdout-32
+[[ "$parts" == *" k0-ab "* ]] &&
+  bench --methods ngram --ks 0 --rounds 5 --timed 1,16 --recorded 1,16 --hooks-ab --out /root/k0-ab
+[[ "$parts" == *" holdout-24 "* ]] &&
+  bench --methods ngram --ks 0,2,4 --sync-baseline --rounds 3 --timed 3,8,20,24 --recorded 1,16 --out /root/holdout-24
 [[ "$parts" == *" eagle3 "* ]] &&
   bench --methods eagle3 --ks 0,1,2,3,4 --rounds 5 --timed 1,16 --recorded 1,16 --max-tokens 256 --out /root/eagle3
-for run in holdout-32 eagle3; do
-  [ -d "/root/$run" ] && tar -C /root --exclude='*-model' -czf "$OUT/$run.tar.gz" "$run"
+for run in k0-ab holdout-24 eagle3; do  # the measurements and calibration, then each engine's trace apart
+  [ -d "/root/$run" ] || continue
+  tar -C /root --exclude='*-model' --exclude="$run/*/k*" -czf "$OUT/$run.tar.gz" "$run"
+  for trace in /root/"$run"/*/k*; do
+    [ -d "$trace" ] && tar -C /root -czf "$OUT/$run-$(basename "$(dirname "$trace")")-$(basename "$trace").tar.gz" \
+      "${trace#/root/}"
+  done
 done
 ls -la "$OUT"
