@@ -165,6 +165,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     ar_model: AllReduceModel | None = None
     tokens_list = [float(r["tokens"]) for r in rows]
     work = [deployment.rank_work(r["unique_experts"], r["busiest_rank_experts"], t) for r, t in zip(rows, tokens_list)]
+    rank_experts = [e + deployment.shared_per_rank for e, _ in work]  # routed and shared experts one rank reads
     anchor_tokens = float(profile.tokens) if profile is not None else 1.0
     if anchor is None:
         at = next((r for r in rows if float(r["tokens"]) == anchor_tokens), rows[0])
@@ -199,7 +200,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
                 notes.append("calibration has no all-reduce curve: all-reduce left out"
                              if profile is None else "calibration has no all-reduce curve: profile model used")
     if not expert_us:  # no calibration: weight-read bound, proportional to experts read per rank
-        expert_us = [e + deployment.shared_per_rank for e, _ in work]
+        expert_us = rank_experts
         anchor_expert_us = anchor_work[0] + deployment.shared_per_rank
     if ar_model is None and profile is not None and deployment.world_size > 1:
         per_call = profile.step_ms * profile.allreduce * 1e3 / max(n_ar, 1)
@@ -307,7 +308,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "k": [int(r["k"]) for r in rows],
         "tokens": tokens_list,
         "unique_experts": [float(r["unique_experts"]) for r in rows],
-        "rank_experts": [e for e, _ in work],
+        "rank_experts": rank_experts,
         "tokens_per_step": [float(r["tokens_per_step"]) for r in rows],
         "expert_weight_bytes": [deployment.expert_weight_bytes(float(r["unique_experts"])) for r in rows],
         "moe_ms": moe,

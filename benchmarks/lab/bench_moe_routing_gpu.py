@@ -35,8 +35,8 @@ SAMPLES = 16  # (step, layer) id matrices per token count
 
 def extract(traces: list[Path], out: Path) -> None:
     """Top-k id matrices [T, top_k] of decode steps with T tokens (no prefill in the step) from the traces'
-    routing tables, up to ``SAMPLES`` per T, spread over steps and layers; saved in ``out`` as arrays named
-    ``<trace folder>_T<n>``."""
+    routing tables: the first ``SAMPLES`` such steps per T, one layer of each (a different layer each step); saved
+    in ``out`` as arrays named ``<trace folder>_T<n>``."""
     import numpy as np
     import polars as pl
 

@@ -276,22 +276,30 @@ def build_llm_within(settings: dict[str, Any], seconds: float) -> Any:
         done.set()
 
 
-def hooks_ab_rounds(llm: Any, prompts: list[Any], rounds: int, concurrencies: list[int],
-                    max_tokens: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def hooks_ab_rounds(llm: Any, prompts: list[Any], rounds: int, concurrencies: list[int], max_tokens: int
+                    ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float]]:
     """Tokens per second of ``rounds`` closed-loop rounds with the hooks paused and as many with them on, each round
-    of one right after a round of the other (which comes first alternates): (paused, on) per concurrency. Tells
-    whether "paused" runs the engine as fast as the recorded rounds, round order and drift aside."""
+    of one right after a round of the other (which comes first alternates): (paused, on) per concurrency, and vLLM's
+    speculative-decoding counters over the rounds with the hooks on (what the trace holds). Tells whether "paused"
+    runs the engine as fast as the recorded rounds, round order and drift aside."""
+    from moetrace.recording.engine import spec_decode_counters
+
     paused: dict[str, list[float]] = {str(c): [] for c in concurrencies}
     hooked: dict[str, list[float]] = {str(c): [] for c in concurrencies}
+    counters: dict[str, float] = {}
     for round_index in range(rounds):
         for hooks_on in ((False, True) if round_index % 2 == 0 else (True, False)):
             llm.collective_rpc("moetrace_resume" if hooks_on else "moetrace_pause")
+            before = spec_decode_counters(llm)
             for concurrency in round_order(round_index, concurrencies):
                 lengths = output_lengths(requests_per_round(concurrency), max_tokens)
                 tag = f"{'on' if hooks_on else 'off'}{round_index}c{concurrency}"
                 (hooked if hooks_on else paused)[str(concurrency)].append(
                     closed_loop(llm, prompts, concurrency, lengths, tag))
-    return paused, hooked
+            if hooks_on:
+                for name, value in spec_decode_counters(llm).items():
+                    counters[name] = counters.get(name, 0.0) + value - before.get(name, 0.0)
+    return paused, hooked, counters
 
 
 def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start_timeout_s: float,
@@ -317,19 +325,18 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
         for concurrency in timed:  # warm-up, short: Triton compiles each new batch shape
             closed_loop(llm, prompts, concurrency, [min(WARM_UP_TOKENS, max_tokens)] * (2 * concurrency),
                         f"w{concurrency}")
-        before = spec_decode_counters(llm)
         hooks_on_rates: dict[str, list[float]] = {}
         if hooks_ab:
-            timings, hooks_on_rates = hooks_ab_rounds(llm, prompts, rounds, timed, max_tokens)
+            timings, hooks_on_rates, counters = hooks_ab_rounds(llm, prompts, rounds, timed, max_tokens)
             recorded_rates: dict[str, list[float]] = {}
         else:
             timings = run_rounds(llm, prompts, rounds, timed, max_tokens, "t")
             before = spec_decode_counters(llm)
             llm.collective_rpc("moetrace_resume")
             recorded_rates = run_rounds(llm, prompts, rounds, recorded, max_tokens, "r")
+            # vLLM's counters over the recorded workload only: the cross-check of the trace's drafts and acceptances
+            counters = {name: value - before.get(name, 0.0) for name, value in spec_decode_counters(llm).items()}
         closed = [c for c in llm.collective_rpc("moetrace_close") if c is not None]
-        # vLLM's counters over the recorded workload only: the cross-check of the trace's drafts and acceptances
-        counters = {name: value - before.get(name, 0.0) for name, value in spec_decode_counters(llm).items()}
     finally:
         llm.llm_engine.engine_core.shutdown()
     trace = Path(settings["out"])
@@ -560,6 +567,12 @@ def compare(args: argparse.Namespace) -> None:
         for path in sorted(runs.glob("*-measurements.json")):
             doc = json.loads(path.read_text())
             model = doc["model"]
+            if doc.get("hooks_ab"):  # no prediction to check: paused against recording rounds of the same engine
+                for engine in (e for e in doc["engines"] if "tok_s" in e):
+                    print(f"{model} {engine['method']} k={engine['k']}, hooks paused / on, median tok/s: " + ", ".join(
+                        f"B={c} {statistics.median(v):.0f} / {statistics.median(engine['hooks_on_tok_s'][c]):.0f}"
+                        for c, v in engine["tok_s"].items()))
+                continue
             calibration = runs / f"calibration-{model}.json"
             engines = [e for e in doc["engines"] if "tok_s" in e]
             baseline = next((e for e in engines if e["k"] == 0 and e["method"] != "sync"), None)

@@ -15,9 +15,10 @@ itself (pyarrow) and follows these rules:
   exactly: Σ_e 1 − C(N − n_e, B) / C(N, B) (N windows, n_e of them use expert e); with N ≤ B, the union of all.
   busiest(k, B): the same steps/draws, the most experts of the union on one EP rank (expert e on rank
   e // (num_experts / ep)); for random draws it is a seeded Monte Carlo mean (``SAMPLES`` draws).
-- step(k, B) = moe_layers × (c0 + per_expert·E + per_row·R) µs, with ep = 1: E = U + shared,
-  R = B·tokens_read·(top_k + shared); with ep > 1: E = busiest + shared/ep,
-  R = B·tokens_read·(top_k·busiest/U + shared/ep). No all-reduce.
+- step(k, B) = moe_layers × (c0 + per_expert·E + per_row·R + S·(c0 + (per_expert + per_row)·top_k) / top_k) µs,
+  with ep = 1: E = U, R = B·tokens_read·top_k, S = shared; with ep > 1: E = busiest,
+  R = B·tokens_read·top_k·busiest/U, S = shared/ep (the routed experts' kernel, plus the shared experts as a dense
+  MLP read once a step, each costing one expert of the kernel's one-token point). No all-reduce.
 - speedup(k, B) = tokens_per_step(k) / (step(k, B) / step(0, B)); the recommended k is the recorded k with the
   largest speedup, 0 when none exceeds 1, ties to the smaller k.
 """
@@ -164,11 +165,11 @@ class Cost:
     def step_us(self, model: dict[str, Any], u: float, busiest: float, batch: int, read: float) -> float:
         top_k, shared = int(model["top_k"]), int(model.get("shared_experts") or 0)
         if self.ep > 1:
-            experts = busiest + shared / self.ep
-            rows = batch * read * (top_k * busiest / u + shared / self.ep)
+            experts, rows, dense = busiest, batch * read * top_k * busiest / u, shared / self.ep
         else:
-            experts, rows = u + shared, batch * read * (top_k + shared)
-        layer = self.c0_us + self.per_expert_us * experts + self.per_row_us * rows
+            experts, rows, dense = u, batch * read * top_k, float(shared)
+        one_token_expert = (self.c0_us + (self.per_expert_us + self.per_row_us) * top_k) / top_k
+        layer = self.c0_us + self.per_expert_us * experts + self.per_row_us * rows + dense * one_token_expert
         return len(model["moe_layers"]) * layer
 
 

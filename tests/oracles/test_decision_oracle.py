@@ -188,11 +188,13 @@ def test_the_oracle_by_hand(tmp_path: Path) -> None:
     assert oracle.union(rec, 2, ep=2)[1] == pytest.approx((22 / 6 + 2) / 2, abs=0.02)
     assert oracle.union(rec, 4, ep=2)[1] == pytest.approx((4 + 2) / 2)  # all windows: 4 and 4 on the two ranks
     cost = Cost(c0_us=10.0, per_expert_us=1.0, per_row_us=0.5)
+    # the kernel over 2.5 experts and 1 × 2.25 × 2 rows, plus the shared expert at the one-token point: (10 + 1.5·2) / 2
     assert cost.step_us({"moe_layers": [1, 2], "top_k": 2, "shared_experts": 1}, 2.5, 2.5, 1, 2.25) == pytest.approx(
-        2 * (10 + (2.5 + 1) + 0.5 * 1 * 2.25 * (2 + 1)))
+        2 * (10 + 2.5 + 0.5 * 1 * 2.25 * 2 + 6.5))
     ep2 = Cost(c0_us=10.0, per_expert_us=1.0, per_row_us=0.5, ep=2)
+    # EP=2: the busiest rank's 3 experts and their share 3/4 of the rows, half the shared expert
     assert ep2.step_us({"moe_layers": [1, 2], "top_k": 2, "shared_experts": 1}, 4.0, 3.0, 2, 2.0) == pytest.approx(
-        2 * (10 + (3 + 0.5) + 0.5 * 2 * 2.0 * (2 * 3 / 4 + 0.5)))
+        2 * (10 + 3 + 0.5 * 2 * 2.0 * 2 * 3 / 4 + 0.5 * 6.5))
 
 
 def test_the_oracle_measures_unions_of_whole_steps_per_dp_rank(tmp_path: Path) -> None:
@@ -246,10 +248,10 @@ def test_the_exact_union_matches_enumeration(tmp_path: Path) -> None:
 # Acceptances and costs (c0, per expert, per row µs) found by a search over the oracle's margins; all but ep4 also
 # decide differently at some B under the old rules (conditional rates, (k+1)·B rows per step).
 CASES = {
-    "variable-drafts": Case(accept={0: 0.0, 1: 0.9, 2: 0.3, 3: 0.7}, cost=Cost(40.0, 1.0, 4.21)),
-    "dp2": Case(accept={0: 0.0, 1: 0.9, 2: 0.7, 3: 0.7}, cost=Cost(40.0, 1.0, 5.82), requests=4, dp=2),
-    "ep4": Case(accept={0: 0.0, 1: 0.3, 2: 0.3, 3: 0.5}, cost=Cost(40.0, 1.0, 10.0, ep=4)),
-    "shared-experts": Case(accept={0: 0.0, 1: 0.9, 2: 0.3, 3: 0.7}, cost=Cost(80.0, 1.0, 6.49),
+    "variable-drafts": Case(accept={0: 0.0, 1: 0.9, 2: 0.3, 3: 0.7}, cost=Cost(40.0, 1.0, 11.12)),
+    "dp2": Case(accept={0: 0.0, 1: 0.9, 2: 0.7, 3: 0.7}, cost=Cost(40.0, 1.0, 15.47), requests=4, dp=2),
+    "ep4": Case(accept={0: 0.0, 1: 0.3, 2: 0.3, 3: 0.5}, cost=Cost(40.0, 1.0, 14.9, ep=4)),
+    "shared-experts": Case(accept={0: 0.0, 1: 0.9, 2: 0.3, 3: 0.7}, cost=Cost(80.0, 1.0, 14.84),
                            model=Model(num_experts=64, top_k=2, shared_experts=2)),
 }
 
@@ -260,7 +262,7 @@ def test_the_report_recommends_the_oracles_k(name: str, tmp_path: Path) -> None:
 
 
 def test_a_k_that_drafted_nothing_does_not_win(tmp_path: Path) -> None:
-    case = Case(accept={0: 0.0, 1: 0.9, 2: 0.0, 3: 0.7}, silent=(2,), cost=Cost(40.0, 1.0, 4.21))
+    case = Case(accept={0: 0.0, 1: 0.9, 2: 0.0, 3: 0.7}, silent=(2,), cost=Cost(40.0, 1.0, 11.12))
     decided = agrees(case, tmp_path)
     assert all(k != 2 for k, _ in decided.values())
     assert oracle.tokens_per_step(oracle.read_recording(tmp_path / "sweep" / "k2")) == 1.0
@@ -276,7 +278,7 @@ def test_a_concurrency_above_the_windows_unions_them_all(tmp_path: Path) -> None
 def test_conditional_acceptance_rates_would_decide_otherwise(tmp_path: Path) -> None:
     """With 0..k drafts per request-step, accepted-at-i over proposed-at-i overstates the tokens per step; the report
     must decide on the unconditional ones."""
-    case = Case(accept={0: 0.0, 1: 0.7, 2: 0.5, 3: 0.7}, cost=Cost(80.0, 1.0, 3.39))
+    case = Case(accept={0: 0.0, 1: 0.7, 2: 0.5, 3: 0.7}, cost=Cost(80.0, 1.0, 16.76))
     decided = agrees(case, tmp_path)
     conditional = oracle.decide(oracle.read_sweep(tmp_path / "sweep"), list(case.batches), case.cost,
                                 conditional=True)
