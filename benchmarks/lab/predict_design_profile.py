@@ -9,8 +9,7 @@ Prints (and writes with -o) markdown: the calibration's fitted curves and all-re
 tokens per step and speedup per k for TP=8 and EP=8 (linear placement), each in three modes: the profile scaled by
 simple models (no calibration), the profile anchored with calibrated growth, and the calibration alone.
 
-Evidence it produced: benchmarks/results/h200x2.md (rebuilt 2026-12-05 when the shared experts became a dense MLP,
-from the 2x H200 calibration of 2026-12-03).
+Evidence it produced: benchmarks/results/h200x2.md (commit 8847554, from the 2x H200 calibration of 2026-12-03).
 """
 
 from __future__ import annotations
