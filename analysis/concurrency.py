@@ -6,8 +6,13 @@ accepted and rejected drafts, or one decode token where nothing was proposed):
 
 - measured: over the steps that really ran B requests, all of them decoding (per data-parallel rank, from the
   steps table), the union of every token the step read, where the trace has at least ``MIN_MEASURED_STEPS``;
-- estimated: otherwise, the mean union of B distinct request-steps drawn at random (seeded: disjoint groups of a
-  few random permutations; B = 1: every request-step once, exactly);
+- estimated: otherwise, the mean union of B request-steps drawn at random, one from each of B requests with
+  different prompts, as a step's requests are (seeded: disjoint groups of a few random permutations of the prompts;
+  B = 1: every request-step once, exactly). Requests that share a prompt count as one (``request_prompts``):
+  under greedy decoding they read the same tokens, and a trace recorded over a set of prompts in rounds repeats
+  them (on an H100 trace of 48 prompts over 168 requests, draws of any 16 request-steps gave 134 experts where
+  its steps of 16 requests read 152; one per prompt, 152). Where the trace holds fewer prompts than B, any B
+  distinct request-steps;
 - lower bound: fewer request-steps than B: the union of all of them.
 
 At a k no trace recorded: windows of k+1 consecutive accepted tokens of the primary trace (counterfactual), drawn
@@ -20,7 +25,7 @@ unioned). Per layer, with the experts on the busiest rank under an expert placem
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -42,7 +47,8 @@ from moetrace.analysis.sources import Source, least_direct_expr
 
 MIN_MEASURED_STEPS = 5
 SAMPLES = 256
-MAX_PERMUTATIONS = 8
+# random permutations drawn per union estimate, at most this many values in all (8 of 4,000 windows)
+PERMUTED_VALUES = 1 << 15
 # Windows per layer and k the unions are drawn from: above it, a deterministic sample (of whole steps for the
 # measured unions), so a long trace costs what a short one does; the estimates are means over random draws anyway.
 MAX_WINDOWS = 4_000
@@ -61,10 +67,30 @@ def uniform_unique_experts(num_experts: int, top_k: int, tokens: int) -> float:
 
 @dataclass(frozen=True)
 class RecordedK:
-    """A trace of the sweep at its own k: its rows (``WindowSample``) and its steps table."""
+    """A trace of the sweep at its own k: its rows (``WindowSample``), its steps table and each request's prompt
+    (``request_prompts``; empty: every request its own)."""
 
     sample: WindowSample
     steps: pl.LazyFrame
+    prompts: Mapping[int, int] = field(default_factory=dict)
+
+
+def request_prompts(routing: pl.LazyFrame) -> dict[int, int]:
+    """Request → a number per distinct prompt: requests whose prefill rows read the same tokens at the same
+    positions share one. A request with no prefill rows, or whose token ids the trace did not record, is its own
+    (under prefix caching a cached prompt's rows are missing, so its repeats count as distinct prompts)."""
+    first_layer = routing.select(pl.col("layer").min()).collect().item()
+    prompts = (routing.filter((pl.col("phase").cast(pl.String) == "prefill") & (pl.col("layer") == first_layer))
+               .group_by("request")
+               .agg(pl.col("token").null_count().alias("unknown"),
+                    pl.struct("position", "token").sort_by("position").alias("prompt"))
+               .filter(pl.col("unknown") == 0)
+               .select("request", pl.col("prompt").hash(seed=0).alias("key"))
+               .sort("request")  # numbered in request order: the same numbers run after run
+               .collect())
+    numbers: dict[int, int] = {}
+    return {int(request): numbers.setdefault(int(key), len(numbers))
+            for request, key in zip(prompts["request"].to_list(), prompts["key"].to_list())}
 
 
 def decoding_step_sizes(steps: pl.LazyFrame) -> dict[int, int]:
@@ -73,16 +99,26 @@ def decoding_step_sizes(steps: pl.LazyFrame) -> dict[int, int]:
     return dict(zip(sizes["step_key"].to_list(), sizes["requests"].to_list()))
 
 
-def window_masks(windows: pl.LazyFrame, num_experts: int) -> dict[int, tuple[Masks, npt.NDArray[np.int64]]]:
-    """Per layer: one expert bitset per window and the window's ``window_major`` key (the step key of a recorded
-    request-step)."""
+@dataclass(frozen=True)
+class LayerWindows:
+    """One layer's windows: an expert bitset each, its ``window_major`` key (the step key of a recorded
+    request-step) and the request it belongs to."""
+
+    masks: Masks
+    major: npt.NDArray[np.int64]
+    requests: npt.NDArray[np.int64]
+
+
+def window_masks(windows: pl.LazyFrame, num_experts: int, request_key: str) -> dict[int, LayerWindows]:
+    """Per layer, the windows' ``LayerWindows``; ``request_key``: the key column that holds the request."""
     frame = windows.select(*WINDOW, "experts").sort(WINDOW).collect()
-    out: dict[int, tuple[Masks, npt.NDArray[np.int64]]] = {}
+    out: dict[int, LayerWindows] = {}
     for (layer,), part in frame.group_by("layer", maintain_order=True):
         major = part["window_major"].to_numpy().astype(np.int64)
         starts = group_starts(major, part["window_minor"].to_numpy())
         masks = group_union(expert_masks(part["experts"].to_numpy(), num_experts), starts)
-        out[int(str(layer))] = (masks, major[starts])
+        out[int(str(layer))] = LayerWindows(masks, major[starts],
+                                            part[request_key].to_numpy().astype(np.int64)[starts])
     return out
 
 
@@ -108,28 +144,38 @@ class StepUnions:
         return unions
 
 
-def sampled_batch_unions(masks: Masks, batch: int, samples: int, seed: int) -> tuple[Masks, bool]:
-    """Unions of ``batch`` distinct windows: one batch = every window once (exact mean); else about ``samples``
-    disjoint groups of a few random permutations (vectorised); all windows once when there are fewer than
-    ``batch`` (the second value says so)."""
+def sampled_batch_unions(masks: Masks, prompts: npt.NDArray[np.int64], batch: int, samples: int,
+                         seed: int) -> tuple[Masks, bool]:
+    """Unions of ``batch`` windows (``prompts``: each window's prompt number): one batch = every window once (exact
+    mean); else about ``samples`` groups of ``batch`` distinct prompts, disjoint within each of a few random
+    permutations of them (vectorised), one window of each prompt drawn at random; any ``batch`` distinct windows
+    where fewer prompts than that; all windows once when there are fewer windows than ``batch`` (the second value
+    says so)."""
     if batch == 1:
         return masks, False
     if len(masks) <= batch:
         return np.bitwise_or.reduce(masks, axis=0, keepdims=True), len(masks) < batch
     rng = np.random.default_rng(seed)
-    per_permutation = len(masks) // batch
-    permutations = min(MAX_PERMUTATIONS, -(-samples // per_permutation))
-    groups = np.concatenate([rng.permutation(len(masks))[: per_permutation * batch].reshape(-1, batch)
+    distinct, of_window = np.unique(prompts, return_inverse=True)
+    if len(distinct) < batch:  # every window its own group
+        distinct, of_window = np.arange(len(masks)), np.arange(len(masks))
+    by_prompt = np.argsort(of_window, kind="stable")
+    counts = np.bincount(of_window, minlength=len(distinct))
+    firsts = np.cumsum(counts) - counts
+    per_permutation = len(distinct) // batch
+    permutations = max(1, min(-(-samples // per_permutation), PERMUTED_VALUES // len(distinct)))
+    chosen = np.concatenate([rng.permutation(len(distinct))[: per_permutation * batch].reshape(-1, batch)
                              for _ in range(permutations)])[:samples]
-    return np.bitwise_or.reduce(masks[groups], axis=1), False
+    picks = by_prompt[firsts[chosen] + (rng.random(chosen.shape) * counts[chosen]).astype(np.int64)]
+    return np.bitwise_or.reduce(masks[picks], axis=1), False
 
 
-def batch_unions(counterfactual: WindowSample, recorded: Mapping[int, RecordedK], num_experts: int, top_k: int,
+def batch_unions(counterfactual: RecordedK, recorded: Mapping[int, RecordedK], num_experts: int, top_k: int,
                  expert_rank: npt.NDArray[np.int64], ks: Sequence[int], batches: Sequence[int],
                  seed: int = 0) -> pl.DataFrame:
     """Per (batch, k, layer): unique experts, busiest-rank experts and ranks touched one step reads, what they rest
     on (windows, measured steps), the uniform bound and the source (see the module doc). ``recorded``: the sweep's
-    traces by k; ``counterfactual``: the primary trace's sample, for the k no trace recorded."""
+    traces by k; ``counterfactual``: the primary trace, for the k no trace recorded."""
     ranks = rank_masks(expert_rank, num_experts)
     rows: list[dict[str, object]] = []
     for k in ks:
@@ -138,18 +184,21 @@ def batch_unions(counterfactual: WindowSample, recorded: Mapping[int, RecordedK]
             windows, _ = at_k.sample.request_steps(MAX_WINDOWS)
             sizes = decoding_step_sizes(at_k.steps)
         else:
-            windows, _ = counterfactual.windows(k, False, MAX_WINDOWS)
+            windows, _ = counterfactual.sample.windows(k, False, MAX_WINDOWS)
             sizes = {}
-        per_layer = window_masks(windows, num_experts)
-        by_step = {layer: StepUnions.of(masks, steps, sizes) for layer, (masks, steps) in per_layer.items()
+        per_layer = window_masks(windows, num_experts, "window_minor" if at_k is not None else "window_major")
+        prompts_of = (at_k or counterfactual).prompts
+        by_step = {layer: StepUnions.of(found.masks, found.major, sizes) for layer, found in per_layer.items()
                    if at_k is not None}
-        for batch in batches:
-            for layer, (masks, steps) in sorted(per_layer.items()):
-                unions = by_step[layer].ran(batch) if at_k is not None else masks[:0]
+        for layer, found in sorted(per_layer.items()):
+            prompts = np.array([prompts_of.get(int(r), -1 - int(r)) for r in found.requests], dtype=np.int64)
+            for batch in batches:
+                unions = by_step[layer].ran(batch) if at_k is not None else found.masks[:0]
                 measured_steps = len(unions)
                 source = Source.MEASURED
                 if measured_steps < MIN_MEASURED_STEPS:
-                    unions, short = sampled_batch_unions(masks, batch, SAMPLES, seed + 7919 * layer + batch)
+                    unions, short = sampled_batch_unions(found.masks, prompts, batch, SAMPLES,
+                                                         seed + 7919 * layer + batch)
                     measured_steps = 0
                     source = (Source.LOWER_BOUND if short else
                               Source.ESTIMATED if at_k is not None else Source.COUNTERFACTUAL)
@@ -161,8 +210,8 @@ def batch_unions(counterfactual: WindowSample, recorded: Mapping[int, RecordedK]
                              "busiest_rank_experts": float(on_rank.max(axis=1).mean()),
                              "ranks_touched": float((on_rank > 0).sum(axis=1).mean()),
                              "uniform_bound": uniform_unique_experts(num_experts, top_k, batch * (k + 1)),
-                             "windows": len(masks), "steps": measured_steps, "source": source.value})
-    return pl.DataFrame(rows, schema=SCHEMA)
+                             "windows": len(found.masks), "steps": measured_steps, "source": source.value})
+    return pl.DataFrame(rows, schema=SCHEMA).sort("k", "batch", "layer")
 
 
 MONTE_CARLO_VALUES = 1 << 24  # random scores drawn at once for the uniform busiest rank (128 MiB of float64)

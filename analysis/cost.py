@@ -114,6 +114,15 @@ def end_to_end_speedup(step0_ms: float, tokens0: float, prefill0_ms_per_token: f
     return (step0_ms / tokens0 + prefill0_ms_per_token) / (step_ms / tokens + prefill_ms_per_token)
 
 
+def moe_past_table(fit: Mapping[str, Any] | None, rows: Sequence[float]) -> tuple[float, float] | None:
+    """(most rows priced, most rows the table measured) where a step's routed rows per rank lie past the largest
+    step of the calibration's kernel table (read there along its last two steps' trend), else None."""
+    if fit is None or "table" not in fit or not rows:
+        return None
+    measured = max(point[1] for point in fit["table"])
+    return (max(rows), measured) if max(rows) > measured else None
+
+
 def prefill_per_k(measured: Mapping[int, float], ks: Sequence[int]) -> dict[int, float]:
     """Prefill ms per token gained at every k of ``ks``: k = 0's as recorded (0 when not), each k > 0 its own or the
     nearest recorded k > 0's, k = 0's where no k > 0 recorded one."""
@@ -347,6 +356,8 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "allreduces_per_step": n_ar,
         "allreduce": ar_model.basis if ar_model else None,
         "allreduce_extrapolated": bool(ar_model and ar_model.extrapolated),
+        # (rows priced, rows measured) where the MoE of a k was read past the calibration table's largest step
+        "moe_past_table": moe_past_table(fit if calibration is not None else None, [m for _, m in work]),
         "notes": notes,
     }
     if profile is not None and calibration is not None:

@@ -119,6 +119,14 @@ def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Pro
         frames.append(tables[size].with_columns(batch=pl.lit(size, pl.Int32)).join(beside.drop("batch"), on="k"))
     basis = bases[recorded[0] if recorded else min(bases)]
     basis.pop("batch", None)
+    past = {size: bases[size]["moe_past_table"] for size in sorted(bases) if bases[size].get("moe_past_table")}
+    basis.pop("moe_past_table", None)
+    if past:
+        basis["notes"] = [*basis["notes"], (
+            f"at {', '.join(map(str, past))} request(s) per step a step's MoE reads up to "
+            f"{max(rows for rows, _ in past.values()):.0f} routed rows per rank, past the calibration table's "
+            f"largest step ({next(iter(past.values()))[1]:.0f} rows): priced along its last two steps' trend, where "
+            "vLLM may pick other kernel tiles; calibrate again (moetrace calibrate) to measure those steps")]
     if measured is not None and estimated:
         basis["notes"] = [*basis["notes"], (
             f"at {', '.join(map(str, estimated))} request(s) per step, which the sweep did not record, the step is "

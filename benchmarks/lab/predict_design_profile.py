@@ -75,8 +75,9 @@ def calibration_tables(doc: dict[str, Any]) -> list[str]:
             tokens = p["tokens"] if p["tokens"] is not None else "–"
             cells = [f"{p[k]:.1f}" if k in p else "–" for k in ("eager_us", "queued_us", "graph_us")]
             lines.append(f"| {tokens} | {p['bytes']:,} | " + " | ".join(cells) + " |")
+        fitted = [p["tokens"] for p in m["points"] if p["tokens"] is not None]
         for method, fit in m["fits"].items():
-            lines.append(f"\nFit ({method}, 1–64 tokens): {fit['latency_us']:.1f} µs + bytes / "
+            lines.append(f"\nFit ({method}, {min(fitted)}–{max(fitted)} tokens): {fit['latency_us']:.1f} µs + bytes / "
                          f"{fit['bus_bandwidth_gbs'] or 0:.0f} GB/s bus bandwidth (R² {fit['r2']:.2f}).")
         if m.get("large_message_bus_bandwidth_gbs"):
             lines.append(f"\nLarge-message bus bandwidth (64 MiB): {m['large_message_bus_bandwidth_gbs']:.0f} GB/s.")

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str, int, int], None]  # (stage label, done, total)
 
-DECODE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+DECODE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 BANDWIDTH_BYTES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
 # a drafter's passes: B tokens (the later passes) and B·(k+1) (the first), k ≤ 7 at up to 64 requests
 DRAFTER_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -111,7 +111,7 @@ def expert_configs(s: Settings) -> list[ExpertConfig]:
 
 
 def allreduce_sizes(s: Settings) -> list[tuple[int | None, int]]:
-    """(tokens or None, bytes): bf16 hidden states of 1..64 tokens, then larger messages for the bandwidth."""
+    """(tokens or None, bytes): bf16 hidden states of each decode size, then larger messages for the bandwidth."""
     return [(t, t * s.hidden * 2) for t in s.allreduce_tokens] + [(None, b) for b in s.allreduce_bandwidth_bytes]
 
 

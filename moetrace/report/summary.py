@@ -22,7 +22,7 @@ from moetrace.analysis.acceptance import (
 )
 from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps
 from moetrace.analysis.budgets import WindowSample, budget_curves, sample_share, smallest_budgets, window_sample
-from moetrace.analysis.concurrency import RecordedK, batch_unions, union_means, uniform_unions
+from moetrace.analysis.concurrency import RecordedK, batch_unions, request_prompts, union_means, uniform_unions
 from moetrace.analysis.consistency import disagreement, routing_gaps
 from moetrace.analysis.decision import (
     DEFAULT_BATCHES,
@@ -184,8 +184,9 @@ def step_inputs(run: Run, sample: WindowSample, shape: ModelShape, placement: np
         unions = uniform_unions(shape.num_experts, shape.top_k, placement, ks, batches)
     else:
         recorded = {t.k: RecordedK(sample if t is run.primary else window_sample(t.routing(), t.k, ["experts"]),
-                                   t.steps()) for t in run.traces}
-        unions = batch_unions(sample, recorded, shape.num_experts, shape.top_k, placement, ks, batches)
+                                   t.steps(), request_prompts(t.routing())) for t in run.traces}
+        unions = batch_unions(recorded[run.primary.k], recorded, shape.num_experts, shape.top_k, placement, ks,
+                              batches)
     acceptance = acceptance_per_k({t.k: t.steps() for t in run.traces}, ks, options.acceptance)
     return (union_means(unions).join(acceptance, on="k")
             .with_columns(tokens=pl.col("batch").cast(pl.Float64) * pl.col("tokens_read")).sort("batch", "k"))

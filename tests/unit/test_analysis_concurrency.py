@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import polars as pl
 import pytest
 
 from moetrace.analysis.budgets import window_sample
-from moetrace.analysis.concurrency import RecordedK, batch_unions, uniform_unique_experts
+from moetrace.analysis.concurrency import RecordedK, batch_unions, request_prompts, uniform_unique_experts
 from moetrace.analysis.placement import linear_placement
 from trace_builder import Model, Tokens, routing_frame, steps_frame, verify_tokens
 
@@ -18,8 +20,9 @@ def unions(sweep: dict[int, Tokens], primary: int, ks: list[int], batches: list[
            frames: dict[int, tuple[pl.LazyFrame, pl.LazyFrame]] | None = None) -> pl.DataFrame:
     """batch_unions over a sweep of traces (tokens by recorded k, or ready routing and steps frames)."""
     frames = frames or {k: (routing_frame(tokens, MODEL), steps_frame(tokens)) for k, tokens in sweep.items()}
-    recorded = {k: RecordedK(window_sample(routing, k, ["experts"]), steps) for k, (routing, steps) in frames.items()}
-    return batch_unions(recorded[primary].sample, recorded, 32, 2, linear_placement(32, ranks), ks, batches)
+    recorded = {k: RecordedK(window_sample(routing, k, ["experts"]), steps, request_prompts(routing))
+                for k, (routing, steps) in frames.items()}
+    return batch_unions(recorded[primary], recorded, 32, 2, linear_placement(32, ranks), ks, batches)
 
 
 def test_uniform_union_is_hand_computed_for_small_cases() -> None:
@@ -67,6 +70,31 @@ def test_one_request_is_the_exact_mean_over_every_request_step() -> None:
         row = table.filter(pl.col("layer") == layer).row(0, named=True)
         assert row["source"] == "estimated" and row["windows"] == len(windows)
         assert row["unique_experts"] == pytest.approx(np.mean([len(s) for s in windows.values()]))
+
+
+def test_requests_whose_prefill_read_the_same_tokens_share_a_prompt() -> None:
+    prefill = pl.LazyFrame({"request": [0, 0, 1, 1, 2, 2, 3, 4], "position": [0, 1, 1, 0, 0, 1, 0, 0],
+                            "phase": ["prefill"] * 7 + ["decode"], "layer": [1] * 8,
+                            "token": [5, 6, 6, 5, 5, 7, None, 5]})
+    prompts = request_prompts(prefill)
+    # 0 and 1 read 5, 6 (rows in any order); 2 read 5, 7; 3's token ids were not recorded; 4 has no prefill rows
+    assert prompts[0] == prompts[1] != prompts[2] and set(prompts) == {0, 1, 2}
+
+
+def test_estimated_unions_draw_one_request_step_per_prompt_as_a_step_holds() -> None:
+    tokens = verify_tokens(np.random.default_rng(9), MODEL, requests=40, steps=6, k=2, accept_prob=0.5)
+    group = tokens.request.astype(np.int64) % 4  # request r reads experts 2(r % 4) and 2(r % 4) + 1 in every layer
+    tokens.experts[:] = np.stack([2 * group, 2 * group + 1], axis=-1)[:, None, :]
+    shared = replace(tokens, token=(group * 100 + tokens.position).astype(np.uint32))  # r % 4 is the prompt too
+    own = replace(tokens, token=(tokens.request * 100 + tokens.position).astype(np.uint32))  # 40 prompts
+    # every step ran all 40 requests: 4 requests per step is estimated. Four distinct prompts each read their own
+    # two experts: 8 in every draw
+    for row in unions({2: shared}, 2, [2], [4]).iter_rows(named=True):
+        assert row["source"] == "estimated" and row["unique_experts"] == 8.0
+    # 40 prompts, ten per expert pair: 4 of 40 requests miss a given pair with probability C(30,4)/C(40,4)
+    expected = 2 * 4 * (1 - 27405 / 91390)
+    for row in unions({2: own}, 2, [2], [4]).iter_rows(named=True):
+        assert row["unique_experts"] == pytest.approx(expected, abs=0.25)
 
 
 def test_more_requests_than_windows_give_the_union_of_all_of_them_as_a_lower_bound() -> None:

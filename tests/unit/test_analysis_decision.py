@@ -70,6 +70,23 @@ def test_speedup_per_batch_is_tokens_over_the_step_ratio_at_the_same_concurrency
     assert chosen[8]["k"] == 0 and chosen[8]["speedup"] == 1.0  # 0.825 at k=1: do not speculate
 
 
+def test_steps_past_the_calibrations_kernel_table_are_named_in_a_note() -> None:
+    # the kernel table measured up to 8 rows (4 tokens of top-2); B·(k+1)·2 rows: B=1 k=1 4, B=4 k=1 16, B=8 k=1 32
+    points = [{"experts": e, "rows": r, "time_us": 10.0 + e} for e, r in ((2, 2), (2, 4), (4, 4), (2, 8), (8, 8))]
+    calibration = {**CALIBRATION, "experts": [{**CALIBRATION["experts"][0], "kernel": "vLLM fused_experts (Triton)",
+                                               "table": True, "points": points}]}
+    deployment = Deployment(SHAPE, tp=1, ep=1, weight_format="bf16")
+    table = per_batch([(1, 0, 2.0), (1, 1, 3.0), (4, 0, 6.0), (4, 1, 10.0), (8, 0, 12.0), (8, 1, 30.0)])
+    _, basis = speedup_per_batch(table, deployment, None, calibration, anchor=(2.0, 2.0))
+    past = [note for note in basis["notes"] if "past the calibration table" in note]
+    assert past == [past[0]] and past[0].startswith("at 4, 8 request(s) per step")
+    assert "up to 32 routed rows per rank" in past[0] and "largest step (8 rows)" in past[0]
+    _, within = speedup_per_batch(table.filter(pl.col("batch") == 1), deployment, None, calibration,
+                                  anchor=(2.0, 2.0))
+    assert not any("past the calibration table" in note for note in within["notes"])
+    assert "moe_past_table" not in basis and "moe_past_table" not in within
+
+
 def test_ties_recommend_the_smaller_k() -> None:
     assert recommended_k(speedups_table([1.0, 1.3, 1.3], ["measured"] * 3), [1])["k"].to_list() == [1]
 

@@ -92,7 +92,7 @@ def test_measuring_grid_respects_routing_limits() -> None:
     assert (ep.name, ep.width, ep.pool) == ("ep8", 2048, 48)
     for experts, rows in tp.grid:  # T tokens pick top_k distinct experts each: top_k ≤ unique ≤ top_k·T
         assert s.top_k <= experts <= min(rows, s.num_experts) and rows % s.top_k == 0
-    assert max(e for e, _ in tp.grid) == 384 and max(r for _, r in tp.grid) == 8 * 64
+    assert max(e for e, _ in tp.grid) == 384 and max(r for _, r in tp.grid) == 8 * 256  # k = 3 at 64 requests
     assert all(1 <= e <= min(r, 48) for e, r in ep.grid)
     assert allreduce_world_sizes(1) == [] and allreduce_world_sizes(2) == [2]
     assert allreduce_world_sizes(8) == [2, 4, 8] and allreduce_world_sizes(6) == [2, 4, 6]

@@ -1,0 +1,57 @@
+"""Estimated against measured unions where a sweep recorded: per k and concurrency, the unique experts a layer of
+one step reads (mean over layers), measured over the trace's own steps of B requests, beside the estimate the report
+makes where no step of B requests was recorded (``analysis.concurrency``), forced here at every B. Baseline: the
+measured union; the ratio is estimate / measured.
+
+    python benchmarks/lab/check_union_estimate.py SWEEP [--batches 8,16] [--any-prompts]
+
+``--any-prompts``: every request its own prompt (the estimate before request prompts were told apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import polars as pl
+
+import moetrace.analysis.concurrency as concurrency
+from moetrace.analysis.budgets import window_sample
+from moetrace.analysis.placement import linear_placement
+from moetrace.report.inputs import open_run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", type=Path)
+    parser.add_argument("--batches", default="8,16")
+    parser.add_argument("--any-prompts", action="store_true")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    run = open_run(args.sweep, 0)
+    model = run.primary.manifest.model
+    recorded = {t.k: concurrency.RecordedK(window_sample(t.routing(), t.k, ["experts"]), t.steps(),
+                                           {} if args.any_prompts else concurrency.request_prompts(t.routing()))
+                for t in run.traces}
+    placement = linear_placement(model.num_experts, 1)
+
+    def means(unions: pl.DataFrame) -> pl.DataFrame:
+        return unions.group_by("k", "batch").agg(pl.col("unique_experts").mean(), pl.col("source").first(),
+                                                 pl.col("steps").min())
+
+    ks = sorted(recorded)
+    measured = means(concurrency.batch_unions(recorded[run.primary.k], recorded, model.num_experts, model.top_k,
+                                              placement, ks, batches)).filter(pl.col("source") == "measured")
+    concurrency.MIN_MEASURED_STEPS = 1 << 62  # the estimate at every B
+    estimated = means(concurrency.batch_unions(recorded[run.primary.k], recorded, model.num_experts, model.top_k,
+                                               placement, ks, batches))
+    table = (measured.select("k", "batch", "steps", measured="unique_experts")
+             .join(estimated.select("k", "batch", estimated="unique_experts"), on=["k", "batch"])
+             .with_columns(ratio=pl.col("estimated") / pl.col("measured")).sort("k", "batch"))
+    print(f"{args.sweep}: {'every request its own prompt' if args.any_prompts else 'one request-step per prompt'}")
+    with pl.Config(tbl_rows=-1, float_precision=3):
+        print(table)
+
+
+if __name__ == "__main__":
+    main()
