@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The next H200 checks, decided before they run (2026-12-05, prediction code at the commit that wrote this header:
-# the shared experts priced as a dense MLP, analysis.calibration.moe_layer_us):
-#   k0-ab:      the k = 0 engine of the slice, 5 rounds at 1 and 16 with the hooks paused and on in turn
-#               (--hooks-ab): every k = 0 engine so far timed 6-13% slower with the hooks paused than its recorded
-#               rounds, k > 0 engines within 2-6%; this tells the hooks' state from round order and drift;
-#   holdout-24: a fifth n-gram hold-out: 24 slots, k = 0, 2, 4 and k = 0 with async scheduling off, closed loop,
-#               recorded at 1 and 16, timed (hooks paused, 3 rounds) at 3, 8, 20 and 24 only (a slot count, a k set
-#               and concurrencies no earlier run used; 3 requests at k = 2 and 4 put 9 and 15 tokens through the
-#               kernel's one-block-per-row regime and its aligned one);
-#   eagle3:     EAGLE-3 k = 0..4 on the slice, 5 rounds of 256 tokens at 1 and 16 (on 2026-12-05 an H100 ran k = 0..2
-#               of it: docs/validation.md).
+# The next H200 checks, decided before they run. Parts:
+#   calibrate:  the slice calibrated on the card at hand with the current grid (vLLM's fused-MoE table to 256 tokens;
+#               the committed H200 and H100 tables stop at 64), in $OUT, for re-predicting the fourth and fifth
+#               hold-outs from their traces: is the k = 4 miss at 20 and 24 of 24 slots (95-114 tokens a step) the
+#               kernel past the old table? (any card other than an H200 calibrates anyway, before the other parts);
+#   holdout-40: a sixth n-gram hold-out, decided 2026-12-05 with the prediction code of the commit that wrote this
+#               line (unions drawn one request per prompt): 40 slots, k = 0, 3 and k = 0 with async scheduling off,
+#               closed loop, recorded at 1 and 16, timed (hooks paused, 3 rounds after one uncounted) at 2, 5, 28
+#               and 40 only (k = 3 at 40: 160 tokens a step);
+#   eagle3:     EAGLE-3 k = 0..4 on the slice, 5 rounds of 256 tokens at 1 and 16 (H100s ran k = 0..3 of it on
+#               2026-12-05: docs/validation.md);
+#   k0-ab, holdout-24: run on 2026-12-05 (an H100; docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
-# prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: all three, in that
-# order); results in $OUT/<part>-<folder>.tar.gz, one per engine's trace (each small enough to come back).
+# prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: calibrate holdout-40
+# eagle3, run in the order of the parts list above); results in $OUT/<part>-<folder>.tar.gz, one per engine's trace
+# (each small enough to come back).
 # On another card (an 80 GB H100; CARD, default from nvidia-smi) it calibrates the slice on that card first (the
 # committed calibration is the H200's; it lands in each run folder and in $OUT) and gives vLLM 0.95 of the GPU's
 # memory (the slice's weights take 64.5 GiB).
@@ -22,14 +24,14 @@ R=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/moetrace-out}
 end=$(( $(date +%s) + ${1:-540} ))
 [ $# -gt 0 ] && shift
-parts=" ${*:-k0-ab holdout-24 eagle3} "
+parts=" ${*:-calibrate holdout-40 eagle3} "
 mkdir -p "$OUT"
 cd /tmp || exit 1
 memory=()
 CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)}
 echo "card: $CARD"
-if [[ "$CARD" != *H200* ]]; then
-  memory=(--gpu-memory-utilization 0.95)
+if [[ "$CARD" != *H200* ]]; then memory=(--gpu-memory-utilization 0.95); fi
+if [[ "$CARD" != *H200* || "$parts" == *" calibrate "* ]]; then
   cal=/root/calibration-kimi-k2-tp8.json
   if [ ! -f "$cal" ]; then
     model=$(python "$R/benchmarks/lab/bench_speedup_validation.py" model-dir --model kimi-k2-tp8 --out /root/cal) &&
@@ -37,8 +39,8 @@ if [[ "$CARD" != *H200* ]]; then
         --no-allreduce --vllm-kernel -o /root/cal/partial.json --force && mv /root/cal/partial.json "$cal"
   fi
   [ -f "$cal" ] || { echo "no calibration of this card"; exit 1; }
-  cp "$cal" "$OUT/"
-  for run in k0-ab holdout-24 eagle3; do mkdir -p "/root/$run" && cp "$cal" "/root/$run/"; done
+  cp "$cal" "$OUT/calibration-kimi-k2-tp8-$(echo "$CARD" | tr -c 'A-Za-z0-9\n' - | tr -s -).json"
+  for run in ${parts/ calibrate / }; do mkdir -p "/root/$run" && cp "$cal" "/root/$run/"; done
 fi
 bench() {
   local left=$(( end - $(date +%s) - 25 ))
@@ -51,9 +53,11 @@ bench() {
   bench --methods ngram --ks 0 --rounds 5 --timed 1,16 --recorded 1,16 --hooks-ab --out /root/k0-ab
 [[ "$parts" == *" holdout-24 "* ]] &&
   bench --methods ngram --ks 0,2,4 --sync-baseline --rounds 3 --timed 3,8,20,24 --recorded 1,16 --out /root/holdout-24
+[[ "$parts" == *" holdout-40 "* ]] &&
+  bench --methods ngram --ks 0,3 --sync-baseline --rounds 3 --timed 2,5,28,40 --recorded 1,16 --out /root/holdout-40
 [[ "$parts" == *" eagle3 "* ]] &&
   bench --methods eagle3 --ks 0,1,2,3,4 --rounds 5 --timed 1,16 --recorded 1,16 --max-tokens 256 --out /root/eagle3
-for run in k0-ab holdout-24 eagle3; do  # the measurements and calibration, then each engine's trace apart
+for run in ${parts/ calibrate / }; do  # the measurements and calibration, then each engine's trace apart
   [ -d "/root/$run" ] || continue
   tar -C /root --exclude='*-model' --exclude="$run/*/k*" -czf "$OUT/$run.tar.gz" "$run"
   for trace in /root/"$run"/*/k*; do
