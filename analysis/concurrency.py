@@ -7,12 +7,12 @@ accepted and rejected drafts, or one decode token where nothing was proposed):
 - measured: over the steps that really ran B requests, all of them decoding (per data-parallel rank, from the
   steps table), the union of every token the step read, where the trace has at least ``MIN_MEASURED_STEPS``;
 - estimated: otherwise, the mean union of B request-steps drawn at random, one from each of B requests with
-  different prompts, as a step's requests are (seeded: disjoint groups of a few random permutations of the prompts;
-  B = 1: every request-step once, exactly). Requests that share a prompt count as one (``request_prompts``):
-  under greedy decoding they read the same tokens, and a trace recorded over a set of prompts in rounds repeats
-  them (on an H100 trace of 48 prompts over 168 requests, draws of any 16 request-steps gave 134 experts where
-  its steps of 16 requests read 152; one per prompt, 152). Where the trace holds fewer prompts than B, any B
-  distinct request-steps;
+  different prompts, as a step's requests are, each request as likely as it has request-steps (seeded; B = 1: every
+  request-step once, exactly). Under greedy decoding, requests that share a prompt count as one
+  (``request_prompts``): they read the same tokens, and a trace recorded over a set of prompts in rounds repeats
+  them (on an H100 trace of 48 prompts over 168 requests, one request-step from each of 16 requests gave 139
+  experts a layer where its steps of 16 requests read 152; one per prompt, 150). Over fewer prompts than B, each
+  prompt ⌊B/P⌋ times and the rest drawn;
 - lower bound: fewer request-steps than B: the union of all of them.
 
 At a k no trace recorded: windows of k+1 consecutive accepted tokens of the primary trace (counterfactual), drawn
@@ -47,8 +47,8 @@ from moetrace.analysis.sources import Source, least_direct_expr
 
 MIN_MEASURED_STEPS = 5
 SAMPLES = 256
-# random permutations drawn per union estimate, at most this many values in all (8 of 4,000 windows)
-PERMUTED_VALUES = 1 << 15
+# random keys drawn per union estimate, at most: 256 draws over up to 1,024 prompts, fewer over more
+KEYED_VALUES = 1 << 18
 # Windows per layer and k the unions are drawn from: above it, a deterministic sample (of whole steps for the
 # measured unions), so a long trace costs what a short one does; the estimates are means over random draws anyway.
 MAX_WINDOWS = 4_000
@@ -146,26 +146,26 @@ class StepUnions:
 
 def sampled_batch_unions(masks: Masks, prompts: npt.NDArray[np.int64], batch: int, samples: int,
                          seed: int) -> tuple[Masks, bool]:
-    """Unions of ``batch`` windows (``prompts``: each window's prompt number): one batch = every window once (exact
-    mean); else about ``samples`` groups of ``batch`` distinct prompts, disjoint within each of a few random
-    permutations of them (vectorised), one window of each prompt drawn at random; any ``batch`` distinct windows
-    where fewer prompts than that; all windows once when there are fewer windows than ``batch`` (the second value
-    says so)."""
+    """Unions of ``batch`` windows as one step of ``batch`` requests reads them (``prompts``: each window's prompt
+    number): one batch = every window once (exact mean); else ``samples`` draws (fewer over many prompts: at most
+    ``KEYED_VALUES`` random keys in all) of ``batch`` distinct prompts, each as likely as it has windows (a request
+    is in as many steps as it runs), and a window of each at random; over P < B prompts every prompt ⌊B/P⌋ times and
+    the rest so drawn. All windows once when there are fewer windows than ``batch`` (the second value says so)."""
     if batch == 1:
         return masks, False
     if len(masks) <= batch:
         return np.bitwise_or.reduce(masks, axis=0, keepdims=True), len(masks) < batch
     rng = np.random.default_rng(seed)
-    distinct, of_window = np.unique(prompts, return_inverse=True)
-    if len(distinct) < batch:  # every window its own group
-        distinct, of_window = np.arange(len(masks)), np.arange(len(masks))
+    _, of_window = np.unique(prompts, return_inverse=True)
+    counts = np.bincount(of_window)
     by_prompt = np.argsort(of_window, kind="stable")
-    counts = np.bincount(of_window, minlength=len(distinct))
     firsts = np.cumsum(counts) - counts
-    per_permutation = len(distinct) // batch
-    permutations = max(1, min(-(-samples // per_permutation), PERMUTED_VALUES // len(distinct)))
-    chosen = np.concatenate([rng.permutation(len(distinct))[: per_permutation * batch].reshape(-1, batch)
-                             for _ in range(permutations)])[:samples]
+    draws = max(1, min(samples, KEYED_VALUES // len(counts)))
+    every, rest = divmod(batch, len(counts))
+    # Efraimidis-Spirakis: the ``rest`` largest of log(u) / weight are a draw without replacement by weight
+    keys = np.log(rng.random((draws, len(counts)))) / counts
+    drawn = np.argpartition(-keys, rest - 1, axis=1)[:, :rest] if rest else np.zeros((draws, 0), dtype=np.int64)
+    chosen = np.concatenate([np.tile(np.arange(len(counts)), (draws, every)), drawn], axis=1)
     picks = by_prompt[firsts[chosen] + (rng.random(chosen.shape) * counts[chosen]).astype(np.int64)]
     return np.bitwise_or.reduce(masks[picks], axis=1), False
 
@@ -187,7 +187,7 @@ def batch_unions(counterfactual: RecordedK, recorded: Mapping[int, RecordedK], n
             windows, _ = counterfactual.sample.windows(k, False, MAX_WINDOWS)
             sizes = {}
         per_layer = window_masks(windows, num_experts, "window_minor" if at_k is not None else "window_major")
-        prompts_of = (at_k or counterfactual).prompts
+        prompts_of = (at_k if at_k is not None else counterfactual).prompts
         by_step = {layer: StepUnions.of(found.masks, found.major, sizes) for layer, found in per_layer.items()
                    if at_k is not None}
         for layer, found in sorted(per_layer.items()):

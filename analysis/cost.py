@@ -169,6 +169,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
     shape, n_ar = deployment.shape, deployment.allreduces
     notes: list[str] = []
     fmt_used: str | None = None
+    fit: dict[str, Any] | None = None
     expert_us: list[float] = []
     allreduce_us: list[float] = []
     ar_model: AllReduceModel | None = None
@@ -357,7 +358,7 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
         "allreduce": ar_model.basis if ar_model else None,
         "allreduce_extrapolated": bool(ar_model and ar_model.extrapolated),
         # (rows priced, rows measured) where the MoE of a k was read past the calibration table's largest step
-        "moe_past_table": moe_past_table(fit if calibration is not None else None, [m for _, m in work]),
+        "moe_past_table": moe_past_table(fit, [m for _, m in work]),
         "notes": notes,
     }
     if profile is not None and calibration is not None:

@@ -126,7 +126,7 @@ def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Pro
             f"at {', '.join(map(str, past))} request(s) per step a step's MoE reads up to "
             f"{max(rows for rows, _ in past.values()):.0f} routed rows per rank, past the calibration table's "
             f"largest step ({next(iter(past.values()))[1]:.0f} rows): priced along its last two steps' trend, where "
-            "vLLM may pick other kernel tiles; calibrate again (moetrace calibrate) to measure those steps")]
+            "vLLM may pick other kernel tiles (moetrace calibrate times steps of up to 256 tokens)")]
     if measured is not None and estimated:
         basis["notes"] = [*basis["notes"], (
             f"at {', '.join(map(str, estimated))} request(s) per step, which the sweep did not record, the step is "

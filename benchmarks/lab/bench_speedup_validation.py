@@ -20,9 +20,10 @@ requests.
 
 ``--timed`` (default 1,4,16,48): the concurrencies timed, moetrace's hooks paused (the engine exactly as vLLM built
 it), over ``--rounds`` rounds that alternate their order, after a short warm-up at each (every batch shape
-compiled) and one whole round of them not counted. ``--recorded`` (default 1,16): the concurrencies then recorded,
-hooks resumed, in as many rounds of the same closed loop, so the trace is of what was timed: a round's throughput
-varies by up to ±10% on the H200 (host jitter, and under speculation which requests end together). ``compare``
+compiled) and one whole round at each timed or recorded one, not counted. ``--recorded`` (default 1,16): the
+concurrencies then recorded, hooks resumed, in as many rounds of the same closed loop, so the trace is of what was
+timed: a round's throughput varies by up to ±10% on the H200 (host jitter, and under speculation which requests end
+together). ``compare``
 predicts every timed concurrency; those not recorded are held out (``held_out_concurrency``). The engine runs at most
 max(timed, recorded) requests at once; one engine per (drafter, k). Dummy-weight models get spread routing
 (``spread_routing``).
@@ -35,7 +36,7 @@ the rounds of both engines.
 beside ``tok_s``), to tell a paused engine's speed from round order and drift.
 
 Evidence it produced: benchmarks/results/speedup-validation*.json, speedup-*-measurements.json (latest: commit
-7743107, an H100, 2026-12-05: EAGLE-3 k = 0..2 on the slice, 5 rounds).
+1c1a27f, an H100, 2026-12-05: the fifth hold-out at 24 slots, the k = 0 hooks A/B, EAGLE-3 k = 3).
 """
 
 from __future__ import annotations
@@ -326,9 +327,10 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
         for concurrency in timed:  # warm-up, short: Triton compiles each new batch shape
             closed_loop(llm, prompts, concurrency, [min(WARM_UP_TOKENS, max_tokens)] * (2 * concurrency),
                         f"w{concurrency}")
-        # then one whole round at each, not counted: an engine's first full round ran slow after the short warm-up
-        # alone (an H100's k = 0 at 16: 1,451 tok/s, its next rounds 1,862-1,979 with the hooks paused or on)
-        run_rounds(llm, prompts, 1, timed, max_tokens, "u")
+        # then one whole round at each concurrency timed or recorded, not counted: an engine's first full round ran
+        # slow after the short warm-up alone (an H100's k = 0 at 16: 1,451 tok/s, its next rounds 1,862-1,979 with
+        # the hooks paused or on)
+        run_rounds(llm, prompts, 1, list(dict.fromkeys(timed + recorded)), max_tokens, "u")
         hooks_on_rates: dict[str, list[float]] = {}
         if hooks_ab:
             timings, hooks_on_rates, counters = hooks_ab_rounds(llm, prompts, rounds, timed, max_tokens)

@@ -3,9 +3,9 @@ one step reads (mean over layers), measured over the trace's own steps of B requ
 makes where no step of B requests was recorded (``analysis.concurrency``), forced here at every B. Baseline: the
 measured union; the ratio is estimate / measured.
 
-    python benchmarks/lab/check_union_estimate.py SWEEP [--batches 8,16] [--any-prompts]
+    python benchmarks/lab/check_union_estimate.py SWEEP [--batches 8,16] [--per-request]
 
-``--any-prompts``: every request its own prompt (the estimate before request prompts were told apart).
+``--per-request``: every request its own prompt (one request-step from each of B requests, whatever their prompts).
 """
 
 from __future__ import annotations
@@ -19,19 +19,21 @@ import moetrace.analysis.concurrency as concurrency
 from moetrace.analysis.budgets import window_sample
 from moetrace.analysis.placement import linear_placement
 from moetrace.report.inputs import open_run
+from moetrace.report.summary import greedy
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--batches", default="8,16")
-    parser.add_argument("--any-prompts", action="store_true")
+    parser.add_argument("--per-request", action="store_true")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     run = open_run(args.sweep, 0)
     model = run.primary.manifest.model
     recorded = {t.k: concurrency.RecordedK(window_sample(t.routing(), t.k, ["experts"]), t.steps(),
-                                           {} if args.any_prompts else concurrency.request_prompts(t.routing()))
+                                           concurrency.request_prompts(t.routing())
+                                           if greedy(t) and not args.per_request else {})
                 for t in run.traces}
     placement = linear_placement(model.num_experts, 1)
 
@@ -48,7 +50,7 @@ def main() -> None:
     table = (measured.select("k", "batch", "steps", measured="unique_experts")
              .join(estimated.select("k", "batch", estimated="unique_experts"), on=["k", "batch"])
              .with_columns(ratio=pl.col("estimated") / pl.col("measured")).sort("k", "batch"))
-    print(f"{args.sweep}: {'every request its own prompt' if args.any_prompts else 'one request-step per prompt'}")
+    print(f"{args.sweep}: {'one request-step per request' if args.per_request else 'one request-step per prompt'}")
     with pl.Config(tbl_rows=-1, float_precision=3):
         print(table)
 

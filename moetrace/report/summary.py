@@ -173,6 +173,13 @@ def sample_note(share: float) -> str | None:
             f"(down to {share:.1%} of the windows)")
 
 
+def greedy(trace: Trace) -> bool:
+    """Whether the trace's requests were decoded greedily (temperature 0, or not stated): only then do two requests
+    with one prompt read the same tokens, and count as one in the unions at a concurrency not recorded."""
+    sampling = (trace.manifest.document.get("workload") or {}).get("sampling") or {}
+    return float(sampling.get("temperature") or 0.0) == 0.0
+
+
 def step_inputs(run: Run, sample: WindowSample, shape: ModelShape, placement: npt.NDArray[np.int64],
                 options: Options, batches: Sequence[int]) -> pl.DataFrame:
     """Per (batch, k), for k = 0..max_k and every concurrency of ``batches``: what one step reads (``union_means`` of
@@ -184,7 +191,8 @@ def step_inputs(run: Run, sample: WindowSample, shape: ModelShape, placement: np
         unions = uniform_unions(shape.num_experts, shape.top_k, placement, ks, batches)
     else:
         recorded = {t.k: RecordedK(sample if t is run.primary else window_sample(t.routing(), t.k, ["experts"]),
-                                   t.steps(), request_prompts(t.routing())) for t in run.traces}
+                                   t.steps(), request_prompts(t.routing()) if greedy(t) else {})
+                    for t in run.traces}
         unions = batch_unions(recorded[run.primary.k], recorded, shape.num_experts, shape.top_k, placement, ks,
                               batches)
     acceptance = acceptance_per_k({t.k: t.steps() for t in run.traces}, ks, options.acceptance)

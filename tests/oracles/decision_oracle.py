@@ -11,8 +11,12 @@ itself (pyarrow) and follows these rules:
 - tokens_read(k) = mean num_tokens over the decoding request-steps (1 at k = 0).
 - U(k, B), per MoE layer then averaged over layers: with ≥ 5 steps of the trace at k (per rank) in which every
   request decodes and exactly B requests ran, the mean over those steps of the distinct experts of the step;
-  otherwise the expected distinct experts of B distinct windows drawn at random without replacement, computed
-  exactly: Σ_e 1 − C(N − n_e, B) / C(N, B) (N windows, n_e of them use expert e); with N ≤ B, the union of all.
+  otherwise the expected distinct experts of B windows as a step holds them: B distinct prompts drawn one after
+  another, each remaining prompt as likely as its share of the windows (over P < B prompts, every prompt ⌊B/P⌋
+  times and B mod P more drawn so), then one window of each drawn prompt at random. A prompt is the (position,
+  token) pairs of a request's prefill rows, under greedy sampling (temperature 0 or unstated); otherwise, or without
+  token ids, each request is its own. With one prompt this is exact: Σ_e 1 − (1 − n_e / N)^B (N windows, n_e of them
+  use expert e); otherwise a seeded Monte Carlo mean (``UNION_SAMPLES`` draws); with N ≤ B, the union of all.
   busiest(k, B): the same steps/draws, the most experts of the union on one EP rank (expert e on rank
   e // (num_experts / ep)); for random draws it is a seeded Monte Carlo mean (``SAMPLES`` draws).
 - step(k, B) = moe_layers × (c0 + per_expert·E + per_row·R + S·(c0 + (per_expert + per_row)·top_k) / top_k) µs,
@@ -38,6 +42,7 @@ import pyarrow.parquet as pq
 
 MIN_STEPS = 5  # steps of exactly B decoding requests needed to measure U(k, B) directly
 SAMPLES = 20_000  # Monte Carlo draws for the busiest rank of random windows
+UNION_SAMPLES = 4_000  # Monte Carlo draws for the union over several prompts
 
 
 @dataclass
@@ -52,6 +57,7 @@ class Recording:
     accepted: npt.NDArray[np.int64]  # per window: num_accepted
     tokens: npt.NDArray[np.int64]  # per window: num_tokens
     full_steps: dict[tuple[int, int], list[int]]  # (rank, step) where every request decodes -> its windows
+    prompt: npt.NDArray[np.int64]  # per window: its request's prompt number
 
 
 def _read(folder: Path) -> dict[str, list[Any]]:
@@ -75,6 +81,9 @@ def read_recording(path: Path) -> Recording:
     step_of: list[tuple[int, int]] = []
     all_decoding: dict[tuple[int, int], bool] = {}
     hits: list[tuple[int, int, int]] = []  # (layer index, window, expert)
+    request_of: list[tuple[int, int]] = []  # per window: (rank, request)
+    prompt_rows: dict[tuple[int, int], list[tuple[int, int | None]]] = {}  # (rank, request) -> (position, token)
+    first_layer = min(layers)
     for rank, folder in enumerate(ranks):
         steps = _read(folder / "steps")
         for s, r, nt, nd, na in zip(steps["step"], steps["request"], steps["num_tokens"], steps["num_drafts"],
@@ -87,11 +96,16 @@ def read_recording(path: Path) -> Recording:
                 accepted.append(na)
                 tokens.append(nt)
                 step_of.append((rank, s))
+                request_of.append((rank, r))
         routing = _read(folder / "routing")
-        for s, r, layer, experts in zip(routing["step"], routing["request"], routing["layer"], routing["experts"]):
+        for s, r, layer, experts, phase, position, token in zip(
+                routing["step"], routing["request"], routing["layer"], routing["experts"], routing["phase"],
+                routing["position"], routing["token"]):
             w = window.get((rank, s, r))
             if w is not None:
                 hits.extend((layers[layer], w, e) for e in experts)
+            if phase == "prefill" and layer == first_layer:
+                prompt_rows.setdefault((rank, r), []).append((position, token))
     masks = np.zeros((len(layers), len(drafts), int(model["num_experts"])), dtype=bool)
     if hits:
         masks[tuple(np.asarray(hits).T)] = True
@@ -99,8 +113,13 @@ def read_recording(path: Path) -> Recording:
     for w, key in enumerate(step_of):
         if all_decoding[key]:
             full_steps.setdefault(key, []).append(w)
+    greedy = float(((manifest.get("workload") or {}).get("sampling") or {}).get("temperature") or 0.0) == 0.0
+    numbers: dict[object, int] = {}
+    prompt = [numbers.setdefault(tuple(sorted(prompt_rows[key])) if greedy and key in prompt_rows
+                                 and all(t is not None for _, t in prompt_rows[key]) else key, len(numbers))
+              for key in request_of]
     return Recording(int(manifest["spec"]["k"]), manifest, masks, step_of, np.asarray(drafts), np.asarray(accepted),
-                     np.asarray(tokens), full_steps)
+                     np.asarray(tokens), full_steps, np.asarray(prompt, dtype=np.int64))
 
 
 def read_sweep(folder: Path) -> dict[int, Recording]:
@@ -127,29 +146,50 @@ def _busiest(unions: npt.NDArray[np.bool_], ep: int) -> npt.NDArray[np.int64]:
     return busiest
 
 
+def prompt_draws(rec: Recording, batch: int, samples: int, seed: int) -> npt.NDArray[np.int64]:
+    """[samples, batch] window indices, each row a step's windows drawn by the rule in the module doc."""
+    rng = np.random.default_rng(seed)
+    if len(set(rec.prompt.tolist())) == 1:
+        return rng.integers(len(rec.prompt), size=(samples, batch))
+    prompts = sorted(set(rec.prompt.tolist()))
+    members = [np.flatnonzero(rec.prompt == p) for p in prompts]
+    weights = np.array([len(m) for m in members], dtype=float)
+    every, rest = divmod(batch, len(prompts))
+    rows = []
+    for _ in range(samples):
+        drawn = list(range(len(prompts))) * every + list(rng.choice(len(prompts), rest, replace=False,
+                                                                     p=weights / weights.sum()))
+        rows.append([members[p][rng.integers(len(members[p]))] for p in drawn])
+    return np.asarray(rows, dtype=np.int64)
+
+
 def union(rec: Recording, batch: int, ep: int = 1, seed: int = 0) -> tuple[float, float, str]:
     """(U, busiest, how) at ``batch`` requests per step, each averaged over layers."""
     measured = [ws for ws in rec.full_steps.values() if len(ws) == batch]
+    n = rec.masks.shape[1]
+    one_prompt = len(set(rec.prompt.tolist())) == 1
+    draws = None if len(measured) >= MIN_STEPS or n <= batch or (one_prompt and ep == 1) else prompt_draws(
+        rec, batch, SAMPLES if ep > 1 else UNION_SAMPLES, seed)
     per_layer = []
     for masks in rec.masks:
         if len(measured) >= MIN_STEPS:
             unions = np.stack([masks[ws].any(axis=0) for ws in measured])
             per_layer.append((unions.sum(axis=1).mean(), _busiest(unions, ep).mean()))
             continue
-        n = len(masks)
         if n <= batch:
             everything = masks.any(axis=0)
             per_layer.append((everything.sum(), _busiest(everything, ep)))
             continue
-        users = masks.sum(axis=0)  # n_e: windows that use expert e
-        u = sum(1.0 - math.comb(n - int(n_e), batch) / math.comb(n, batch) for n_e in users)
-        busiest = u
-        if ep > 1:
-            rng = np.random.default_rng(seed)
-            draws = np.argpartition(rng.random((SAMPLES, n)), batch, axis=1)[:, :batch]  # B distinct windows
-            busiest = float(_busiest(masks[draws].any(axis=1), ep).mean())
-        per_layer.append((u, busiest))
-    how = "measured" if len(measured) >= MIN_STEPS else "all windows" if rec.masks.shape[1] <= batch else "drawn"
+        # one prompt: B windows drawn at random, each independently, exactly
+        exact = float(sum(1.0 - (1.0 - int(n_e) / n) ** batch for n_e in masks.sum(axis=0))) if one_prompt else None
+        if draws is None:
+            assert exact is not None
+            per_layer.append((exact, exact))
+            continue
+        drawn = masks[draws].any(axis=1)
+        u = exact if exact is not None else float(drawn.sum(axis=1).mean())
+        per_layer.append((u, u if ep == 1 else float(_busiest(drawn, ep).mean())))
+    how = "measured" if len(measured) >= MIN_STEPS else "all windows" if n <= batch else "drawn"
     return float(np.mean([p[0] for p in per_layer])), float(np.mean([p[1] for p in per_layer])), how
 
 

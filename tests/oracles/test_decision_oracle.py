@@ -177,15 +177,17 @@ def test_the_oracle_by_hand(tmp_path: Path) -> None:
     assert oracle.tokens_per_step(rec) == pytest.approx(1 + 3 / 4)  # accepted 1, 0, 0, 2
     assert oracle.tokens_per_step(rec, conditional=True) == pytest.approx(1 + 2 / 3 + 1 / 2)
     assert oracle.tokens_read(rec) == pytest.approx(9 / 4)  # 2, 3, 1, 3 tokens
-    # layer 1 by hand, layer 2 is 2 everywhere; only 2 steps, so unions are of windows drawn at random
-    # B=2: pairs 7, 4, 6, 6, 4, 5 → 32/6; B=3: 8, 7, 7, 6 → 7; B=4 and above: all windows, 8
-    for batch, layer1 in ((1, 3.0), (2, 32 / 6), (3, 7.0), (4, 8.0), (9, 8.0)):
+    # layer 1 by hand, layer 2 is 2 everywhere; only 2 steps, so unions are of windows drawn as a step holds them:
+    # W1, W3 are request 0's (its prompt the prefill's), W2, W4 request 1's (no prefill rows: its own), as likely.
+    # B=1: 3, 4, 2, 3 → 3; B=2, one of each request: 7, 6, 6, 5 → 6; B=3, both and one more of either, each
+    # occurrence either of its windows: 104/16 = 6.5 (by enumeration); B=4 and above: all windows, 8
+    for batch, layer1 in ((1, 3.0), (2, 6.0), (3, 6.5), (4, 8.0), (9, 8.0)):
         u, busiest, how = oracle.union(rec, batch)
-        assert u == pytest.approx((layer1 + 2) / 2) and busiest == pytest.approx(u), batch
+        assert u == pytest.approx((layer1 + 2) / 2, abs=0.02) and busiest == pytest.approx(u), batch
         assert how == ("all windows" if batch >= 4 else "drawn")
-    # EP=2 (experts 0-3 on rank 0): busiest of W1..W4 is 3, 4, 2, 3; of the pairs 4, 4, 3, 4, 4, 3 (Monte Carlo)
+    # EP=2 (experts 0-3 on rank 0): busiest of W1..W4 is 3, 4, 2, 3; of the pairs W1W2, W1W4, W3W2, W3W4 4, 3, 4, 3
     assert oracle.union(rec, 1, ep=2)[1] == pytest.approx((3.0 + 2) / 2, abs=0.02)
-    assert oracle.union(rec, 2, ep=2)[1] == pytest.approx((22 / 6 + 2) / 2, abs=0.02)
+    assert oracle.union(rec, 2, ep=2)[1] == pytest.approx((3.5 + 2) / 2, abs=0.02)
     assert oracle.union(rec, 4, ep=2)[1] == pytest.approx((4 + 2) / 2)  # all windows: 4 and 4 on the two ranks
     cost = Cost(c0_us=10.0, per_expert_us=1.0, per_row_us=0.5)
     # the kernel over 2.5 experts and 1 × 2.25 × 2 rows, plus the shared expert at the one-token point: (10 + 1.5·2) / 2
@@ -216,10 +218,11 @@ def test_the_oracle_measures_unions_of_whole_steps_per_dp_rank(tmp_path: Path) -
     both = oracle.read_recording(tmp_path / "dp")
     assert len(both.full_steps) == 10 and oracle.union(both, 2)[2] == "measured"
     assert oracle.union(both, 2)[0] == pytest.approx(16 / 5)
-    # B=4 is no rank's step: drawn from 22 windows, 14 on {0,1} and 8 on {2,3}
-    none_of_4 = 22 * 21 * 20 * 19  # C(22, 4)·4!: P(no window with e) = C(22 − n_e, 4) / C(22, 4)
-    drawn = 2 * (1 - 8 * 7 * 6 * 5 / none_of_4) + 2 * (1 - 14 * 13 * 12 * 11 / none_of_4)
-    assert oracle.union(both, 4) == pytest.approx((drawn, drawn, "drawn"))
+    # B=4 is no rank's step: one window of each of the 4 requests (no prefill rows: each its own prompt); request
+    # 0 of a rank reads {0,1} in 5 of its 6 windows, request 1 in 2 of its 5, {2,3} in the others
+    drawn = 2 * (1 - (1 / 6) ** 2 * (3 / 5) ** 2) + 2 * (1 - (5 / 6) ** 2 * (2 / 5) ** 2)
+    u, busiest, how = oracle.union(both, 4)
+    assert (u, busiest, how) == (pytest.approx(drawn, abs=0.03), u, "drawn")
 
 
 def test_the_decision_rule() -> None:
@@ -230,16 +233,31 @@ def test_the_decision_rule() -> None:
     assert oracle.margin({0: 1.0, 1: 0.9}) == pytest.approx(1 / 0.9 - 1)
 
 
-def test_the_exact_union_matches_enumeration(tmp_path: Path) -> None:
-    """Σ_e 1 − C(N−n_e, B)/C(N, B) against every B-subset of a small random trace's windows."""
+def test_the_union_rule_matches_enumeration(tmp_path: Path) -> None:
+    """One prompt (the builder's default tokens): Σ_e 1 − (1 − n_e/N)^B against every B-tuple of windows. Three
+    prompts of three requests each: the Monte Carlo mean against every set of B distinct prompts (their windows
+    are equally many, so every set alike) with every window of each, and past three prompts every prompt and more."""
     model = Model(num_experts=12, top_k=2, layers=(1,))
-    tokens = verify_tokens(np.random.default_rng(5), model, requests=3, steps=3, k=2, accept_prob=0.5,
+    tokens = verify_tokens(np.random.default_rng(5), model, requests=3, steps=2, k=2, accept_prob=0.5,
                            variable_drafts=True)
-    rec = oracle.read_recording(write_trace(tmp_path / "t", tokens, model, k=2))
+    rec = oracle.read_recording(write_trace(tmp_path / "one", tokens, model, k=2))
     masks = rec.masks[0]
-    for batch in (2, 3, 5):
-        unions = [masks[list(subset)].any(axis=0).sum() for subset in itertools.combinations(range(len(masks)), batch)]
+    for batch in (2, 3):
+        unions = [masks[list(t)].any(axis=0).sum() for t in itertools.product(range(len(masks)), repeat=batch)]
         assert oracle.union(rec, batch)[0] == pytest.approx(np.mean(unions))
+    tokens = verify_tokens(np.random.default_rng(6), model, requests=9, steps=2, k=2, accept_prob=0.5)
+    tokens = dataclasses.replace(tokens, token=(tokens.request % 3 * 100 + tokens.position).astype(np.uint32))
+    rec = oracle.read_recording(write_trace(tmp_path / "three", tokens, model, k=2))
+    masks, members = rec.masks[0], [np.flatnonzero(rec.prompt == p) for p in range(3)]
+    assert sorted(len(m) for m in members) == [6, 6, 6]
+    for batch in (2, 3):
+        unions = [masks[list(w)].any(axis=0).sum() for ps in itertools.combinations(range(3), batch)
+                  for w in itertools.product(*(members[p] for p in ps))]
+        assert oracle.union(rec, batch)[0] == pytest.approx(np.mean(unions), abs=0.05)
+    # 5 requests over 3 prompts: every prompt once and two of them again, each occurrence any of its windows
+    unions = [masks[list(w)].any(axis=0).sum() for extra in itertools.combinations(range(3), 2)
+              for w in itertools.product(*(members[p] for p in (0, 1, 2, *extra)))]
+    assert oracle.union(rec, 5)[0] == pytest.approx(np.mean(unions), abs=0.05)
 
 
 # ---------------------------------------------------------------- the report against the oracle

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
 
 from moetrace.analysis.budgets import window_sample
-from moetrace.analysis.concurrency import RecordedK, batch_unions, request_prompts, uniform_unique_experts
+from moetrace.analysis.concurrency import (
+    RecordedK,
+    batch_unions,
+    request_prompts,
+    sampled_batch_unions,
+    uniform_unique_experts,
+)
+from moetrace.analysis.expert_sets import count_experts, expert_masks
 from moetrace.analysis.placement import linear_placement
-from trace_builder import Model, Tokens, routing_frame, steps_frame, verify_tokens
+from moetrace.report.summary import greedy
+from moetrace.trace.reader import open_trace
+from trace_builder import Model, Tokens, routing_frame, steps_frame, verify_tokens, write_trace
 
 MODEL = Model(num_experts=32, top_k=2, layers=(1, 2))
 
@@ -81,6 +92,17 @@ def test_requests_whose_prefill_read_the_same_tokens_share_a_prompt() -> None:
     assert prompts[0] == prompts[1] != prompts[2] and set(prompts) == {0, 1, 2}
 
 
+def test_only_greedy_traces_merge_requests_by_prompt(tmp_path: Path) -> None:
+    tokens = verify_tokens(np.random.default_rng(11), MODEL, requests=2, steps=2, k=2, accept_prob=0.5)
+    root = write_trace(tmp_path / "t", tokens, MODEL, k=2)
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert "workload" not in manifest and greedy(open_trace(root))  # not stated: moetrace record's greedy default
+    for temperature, merged in ((0.0, True), (0.7, False)):
+        manifest["workload"] = {"sampling": {"temperature": temperature}}
+        (root / "manifest.json").write_text(json.dumps(manifest))
+        assert greedy(open_trace(root)) is merged
+
+
 def test_estimated_unions_draw_one_request_step_per_prompt_as_a_step_holds() -> None:
     tokens = verify_tokens(np.random.default_rng(9), MODEL, requests=40, steps=6, k=2, accept_prob=0.5)
     group = tokens.request.astype(np.int64) % 4  # request r reads experts 2(r % 4) and 2(r % 4) + 1 in every layer
@@ -95,6 +117,34 @@ def test_estimated_unions_draw_one_request_step_per_prompt_as_a_step_holds() -> 
     expected = 2 * 4 * (1 - 27405 / 91390)
     for row in unions({2: own}, 2, [2], [4]).iter_rows(named=True):
         assert row["unique_experts"] == pytest.approx(expected, abs=0.25)
+
+
+def test_prompts_are_drawn_as_often_as_they_run_without_repeating() -> None:
+    # prompts X (8 windows) and Y (1) read experts 0 and 1, Z (1) reads 2 and 3. Two distinct prompts drawn by
+    # weight: {X, Y} with probability 0.8 · 1/2 + 0.1 · 8/9 = 0.4889 (union 2), else 4: 2 · 0.4889 + 4 · 0.5111
+    # = 3.022 (drawn alike, 3.333)
+    masks = expert_masks(np.array([[0, 1]] * 9 + [[2, 3]]), 16)
+    prompts = np.array([0] * 8 + [1, 2])
+    unions, short = sampled_batch_unions(masks, prompts, 2, 4096, seed=1)
+    assert not short and count_experts(unions).mean() == pytest.approx(2 * 0.48889 + 4 * 0.51111, abs=0.06)
+
+
+def test_a_step_over_fewer_prompts_than_requests_holds_every_prompt() -> None:
+    # four prompts, each reading two experts of its own: 3 requests read 6 of them, 4 or more read all 8
+    masks = expert_masks(np.array([[2 * (w % 4), 2 * (w % 4) + 1] for w in range(40)]), 16)
+    prompts = np.arange(40) % 4
+    means = [count_experts(sampled_batch_unions(masks, prompts, b, 256, seed=b)[0]).mean() for b in (2, 3, 4, 5, 9)]
+    assert means == [4.0, 6.0, 8.0, 8.0, 8.0]
+
+
+def test_counterfactual_windows_count_requests_that_share_a_prompt_once() -> None:
+    tokens = verify_tokens(np.random.default_rng(10), MODEL, requests=40, steps=6, k=2, accept_prob=0.5)
+    group = tokens.request.astype(np.int64) % 4
+    tokens.experts[:] = np.stack([2 * group, 2 * group + 1], axis=-1)[:, None, :]
+    shared = replace(tokens, token=(group * 100 + tokens.position).astype(np.uint32))
+    # k = 1 was not recorded: windows of 2 accepted tokens of the k = 2 trace, one from each of 4 prompts
+    for row in unions({2: shared}, 2, [1], [4]).iter_rows(named=True):
+        assert row["source"] == "counterfactual" and row["unique_experts"] == 8.0
 
 
 def test_more_requests_than_windows_give_the_union_of_all_of_them_as_a_lower_bound() -> None:
