@@ -4,8 +4,8 @@
 #               the committed H200 and H100 tables stop at 64), in $OUT, for re-predicting the fourth and fifth
 #               hold-outs from their traces: is the k = 4 miss at 20 and 24 of 24 slots (95-114 tokens a step) the
 #               kernel past the old table? (any card other than an H200 calibrates anyway, before the other parts);
-#   holdout-40: a sixth n-gram hold-out, decided 2026-12-05 with the prediction code of the commit that wrote this
-#               line (unions drawn one request per prompt): 40 slots, k = 0, 3 and k = 0 with async scheduling off,
+#   holdout-40: a sixth n-gram hold-out, decided 2026-12-05 with the prediction code of cbe7201 (unions drawn one
+#               request per prompt, as often as it runs): 40 slots, k = 0, 3 and k = 0 with async scheduling off,
 #               closed loop, recorded at 1 and 16, timed (hooks paused, 3 rounds after one uncounted) at 2, 5, 28
 #               and 40 only (k = 3 at 40: 160 tokens a step);
 #   eagle3:     EAGLE-3 k = 0..4 on the slice, 5 rounds of 256 tokens at 1 and 16 (H100s ran k = 0..3 of it on
