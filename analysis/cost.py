@@ -255,7 +255,9 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
                      + ("and the forward by what it grew beyond that in the sweep's traces (attention and dense "
                         "layers over more tokens, CUDA-graph padding), from the nearest recorded k"
                         if measured.forward_growth_ms or measured.forward_beyond_ms else
-                        "the rest of the forward held flat (the traces did not time vLLM's forward)")
+                        "the rest of the forward held flat: no recorded k > 0 trace timed vLLM's forward, so its "
+                        "growth beyond the calibrated MoE (attention and dense layers over more tokens) is left out "
+                        "and the speedups run high (record one k > 0 beside k = 0)")
                      + ("; the drafter's own time per step as the sweep's traces measured it (the longer of its host "
                         "time and its device time; under async scheduling, a model drafter's device time), scaled "
                         "with k from the nearest recorded k for a model drafter, held for n-gram"

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The next H200 checks, decided before they run. Parts:
-#   calibrate:  the slice calibrated on the card at hand with the current grid (vLLM's fused-MoE table to 256 tokens;
-#               the committed H200 and H100 tables stop at 64), in $OUT, for re-predicting the fourth and fifth
-#               hold-outs from their traces: is the k = 4 miss at 20 and 24 of 24 slots (95-114 tokens a step) the
-#               kernel past the old table? (any card other than an H200 calibrates anyway, before the other parts);
-#   holdout-40: a sixth n-gram hold-out, decided 2026-12-05 with the prediction code of cbe7201 (unions drawn one
-#               request per prompt, as often as it runs): 40 slots, k = 0, 3 and k = 0 with async scheduling off,
-#               closed loop, recorded at 1 and 16, timed (hooks paused, 3 rounds after one uncounted) at 2, 5, 28
-#               and 40 only (k = 3 at 40: 160 tokens a step);
+#   calibrate:  the slice calibrated on the card at hand with the current grid (vLLM's fused-MoE table to 256 tokens),
+#               in $OUT (ran on an H200 on 2026-12-05: benchmarks/results/speedup-calibrations/kimi-k2-tp8-h200-256.json;
+#               any card other than an H200 calibrates anyway, before the other parts);
+#   holdout-48: a seventh n-gram hold-out, decided 2026-12-05 with the prediction code of the commit that adds it
+#               (predicted with kimi-k2-tp8-h200-256.json on an H200): 48 slots, k = 0, 4 and k = 0 with async
+#               scheduling off, closed loop, recorded at 1 and 16, timed (hooks paused, 3 rounds after one uncounted)
+#               at 3, 10, 36 and 48 only (k = 4 at 48: 240 tokens a step; 3: where the fourth and fifth hold-outs
+#               missed low, 36 and 48: the fifth's k = 4 miss at a full engine);
 #   eagle3:     EAGLE-3 k = 0..4 on the slice, 5 rounds of 256 tokens at 1 and 16 (H100s ran k = 0..3 of it on
 #               2026-12-05: docs/validation.md);
-#   k0-ab, holdout-24: run on 2026-12-05 (an H100; docs/validation.md), kept to repeat them.
+#   eagle3-k4:  EAGLE-3 k = 0 and 4 only, as eagle3 (the k the H100 rows lack), when time is short;
+#   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
-# prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: calibrate holdout-40
+# prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
 # eagle3, run in the order of the parts list above); results in $OUT/<part>-<folder>.tar.gz, one per engine's trace
 # (each small enough to come back).
 # On another card (an 80 GB H100; CARD, default from nvidia-smi) it calibrates the slice on that card first (the
@@ -24,7 +25,7 @@ R=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/moetrace-out}
 end=$(( $(date +%s) + ${1:-540} ))
 [ $# -gt 0 ] && shift
-parts=" ${*:-calibrate holdout-40 eagle3} "
+parts=" ${*:-holdout-48 eagle3} "
 mkdir -p "$OUT"
 cd /tmp || exit 1
 memory=()
@@ -55,8 +56,12 @@ bench() {
   bench --methods ngram --ks 0,2,4 --sync-baseline --rounds 3 --timed 3,8,20,24 --recorded 1,16 --out /root/holdout-24
 [[ "$parts" == *" holdout-40 "* ]] &&
   bench --methods ngram --ks 0,3 --sync-baseline --rounds 3 --timed 2,5,28,40 --recorded 1,16 --out /root/holdout-40
+[[ "$parts" == *" holdout-48 "* ]] &&
+  bench --methods ngram --ks 0,4 --sync-baseline --rounds 3 --timed 3,10,36,48 --recorded 1,16 --out /root/holdout-48
 [[ "$parts" == *" eagle3 "* ]] &&
   bench --methods eagle3 --ks 0,1,2,3,4 --rounds 5 --timed 1,16 --recorded 1,16 --max-tokens 256 --out /root/eagle3
+[[ "$parts" == *" eagle3-k4 "* ]] &&
+  bench --methods eagle3 --ks 0,4 --rounds 5 --timed 1,16 --recorded 1,16 --max-tokens 256 --out /root/eagle3-k4
 for run in ${parts/ calibrate / }; do  # the measurements and calibration, then each engine's trace apart
   [ -d "/root/$run" ] || continue
   tar -C /root --exclude='*-model' --exclude="$run/*/k*" -czf "$OUT/$run.tar.gz" "$run"

@@ -225,6 +225,8 @@ def test_predict_from_a_measured_k0_step_by_hand() -> None:
     assert k1["step_ms"] == pytest.approx(5.0 - 0.1075 + 0.0915 + 0.044)
     assert k1["speedup"] == pytest.approx(1.5 / (k1["step_ms"] / 5.0))
     assert basis["mode"] == "measured k=0 step, calibrated growth"
+    # no k > 0 trace timed the forward: the note says its growth is missing and which way that errs
+    assert any("no recorded k > 0 trace timed vLLM's forward" in n and "run high" in n for n in basis["notes"])
     small, small_basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment_for(SMALL, 2, 1), None,
                                  _calibration(), measured=MeasuredSteps(0.05))
     # the calibration's 0.1075 ms at k=0 is above the measured 0.05 ms step: the step stays anchored at what was
