@@ -11,15 +11,15 @@ measured union; the ratio is estimate / measured.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
 
 import moetrace.analysis.concurrency as concurrency
-from moetrace.analysis.budgets import window_sample
 from moetrace.analysis.placement import linear_placement
 from moetrace.report.inputs import open_run
-from moetrace.report.summary import greedy
+from moetrace.report.summary import recorded_ks
 
 
 def main() -> None:
@@ -31,10 +31,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     run = open_run(args.sweep, 0)
     model = run.primary.manifest.model
-    recorded = {t.k: concurrency.RecordedK(window_sample(t.routing(), t.k, ["experts"]), t.steps(),
-                                           concurrency.request_prompts(t.routing())
-                                           if greedy(t) and not args.per_request else {})
-                for t in run.traces}
+    recorded = {k: replace(traced, prompts={}) if args.per_request else traced
+                for k, traced in recorded_ks(run).items()}
     placement = linear_placement(model.num_experts, 1)
 
     def means(unions: pl.DataFrame) -> pl.DataFrame:

@@ -180,6 +180,15 @@ def greedy(trace: Trace) -> bool:
     return float(sampling.get("temperature") or 0.0) == 0.0
 
 
+def recorded_ks(run: Run, primary_sample: WindowSample | None = None) -> dict[int, RecordedK]:
+    """The sweep's traces by k as the unions read them: rows (``primary_sample`` for the primary trace where given),
+    steps and, under greedy decoding, each request's prompt."""
+    return {t.k: RecordedK(primary_sample if primary_sample is not None and t is run.primary
+                           else window_sample(t.routing(), t.k, ["experts"]),
+                           t.steps(), request_prompts(t.routing()) if greedy(t) else {})
+            for t in run.traces}
+
+
 def step_inputs(run: Run, sample: WindowSample, shape: ModelShape, placement: npt.NDArray[np.int64],
                 options: Options, batches: Sequence[int]) -> pl.DataFrame:
     """Per (batch, k), for k = 0..max_k and every concurrency of ``batches``: what one step reads (``union_means`` of
@@ -190,9 +199,7 @@ def step_inputs(run: Run, sample: WindowSample, shape: ModelShape, placement: np
     if options.routing == "uniform":
         unions = uniform_unions(shape.num_experts, shape.top_k, placement, ks, batches)
     else:
-        recorded = {t.k: RecordedK(sample if t is run.primary else window_sample(t.routing(), t.k, ["experts"]),
-                                   t.steps(), request_prompts(t.routing()) if greedy(t) else {})
-                    for t in run.traces}
+        recorded = recorded_ks(run, sample)
         unions = batch_unions(recorded[run.primary.k], recorded, shape.num_experts, shape.top_k, placement, ks,
                               batches)
     acceptance = acceptance_per_k({t.k: t.steps() for t in run.traces}, ks, options.acceptance)
