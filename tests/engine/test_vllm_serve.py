@@ -168,6 +168,7 @@ def test_at_its_disk_cap_always_on_recording_drops_the_oldest_partitions_while_s
             seen.update(partitions(root))
         time.sleep(1.0)
     kept = partitions(root)
+    seen.update(kept)  # a partition can open after the last look, while the server shuts down
     assert set(kept) < seen and min(seen) not in kept  # the oldest went, the newest stayed
     assert all(finished_manifest(p)["complete"] is True for p in kept)
     # what is left: under the cap, but for the partition written last and the one closing beside it
