@@ -122,9 +122,15 @@ def test_always_on_recording_writes_complete_partitions_that_equal_the_servers_c
     assert not {name: m.get("error") or m.get("end") for name, m in manifests.items() if m["complete"] is not True}
     assert len({m["run_id"] for m in manifests.values()}) == len(found)
     assert all(open_trace(p).warnings == [] for p in found)
-    # every switch opened the next partition and left the last one to close beside the engine
-    switches = [m["partition"]["switch_ms"] for m in manifests.values() if "partition" in m]
-    assert len(switches) == len(found) - 1 and statistics.median(switches) <= SWITCH_MS_MEDIAN_BOUND, switches
+    # every switch opened the next partition and left the last one to close beside the engine; vLLM's shutdown
+    # (mode=abort, timeout 0 s) may kill the engine before the recorder closes the last, and its writer process then
+    # finishes it without the recorder's sections, saying so (partition names sort by their start)
+    ordered = [manifests[name] for name in sorted(manifests)]
+    closed_by_its_writer = ordered[-1].get("end", "").startswith("the engine process ended")
+    opened_by_a_switch = ordered[1:len(ordered) - closed_by_its_writer]
+    assert "partition" not in ordered[0] and all("partition" in m for m in opened_by_a_switch)
+    switches = [m["partition"]["switch_ms"] for m in opened_by_a_switch]
+    assert statistics.median(switches) <= SWITCH_MS_MEDIAN_BOUND, switches
     # nothing lost or counted twice at a partition boundary
     assert sum(m["counts"]["drafts"] for m in manifests.values()) == counters["num_draft_tokens"] > 0
     assert sum(m["counts"]["accepted"] for m in manifests.values()) == counters["num_accepted_tokens"]
