@@ -5,7 +5,8 @@ At a k a trace of the sweep recorded (its request-steps: every token each reques
 accepted and rejected drafts, or one decode token where nothing was proposed):
 
 - measured: over the steps that really ran B requests, all of them decoding (per data-parallel rank, from the
-  steps table), the union of every token the step read, where the trace has at least ``MIN_MEASURED_STEPS``;
+  steps table) and none sharing a prompt with another, the union of every token the step read, where the trace has
+  at least ``MIN_MEASURED_STEPS``;
 - estimated: otherwise, the mean union of B request-steps drawn at random, one from each of B requests with
   different prompts, as a step's requests are, each request as likely as it has request-steps (seeded; B = 1: every
   request-step once, exactly). Under greedy decoding, requests that share a prompt count as one
@@ -124,23 +125,33 @@ def window_masks(windows: pl.LazyFrame, num_experts: int, request_key: str) -> d
 
 @dataclass(frozen=True)
 class StepUnions:
-    """One layer's recorded steps: the union of each step's windows, how many windows the rows hold, and how many
-    requests the steps table says it ran, all decoding (-1: not a decoding step)."""
+    """One layer's recorded steps: the union of each step's windows, how many windows the rows hold and how many
+    distinct prompts they belong to, and how many requests the steps table says it ran, all decoding (-1: not a
+    decoding step)."""
 
     unions: Masks
     windows: npt.NDArray[np.int64]
+    prompts: npt.NDArray[np.int64]
     requests: npt.NDArray[np.int64]
 
     @classmethod
-    def of(cls, masks: Masks, steps: npt.NDArray[np.int64], sizes: Mapping[int, int]) -> StepUnions:
+    def of(cls, masks: Masks, steps: npt.NDArray[np.int64], prompts: npt.NDArray[np.int64],
+           sizes: Mapping[int, int]) -> StepUnions:
+        """``steps``: each window's step key, sorted; ``prompts``: each window's prompt number."""
         starts = group_starts(steps)
-        return cls(group_union(masks, starts), np.diff(np.append(starts, len(steps))),
+        windows = np.diff(np.append(starts, len(steps)))
+        step_of = np.repeat(np.arange(len(starts)), windows)
+        distinct = np.bincount(np.unique(np.stack([step_of, prompts], axis=1), axis=0)[:, 0],
+                               minlength=len(starts)) if len(steps) else windows
+        return cls(group_union(masks, starts), windows, distinct.astype(np.int64),
                    np.array([sizes.get(int(key), -1) for key in steps[starts]], dtype=np.int64))
 
     def ran(self, batch: int) -> Masks:
         """The unions of the steps that ran exactly ``batch`` requests, all decoding, with every request-step in the
-        rows (a step with rows missing is not measured)."""
-        unions: Masks = self.unions[(self.requests == batch) & (self.windows == batch)]
+        rows and no two of one prompt (a step with rows missing is not measured, nor one that repeats a prompt:
+        under greedy decoding its repeats read the same tokens, and a step of ``batch`` distinct requests reads
+        more)."""
+        unions: Masks = self.unions[(self.requests == batch) & (self.windows == batch) & (self.prompts == batch)]
         return unions
 
 
@@ -188,12 +199,11 @@ def batch_unions(counterfactual: RecordedK, recorded: Mapping[int, RecordedK], n
             sizes = {}
         per_layer = window_masks(windows, num_experts, "window_minor" if at_k is not None else "window_major")
         prompts_of = (at_k if at_k is not None else counterfactual).prompts
-        by_step = {layer: StepUnions.of(found.masks, found.major, sizes) for layer, found in per_layer.items()
-                   if at_k is not None}
         for layer, found in sorted(per_layer.items()):
             prompts = np.array([prompts_of.get(int(r), -1 - int(r)) for r in found.requests], dtype=np.int64)
+            by_step = StepUnions.of(found.masks, found.major, prompts, sizes) if at_k is not None else None
             for batch in batches:
-                unions = by_step[layer].ran(batch) if at_k is not None else found.masks[:0]
+                unions = by_step.ran(batch) if by_step is not None else found.masks[:0]
                 measured_steps = len(unions)
                 source = Source.MEASURED
                 if measured_steps < MIN_MEASURED_STEPS:

@@ -8,6 +8,7 @@ from typing import Any
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from moetrace.commands.common import console, err_console
 from moetrace.hooks.options import BUDGET_SCOPES
@@ -87,7 +88,10 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
                 tasks[run] = bar.add_task(f"{run} {status}", total=total)
             bar.update(tasks[run], description=f"{run} {status}", completed=done, total=total)
 
-        run_dir, runs = run_record(request, show)
+        def warn(text: str) -> None:
+            bar.console.print(Text(f"warning: {text}", style="yellow"), highlight=False, soft_wrap=True)
+
+        run_dir, runs = run_record(request, show, warn)
     table = Table(title=f"recorded {run_dir}")
     for column in ("run", "steps", "tokens", "drafts", "accepted", "routing rows", "bytes", "wall s"):
         table.add_column(column, justify="right")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from moetrace.errors import UserError
@@ -59,3 +60,15 @@ def load_prompts(path: Path | None) -> list[str]:
     if not prompts:
         raise UserError(f"prompt file {path} holds no prompts")
     return prompts
+
+
+def repeated_in_a_step(prompts: Sequence[str], batch_size: int) -> str | None:
+    """Why steps of this workload would repeat a prompt, or None: more requests than distinct prompts, and room for
+    more of them at once than there are distinct prompts."""
+    distinct = len(set(prompts))
+    if len(prompts) <= distinct or batch_size <= distinct:
+        return None
+    return (f"{len(prompts)} requests cycle {distinct} distinct prompts through --batch-size {batch_size}: a step of "
+            f"more than {distinct} requests repeats a prompt, whose requests decode the same tokens (greedy) and read "
+            f"the same experts, so the report does not take those steps as measured; give at least {batch_size} "
+            "distinct prompts (--prompts) to measure them")

@@ -27,7 +27,7 @@ from moetrace.recording.drafters import check_drafter_batch, drafter_checkpoint,
 from moetrace.recording.engine import SPEC_METHODS
 from moetrace.errors import UserError, refuse_existing
 from moetrace.recording.host import gpu_inventory
-from moetrace.recording.prompts import load_prompts
+from moetrace.recording.prompts import load_prompts, repeated_in_a_step
 from moetrace.trace.schema import MAX_K
 from moetrace.recording.telemetry import TelemetrySampler
 from moetrace.trace.manifest import amend_manifest
@@ -336,8 +336,10 @@ def check_replayable(path: Path, model: ResolvedModel) -> None:
         raise UserError(f"--replay-routing {path}: {refused}")
 
 
-def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[RecordedRun]]:
-    """Record every k of the request; returns the run directory (a trace, or the parent of a sweep)."""
+def record(request: RecordRequest, progress: ProgressFn,
+           warn: Callable[[str], None] = lambda _: None) -> tuple[Path, list[RecordedRun]]:
+    """Record every k of the request; returns the run directory (a trace, or the parent of a sweep). ``warn``: told,
+    before any engine starts, what in the request will make the trace measure less than it could."""
     if request.method not in SPEC_METHODS:
         raise UserError(f"--method: unknown method {request.method!r} (choose from {', '.join(SPEC_METHODS)})")
     if request.candidates < 0:
@@ -349,6 +351,9 @@ def record(request: RecordRequest, progress: ProgressFn) -> tuple[Path, list[Rec
         if request.num_prompts < 1:
             raise UserError("--num-prompts must be >= 1")
         prompts = [prompts[i % len(prompts)] for i in range(request.num_prompts)]
+    repeated = repeated_in_a_step(prompts, request.batch_size)
+    if repeated is not None:
+        warn(repeated)
     model = resolve_model(request.model)
     request = dataclasses.replace(request, drafter=resolve_drafter(request.method, request.drafter, model.path,
                                                                    model.byte_tokens))

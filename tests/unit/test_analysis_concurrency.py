@@ -68,6 +68,18 @@ def test_measured_unions_are_over_steps_that_ran_b_requests_with_every_token_the
         assert rows[2]["source"] == rows[4]["source"] == "estimated" and rows[4]["steps"] == 0
 
 
+def test_steps_whose_requests_repeat_a_prompt_are_not_measured() -> None:
+    tokens = verify_tokens(np.random.default_rng(5), MODEL, requests=4, steps=8, k=2, accept_prob=0.6)
+    prompt = np.array([0, 0, 1, 2])[tokens.request.astype(np.int64)]  # requests 0 and 1 share a prompt
+    shared = replace(tokens, token=(prompt * 100 + tokens.position).astype(np.uint32))
+    distinct = replace(tokens, token=(tokens.request * 100 + tokens.position).astype(np.uint32))
+    # every step ran all 4 requests: measured over its 8 steps only where no two of them share a prompt
+    for row in unions({2: distinct}, 2, [2], [4]).iter_rows(named=True):
+        assert (row["source"], row["steps"]) == ("measured", 8)
+    for row in unions({2: shared}, 2, [2], [4]).iter_rows(named=True):
+        assert (row["source"], row["steps"]) == ("estimated", 0)
+
+
 def test_one_request_is_the_exact_mean_over_every_request_step() -> None:
     tokens = verify_tokens(np.random.default_rng(4), MODEL, requests=3, steps=10, k=2, accept_prob=0.5,
                            variable_drafts=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from moetrace.compare import compare_runs, windows_after_finish
-from trace_builder import Model, Tokens, decode_tokens, verify_tokens, write_trace
+from trace_builder import Model, Tokens, decode_tokens, default_token_ids, verify_tokens, write_trace
 
 MODEL = Model(num_experts=32, top_k=2, layers=(1,))
 
@@ -81,7 +81,8 @@ def test_a_row_recorded_from_another_token_is_unexplained(tmp_path: Path) -> Non
 def test_runs_are_matched_on_the_callers_request_ids_not_on_request_indices(tmp_path: Path) -> None:
     """Model Runner V2 orders its batches its own way, so a trace may number the same requests differently."""
     a, b = runs(tmp_path)
-    renumbered = dataclasses.replace(b, request=(1 - b.request).astype(b.request.dtype))  # request 0 <-> 1
+    renumbered = dataclasses.replace(b, request=(1 - b.request).astype(b.request.dtype),  # request 0 <-> 1
+                                     token=default_token_ids(b))  # each request's tokens as before
     b_dir = write_run(tmp_path / "b", renumbered)
     manifest = json.loads((b_dir / "manifest.json").read_text())
     manifest["requests"] = ["r1-0", "r0-0"]  # index 0 is the caller's r1 now, index 1 its r0
@@ -125,7 +126,7 @@ def test_a_row_nearer_a_neighbour_holding_the_same_token_id_is_counted_apart(tmp
     nearer such a neighbour is listed, but not counted as nearer another token."""
     a, b = runs(tmp_path)
     row, before = previous_tokens_routing_in_b(a, b)
-    same_token = (a.position % 256).astype(np.uint32)
+    same_token = default_token_ids(a)
     same_token[before] = same_token[row]  # the previous position holds the same token id
     a, b = dataclasses.replace(a, token=same_token), dataclasses.replace(b, token=same_token)
     result = compare_runs(write_run(tmp_path / "a", a), write_run(tmp_path / "b", b))

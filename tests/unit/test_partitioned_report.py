@@ -25,7 +25,7 @@ from moetrace.errors import UserError
 from moetrace.report.distributed import CACHE_DIR, partition_summary
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace, open_traces
-from trace_builder import Model, Tokens, verify_tokens, write_trace
+from trace_builder import Model, Tokens, default_token_ids, verify_tokens, write_trace
 from vllm_fixtures import run_cli
 
 MODEL = Model(num_experts=32, top_k=2)
@@ -33,9 +33,12 @@ HOUR_15, HOUR_16 = "date=2026-12-04/hour=15", "date=2026-12-04/hour=16"
 
 
 def two_partitions(rng_seed: int = 0) -> tuple[Tokens, Tokens]:
+    """4 requests, then 3 others (their prompts' token ids apart from the first's, as they are numbered on)."""
     rng = np.random.default_rng(rng_seed)
-    return (verify_tokens(rng, MODEL, requests=4, steps=20, k=2, accept_prob=0.6, variable_drafts=True),
-            verify_tokens(rng, MODEL, requests=3, steps=15, k=2, accept_prob=0.6, variable_drafts=True))
+    first = verify_tokens(rng, MODEL, requests=4, steps=20, k=2, accept_prob=0.6, variable_drafts=True)
+    second = verify_tokens(rng, MODEL, requests=3, steps=15, k=2, accept_prob=0.6, variable_drafts=True)
+    return (replace(first, token=default_token_ids(first)),
+            replace(second, token=default_token_ids(shifted(second, 0, 4))))
 
 
 def shifted(tokens: Tokens, steps: int, requests: int) -> Tokens:

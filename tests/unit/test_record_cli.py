@@ -109,6 +109,21 @@ def test_unreadable_prompt_file_is_refused(tmp_path: Path) -> None:
     assert "needs a string field 'prompt'" in refuse(["record", "--prompts", str(bad_json)])
 
 
+def test_a_workload_whose_steps_would_repeat_a_prompt_is_warned_of_before_the_engine_starts(tmp_path: Path) -> None:
+    prompts = tmp_path / "three.txt"
+    prompts.write_text("one\ntwo\nthree\n")
+    args = ["record", str(tmp_path / "nowhere"), "--prompts", str(prompts), "--out", str(tmp_path)]
+    # 6 requests over 3 prompts, 4 at once: steps of 4 repeat one; the model's refusal comes after the warning
+    result = CliRunner().invoke(main, [*args, "--num-prompts", "6", "--batch-size", "4"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    warning, error = [line for line in result.output.splitlines() if line.strip()]
+    assert warning.startswith("warning: 6 requests cycle 3 distinct prompts through --batch-size 4: a step of more "
+                              "than 3 requests repeats a prompt") and error.startswith("error: model not found")
+    # as many at once as there are prompts, or no more requests than prompts: no step repeats one
+    for more in (["--num-prompts", "6", "--batch-size", "3"], ["--batch-size", "8"]):
+        assert refuse([*args, *more]).startswith("error: model not found")
+
+
 def test_unwritable_output_directory_is_refused(tmp_path: Path) -> None:
     ensure_default_model()
     blocker = tmp_path / "a-file"
