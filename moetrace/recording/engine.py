@@ -106,7 +106,7 @@ def generate_and_record(llm: Any, settings: dict[str, Any]) -> int:
         print(f"moetrace: cannot record: {reason}", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=settings["max_tokens"], temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(engine_prompts(settings), params, use_tqdm=progress_bar)
+    outputs = generate_from_one_queue(llm, engine_prompts(settings), params, progress_bar)
     closed = [c for c in llm.collective_rpc("moetrace_close") if c is not None]
     amend_manifest(out, vllm_counters=spec_decode_counters(llm))
     with open(out / "outputs.jsonl", "w") as sink:
@@ -135,6 +135,17 @@ def generate_and_record(llm: Any, settings: dict[str, Any]) -> int:
         print(f"moetrace: recording stopped, the trace is incomplete: {failed}", file=sys.stderr)
         return 2
     return 0
+
+
+def generate_from_one_queue(llm: Any, prompts: list[Any], params: Any, progress_bar: Any) -> list[Any]:
+    """``llm.generate`` with every request queued before the first step is scheduled (vLLM's own recipe: scheduling
+    paused by ``sleep(level=0)`` while they are enqueued): the engine core otherwise starts stepping while requests
+    still arrive, so which requests share a step would depend on timing. Under a step-scoped expert budget the
+    requests of a step choose its experts together, and a run's routing and outputs would differ run to run."""
+    llm.sleep(level=0)
+    llm.enqueue(prompts, params, use_tqdm=False)
+    llm.wake_up(tags=["scheduling"])
+    return list(llm.wait_for_completion(use_tqdm=progress_bar))
 
 
 def save_engine_routed_experts(outputs: list[Any], path: Path) -> None:

@@ -133,6 +133,25 @@ def greedy_tokens(trace: Path) -> dict[str, list[int]]:
             for o in map(json.loads, (trace / "outputs.jsonl").read_text().splitlines())}
 
 
+def step_composition(trace: Path) -> pl.DataFrame:
+    return (open_trace(trace).steps().select("step", "request", "num_tokens", "num_drafts", "num_accepted",
+                                             "batch_size").sort("step", "request").collect())
+
+
+@pytest.mark.vllm
+def test_a_budgeted_recording_run_again_routes_and_generates_the_same(budgeted: Path, tmp_path: Path) -> None:
+    """A step-scoped budget makes a step's requests choose its experts together, so a run's outputs depend on which
+    requests share each step: every request is queued before the first step, so that is the same run to run (it
+    was not while requests arrived as the engine stepped: three runs of this kind gave three outputs)."""
+    compiled = [] if open_trace(budgeted).manifest.document["capture"]["mode"] == "eager" else ["--compiled"]
+    again = record_like_the_fixture(tmp_path, "--budget", str(BUDGET), "--candidates", str(EXPERTS), *compiled)
+    assert greedy_tokens(again) == greedy_tokens(budgeted)
+    first = step_composition(budgeted)
+    assert first.equals(step_composition(again))
+    # the first step prefilled as many of the 8 requests as the batch holds
+    assert first.filter(pl.col("step") == 0)["request"].to_list() == [0, 1, 2, 3]
+
+
 @pytest.mark.vllm
 def test_report_on_a_budget_sweep_compares_each_budget_with_the_unbudgeted_outputs(
         budgeted: Path, recorded_trace: Path, tmp_path: Path) -> None:  # noqa: F811
