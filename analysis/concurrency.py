@@ -77,21 +77,46 @@ class RecordedK:
 
 
 def request_prompts(routing: pl.LazyFrame) -> dict[int, int]:
-    """Request → a number per distinct prompt: requests whose prefill rows read the same tokens at the same
-    positions share one. A request with no prefill rows, or whose token ids the trace did not record, is its own
-    (under prefix caching a cached prompt's rows are missing, so its repeats count as distinct prompts)."""
+    """Request → a number per distinct prompt (numbered in request order: the same numbers run after run): requests
+    whose prefill rows read the same tokens at the same positions share one. Under prefix caching a repeat computes
+    only the part of its prompt the cache did not serve, its tail: a request shares the prompt of a longer one whose
+    rows end at the same position and agree at every position it holds. A request with no prefill rows, or whose
+    token ids the trace did not record, is its own."""
     first_layer = routing.select(pl.col("layer").min()).collect().item()
-    prompts = (routing.filter((pl.col("phase").cast(pl.String) == "prefill") & (pl.col("layer") == first_layer))
-               .group_by("request")
-               .agg(pl.col("token").null_count().alias("unknown"),
-                    pl.struct("position", "token").sort_by("position").alias("prompt"))
-               .filter(pl.col("unknown") == 0)
-               .select("request", pl.col("prompt").hash(seed=0).alias("key"))
-               .sort("request")  # numbered in request order: the same numbers run after run
-               .collect())
+    rows = (routing.filter((pl.col("phase").cast(pl.String) == "prefill") & (pl.col("layer") == first_layer))
+            .group_by("request")
+            .agg(pl.col("token").null_count().alias("unknown"), pl.col("position").sort().alias("positions"),
+                 pl.col("token").sort_by("position").alias("tokens"))
+            .filter(pl.col("unknown") == 0)
+            .with_columns(pl.col("positions").list.len().alias("rows"))
+            .sort(["rows", "request"], descending=[True, False])  # the longest first: a tail finds its prompt
+            .collect())
+    prompts: list[tuple[list[int], list[int]]] = []
+    ending: dict[tuple[int, int], list[int]] = {}  # (last position, its token) → the prompts that end so
+    found: dict[int, int] = {}
+    for request, positions, tokens in zip(rows["request"].to_list(), rows["positions"].to_list(),
+                                          rows["tokens"].to_list()):
+        end = ending.setdefault((positions[-1], tokens[-1]), [])
+        number = next((n for n in end if holds_tail(*prompts[n], positions, tokens)), None)
+        if number is None:
+            number = len(prompts)
+            prompts.append((positions, tokens))
+            end.append(number)
+        found[int(request)] = number
     numbers: dict[int, int] = {}
-    return {int(request): numbers.setdefault(int(key), len(numbers))
-            for request, key in zip(prompts["request"].to_list(), prompts["key"].to_list())}
+    return {request: numbers.setdefault(found[request], len(numbers)) for request in sorted(found)}
+
+
+def holds_tail(positions: list[int], tokens: list[int], tail_positions: list[int], tail_tokens: list[int]) -> bool:
+    """Whether a prompt's prefill rows (``positions``, ``tokens``, sorted by position) read ``tail_tokens`` at every
+    one of ``tail_positions`` (both end at the same position)."""
+    def contiguous(rows: list[int]) -> bool:
+        return rows[-1] - rows[0] + 1 == len(rows)
+
+    if contiguous(positions) and contiguous(tail_positions):  # as a prefill is, once: align the ends
+        return tail_positions[0] >= positions[0] and tokens[len(tokens) - len(tail_tokens):] == tail_tokens
+    read = dict(zip(positions, tokens))  # a prefill recomputed after preemption repeats positions
+    return all(read.get(position) == token for position, token in zip(tail_positions, tail_tokens))
 
 
 def decoding_step_sizes(steps: pl.LazyFrame) -> dict[int, int]:
@@ -149,8 +174,8 @@ class StepUnions:
     def ran(self, batch: int) -> Masks:
         """The unions of the steps that ran exactly ``batch`` requests, all decoding, with every request-step in the
         rows and no two of one prompt (a step with rows missing is not measured, nor one that repeats a prompt:
-        under greedy decoding its repeats read the same tokens, and a step of ``batch`` distinct requests reads
-        more)."""
+        under greedy decoding requests of one prompt started together read the same tokens, and a step of ``batch``
+        distinct requests reads more experts)."""
         unions: Masks = self.unions[(self.requests == batch) & (self.windows == batch) & (self.prompts == batch)]
         return unions
 

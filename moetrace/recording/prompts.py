@@ -65,10 +65,10 @@ def load_prompts(path: Path | None) -> list[str]:
 def repeated_in_a_step(prompts: Sequence[str], batch_size: int) -> str | None:
     """Why steps of this workload would repeat a prompt, or None: more requests than distinct prompts, and room for
     more of them at once than there are distinct prompts."""
-    distinct = len(set(prompts))
-    if len(prompts) <= distinct or batch_size <= distinct:
+    distinct, at_once = len(set(prompts)), min(len(prompts), batch_size)
+    if at_once <= distinct:
         return None
-    return (f"{len(prompts)} requests cycle {distinct} distinct prompts through --batch-size {batch_size}: a step of "
-            f"more than {distinct} requests repeats a prompt, whose requests decode the same tokens (greedy) and read "
-            f"the same experts, so the report does not take those steps as measured; give at least {batch_size} "
-            "distinct prompts (--prompts) to measure them")
+    return (f"{len(prompts)} requests over {distinct} distinct prompts, up to {at_once} at once (--batch-size "
+            f"{batch_size}): a step of more than {distinct} requests repeats a prompt, whose requests decode the same "
+            f"tokens (greedy) and read the same experts, so the report does not take those steps as measured; give "
+            f"at least {at_once} distinct prompts (--prompts) to measure them")

@@ -33,6 +33,8 @@ from moetrace.cli import main
 from moetrace.compare import load_outputs
 from moetrace.default_model import default_model_dir, ensure_default_model
 from moetrace.recording.host import cpu_model
+from moetrace.analysis.concurrency import request_prompts
+from moetrace.recording.prompts import BUILTIN_PROMPTS
 from moetrace.trace.reader import open_trace
 
 pytestmark = pytest.mark.vllm
@@ -319,6 +321,30 @@ def record_drafted_trace(method: str, k: int, tmp_path: Path, batch_size: int = 
         mine = steps.filter((pl.col("request") == request) & (pl.col("num_drafts") > 0)).sort("step")
         assert mine["num_accepted"].to_list() == output["spec_decode"]["per_step_accepted"]
     return trace_dir
+
+
+def test_requests_of_one_prompt_share_it_and_the_steps_that_run_it_twice_are_not_measured(tmp_path: Path) -> None:
+    prompts = tmp_path / "three.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in BUILTIN_PROMPTS[:3]))
+    done = run_cli("record", "--k", "2", "--max-tokens", "24", "--prompts", str(prompts), "--num-prompts", "6",
+                   "--batch-size", "4", "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "warning: 6 requests over 3 distinct prompts, up to 4 at once (--batch-size 4)" in done.stderr
+    (trace,) = [p for p in (tmp_path / "out").iterdir() if p.is_dir()]
+    # the expected prompts from what vLLM was given: each request's prompt token ids, by its id in the manifest
+    given = {o["request_id"]: tuple(o["prompt_token_ids"]) for o in map(json.loads, (trace / "outputs.jsonl").open())}
+    requests = [given[name.split("-")[0]] for name in json.loads((trace / "manifest.json").read_text())["requests"]]
+    numbers: dict[tuple[int, ...], int] = {}
+    expected = {request: numbers.setdefault(prompt, len(numbers)) for request, prompt in enumerate(requests)}
+    assert len(numbers) == 3
+    # (vLLM's CPU build turns prefix caching off for MLA, so every repeat prefilled its whole prompt here; a GPU's
+    # cache serves a repeat's head, which the unit tests of request_prompts build as the GPU's traces hold it)
+    assert request_prompts(open_trace(trace).routing()) == expected
+    # each step of 4 requests ran one prompt twice: the report estimates that concurrency instead of measuring it
+    report = run_cli("report", str(trace), "--k", "2", "--batch", "4", "--json")
+    assert report.returncode == 0, report.stderr[-3000:]
+    (row,) = [r for r in json.loads(report.stdout)["runs"][0]["step_reads"] if (r["batch"], r["k"]) == (4, 2)]
+    assert row["union_source"] == "estimated" and row["steps"] == 0
 
 
 def test_mtp_drafter_moe_layers_stay_out_of_the_target_rows(tmp_path: Path) -> None:

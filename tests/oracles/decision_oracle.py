@@ -9,14 +9,14 @@ itself (pyarrow) and follows these rules:
   that proposed fewer or no drafts count). The old, conditional form (``conditional=True``) is
   1 + Σ_{i≤k} #(num_accepted ≥ i) / #(num_drafts ≥ i), kept only to show where it decides differently.
 - tokens_read(k) = mean num_tokens over the decoding request-steps (1 at k = 0).
-- U(k, B), per MoE layer then averaged over layers: with ≥ 5 steps of the trace at k (per rank) in which every
-  request decodes and exactly B requests ran, the mean over those steps of the distinct experts of the step;
-  otherwise the expected distinct experts of B windows as a step holds them: B distinct prompts drawn one after
-  another, each remaining prompt as likely as its share of the windows (over P < B prompts, every prompt ⌊B/P⌋
-  times and B mod P more drawn so), then one window of each drawn prompt at random. A prompt is the (position,
-  token) pairs of a request's prefill rows, under greedy sampling (temperature 0 or unstated); otherwise, or without
-  token ids, each request is its own. With one prompt this is exact: Σ_e 1 − (1 − n_e / N)^B (N windows, n_e of them
-  use expert e); otherwise a seeded Monte Carlo mean (``UNION_SAMPLES`` draws); with N ≤ B, the union of all.
+- U(k, B), per MoE layer then averaged over layers: with ≥ 5 steps of the trace at k (per rank) in which every request
+  decodes and exactly B requests of B distinct prompts ran, the mean over those steps of the distinct experts of the
+  step; otherwise the expected distinct experts of B windows as a step holds them: B distinct prompts drawn one after
+  another, each remaining prompt as likely as its share of the windows (over P < B prompts, every prompt ⌊B/P⌋ times
+  and B mod P more drawn so), then one window of each drawn prompt at random. A prompt is the (position, token) pairs
+  of a request's prefill rows, under greedy sampling (temperature 0 or unstated); otherwise, or without token ids,
+  each request is its own. With one prompt this is exact: Σ_e 1 − (1 − n_e / N)^B (N windows, n_e of them use expert
+  e); otherwise a seeded Monte Carlo mean (``UNION_SAMPLES`` draws); with N ≤ B, the union of all.
   busiest(k, B): the same steps/draws, the most experts of the union on one EP rank (expert e on rank
   e // (num_experts / ep)); for random draws it is a seeded Monte Carlo mean (``SAMPLES`` draws).
 - step(k, B) = moe_layers × (c0 + per_expert·E + per_row·R + S·(c0 + (per_expert + per_row)·top_k) / top_k) µs,
@@ -165,7 +165,8 @@ def prompt_draws(rec: Recording, batch: int, samples: int, seed: int) -> npt.NDA
 
 def union(rec: Recording, batch: int, ep: int = 1, seed: int = 0) -> tuple[float, float, str]:
     """(U, busiest, how) at ``batch`` requests per step, each averaged over layers."""
-    measured = [ws for ws in rec.full_steps.values() if len(ws) == batch]
+    measured = [ws for ws in rec.full_steps.values()
+                if len(ws) == batch and len(set(rec.prompt[ws].tolist())) == batch]
     n = rec.masks.shape[1]
     one_prompt = len(set(rec.prompt.tolist())) == 1
     draws = None if len(measured) >= MIN_STEPS or n <= batch or (one_prompt and ep == 1) else prompt_draws(

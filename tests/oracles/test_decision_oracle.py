@@ -234,12 +234,13 @@ def test_the_decision_rule() -> None:
 
 
 def test_the_union_rule_matches_enumeration(tmp_path: Path) -> None:
-    """One prompt (the builder's default tokens): Σ_e 1 − (1 − n_e/N)^B against every B-tuple of windows. Three
+    """One prompt (every request the same token ids): Σ_e 1 − (1 − n_e/N)^B against every B-tuple of windows. Three
     prompts of three requests each: the Monte Carlo mean against every set of B distinct prompts (their windows
     are equally many, so every set alike) with every window of each, and past three prompts every prompt and more."""
     model = Model(num_experts=12, top_k=2, layers=(1,))
     tokens = verify_tokens(np.random.default_rng(5), model, requests=3, steps=2, k=2, accept_prob=0.5,
                            variable_drafts=True)
+    tokens = dataclasses.replace(tokens, token=tokens.position.astype(np.uint32))
     rec = oracle.read_recording(write_trace(tmp_path / "one", tokens, model, k=2))
     masks = rec.masks[0]
     for batch in (2, 3):

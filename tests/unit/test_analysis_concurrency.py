@@ -104,6 +104,16 @@ def test_requests_whose_prefill_read_the_same_tokens_share_a_prompt() -> None:
     assert prompts[0] == prompts[1] != prompts[2] and set(prompts) == {0, 1, 2}
 
 
+def test_a_request_whose_prefix_the_cache_served_shares_the_prompt_whose_tail_it_read() -> None:
+    # request 0 prefilled 5, 6, 8 at positions 0-2; 1 and 3 only 6, 8 at 1-2 (the cache served position 0), as
+    # vLLM's prefix cache leaves a repeat; 2 read 9, 8 there (another prompt, ending alike); 4 read 6, 8 at 2-3
+    prefill = pl.LazyFrame({"request": [1, 1, 0, 0, 0, 2, 2, 3, 3, 4, 4],
+                            "position": [2, 1, 0, 1, 2, 1, 2, 1, 2, 2, 3],
+                            "phase": ["prefill"] * 11, "layer": [1] * 11,
+                            "token": [8, 6, 5, 6, 8, 9, 8, 6, 8, 6, 8]})
+    assert request_prompts(prefill) == {0: 0, 1: 0, 2: 1, 3: 0, 4: 2}
+
+
 def test_only_greedy_traces_merge_requests_by_prompt(tmp_path: Path) -> None:
     tokens = verify_tokens(np.random.default_rng(11), MODEL, requests=2, steps=2, k=2, accept_prob=0.5)
     root = write_trace(tmp_path / "t", tokens, MODEL, k=2)

@@ -117,8 +117,9 @@ def test_a_workload_whose_steps_would_repeat_a_prompt_is_warned_of_before_the_en
     result = CliRunner().invoke(main, [*args, "--num-prompts", "6", "--batch-size", "4"])
     assert result.exit_code == 1 and "Traceback" not in result.output
     warning, error = [line for line in result.output.splitlines() if line.strip()]
-    assert warning.startswith("warning: 6 requests cycle 3 distinct prompts through --batch-size 4: a step of more "
-                              "than 3 requests repeats a prompt") and error.startswith("error: model not found")
+    assert warning.startswith("warning: 6 requests over 3 distinct prompts, up to 4 at once (--batch-size 4): a step "
+                              "of more than 3 requests repeats a prompt") and error.startswith("error: model not found")
+    assert warning.endswith("give at least 4 distinct prompts (--prompts) to measure them")
     # as many at once as there are prompts, or no more requests than prompts: no step repeats one
     for more in (["--num-prompts", "6", "--batch-size", "3"], ["--batch-size", "8"]):
         assert refuse([*args, *more]).startswith("error: model not found")
