@@ -83,26 +83,31 @@ def request_prompts(routing: pl.LazyFrame) -> dict[int, int]:
     rows end at the same position and agree at every position it holds. A request with no prefill rows, or whose
     token ids the trace did not record, is its own."""
     first_layer = routing.select(pl.col("layer").min()).collect().item()
-    rows = (routing.filter((pl.col("phase").cast(pl.String) == "prefill") & (pl.col("layer") == first_layer))
-            .group_by("request")
-            .agg(pl.col("token").null_count().alias("unknown"), pl.col("position").sort().alias("positions"),
-                 pl.col("token").sort_by("position").alias("tokens"))
-            .filter(pl.col("unknown") == 0)
-            .with_columns(pl.col("positions").list.len().alias("rows"))
-            .sort(["rows", "request"], descending=[True, False])  # the longest first: a tail finds its prompt
-            .collect())
-    prompts: list[tuple[list[int], list[int]]] = []
-    ending: dict[tuple[int, int], list[int]] = {}  # (last position, its token) → the prompts that end so
-    found: dict[int, int] = {}
-    for request, positions, tokens in zip(rows["request"].to_list(), rows["positions"].to_list(),
-                                          rows["tokens"].to_list()):
+    keyed = (routing.filter((pl.col("phase").cast(pl.String) == "prefill") & (pl.col("layer") == first_layer))
+             .group_by("request")
+             .agg(pl.col("token").null_count().alias("unknown"), pl.col("position").sort().alias("positions"),
+                  pl.col("token").sort_by("position").alias("tokens"))
+             .filter(pl.col("unknown") == 0)
+             .with_columns(pl.struct("positions", "tokens").hash(seed=0).alias("key"),
+                           pl.col("positions").list.len().alias("rows"),
+                           pl.col("positions").list.first().alias("first"),
+                           pl.col("positions").list.last().alias("last"), pl.col("tokens").list.last().alias("token"))
+             .collect())
+    found: dict[int, int] = dict(zip(keyed["request"].to_list(), keyed["key"].to_list()))  # whole prompts: by rows
+    # tails, and the prompts that end where one does: matched in Python, the longest first (a tail finds its prompt)
+    involved = (keyed.join(keyed.filter(pl.col("first") > 0).select("last", "token").unique(), on=["last", "token"],
+                           how="semi")
+                .sort(["rows", "request"], descending=[True, False]))
+    ending: dict[tuple[int, int], list[tuple[int, list[int], list[int]]]] = {}  # (last position, its token) → prompts
+    for request, key, positions, tokens in zip(involved["request"].to_list(), involved["key"].to_list(),
+                                               involved["positions"].to_list(), involved["tokens"].to_list()):
         end = ending.setdefault((positions[-1], tokens[-1]), [])
-        number = next((n for n in end if holds_tail(*prompts[n], positions, tokens)), None)
-        if number is None:
-            number = len(prompts)
-            prompts.append((positions, tokens))
-            end.append(number)
-        found[int(request)] = number
+        held = next((number for number, prompt_positions, prompt_tokens in end
+                     if holds_tail(prompt_positions, prompt_tokens, positions, tokens)), None)
+        if held is None:
+            held = key
+            end.append((key, positions, tokens))
+        found[int(request)] = held
     numbers: dict[int, int] = {}
     return {request: numbers.setdefault(found[request], len(numbers)) for request in sorted(found)}
 
