@@ -114,13 +114,8 @@ def request_prompts(routing: pl.LazyFrame) -> dict[int, int]:
 
 def holds_tail(positions: list[int], tokens: list[int], tail_positions: list[int], tail_tokens: list[int]) -> bool:
     """Whether a prompt's prefill rows (``positions``, ``tokens``, sorted by position) read ``tail_tokens`` at every
-    one of ``tail_positions`` (both end at the same position)."""
-    def contiguous(rows: list[int]) -> bool:
-        return rows[-1] - rows[0] + 1 == len(rows)
-
-    if contiguous(positions) and contiguous(tail_positions):  # as a prefill is, once: align the ends
-        return tail_positions[0] >= positions[0] and tokens[len(tokens) - len(tail_tokens):] == tail_tokens
-    read = dict(zip(positions, tokens))  # a prefill recomputed after preemption repeats positions
+    one of ``tail_positions``."""
+    read = dict(zip(positions, tokens))
     return all(read.get(position) == token for position, token in zip(tail_positions, tail_tokens))
 
 
@@ -171,8 +166,7 @@ class StepUnions:
         starts = group_starts(steps)
         windows = np.diff(np.append(starts, len(steps)))
         step_of = np.repeat(np.arange(len(starts)), windows)
-        distinct = np.bincount(np.unique(np.stack([step_of, prompts], axis=1), axis=0)[:, 0],
-                               minlength=len(starts)) if len(steps) else windows
+        distinct = np.bincount(np.unique(np.stack([step_of, prompts], axis=1), axis=0)[:, 0], minlength=len(starts))
         return cls(group_union(masks, starts), windows, distinct.astype(np.int64),
                    np.array([sizes.get(int(key), -1) for key in steps[starts]], dtype=np.int64))
 
