@@ -50,10 +50,9 @@ def recording(cache: Path, partitions: int, tokens: int, layers: int) -> Path:
 
 
 def drop_caches(root: Path) -> None:
-    from moetrace.report.distributed import CACHE_DIR
+    from moetrace.report.distributed import cache_root
 
-    for folder in root.glob(f"date=*/hour=*/{CACHE_DIR}"):
-        shutil.rmtree(folder)
+    shutil.rmtree(cache_root(root), ignore_errors=True)
 
 
 def timed_report(root: Path, scratch: Path, *extra: str) -> tuple[float, dict[str, Any]]:

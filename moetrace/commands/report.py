@@ -20,7 +20,7 @@ from moetrace.report.budget_sweep import budget_runs, budget_sweep_summary, prin
 from moetrace.report.dashboard import render_dashboard
 from moetrace.report.distributed import check_address
 from moetrace.analysis.decision import DEFAULT_BATCHES, batches_from
-from moetrace.trace.reader import run_path
+from moetrace.trace.reader import is_partition_root, run_path
 from moetrace.report.inputs import DEFAULT_PREDICTION, check_k, model_shape, open_run
 from moetrace.report.payload import summary_json
 from moetrace.report.summary import Options, analyse_run, budget_curves_per_k, sample_note, trace_windows
@@ -30,10 +30,14 @@ SHAPE_CHOICE = click.Choice(sorted(SHAPE_PRESETS))
 
 
 def _dashboard_path(traces: tuple[Path, ...], output: Path | None) -> Path:
+    """``output``, else ``TRACE/report.html`` for one trace; beside an always-on recording's root, not in it (a live
+    root holds partitions only: its disk cap drops partitions and counts nothing else)."""
     if output is not None:
         return output
     if len(traces) == 1:
         run = run_path(traces[0])
+        if is_partition_root(run):
+            return run.parent.resolve() / f"{run.resolve().name}.report.html"
         return run / "report.html" if run.is_dir() else Path(f"{run.name}.report.html")
     return Path("-vs-".join(path.name for path in traces)[:120] + ".report.html")
 

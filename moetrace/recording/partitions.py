@@ -5,7 +5,9 @@ period, in Hive-style folders a reader can prune by time, under a disk cap.
     <out>/date=2026-12-04/hour=15/start=153020/       a shorter period: one folder per partition in the hour
 
 At the cap, the oldest partitions are deleted (``at_cap`` "drop-oldest") or recording stops and the server serves on
-unhooked ("stop"), as the user chose; the partition being written is never deleted.
+unhooked ("stop"), as the user chose; the partition being written is never deleted. The cap counts the partitions
+alone, what it may drop: a file anyone else keeps under the root (a report, notes) is neither counted nor deleted,
+and moetrace's own reports of a root are written beside it, not in it.
 """
 
 from __future__ import annotations
@@ -36,8 +38,13 @@ def bytes_under(path: Path) -> int:
     return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
 
 
+def partition_bytes(root: Path) -> int:
+    """Bytes the partitions under ``root`` hold: what the disk cap counts."""
+    return sum(bytes_under(partition) for partition in partitions(root))
+
+
 def over_cap(root: Path, cap: int) -> bool:
-    return bytes_under(root) > cap
+    return partition_bytes(root) > cap
 
 
 def drop_oldest(root: Path, cap: int, keep: Collection[Path]) -> list[Path]:
@@ -45,13 +52,14 @@ def drop_oldest(root: Path, cap: int, keep: Collection[Path]) -> list[Path]:
     one being written, those still closing); returns those deleted, oldest first. Emptied date and hour folders go
     with them."""
     dropped = []
-    held = bytes_under(root)  # walked once (this runs on the engine thread), less each partition as it goes
-    for partition in partitions(root):
-        if held <= cap:
+    found = partitions(root)
+    held = {partition: bytes_under(partition) for partition in found}  # walked once, less each partition as it goes
+    for partition in found:
+        if sum(held.values()) <= cap:
             break
         if any(path == partition or path.is_relative_to(partition) for path in keep):
             continue
-        held -= bytes_under(partition)
+        del held[partition]
         shutil.rmtree(partition, ignore_errors=True)
         dropped.append(partition)
         for parent in partition.parents:  # hour=, then date= folders left empty

@@ -1,7 +1,9 @@
 """``moetrace report --ray``: an always-on recording's partitions summarised as Ray tasks, one per partition
 (``analysis.routing_summary``: what the report reads from routing rows, in parts that add up), each summary cached
-in its partition so that a later report over the same partitions reads it instead of the rows. Ray is imported only
-here, only when --ray is given: the one-machine report never needs it."""
+beside the root (``ROOT.report-cache/<partition>/<key>/``, one summary per partition, gone with its partition) so
+that a later report over the same partitions reads it instead of the rows. Not in the root: a live recording's disk
+cap counts only its partitions, and a cache there would be neither counted nor dropped. Ray is imported only here,
+only when --ray is given: the one-machine report never needs it."""
 
 from __future__ import annotations
 
@@ -93,11 +95,34 @@ def write_cache(folder: Path, summary: RoutingSummary, share: float) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def partition_summary(part: Trace, first_step: int, first_request: int, request: SummaryRequest) -> PartitionResult:
-    """One partition's summary, its steps and requests numbered as in the whole recording: from its cache where
-    one serves, else from its rows (then cached, where the partition is complete)."""
+def cache_root(root: Path) -> Path:
+    """The folder beside ``root`` that caches its partitions' summaries."""
+    root = root.resolve()
+    return root.parent / f"{root.name}.{CACHE_DIR}"
+
+
+def partition_cache(root: Path, partition: Path) -> Path:
+    """Where the summary of ``partition`` (a folder under ``root``) is cached."""
+    return cache_root(root) / partition.resolve().relative_to(root.resolve())
+
+
+def prune_cache(root: Path, partitions: list[Path]) -> None:
+    """Drop the cached summaries of partitions no longer under ``root`` (the disk cap dropped them): the cache holds
+    at most one summary per partition the root holds."""
+    kept = {partition_cache(root, partition) for partition in partitions}
+    for share in sorted(cache_root(root).glob("**/share.json")):
+        folder = share.parent.parent  # <partition>/<key>/share.json
+        if folder not in kept:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def partition_summary(part: Trace, first_step: int, first_request: int, request: SummaryRequest, cache: Path
+                      ) -> PartitionResult:
+    """One partition's summary, its steps and requests numbered as in the whole recording: from ``cache`` (its
+    ``partition_cache``) where a summary there serves, else from its rows (then cached in place of any other, where
+    the partition is complete)."""
     started = time.perf_counter()
-    folder = part.path / CACHE_DIR / cache_key(part, first_step, first_request, request)
+    folder = cache / cache_key(part, first_step, first_request, request)
     summary = cached_summary(folder, request.share)
     cached = summary is not None
     rows = 0
@@ -108,6 +133,9 @@ def partition_summary(part: Trace, first_step: int, first_request: int, request:
         del window_rows
         if part.complete:
             write_cache(folder, summary, request.share)
+            for other in cache.iterdir() if folder.exists() else ():
+                if other != folder:
+                    shutil.rmtree(other, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
     return PartitionResult(summary, cached, rows, time.perf_counter() - started, peak)
 
@@ -153,7 +181,8 @@ def summarised_partitions(trace: Trace, request: SummaryRequest, address: str) -
     ray = connected_ray(address)
     task = ray.remote(num_cpus=1, max_retries=0)(partition_summary)
     shared = ray.put(request)
-    pending = {task.remote(part, first_step, first_request, shared): index
+    prune_cache(trace.path, [part.path for part, _, _ in trace.parts])
+    pending = {task.remote(part, first_step, first_request, shared, partition_cache(trace.path, part.path)): index
                for index, (part, first_step, first_request) in enumerate(trace.parts)}
     results: dict[int, PartitionResult] = {}
     columns = (TextColumn("partitions on Ray"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

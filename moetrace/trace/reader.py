@@ -331,6 +331,11 @@ def open_partitions(root: Path, found: list[Path]) -> Trace:
                  warnings=warnings + [w for t in parts for w in t.warnings], parts=starts)
 
 
+def is_partition_root(path: Path) -> bool:
+    """An always-on recording's root: a folder of partitions, not itself a trace."""
+    return path.is_dir() and not is_trace(path) and bool(partitions(path))
+
+
 def holds_run(directory: Path) -> bool:
     """A trace, or a sweep (a folder holding traces)."""
     return is_trace(directory) or any(is_trace(child) for child in directory.iterdir() if child.is_dir())

@@ -22,7 +22,8 @@ from moetrace.analysis.predicates import accepted_sequence
 from moetrace.analysis.routing_summary import RoutingSummary, SummaryRequest, added_summaries, summarise_routing
 from moetrace.cli import main
 from moetrace.errors import UserError
-from moetrace.report.distributed import CACHE_DIR, partition_summary
+from moetrace.recording.partitions import partitions
+from moetrace.report.distributed import cache_root, partition_cache, partition_summary, prune_cache
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace, open_traces
 from trace_builder import Model, Tokens, default_token_ids, verify_tokens, write_trace
@@ -82,6 +83,14 @@ def report_json(path: Path) -> dict[str, Any]:
     assert result.exit_code == 0, result.output
     summary: dict[str, Any] = json.loads(result.output)
     return summary
+
+
+def test_the_dashboard_of_an_always_on_root_is_written_beside_it_never_into_it(
+        recorded: tuple[Path, Path]) -> None:
+    root, _ = recorded
+    held = sorted(path.relative_to(root) for path in root.rglob("*"))
+    assert report_json(root)["dashboard"] == str(root.parent / "always-on.report.html")
+    assert sorted(path.relative_to(root) for path in root.rglob("*")) == held
 
 
 def test_a_report_over_partitions_equals_the_report_of_the_same_rows_as_one_trace(
@@ -145,7 +154,7 @@ def test_partition_summaries_added_equal_the_summary_of_all_rows(recorded: tuple
     root, _ = recorded
     [trace] = open_traces(root)
     request = summary_request(share)
-    parts = [partition_summary(part, first_step, first_request, request)
+    parts = [partition_summary(part, first_step, first_request, request, partition_cache(root, part.path))
              for part, first_step, first_request in trace.parts]
     expected = whole_summary(trace, request)
     assert expected.growth.height and expected.gaps["request_steps"].item() > 0
@@ -155,34 +164,53 @@ def test_partition_summaries_added_equal_the_summary_of_all_rows(recorded: tuple
     assert not any(part.cached for part in parts)
 
 
-def test_a_partition_summary_is_cached_and_serves_a_smaller_sample(recorded: tuple[Path, Path]) -> None:
+def test_a_partition_summary_is_cached_beside_the_root_and_serves_a_smaller_sample(
+        recorded: tuple[Path, Path]) -> None:
     root, _ = recorded
     [trace] = open_traces(root)
     part, first_step, first_request = trace.parts[1]
-    fresh = partition_summary(part, first_step, first_request, summary_request(1.0))
-    again = partition_summary(part, first_step, first_request, summary_request(1.0))
+    cache = partition_cache(root, part.path)
+    fresh = partition_summary(part, first_step, first_request, summary_request(1.0), cache)
+    again = partition_summary(part, first_step, first_request, summary_request(1.0), cache)
     assert again.cached and not fresh.cached
     assert_same_summary(again.summary, fresh.summary)
-    thinned = partition_summary(part, first_step, first_request, summary_request(0.3))
+    # outside the root: the root holds its partitions' own files only
+    assert cache == root.parent / f"{root.name}.report-cache" / HOUR_16 and not list(root.rglob("*.arrow"))
+    thinned = partition_summary(part, first_step, first_request, summary_request(0.3), cache)
     assert thinned.cached
     assert_same_summary(thinned.summary, whole_summary(replace(part, parts=[(part, first_step, first_request)]),
                                                        summary_request(0.3)))
-    # the cache holds the rows of its own numbering only: numbered from elsewhere, the partition is read again
-    assert not partition_summary(part, first_step + 1, first_request, summary_request(1.0)).cached
+    # the cache holds the rows of its own numbering only: numbered from elsewhere, the partition is read again, and
+    # its summary replaces the other (one per partition)
+    assert not partition_summary(part, first_step + 1, first_request, summary_request(1.0), cache).cached
+    assert len(list(cache.iterdir())) == 1
 
 
 def test_a_rewritten_or_unfinished_partition_is_read_again(recorded: tuple[Path, Path]) -> None:
     root, _ = recorded
     [trace] = open_traces(root)
     part, first_step, first_request = trace.parts[0]
-    partition_summary(part, first_step, first_request, summary_request(1.0))
+    cache = partition_cache(root, part.path)
+    partition_summary(part, first_step, first_request, summary_request(1.0), cache)
     routing_file = part.routing_files[0]
     pq.write_table(pq.read_table(routing_file).slice(0, 40), routing_file)  # the same file, other rows
-    assert not partition_summary(part, first_step, first_request, summary_request(1.0)).cached
+    assert not partition_summary(part, first_step, first_request, summary_request(1.0), cache).cached
     unfinished = replace(part, manifest=Manifest.from_document({**part.manifest.document, "complete": False}))
-    shutil.rmtree(part.path / CACHE_DIR)
-    partition_summary(unfinished, first_step, first_request, summary_request(1.0))
-    assert not (part.path / CACHE_DIR).exists()
+    shutil.rmtree(cache)
+    partition_summary(unfinished, first_step, first_request, summary_request(1.0), cache)
+    assert not cache.exists()
+
+
+def test_the_summaries_of_partitions_the_cap_dropped_leave_the_cache(
+        recorded: tuple[Path, Path]) -> None:
+    root, _ = recorded
+    [trace] = open_traces(root)
+    for part, first_step, first_request in trace.parts:
+        partition_summary(part, first_step, first_request, summary_request(1.0), partition_cache(root, part.path))
+    shutil.rmtree(root / HOUR_15)  # dropped at the disk cap
+    prune_cache(root, partitions(root))
+    assert sorted(path.parent.parent.relative_to(cache_root(root)).as_posix()
+                  for path in cache_root(root).glob("**/share.json")) == [HOUR_16]
 
 
 @pytest.mark.parametrize("address, said", [("127.0.0.1:1", "no Ray cluster answers there"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import calendar
 from pathlib import Path
 
-from moetrace.recording.partitions import bytes_under, drop_oldest, partition_dir, partitions
+from moetrace.recording.partitions import bytes_under, drop_oldest, over_cap, partition_dir, partitions
 
 AFTERNOON = calendar.timegm((2026, 12, 4, 15, 30, 20, 0, 0, 0))  # 2026-12-04 15:30:20 UTC
 
@@ -34,3 +34,15 @@ def test_at_the_cap_the_oldest_partitions_go_first_and_never_the_one_being_writt
     assert bytes_under(tmp_path) <= 2100
     # a cap below what the one being written holds: everything else goes, that one stays
     assert drop_oldest(tmp_path, 10, keep=[newest]) == [middle] and partitions(tmp_path) == [newest]
+
+
+def test_the_cap_counts_and_drops_partitions_only_never_a_file_kept_beside_them_under_the_root(
+        tmp_path: Path) -> None:
+    old = write_partition(tmp_path / "date=2026-12-03" / "hour=23", 1000)
+    newest = write_partition(tmp_path / "date=2026-12-04" / "hour=00", 1000)
+    report = tmp_path / "report.html"  # a report someone wrote into the root: 5 MB that the cap may not drop
+    report.write_bytes(b"x" * 5_000_000)
+    held = sum(bytes_under(partition) for partition in (old, newest))  # 2 x (1000 bytes + the manifest's 2)
+    assert held == 2004 and not over_cap(tmp_path, held) and over_cap(tmp_path, held - 1)
+    assert drop_oldest(tmp_path, held, keep=[newest]) == [] and partitions(tmp_path) == [old, newest]
+    assert drop_oldest(tmp_path, held - 1, keep=[newest]) == [old] and report.stat().st_size == 5_000_000
