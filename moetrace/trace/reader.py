@@ -11,7 +11,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,8 @@ class Trace:
     ranks: list[Trace] = field(default_factory=list)  # a data-parallel recording: one trace per DP rank
     # an always-on recording: its partitions, oldest first, and where each one's steps and requests start
     parts: list[tuple[Trace, int, int]] = field(default_factory=list)
+    # a partition still open: its rows up to this step only (where its closed routing and steps files both reach)
+    last_step: int | None = None
 
     @property
     def k(self) -> int:
@@ -83,7 +85,8 @@ class Trace:
         if self.parts:
             return self._in_sequence([part.routing() for part, _, _ in self.parts])
         schema = routing_schema(self.manifest.model.top_k, self.manifest.capture.candidates)
-        return _scan(self.routing_files, schema).with_columns(dp_rank=pl.lit(self.dp_rank, pl.UInt16))
+        return self._up_to_last_step(_scan(self.routing_files, schema)).with_columns(
+            dp_rank=pl.lit(self.dp_rank, pl.UInt16))
 
     def steps(self) -> pl.LazyFrame:
         """The steps rows, with a ``dp_rank`` column (0 without data parallelism)."""
@@ -91,7 +94,11 @@ class Trace:
             return self._merged([rank.steps() for rank in self.ranks])
         if self.parts:
             return self._in_sequence([part.steps() for part, _, _ in self.parts])
-        return _scan(self.steps_files, STEPS_SCHEMA).with_columns(dp_rank=pl.lit(self.dp_rank, pl.UInt16))
+        return self._up_to_last_step(_scan(self.steps_files, STEPS_SCHEMA)).with_columns(
+            dp_rank=pl.lit(self.dp_rank, pl.UInt16))
+
+    def _up_to_last_step(self, frame: pl.LazyFrame) -> pl.LazyFrame:
+        return frame if self.last_step is None else frame.filter(pl.col("step") <= self.last_step)
 
     def _merged(self, frames: list[pl.LazyFrame]) -> pl.LazyFrame:
         """Every DP rank's rows (each with its ``dp_rank``). A rank's steps keep its own numbers (a step is
@@ -146,6 +153,14 @@ def unreadable_file(paths: list[Path]) -> str | None:
                 except Exception as exc:
                     return f"{file}: unreadable Parquet data ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
     return None
+
+
+STILL_OPEN = "file was still open when the recording stopped"
+
+
+def incomplete(directory: Path) -> str:
+    """The warning on a trace whose recording neither closed it nor said why it stopped."""
+    return f"{directory}: recording incomplete (killed or still running); reading the closed files"
 
 
 def read_manifest(directory: Path, dp_rank: int | None = None) -> Manifest:
@@ -203,7 +218,7 @@ def _table_files(directory: Path, expected: pa.Schema | None, warnings: list[str
     if not directory.is_dir():
         return []
     for lost in sorted(directory.glob(f"*{INPROGRESS_SUFFIX}")):
-        warnings.append(f"{lost}: skipped, file was still open when the recording stopped")
+        warnings.append(f"{lost}: skipped, {STILL_OPEN}")
     good = []
     for path in sorted(directory.glob("*.parquet")):
         problem = _check_file(path, expected) if expected is not None else None
@@ -280,7 +295,7 @@ def open_trace(directory: str | os.PathLike[str], dp_rank: int | None = None) ->
     if manifest.error:
         warnings.append(f"{directory}: recording incomplete, it stopped: {manifest.error}; reading the closed files")
     elif not manifest.complete:
-        warnings.append(f"{directory}: recording incomplete (killed or still running); reading the closed files")
+        warnings.append(incomplete(directory))
     return Trace(
         path=directory,
         manifest=manifest,
@@ -297,7 +312,9 @@ def open_partitions(root: Path, found: list[Path]) -> Trace:
     manifest with the counts and requests of all, complete when every one is; each partition's steps and requests
     numbered on after the one before (a request that ran across a boundary is a request in each). A partition whose
     manifest cannot be read is named in the warnings and left out; one of another model, drafter, k or schema
-    version is refused, naming it."""
+    version is refused, naming it. A partition still open (the one being recorded) is read up to its last step that
+    both its closed routing and steps files hold (``open_partition``): its tables agree, and what follows waits for a
+    later report."""
     parts: list[Trace] = []
     warnings: list[str] = []
     for path in found:
@@ -306,7 +323,7 @@ def open_partitions(root: Path, found: list[Path]) -> Trace:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             warnings.append(f"{path}: unreadable manifest ({exc}): partition left out")
             continue
-        parts.append(open_trace(path))
+        parts.append(open_partition(open_trace(path)))
     if not parts:
         raise UserError(f"{root}: none of its {len(found)} partition(s) is readable")
     first = parts[0]
@@ -329,6 +346,30 @@ def open_partitions(root: Path, found: list[Path]) -> Trace:
                  steps_files=[f for t in parts for f in t.steps_files],
                  telemetry_files=[f for t in parts for f in t.telemetry_files],
                  warnings=warnings + [w for t in parts for w in t.warnings], parts=starts)
+
+
+def open_partition(part: Trace) -> Trace:
+    """``part`` where its recording closed it or stopped with an error; else (still being written, or killed)
+    read up to the last step that its closed routing and its closed steps files both hold (they rotate apart, so one
+    may run ahead of the other), said in one line instead of the warnings that its files are open and its manifest
+    incomplete. A data-parallel partition: each rank so."""
+    if part.ranks:
+        ranks = [open_partition(rank) for rank in part.ranks]
+        return replace(part, ranks=ranks, warnings=[warning for rank in ranks for warning in rank.warnings])
+    if part.complete or part.manifest.error:
+        return part
+
+    def last(frame: pl.LazyFrame) -> int:
+        value = frame.select(pl.col("step").max()).collect().item()
+        return -1 if value is None else int(value)
+
+    routed, stepped = last(part.routing()), last(part.steps())
+    cut = min(routed, stepped)
+    said = (f"{part.path}: partition still open (being recorded, or its recording was killed): read up to step {cut}, "
+            f"where its closed routing (to step {routed}) and steps (to step {stepped}) files both reach")
+    other = [warning for warning in part.warnings
+             if not warning.endswith(STILL_OPEN) and warning != incomplete(part.path)]
+    return replace(part, last_step=cut, warnings=[said, *other])
 
 
 def is_partition_root(path: Path) -> bool:
