@@ -87,7 +87,7 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
     if analysis.prediction_basis is not None and analysis.prediction_basis["allreduce_extrapolated"]:
         found.append(f"prediction: all-reduce time is {analysis.prediction_basis['allreduce']}")
     found += [f"k={k}: routing and steps disagree: {what}" for k, what in sorted(analysis.disagreements.items())]
-    return found + analysis.checks + analysis.run.warnings
+    return found + analysis.checks
 
 
 def prediction_summary(analysis: RunAnalysis, k: int) -> dict[str, Any] | None:
@@ -218,8 +218,11 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
             }
         )
     decisions = [decision for decision in (decision_summary(a, options) for a in analyses) if decision]
+    # what the reader met (a file skipped as corrupt, a recording that did not close) comes first: every figure
+    # below stands on the files it could read
     warnings = [f"{analysis.run.label}: {line}" for analysis in analyses
-                for line in [*(f"k={k}: routing and steps disagree: {what}"
+                for line in [*analysis.run.warnings,
+                             *(f"k={k}: routing and steps disagree: {what}"
                                for k, what in sorted(analysis.disagreements.items())), *analysis.checks]]
     warnings += [f"{decision['label']}: no recommendation at {row['batch']} request(s) per step: {row['status']}"
                  for decision in decisions for row in decision["per_batch"] if row["status"] != "ok"]

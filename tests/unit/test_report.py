@@ -175,15 +175,20 @@ def test_unknown_schema_version(verify_trace: Path) -> None:
     _one_line_error(_invoke("report", verify_trace), "unknown schema version", "moetrace/99")
 
 
-def test_corrupt_and_truncated_parquet_are_skipped_with_a_warning(verify_trace: Path) -> None:
+def test_corrupt_and_truncated_parquet_are_skipped_and_named_on_stderr_and_in_the_top_level_warnings(
+        verify_trace: Path) -> None:
     routing = verify_trace / "routing"
     truncated = routing / "part-00001.parquet"
     truncated.write_bytes(truncated.read_bytes()[:200])
     (routing / "part-00002.parquet").write_bytes(b"not parquet at all")
-    result = _invoke("report", verify_trace, "--json")
-    assert result.exit_code == 0, result.output
-    notes = " ".join(json.loads(result.stdout)["runs"][0]["notes"])
-    assert "part-00001.parquet" in notes and "part-00002.parquet" in notes and "skipped" in notes
+    for flags in ((), ("--json",)):
+        result = _invoke("report", verify_trace, *flags)
+        assert result.exit_code == 0, result.output
+        named = [line for line in result.stderr.splitlines() if line.startswith("warning:") and "skipped" in line]
+        assert [name for name in ("part-00001.parquet", "part-00002.parquet") if name in " ".join(named)] == [
+            "part-00001.parquet", "part-00002.parquet"], result.stderr
+    warnings = json.loads(result.stdout)["warnings"]
+    assert sum(f"{routing}/part-0000{n}.parquet: skipped, corrupt" in " ".join(warnings) for n in (1, 2)) == 2
 
 
 def test_budget_command(tmp_path: Path, verify_trace: Path) -> None:
