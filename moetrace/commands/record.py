@@ -80,18 +80,24 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
         rotate_seconds=rotate_seconds, replay_routing=replay_routing, force=force, verbose=verbose,
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err_console, transient=False) as bar:
-        tasks: dict[str, Any] = {}
+    bar = Progress(*columns, console=err_console, transient=False)
+    tasks: dict[str, Any] = {}
 
-        def show(run: str, status: str, done: int, total: int) -> None:
-            if run not in tasks:
-                tasks[run] = bar.add_task(f"{run} {status}", total=total)
-            bar.update(tasks[run], description=f"{run} {status}", completed=done, total=total)
+    def show(run: str, status: str, done: int, total: int) -> None:
+        if not tasks:  # shown from the first run on: a request refused before it leaves no empty bar behind
+            bar.start()
+        if run not in tasks:
+            tasks[run] = bar.add_task(f"{run} {status}", total=total)
+        bar.update(tasks[run], description=f"{run} {status}", completed=done, total=total)
 
-        def warn(text: str) -> None:
-            bar.console.print(Text(f"warning: {text}", style="yellow"), highlight=False, soft_wrap=True)
+    def warn(text: str) -> None:
+        bar.console.print(Text(f"warning: {text}", style="yellow"), highlight=False, soft_wrap=True)
 
+    try:
         run_dir, runs = run_record(request, show, warn)
+    finally:
+        if tasks:
+            bar.stop()
     table = Table(title=f"recorded {run_dir}")
     for column in ("run", "steps", "tokens", "drafts", "accepted", "routing rows", "bytes", "wall s"):
         table.add_column(column, justify="right")

@@ -15,13 +15,13 @@ from moetrace.analysis.calibration import check_calibration
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED
 from moetrace.analysis.profile import PROFILE_PRESETS, Profile, parse_profile
 from moetrace.analysis.shape import SHAPE_PRESETS
-from moetrace.errors import UserError, refuse_existing
+from moetrace.errors import UserError, check_k, refuse_existing
 from moetrace.report.budget_sweep import budget_runs, budget_sweep_summary, print_budget_sweep, recorded_concurrency
 from moetrace.report.dashboard import render_dashboard
 from moetrace.report.distributed import check_address
 from moetrace.analysis.decision import DEFAULT_BATCHES, batches_from
 from moetrace.trace.reader import is_partition_root, run_path
-from moetrace.report.inputs import DEFAULT_PREDICTION, check_k, model_shape, open_run
+from moetrace.report.inputs import DEFAULT_PREDICTION, model_shape, open_run
 from moetrace.report.payload import summary_json
 from moetrace.report.summary import Options, analyse_run, budget_curves_per_k, sample_note, trace_windows
 from moetrace.report.terminal import print_budget_table, print_summary
@@ -201,7 +201,7 @@ def report(
     )
     if options.max_k < k:
         raise UserError(f"--max-k {options.max_k}: must be at least --k {k}")
-    check_k(options.max_k)
+    check_k(options.max_k, "--max-k")
     dashboard = _dashboard_path(traces, output)
     _refuse_overwrite_unless_dashboard(dashboard, force)
     if not 0.0 <= min_agreement <= 1.0:

@@ -36,11 +36,13 @@ def resolve_drafter(method: str, drafter: str | None, target: Path, embedded_tar
             raise UserError(f"--method {method} needs --drafter PATH (drafters come with the embedded default model "
                             f"only)")
         return None
+    if method not in MODEL_DRAFTER_METHODS:
+        raise UserError(f"--drafter {drafter}: --method {method} drafts without a checkpoint (--drafter goes with "
+                        f"{' or '.join(MODEL_DRAFTER_METHODS)})")
     path = Path(drafter).expanduser()
     if not path.is_dir():
         raise UserError(f"drafter not found: {drafter}")
-    if method in MODEL_DRAFTER_METHODS:
-        check_drafter(method, path, read_config(target / "config.json", "the target model"))
+    check_drafter(method, path, read_config(target / "config.json", "the target model"))
     return str(path)
 
 

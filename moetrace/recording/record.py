@@ -25,10 +25,9 @@ from moetrace.analysis.shape import config_expert_count, config_value
 from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.recording.drafters import check_drafter_batch, drafter_checkpoint, resolve_drafter
 from moetrace.recording.engine import SPEC_METHODS
-from moetrace.errors import UserError, refuse_existing
+from moetrace.errors import UserError, check_k, refuse_existing
 from moetrace.recording.host import gpu_inventory
 from moetrace.recording.prompts import load_prompts, repeated_in_a_step
-from moetrace.trace.schema import MAX_K
 from moetrace.recording.telemetry import TelemetrySampler
 from moetrace.trace.manifest import amend_manifest
 from moetrace.trace.reader import read_manifest
@@ -131,10 +130,8 @@ def parse_ks(text: str) -> list[int]:
         try:
             k = int(part.strip())
         except ValueError:
-            raise UserError(f"--k: {part.strip()!r} is not an integer (give one k or a list like 0,1,2,3)") from None
-        if not 0 <= k <= MAX_K:
-            raise UserError(f"--k: {k} is out of range (0..{MAX_K})")
-        ks.add(k)
+            raise UserError(f"--k {part.strip()}: not an integer (give one k or a list like 0,1,2,3)") from None
+        ks.add(check_k(k))
     return sorted(ks)
 
 

@@ -15,7 +15,6 @@ from moetrace.analysis.placement import explicit_placement, linear_placement, ro
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.errors import UserError
 from moetrace.trace.reader import Trace, open_traces, run_path
-from moetrace.trace.schema import MAX_K
 
 
 @dataclass(frozen=True)
@@ -79,11 +78,6 @@ def open_run(path: Path, k: int) -> Run:
             raise UserError(f"{trace.path}: trace has no routing rows (no readable routing/*.parquet)")
     exact = [trace for trace in traces if trace.k == k]
     return Run(path=path, traces=traces, primary=exact[0] if exact else traces[-1], routing_rows=rows)
-
-
-def check_k(k: int) -> None:
-    if not 0 <= k <= MAX_K:
-        raise UserError(f"--k {k}: must be between 0 and {MAX_K}")
 
 
 def model_shape(trace: Trace, preset: str | None) -> ModelShape:

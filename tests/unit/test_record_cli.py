@@ -15,10 +15,12 @@ from vllm_fixtures import run_cli
 
 
 def refuse(args: list[str]) -> str:
+    """The one line ``args`` is refused with (no blank line before it: a progress bar is shown from the first run
+    on, never for a request refused before it)."""
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
+    lines = result.output.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     return lines[0]
 
@@ -38,9 +40,22 @@ def test_dense_model_is_refused(tmp_path: Path) -> None:
     assert "not a MoE model" in refuse(["record", str(dense), "--out", str(tmp_path)])
 
 
-@pytest.mark.parametrize("k", ["17", "-1", "2,x"])
-def test_k_out_of_range_is_refused(k: str, tmp_path: Path) -> None:
-    assert "--k" in refuse(["record", "--k", k, "--out", str(tmp_path)])
+@pytest.mark.parametrize(("k", "says"), [("17", "--k 17: must be between 0 and 16"),
+                                         ("-1", "--k -1: must be between 0 and 16"),
+                                         ("2,x", "--k x: not an integer")])
+def test_k_out_of_range_is_refused_in_the_words_report_uses(k: str, says: str, tmp_path: Path) -> None:
+    assert refuse(["record", "--k", k, "--out", str(tmp_path)]).startswith(f"error: {says}")
+    if "must be" in says:
+        assert refuse(["report", str(tmp_path), "--k", k]) == f"error: {says}"
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_a_drafter_for_a_method_that_takes_none_is_refused_before_any_engine_starts(method: str,
+                                                                                    tmp_path: Path) -> None:
+    assert refuse(["record", "--method", method, "--drafter", str(tmp_path), "--out", str(tmp_path / "out")]) == (
+        f"error: --drafter {tmp_path}: --method {method} drafts without a checkpoint (--drafter goes with eagle3 or "
+        "draft_model)")
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_method_is_refused(tmp_path: Path) -> None:
