@@ -118,7 +118,11 @@ def test_the_open_partition_is_read_to_the_last_step_its_closed_routing_and_step
             pq.write_table(rows.filter(pc.less_equal(rows["step"], last_closed)), file)
         (live / table / f"part-{len(files):05d}.parquet.inprogress").write_bytes(b"PAR1")
     manifest = json.loads((live / "manifest.json").read_text())
-    (live / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    (live / "manifest.json").write_text(json.dumps({**manifest, "complete": False,
+                                                    "start_time": "2026-12-04T16:00:00+0000"}))
+    closed = json.loads((root / HOUR_15 / "manifest.json").read_text())
+    (root / HOUR_15 / "manifest.json").write_text(json.dumps({**closed, "start_time": "2026-12-04T15:00:00+0000",
+                                                              "end_time": "2026-12-04T16:00:00+0000"}))
     [trace] = open_traces(root)
     [said] = trace.warnings
     assert said == (f"{live}: partition still open (being recorded, or its recording was killed): read up to step 8, "
@@ -130,6 +134,13 @@ def test_the_open_partition_is_read_to_the_last_step_its_closed_routing_and_step
     reported = report_json(root)
     assert not [w for w in reported["warnings"] if "disagree" in w or "no recommendation" in w], reported["warnings"]
     assert any("partition still open" in w for w in reported["warnings"])
+    # info says what the root holds: how many partitions, over what time, which one is open
+    info = CliRunner().invoke(main, ["info", str(root), "--json"])
+    [summary] = json.loads(info.stdout)
+    assert summary["partitions"] == {"count": 2, "first_start": "2026-12-04T15:00:00+0000", "last_end": None,
+                                     "open": [HOUR_16]}
+    said = CliRunner().invoke(main, ["info", str(root)]).stdout
+    assert f"partitions 2 (always on), from 2026-12-04T15:00:00+0000 to now, still open: {HOUR_16}" in said
 
 
 def test_partitions_are_numbered_on_one_after_another(recorded: tuple[Path, Path]) -> None:
