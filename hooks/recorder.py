@@ -63,12 +63,16 @@ from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CU
 from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, copied_event, to_host
 from moetrace.trace.schema import TIMED_CALLS
 from moetrace.recording.partitions import drop_oldest, over_cap, partition_dir
+from moetrace.recording.metrics import MetricsState
 from moetrace.recording.ring import RingRows, SharedRows, ring_capacity
 from moetrace.recording.sampling import StepWindows, sampled_manifest
 from moetrace.recording.writer import TraceWriter
 
 log = logging.getLogger("moetrace")
 CAP_CHECK_SECONDS = 5.0  # between partitions, how often a thread checks the partition root against its disk cap
+# How often the writer process is told the manifest sections the recorder adds at close: a trace whose engine was
+# killed is closed by its writer process, with the sections it was told last.
+SECTIONS_EVERY_NS = 10_000_000_000
 _HOOK_MARK = "_moetrace_hook"
 
 
@@ -133,6 +137,8 @@ class Recorder:
         # the disk cap, checked on threads (its walk of the root never on the engine thread): the root is over it,
         # so switch at the next step (``_watch_cap``); after a switch it still is under "stop" (``_enforce_cap``)
         self._cap_reached, self._stop_at_cap = threading.Event(), threading.Event()
+        # the live metrics' values, kept from one trace to the next (partitions, windows): each writer process maps it
+        self._metrics_state: MetricsState | None = None
         self._open_trace(options)
         if self._partition_root is not None and options.disk_cap_bytes is not None:
             threading.Thread(target=self._watch_cap, name="moetrace-disk-cap", daemon=True).start()
@@ -197,9 +203,7 @@ class Recorder:
         self.ring = SharedRows.create(ring_capacity(self.layout.width, int(self.runner.max_num_tokens)),
                                       self.layout.width)
         self.copier = StepCopier(self.device, self.ring, int(self.runner.max_num_tokens))
-        self.writer = TraceWriter(
-            Path(options.out),
-            worker_manifest(self._vllm_config, self._infos, options, capture={
+        manifest = worker_manifest(self._vllm_config, self._infos, options, capture={
                 "model_runner": self.model_runner.name,
                 "recomputed_from_logits": any(entry is not None for entry in self.entries),
                 "async_scheduling": not self.sampled_on_host,  # vLLM turns it off for some drafters
@@ -209,13 +213,20 @@ class Recorder:
                 "sampled": sampled_manifest(options),
                 "budget": None if sizes is None else {
                     "scope": options.budget_scope,
-                    "per_layer": {str(info.layer): size for info, size in zip(self._infos, sizes)}}}),
+                    "per_layer": {str(info.layer): size for info, size in zip(self._infos, sizes)}}})
+        if options.metrics_port is not None and self._metrics_state is None:  # one for every trace it records into
+            self._metrics_state = MetricsState.create(len(self._infos), self._infos[0].num_experts,
+                                                      int(manifest["spec"]["k"]))
+        self.writer = TraceWriter(
+            Path(options.out),
+            manifest,
             [i.layer for i in self._infos],
             self.top_k,
             self.candidates,
             rotate_seconds=float(options.rotate_seconds),
             rows=self.ring,
             metrics_port=None if options.metrics_port is None else options.metrics_port + self.dp_rank,
+            metrics_state=self._metrics_state,
             launch_beside=launch_beside,
         )
         # vLLM's request id -> its index in the trace, for the requests still running (a finished one is dropped,
@@ -230,6 +241,7 @@ class Recorder:
         self._first_step_at: float | None = None
         self._window_ends = False  # the step under way is the window's last: close once it is queued
         self._partition_ends = False  # the partition's period is over: the next step starts the next partition
+        self._sections_due_ns = 0  # when the writer process is next told the closing sections (its first step)
         self._closed: dict[str, Any] | None = None
         self._pending: PendingStep | None = None
         self.own_ns = {"step": 0, "graph": 0, "hand_over": 0, "layout": 0, "sample": 0, "sample_tokens": 0,
@@ -338,6 +350,10 @@ class Recorder:
                 self._closed = self._close_trace()
         for thread, _ in self._closing_partitions:
             thread.join()
+        with self._close_lock:  # every writer process has mapped it by now (each close joined its launch)
+            if self._metrics_state is not None:
+                self._metrics_state.close()
+                self._metrics_state = None
         return self._closed
 
     def _close_trace(self) -> dict[str, Any]:
@@ -345,11 +361,13 @@ class Recorder:
         self.copier.release()
         return self.writer.close(self._closing_sections())
 
-    def _closing_sections(self) -> dict[str, Any]:
-        """What the recorder adds to the manifest of the trace under way at its close."""
+    def _closing_sections(self, final: bool = True) -> dict[str, Any]:
+        """What the recorder adds to the manifest of the trace under way at its close (``final``), or so far (the
+        device times of calls still in flight not waited for)."""
         sections: dict[str, Any] = {
-            "capture_mechanisms": self.mechanisms, "engine_thread_us_per_step": self.engine_thread_us_per_step(),
-            "phases": {phase: timing.summary() for phase, timing in self.phases.items()}}
+            "capture_mechanisms": dict(self.mechanisms),
+            "engine_thread_us_per_step": self.engine_thread_us_per_step(),
+            "phases": {phase: timing.summary(wait=final) for phase, timing in self.phases.items()}}
         if self._switch_ms is not None:
             sections["partition"] = {"switch_ms": round(self._switch_ms, 3)}
         return sections
@@ -530,6 +548,9 @@ class Recorder:
             for timing in self.phases.values():
                 timing.read_done()
             self._phases_in_flight = any(timing.in_flight for timing in self.phases.values())
+        if self._t_start >= self._sections_due_ns:
+            self._sections_due_ns = self._t_start + SECTIONS_EVERY_NS
+            self.writer.note_sections(self._closing_sections(final=False))
         handed = time.perf_counter_ns() if self._timing else 0
         self._pending = None
         plan, self._plan = self._plan, None

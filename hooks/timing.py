@@ -81,10 +81,11 @@ class PhaseTiming:
             self.device_ms.setdefault(batch, Reservoir()).add(first.elapsed_time(last))
             self._free.append((first, last))
 
-    def summary(self) -> dict[str, dict[str, Any]]:
+    def summary(self, wait: bool = True) -> dict[str, dict[str, Any]]:
         """Per batch size: calls, and the host and device medians in ms (device: None off CUDA), over at most
-        ``KEPT_PER_BATCH`` of the calls, a uniform sample of them."""
-        self.read_done(wait=True)
+        ``KEPT_PER_BATCH`` of the calls, a uniform sample of them; ``wait``: for the device times of calls still in
+        flight (at close), else those completed so far."""
+        self.read_done(wait=wait)
         return {
             str(batch): {
                 "calls": host.count,

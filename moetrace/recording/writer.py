@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moetrace.recording.metrics import serve_metrics
+from moetrace.recording.metrics import MetricsState, serve_metrics
 from moetrace.recording.ring import SHARED_BYTES, EngineRecord, Pending, SharedRows
 from moetrace.trace.files import Assemblable, StepCapture, TraceFiles
 from moetrace.trace.manifest import amend_manifest, start_manifest
@@ -86,25 +86,32 @@ class TraceWriter:
         batch_seconds: float = 1.0,
         rows: SharedRows | None = None,
         metrics_port: int | None = None,
+        metrics_state: MetricsState | None = None,
         launch_beside: bool = False,
     ) -> None:
         """``rows``: the ring that steps leave their rows in, shared with the writer process (closed with the
         writer); ``metrics_port``: where the writer process serves the recording's live metrics
-        (``moetrace.recording.metrics``), if anywhere; ``launch_beside``: start the writer process on a thread of
-        its own and return at once (an always-on recording's next partition: the engine thread does not wait for a
-        Python to start; steps queue in the pipe meanwhile, and a launch that fails stops the recording, not the
-        engine); else it is started before this returns, and a launch that fails raises."""
+        (``moetrace.recording.metrics``), if anywhere, kept in ``metrics_state`` (an always-on recording's, which
+        lives across its partitions' writers; None: the writer's own); ``launch_beside``: start the writer process
+        on a thread of its own and return at once (an always-on recording's next partition: the engine thread does
+        not wait for a Python to start; steps queue in the pipe meanwhile, and a launch that fails stops the
+        recording, not the engine); else it is started before this returns, and a launch that fails raises."""
         self.root = root
         self._failed: str | None = None
         self.steps = 0  # steps written so far, as the writer process last reported
         self._final: dict[str, Any] | None = None
         self._waiting: collections.deque[StepCapture | Pending] = collections.deque()
         self._submitted = 0
+        self._sections: dict[str, Any] | None = None  # told by ``note_sections``, not yet handed over
         self._backlog = bytearray()
         self._shared_file = tempfile.TemporaryFile()  # unlinked: it lives while a process maps it
         self._shared_file.truncate(SHARED_BYTES)
         self._shared: EngineRecord | None = EngineRecord(mmap.mmap(self._shared_file.fileno(), SHARED_BYTES))
         self.rows = rows
+        self._own_metrics: MetricsState | None = None
+        if metrics_port is not None and metrics_state is None:
+            self._own_metrics = metrics_state = MetricsState.create(
+                len(moe_layers), int(manifest["model"]["num_experts"]), int(manifest["spec"]["k"]))
         for table in (ROUTING_DIR, STEPS_DIR):
             (root / table).mkdir(parents=True, exist_ok=True)
         manifest = start_manifest(root, **manifest)  # a trace says what it is before its first row
@@ -118,7 +125,9 @@ class TraceWriter:
         # killing every process below its workers, and the writer must outlive them to close its files.
         # Nor may it inherit the engine's CPU pinning (vLLM's CPU worker sets GOMP_CPU_AFFINITY for its OpenMP team).
         unpinned = {key: value for key, value in os.environ.items() if key not in CPU_PINNING_VARIABLES}
-        fds = (to_child_r, from_child_w, self._shared_file.fileno(), *([self.rows.fd] if self.rows else []))
+        # the writer process's arguments: its pipes, the engine's record, the ring and the metrics' state (-1: none)
+        fds = (to_child_r, from_child_w, self._shared_file.fileno(), self.rows.fd if self.rows else -1,
+               metrics_state.fd if metrics_state and metrics_port is not None else -1)
         self._launcher: threading.Thread | None = None
         if launch_beside:
             self._launcher = threading.Thread(target=self._launch_beside, args=(fds, unpinned),
@@ -133,6 +142,8 @@ class TraceWriter:
                 self._shared_file.close()
                 if self.rows is not None:
                     self.rows.close()
+                if self._own_metrics is not None:
+                    self._own_metrics.close()
                 raise
         os.set_blocking(self._to_child, False)
         self._from_child = os.fdopen(from_child_r, "rb")
@@ -156,8 +167,8 @@ class TraceWriter:
     def _launch(fds: tuple[int, ...], env: dict[str, str]) -> None:
         """Start the writer process; the launch's ends of the pipes (``fds``' first two) are closed either way."""
         try:
-            subprocess.run([sys.executable, "-c", LAUNCH_DETACHED, *map(str, fds)], pass_fds=fds,
-                           stdin=subprocess.DEVNULL, env=env, check=True)
+            subprocess.run([sys.executable, "-c", LAUNCH_DETACHED, *map(str, fds)],
+                           pass_fds=[fd for fd in fds if fd >= 0], stdin=subprocess.DEVNULL, env=env, check=True)
         finally:
             os.close(fds[0])
             os.close(fds[1])
@@ -196,6 +207,11 @@ class TraceWriter:
             self._submitted += 1
             self._shared.set_submitted(self._submitted)  # counted before it can be sent: never fewer than received
             self._waiting.append(step)
+
+    def note_sections(self, sections: dict[str, Any]) -> None:
+        """Tell the writer process what the recorder will add to the manifest at close, as it stands now: a trace
+        whose engine process dies is closed by the writer process with these (sent with the next hand-over)."""
+        self._sections = sections  # one reference, swapped whole: picked up by ``_forward`` under its lock
 
     def forward_ready(self) -> None:
         """Hand the queued steps that are ready (their copies have landed) over, if it is time (``HAND_OVER_STEPS``);
@@ -246,6 +262,8 @@ class TraceWriter:
             self._shared_file.close()
             if self.rows is not None:
                 self.rows.close()
+            if self._own_metrics is not None:
+                self._own_metrics.close()
         return self._final
 
     def _forward_when_idle(self) -> None:
@@ -269,6 +287,9 @@ class TraceWriter:
                 batch.append(step.ready())
             else:
                 break
+        sections, self._sections = self._sections, None
+        if sections is not None:
+            self._backlog += pickle.dumps(("sections", sections), protocol=pickle.HIGHEST_PROTOCOL)
         if batch:
             self._backlog += pickle.dumps(("steps", batch), protocol=pickle.HIGHEST_PROTOCOL)
             for _ in batch:  # only once pickled: an error before leaves them queued, counted as submitted
@@ -313,11 +334,13 @@ class TraceWriter:
             log.warning("moetrace: recording stopped, the engine keeps serving (%s)", reason)
 
 
-def serve(inbox: Any, outbox: Any, engine: EngineRecord, ring_fd: int | None = None) -> None:
+def serve(inbox: Any, outbox: Any, engine: EngineRecord, ring_fd: int | None = None,
+          metrics_fd: int | None = None) -> None:
     """The writer process: read steps from ``inbox`` (their rows from the ring shared through ``ring_fd``, copied
     out as each step arrives), write them in batches every ``batch_seconds``, rotate files on time even when idle,
     and report progress, failure and the final manifest to ``outbox``; ``engine`` says what an engine that ended
-    without closing had submitted, and why its recording stopped if it did."""
+    without closing had submitted, and why its recording stopped if it did; ``metrics_fd``: the live metrics' state
+    (``MetricsState``), where the config asks for them."""
     for stop in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C reaches the whole process group: end at EOF instead
         signal.signal(stop, signal.SIG_IGN)
     received: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
@@ -354,11 +377,14 @@ def serve(inbox: Any, outbox: Any, engine: EngineRecord, ring_fd: int | None = N
     if metrics_port is not None:
         try:
             model, spec = files.manifest["model"], files.manifest["spec"]
-            metrics = serve_metrics(metrics_port, model["moe_layers"], int(model["num_experts"]), int(spec["k"]))
+            shape = (model["moe_layers"], int(model["num_experts"]), int(spec["k"]))
+            state = None if metrics_fd is None else MetricsState(metrics_fd, len(shape[0]), *shape[1:])
+            metrics = serve_metrics(metrics_port, *shape, state)
         except Exception as exc:  # metrics are extra: the trace is written without them, and says why
             log.warning("moetrace: no live metrics on port %s (%s: %s)", metrics_port, type(exc).__name__, exc)
     threading.Thread(target=receive, daemon=True).start()
     steps_received = 0
+    told: dict[str, Any] = {}  # the recorder's closing sections as it last told them (``TraceWriter.note_sections``)
     while True:
         pending: list[Any] = []
         closing: tuple[Any, ...] | None = None
@@ -369,10 +395,13 @@ def serve(inbox: Any, outbox: Any, engine: EngineRecord, ring_fd: int | None = N
             except queue.Empty:
                 break
             if message is None:
-                closing = engine_ended(*engine.read(), steps_received)
+                kind, extra, error = engine_ended(*engine.read(), steps_received)
+                closing = (kind, {**told, **extra}, error)
             elif message[0] == "steps":
                 pending.extend(message[1])
                 steps_received += len(message[1])
+            elif message[0] == "sections":
+                told = message[1]
             else:
                 closing = message
         if files.failed is None:
@@ -413,7 +442,7 @@ LAUNCH_DETACHED = (
     "except OSError:\n"
     "    pass\n"
     f"os.nice({WRITER_NICENESS})\n"
-    "fds = tuple(int(fd) for fd in sys.argv[1:])\n"
+    "fds = tuple(int(fd) for fd in sys.argv[1:] if int(fd) >= 0)\n"
     # -P: not the working directory first on sys.path, where a source checkout's moetrace/ would shadow the
     # installed package the engine imported (seen: a checkout beside a non-editable install lacks moetrace.hooks)
     "subprocess.Popen([sys.executable, '-P', '-m', 'moetrace.recording.writer', *sys.argv[1:]], pass_fds=fds,\n"
@@ -425,6 +454,6 @@ if __name__ == "__main__":
     # moetrace.recording.writer.
     from moetrace.recording.writer import serve as serve_steps
 
+    ring, metrics = (int(fd) if int(fd) >= 0 else None for fd in sys.argv[4:6])  # where the engine shares them
     serve_steps(os.fdopen(int(sys.argv[1]), "rb"), os.fdopen(int(sys.argv[2]), "wb"),
-                EngineRecord(mmap.mmap(int(sys.argv[3]), SHARED_BYTES)),
-                int(sys.argv[4]) if len(sys.argv) > 4 else None)  # the ring of rows, where the engine shares one
+                EngineRecord(mmap.mmap(int(sys.argv[3]), SHARED_BYTES)), ring, metrics)

@@ -4,6 +4,7 @@ in process and as the writer process serves them over HTTP, within the stated se
 from __future__ import annotations
 
 import time
+import urllib.error
 import urllib.request
 from collections import Counter as Tally
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moetrace.recording.metrics import IMBALANCE_STEPS, LiveMetrics, layer_groups, series_bound
+from moetrace.recording.metrics import IMBALANCE_STEPS, LiveMetrics, MetricsState, layer_groups, series_bound
 from moetrace.recording.writer import TraceWriter
 from conftest import free_port
 from test_writer_reader import EXPERTS, LAYERS, manifest, submit_and_wait, verify_step
@@ -82,6 +83,20 @@ def generate(registry: CollectorRegistry) -> str:
     return generate_latest(registry).decode()
 
 
+def served(port: int, drafts: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The endpoint's samples once it counts ``drafts`` draft tokens (the writer process updates its metrics after
+    it writes a batch; a new writer process serves once the last one has let go of the port), or after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            got = samples(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+        except urllib.error.URLError:
+            got = {}
+        if got.get(("moetrace_draft_tokens_total", ())) == drafts or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
 def test_the_writer_process_serves_live_metrics_of_the_steps_it_wrote(tmp_path: Any) -> None:
     port = free_port()
     writer = TraceWriter(tmp_path, manifest(k=2), LAYERS, 8, metrics_port=port)
@@ -90,15 +105,49 @@ def test_the_writer_process_serves_live_metrics_of_the_steps_it_wrote(tmp_path: 
     for capture in captures:
         submit_and_wait(writer, capture)
     want = expected(captures, layer_groups(LAYERS))
-    deadline = time.monotonic() + 10
-    while True:  # the writer process updates its metrics after it writes the batch
-        got = samples(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
-        if got.get(("moetrace_draft_tokens_total", ())) == want["drafts"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    got = served(port, want["drafts"])
     final = writer.close()
     assert got[("moetrace_draft_tokens_total", ())] == want["drafts"] == final["counts"]["drafts"]
     assert got[("moetrace_accepted_tokens_total", ())] == want["accepted"] == final["counts"]["accepted"]
     assert got[("moetrace_accepted_at_position_total", (("position", "2"),))] == want["hit"][2]
     assert not any(name.endswith("_created") for name, _ in got)
     assert len(got) <= series_bound(len(LAYERS), 2)
+
+
+def test_live_metrics_run_on_across_a_partition_switch_counters_monotone_and_the_load_gauge_kept(
+        tmp_path: Any) -> None:
+    """Two partitions' writer processes in turn on one port, as an always-on recording switches: the second starts
+    while the first closes. The endpoint counts every step of both, and the load gauge that the first partition's
+    steps set is still there (before, each writer process's counters began at 0 and the gauge read 0)."""
+    port = free_port()
+    state = MetricsState.create(len(LAYERS), EXPERTS, 2)
+    rng = np.random.default_rng(5)
+    first = [verify_step(step, rng, requests=2, drafts=2, accepted=step % 3) for step in range(IMBALANCE_STEPS)]
+    second = [verify_step(step, rng, requests=3, drafts=2, accepted=step % 2) for step in range(7)]
+    old = TraceWriter(tmp_path / "p0", manifest(k=2), LAYERS, 8, metrics_port=port, metrics_state=state)
+    for capture in first:
+        old.submit(capture)
+    old.forward_ready()
+    before = served(port, expected(first, layer_groups(LAYERS))["drafts"])
+    gauges = {key: value for key, value in before.items() if key[0] == "moetrace_expert_load_imbalance"}
+    assert len(gauges) == len(LAYERS) and all(value > 1 for value in gauges.values())
+    new = TraceWriter(tmp_path / "p1", manifest(k=2), LAYERS, 8, metrics_port=port, metrics_state=state,
+                      launch_beside=True)
+    old.close()
+    for capture in second:
+        submit_and_wait(new, capture)
+    both = expected(first + second, layer_groups(LAYERS))
+    after = served(port, both["drafts"])
+    new.close()
+    state.close()
+    assert after[("moetrace_draft_tokens_total", ())] == both["drafts"] > before[("moetrace_draft_tokens_total", ())]
+    assert after[("moetrace_accepted_tokens_total", ())] == both["accepted"]
+    for position in (1, 2):
+        key = (("position", str(position)),)
+        assert after[("moetrace_drafts_at_position_total", key)] == both["at"][position]
+        assert after[("moetrace_accepted_at_position_total", key)] == both["hit"][position]
+    for label, _ in layer_groups(LAYERS):
+        key = (("layers", label),)
+        assert after[("moetrace_unique_experts_per_verify_step_count", key)] == IMBALANCE_STEPS + len(second)
+        assert after[("moetrace_unique_experts_per_verify_step_sum", key)] == pytest.approx(both["unique_sum"][label])
+        assert after[("moetrace_expert_load_imbalance", key)] == gauges[("moetrace_expert_load_imbalance", key)]

@@ -451,6 +451,7 @@ import moetrace.recording.writer
 from moetrace.recording.writer import TraceWriter
 writer = TraceWriter(Path({root!r}), manifest(), LAYERS, TOP_K, row_group_rows=10)
 rng = np.random.default_rng(5)
+writer.note_sections({{"partition": {{"switch_ms": 4.25}}, "phases": {{"forward": {{"1": {{"calls": 3}}}}}}}})
 for step in range(4):
     writer.submit(verify_step(step, rng))
 if {mid_step}:
@@ -492,6 +493,8 @@ def test_an_engine_killed_while_idle_leaves_a_complete_trace(tmp_path: Path) -> 
     every recorded step had been handed over, the trace is complete."""
     final = kill_engine_and_read_manifest(tmp_path / "trace", mid_step=False)
     assert final["complete"] is True and "every recorded step handed over" in final["end"]
+    # with what the recorder adds at close, as it last told the writer process (a partition's switch, phases)
+    assert final["partition"] == {"switch_ms": 4.25} and final["phases"] == {"forward": {"1": {"calls": 3}}}
 
 
 def test_an_engine_killed_mid_step_leaves_closed_files_and_says_what_is_missing(tmp_path: Path) -> None:
