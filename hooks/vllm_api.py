@@ -6,17 +6,23 @@ vLLM's worker internals (runner classes and their fields, the MoE runner and rou
 between releases. Nothing else in moetrace imports them: it asks this module, which resolves each symbol when a
 worker starts recording and, where one is missing, says in one line which symbol, which vLLM was found and which
 releases are supported. Supported: 0.26 (tested on an H200, Model Runner V1 and V2) and 0.32 (tested on the CPU
-build, Model Runner V1; its V2 is read from the same fields, untested).
+build, Model Runner V1; its V2 is read from the same fields, untested); 0.33 (both runners) and 0.34 (Model Runner
+V2 only: V1 is gone) checked against their sources, untested.
 
-Two model runners: V1 (``vllm.v1.worker.gpu_model_runner``, and the CPU runner that subclasses it) and V2
-(``vllm.v1.worker.gpu.model_runner``, vLLM's default on GPUs from 0.3x). ``RunnerV1`` and ``RunnerV2`` say, for
-each, which calls the recorder wraps (``HookPoint``) and where a step's batch layout lives (``StepInputs``).
+Two model runners: V1 (``vllm.v1.worker.gpu_model_runner``, and the CPU runner that subclasses it; removed in 0.34)
+and V2 (``vllm.v1.worker.gpu.model_runner``, vLLM's default on GPUs from 0.3x, and the CPU runner that subclasses it).
+``RunnerV1`` and ``RunnerV2`` say, for each, which calls the recorder wraps (``HookPoint``) and where a step's batch
+layout lives (``StepInputs``).
+
+``CONTRACT`` lists every internal as data: ``moetrace.hooks.contract`` checks it against the sources of each release
+in ``CHECKED`` (docs/vllm-releases.md), and ``REFUSED`` names, per release and runner, what that check found gone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -29,7 +35,13 @@ import torch
 
 from moetrace.hooks.planned import PlannedStep
 
-SUPPORTED = ("0.26", "0.32")
+log = logging.getLogger("moetrace")
+
+# Releases (major.minor) moetrace records on: TESTED ran it (0.26 on an H200, 0.32's CPU build), the others were
+# only checked against their sources (CHECKED: every release whose wheel the contract check reads).
+SUPPORTED = ("0.26", "0.32", "0.33", "0.34")
+TESTED = ("0.26", "0.32")
+CHECKED = ("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33", "0.34")
 
 # What the recorder reads on Model Runner V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` and the CPU
 # runner that subclasses it), and on its input batch.
@@ -44,13 +56,33 @@ RUNNER_V2_FIELDS = ("model", "max_num_tokens", "req_states", "execute_model", "s
 INPUT_BATCH_V2_FIELDS = ("req_ids", "num_reqs", "num_tokens", "query_start_loc_np", "idx_mapping_np",
                          "num_draft_tokens_per_req", "positions", "input_ids")
 GRAPH_MANAGER_V2_FIELDS = ("graphs", "run_fullgraph", "run_pw_graph")
-# V2 warms its kernels up at start-up (``vllm/v1/worker/gpu/warmup.py``) by running batches of requests of its own
-# through execute_model and sample_tokens: their ids start so.
-WARMUP_REQUEST_PREFIXES = ("_warmup_", "_v2_mixed_warmup")
+# V2 warms its kernels up at start-up (``WARMUP_PATH``) by running batches of requests of its own through
+# execute_model and sample_tokens: their ids start so (``_context_warmup_``: from 0.34).
+WARMUP_PATH = "vllm.v1.worker.gpu.warmup"
+WARMUP_REQUEST_PREFIXES = ("_warmup_", "_v2_mixed_warmup", "_context_warmup_")
 # What the recorder reads on a step's ``SchedulerOutput`` (a dataclass, ``vllm.v1.core.sched.output``).
 SCHEDULER_OUTPUT_FIELDS = ("total_num_scheduled_tokens", "num_scheduled_tokens", "finished_req_ids")
 ROUTER_FIELDS = ("_compute_routing", "global_num_experts", "top_k")
 MOE_RUNNER_FIELDS = ("router", "layer_id", "layer_name", "is_monolithic")
+
+# The classes of the two runners (a runner is V2 where its class is, or subclasses, V2's GPU runner), and the
+# symbols resolved by path.
+RUNNER_V1_PATH = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+CPU_RUNNER_V1_PATH = "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+RUNNER_V2_PATH = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+CPU_RUNNER_V2_PATH = "vllm.v1.worker.cpu.model_runner.CPUModelRunner"
+SCHEDULER_OUTPUT_PATH = "vllm.v1.core.sched.output.SchedulerOutput"
+MOE_RUNNER_PATH = "vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner"
+CUDAGRAPH_MODE_PATH = "vllm.config.CUDAGraphMode"
+GET_FORWARD_CONTEXT_PATH = "vllm.forward_context.get_forward_context"
+FORWARD_CONTEXT_AVAILABLE_PATH = "vllm.forward_context.is_forward_context_available"
+TP_RANK_PATH = "vllm.distributed.get_tensor_model_parallel_rank"
+PP_GROUP_PATH = "vllm.distributed.get_pp_group"
+WORKER_PATH = "vllm.v1.worker.gpu_worker.Worker"
+ENGINE_ARGS_PATH = "vllm.engine.arg_utils.EngineArgs"
+PLATFORM_PATH = "vllm.platforms.current_platform"
+# (release, runner) -> the internal the contract check found gone there, named when recording on it is refused
+REFUSED = {("0.34", "v1"): RUNNER_V1_PATH}
 
 
 class VllmApiError(RuntimeError):
@@ -66,10 +98,35 @@ def vllm_version() -> str:
     return "not installed"
 
 
+def supported() -> str:
+    checked = ", ".join(release for release in SUPPORTED if release not in TESTED)
+    return f"{', '.join(TESTED)} (tested), {checked} (checked against their sources)"
+
+
 def missing(symbol: str) -> VllmApiError:
-    return VllmApiError(
-        f"vLLM {vllm_version()} has no {symbol} (moetrace supports vLLM {', '.join(SUPPORTED)})"
-    )
+    return VllmApiError(f"vLLM {vllm_version()} has no {symbol} (moetrace supports vLLM {supported()})")
+
+
+def release_of(vllm: str) -> str:
+    """``0.34.0``, ``0.34.1+cpu`` -> ``0.34``."""
+    return ".".join(vllm.split(".")[:2])
+
+
+def unchecked(vllm: str) -> str | None:
+    """One line where ``vllm`` is a release the contract was never checked against (recording goes on), else None."""
+    if release_of(vllm) in CHECKED:
+        return None
+    return (f"vLLM {vllm} is not a release moetrace was checked against ({CHECKED[0]} to {CHECKED[-1]}; supported: "
+            f"{supported()}): recording goes on, and stops in one line at any internal it lacks")
+
+
+def refuse_gone(vllm: str, runner: str) -> None:
+    """``VllmApiError`` in one line where the contract check found an internal of ``runner`` (``v1``, ``v2``) gone in
+    release ``vllm``."""
+    gone = REFUSED.get((release_of(vllm), runner))
+    if gone is not None:
+        raise VllmApiError(f"vLLM {vllm} has no {gone}: moetrace does not record Model Runner {runner.upper()} on "
+                           f"vLLM {release_of(vllm)} (supported: {supported()})")
 
 
 def symbol(path: str) -> Any:
@@ -156,9 +213,13 @@ class WorkerApi:
         return None if mode == self.cudagraph_none else (mode.name, context.batch_descriptor)
 
     def model_runner(self, runner: Any) -> RunnerV1 | RunnerV2:
-        """The recorder's view of ``runner``: V2 by its module, else V1; a missing field raises ``VllmApiError``."""
-        if type(runner).__module__.startswith("vllm.v1.worker.gpu."):
+        """The recorder's view of ``runner``: V2 where its class is or subclasses V2's GPU runner (the CPU runner of
+        0.3x does), else V1; a runner refused in this release (``REFUSED``), or a missing field, raises
+        ``VllmApiError``."""
+        if any(f"{cls.__module__}.{cls.__qualname__}" == RUNNER_V2_PATH for cls in type(runner).__mro__):
+            refuse_gone(self.version, RunnerV2.name)
             return RunnerV2(self, runner)
+        refuse_gone(self.version, RunnerV1.name)
         return RunnerV1(self, runner)
 
     def target_moe_runners(self, model: Any) -> list[Any]:
@@ -397,32 +458,98 @@ class GraphsNamingCaptures(dict[Any, Any]):
 @cache
 def worker_api() -> WorkerApi:
     """Resolve the worker-side internals once per process; raises ``VllmApiError`` naming what is missing."""
-    schedule = {f.name for f in dataclasses.fields(symbol("vllm.v1.core.sched.output.SchedulerOutput"))}
+    schedule = {f.name for f in dataclasses.fields(symbol(SCHEDULER_OUTPUT_PATH))}
     for field in SCHEDULER_OUTPUT_FIELDS:
         if field not in schedule:
             raise missing(f"SchedulerOutput.{field} (vllm.v1.core.sched.output)")
+    found = vllm_version()
+    if (line := unchecked(found)) is not None:
+        log.warning("moetrace: %s", line)
     return WorkerApi(
-        version=vllm_version(),
-        moe_runner_cls=symbol("vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner"),
-        cudagraph_none=symbol("vllm.config.CUDAGraphMode").NONE,
-        get_forward_context=symbol("vllm.forward_context.get_forward_context"),
-        is_forward_context_available=symbol("vllm.forward_context.is_forward_context_available"),
-        tp_rank=symbol("vllm.distributed.get_tensor_model_parallel_rank"),
-        pp_size=lambda: int(symbol("vllm.distributed.get_pp_group")().world_size),
+        version=found,
+        moe_runner_cls=symbol(MOE_RUNNER_PATH),
+        cudagraph_none=symbol(CUDAGRAPH_MODE_PATH).NONE,
+        get_forward_context=symbol(GET_FORWARD_CONTEXT_PATH),
+        is_forward_context_available=symbol(FORWARD_CONTEXT_AVAILABLE_PATH),
+        tp_rank=symbol(TP_RANK_PATH),
+        pp_size=lambda: int(symbol(PP_GROUP_PATH)().world_size),
     )
 
 
 def worker_class() -> Any:
     """The GPU worker class whose ``load_model`` the plugin wraps (the CPU worker inherits it)."""
-    return symbol("vllm.v1.worker.gpu_worker.Worker")
+    return symbol(WORKER_PATH)
 
 
 def engine_arg_exists(name: str) -> bool:
     """Whether this vLLM's ``EngineArgs`` takes ``name`` (e.g. ``per_request_spec_decode_metrics``, new in 0.3x)."""
-    engine_args = symbol("vllm.engine.arg_utils.EngineArgs")
+    engine_args = symbol(ENGINE_ARGS_PATH)
     return any(f.name == name for f in dataclasses.fields(engine_args))
 
 
 def on_cuda() -> bool:
     """Whether vLLM runs on an NVIDIA (or ROCm) GPU here, as vLLM's own platform detection says."""
-    return bool(symbol("vllm.platforms.current_platform").is_cuda_alike())
+    return bool(symbol(PLATFORM_PATH).is_cuda_alike())
+
+
+@dataclass(frozen=True)
+class Reads:
+    """Names moetrace reads on one vLLM class or symbol, as data for the check against each release's sources
+    (``moetrace.hooks.contract``): the class or symbol at the first of ``paths`` a release has (one that moved keeps
+    its old path first), and the ``fields`` read on it (methods, class attributes or attributes its instances are
+    given), by ``runner`` (``v1``, ``v2`` or ``common``); ``reached``: how a runner's hooks reach its instances
+    (``runner``, ``runner.speculator``), so every ``HookPoint`` owner can be matched to one."""
+
+    runner: str
+    paths: tuple[str, ...]
+    fields: tuple[str, ...] = ()
+    reached: str = ""
+
+
+# Every vLLM internal moetrace touches: those this module resolves or checks, the fields it reads at each step,
+# and those the recorder, the capture and the plugin read on objects this module hands them.
+CONTRACT = (
+    Reads("common", (WORKER_PATH,), ("load_model", "shutdown", "model_runner", "vllm_config")),
+    Reads("common", (SCHEDULER_OUTPUT_PATH,), SCHEDULER_OUTPUT_FIELDS),
+    Reads("common", (MOE_RUNNER_PATH,), MOE_RUNNER_FIELDS + ("routed_experts",)),
+    Reads("common", ("vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts",), ("forward_monolithic",)),
+    Reads("common", ("vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter",),
+          ROUTER_FIELDS + ("select_experts",)),
+    Reads("common", (CUDAGRAPH_MODE_PATH,), ("NONE",)),
+    Reads("common", (GET_FORWARD_CONTEXT_PATH,)),
+    Reads("common", (FORWARD_CONTEXT_AVAILABLE_PATH,)),
+    Reads("common", ("vllm.forward_context.ForwardContext",), ("cudagraph_runtime_mode", "batch_descriptor")),
+    Reads("common", (TP_RANK_PATH,)),
+    Reads("common", (PP_GROUP_PATH,)),
+    Reads("common", ("vllm.distributed.parallel_state.GroupCoordinator",), ("world_size",)),
+    Reads("common", (ENGINE_ARGS_PATH,)),
+    Reads("common", (PLATFORM_PATH,)),
+    Reads("common", ("vllm.platforms.interface.Platform",), ("is_cuda_alike",)),
+    Reads("common", EXPERT_MAP_PATHS),
+    Reads("common", (EPLB_POLICY_PATH,), ("rebalance_experts",)),
+    Reads("common", (EPLB_LOGICAL_MAPS_PATH,)),
+    # V1: the runner's fields (``execute_model_state`` and ``use_async_scheduling`` read at each step,
+    # ``max_num_reqs`` by a budget), the switch that picks it where V2 is the default (the recorder names it), what
+    # the runner holds and what its calls return
+    *(Reads("v1", (path,), RUNNER_FIELDS + ("execute_model_state", "use_async_scheduling", "max_num_reqs"),
+            reached="runner") for path in (RUNNER_V1_PATH, CPU_RUNNER_V1_PATH)),
+    Reads("v1", ("vllm.envs.VLLM_USE_V2_MODEL_RUNNER",)),
+    Reads("v1", ("vllm.v1.worker.gpu_input_batch.InputBatch",), INPUT_BATCH_FIELDS),
+    Reads("v1", ("vllm.v1.utils.CpuGpuBuffer",), ("np", "gpu")),
+    Reads("v1", ("vllm.v1.worker.gpu_model_runner.ExecuteModelState",), ("spec_decode_metadata",)),
+    Reads("v1", ("vllm.v1.spec_decode.metadata.SpecDecodeMetadata",), ("num_draft_tokens",)),
+    Reads("v1", (SCHEDULER_OUTPUT_PATH,), ("scheduled_spec_decode_tokens",)),
+    Reads("v1", ("vllm.v1.outputs.SamplerOutput",), ("sampled_token_ids",)),
+    Reads("v1", ("vllm.v1.outputs.ModelRunnerOutput",), ("sampled_token_ids",)),
+    # V2: likewise
+    *(Reads("v2", (path,), RUNNER_V2_FIELDS + ("execute_model_state",), reached="runner")
+      for path in (RUNNER_V2_PATH, CPU_RUNNER_V2_PATH)),
+    Reads("v2", ("vllm.v1.worker.gpu.states.RequestState",), ("prompt_len",)),
+    Reads("v2", ("vllm.v1.worker.gpu.buffer_utils.UvaBackedTensor",), ("np",)),
+    Reads("v2", ("vllm.v1.worker.gpu.model_runner.ExecuteModelState",), ("input_batch",)),
+    Reads("v2", ("vllm.v1.worker.gpu.input_batch.InputBatch",), INPUT_BATCH_V2_FIELDS),
+    Reads("v2", ("vllm.v1.worker.gpu.spec_decode.speculator.BaseSpeculator",), ("propose",),
+          reached="runner.speculator"),
+    Reads("v2", ("vllm.v1.worker.gpu.cudagraph_utils.ModelCudaGraphManager",), GRAPH_MANAGER_V2_FIELDS,
+          reached="runner.cudagraph_manager"),
+)
