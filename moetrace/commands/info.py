@@ -23,7 +23,7 @@ def info(trace: Path, as_json: bool) -> None:
     from moetrace.trace.reader import open_traces
 
     traces = open_traces(trace)
-    summaries = []
+    summaries: list[dict[str, Any]] = []
     for t in traces:
         rows = t.routing().select("layer").collect().height
         steps = t.steps().select("step").collect().height

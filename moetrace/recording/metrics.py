@@ -133,7 +133,7 @@ class LiveMetrics:
         self.groups = layer_groups(moe_layers)
         self.num_experts, self.max_k = num_experts, max_k
         self.state = state or MetricsState.create(len(moe_layers), num_experts, max_k)
-        registry.register(self)  # type: ignore[arg-type]  # a collector: anything with collect()
+        registry.register(self)  # a collector: anything with collect()
 
     def observe(self, captures: Sequence[StepCapture]) -> None:
         with self.state.locked() as values:
@@ -191,7 +191,7 @@ class LiveMetrics:
             "moetrace_expert_load_imbalance",
             f"Busiest expert's picks over the mean expert's in the last {IMBALANCE_STEPS} decode and verification "
             "steps, averaged over the layer group", labels=["layers"])
-        bounds = [floatToGoString(bound) for bound in (*UNIQUE_BUCKETS, float("inf"))]
+        bounds = [floatToGoString(bound) for bound in (*UNIQUE_BUCKETS, float("inf"))]  # type: ignore[no-untyped-call]
         for group, (label, _) in enumerate(self.groups):
             cumulative = np.cumsum(held["unique_buckets"][group])
             unique.add_metric([label], list(zip(bounds, cumulative.tolist())), held["unique_sum"][group])
