@@ -88,8 +88,9 @@ def decode_steps(steps: pl.LazyFrame) -> pl.LazyFrame:
 
 def mean_ms(nanoseconds: pl.Expr) -> pl.Expr:
     """The mean of integer nanoseconds, in ms: summed as integers (exact, so the same however the rows are split
-    over threads; a float mean may differ in its last bit from run to run)."""
-    return (nanoseconds.sum() / pl.len() / 1e6).cast(pl.Float64)
+    over threads; a float mean may differ in its last bit from run to run). Null over no rows (not NaN: JSON has
+    none)."""
+    return pl.when(pl.len() > 0).then(nanoseconds.sum() / pl.len() / 1e6).cast(pl.Float64)
 
 
 def step_times(steps: pl.LazyFrame) -> pl.DataFrame:
@@ -173,7 +174,9 @@ def acceptance_per_k(recorded: Mapping[int, pl.LazyFrame], ks: Sequence[int], gi
       1 + mean(min(drafts, k)) tokens read;
     - past the largest recorded K: extrapolated (``acceptance_curve``), reading K's tokens plus, per extra
       position, the share of request-steps that proposed all K drafts;
-    - ``given_rate``: each draft accepted with that rate while all before it were; k+1 tokens read."""
+    - ``given_rate``: each draft accepted with that rate while all before it were; k+1 tokens read;
+    - k > 0 resting on a trace whose steps hold no decoding request-step (no steps rows: a recording killed before
+      its first steps file): unknown, tokens gained and read null."""
     rows = []
     for k in ks:
         if given_rate is not None:
@@ -189,7 +192,14 @@ def acceptance_per_k(recorded: Mapping[int, pl.LazyFrame], ks: Sequence[int], gi
         counts = steps.select(
             request_steps=pl.len(), read=(pl.col("num_drafts").clip(upper_bound=k) + 1).mean(),
             full=(pl.col("num_drafts") >= at).mean()).collect().row(0, named=True)
-        if k == at or k == 0:  # k = 0 gains and reads one token per step, by definition
+        read: float | None
+        gained: float | None
+        if k == 0:  # k = 0 gains and reads one token per step, by definition
+            source, read, gained = Source.MEASURED, 1.0, 1.0
+        elif not counts["request_steps"]:
+            source = Source.MEASURED if k == at else Source.ESTIMATED if k < at else Source.EXTRAPOLATED
+            read = gained = None
+        elif k == at:
             source, read = Source.MEASURED, counts["read"]
             gained = tokens_per_step([rates[i] for i in range(1, k + 1)])
         elif k < at:

@@ -157,12 +157,17 @@ def compare_policies(steps: pl.LazyFrame, max_k: int, step_ms: Mapping[int, Mapp
     return pl.DataFrame(rows, schema=schema, orient="row")
 
 
-def policy_verdict(compared: pl.DataFrame, batches: Sequence[int], requests: int) -> list[str]:
+def policy_verdict(compared: pl.DataFrame, batches: Sequence[int], requests: int,
+                   unpriced: Mapping[int, str] | None = None) -> list[str]:
     """Per concurrency of ``batches``: which policy replayed fastest and whether it beats the static table beyond
-    the noise, or that it was not replayed or judged (``requests``: the requests the replayed trace holds)."""
+    the noise, or that it was not replayed or judged (``requests``: the requests the replayed trace holds;
+    ``unpriced``: concurrencies left out of ``compared`` for want of a predicted step, and why)."""
     lines = []
     for batch in batches:
         rows = compared.filter(pl.col("batch") == batch).to_dicts()
+        if batch in (unpriced or {}):
+            lines.append(f"B={batch}: not replayed: {(unpriced or {})[batch]}")
+            continue
         if not rows:
             lines.append(f"B={batch}: not replayed: the trace holds {requests} request(s), fewer than {batch} slots")
             continue

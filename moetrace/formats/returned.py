@@ -238,7 +238,7 @@ def step_captures(requests: list[EngineRequest], rows: list[npt.NDArray[np.int64
         padding += int(padded[:, 0].sum())
         positions = request.prompt_start + np.flatnonzero(~padded[:, 0])
         prompt = positions < request.prompt_length
-        groups = ([positions[prompt]] if prompt.any() else []) + np.split(positions[~prompt], int((~prompt).sum()))
+        groups = ([positions[prompt]] if prompt.any() else []) + list(positions[~prompt].reshape(-1, 1))
         tokens = None if request.tokens is None else np.asarray(request.tokens, dtype=np.uint32)
         for number, group in enumerate(groups):
             count, step = len(group), len(captures)

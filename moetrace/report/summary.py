@@ -41,6 +41,7 @@ from moetrace.analysis.growth import (
     rejected_only_experts,
 )
 from moetrace.analysis.policies import compare_policies, policy_verdict
+from moetrace.analysis.predicates import decoding
 from moetrace.analysis.profile import Profile
 from moetrace.analysis.routing_summary import SummaryRequest, summarise_routing
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
@@ -234,6 +235,9 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
     left out, and why."""
     if options.acceptance is None and max(t.k for t in run.traces) == 0:
         raise UserError(f"{run.primary.path}: no verified drafts to measure acceptance from; give --acceptance RATE")
+    unmeasured = unmeasured_acceptance(run) if options.acceptance is None else None
+    if unmeasured is not None:
+        raise UserError(f"{unmeasured}: its acceptance is unknown; give --acceptance RATE")
     pred_shape, pred_tp, pred_ep, preset_notes = prediction_deployment(shape, tp, ep, options)
     # the step a profile measured: one request's window of its tokens (k = tokens - 1), read at batch 1
     tokens = options.profile.tokens if options.profile is not None else 1
@@ -265,6 +269,17 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
         basis["calibration_device"] = f"{device.get('name')} x{device.get('count')}"
     decision = recommended_k(speedups, options.batches, disagreements, unpriced)
     return speedups, table, decision, basis
+
+
+def unmeasured_acceptance(run: Run) -> str | None:
+    """The first trace of ``run`` with drafts whose steps table holds no decoding request-step to measure acceptance
+    from (``acceptance_per_k`` leaves the k resting on it null), and why: no steps rows (a recording killed before
+    its first steps file), or prefill chunks only; None where every one has some."""
+    for trace in run.traces:
+        rows, decoding_rows = trace.steps().select(pl.len(), decoding().sum()).collect().row(0)
+        if trace.k > 0 and not decoding_rows:
+            return f"{trace.path}: {'no steps rows' if not rows else 'no decoding request-step in its steps rows'}"
+    return None
 
 
 def calibrated_drafter(run: Run, calibration: dict[str, Any] | None) -> tuple[dict[str, Any] | None, list[str]]:
@@ -467,7 +482,10 @@ def replayed_policies(run: Run, speedups: pl.DataFrame, decision: pl.DataFrame |
              for row in decision.to_dicts() if row["k"] is not None or row["best_k"] is not None}
     step_ms = {int(str(batch)): dict(zip(part["k"].to_list(), part["step_ms"].to_list()))
                for (batch,), part in speedups.group_by("batch") if int(str(batch)) in table}
+    # a replay prices every k up to the trace's: not where nothing predicted one (no windows of it to read)
+    unpriced = {batch: f"no predicted step at k={', '.join(map(str, missing))}" for batch, at in step_ms.items()
+                if (missing := [k for k in range(deepest.k + 1) if k not in at])}
     steps = deepest.steps()
-    rows = compare_policies(steps, deepest.k, step_ms, table)
+    rows = compare_policies(steps, deepest.k, step_ms, {b: k for b, k in table.items() if b not in unpriced})
     requests = int(steps.select(pl.col("request").n_unique()).collect().item())
-    return PolicyReplay(rows, policy_verdict(rows, sorted(table), requests), deepest.k)
+    return PolicyReplay(rows, policy_verdict(rows, sorted(table), requests, unpriced), deepest.k)

@@ -109,7 +109,7 @@ def _acceptance(run: dict[str, Any]) -> Table:
             _number(row["tokens_per_step"]),
             _number(row["step_ms"], 1),
             _number(row["measured_speedup"]),
-            " ".join(f"{p['draft_pos']}:{p['acceptance_rate']:.2f}" for p in rates) or "–",
+            " ".join(f"{p['draft_pos']}:{_number(p['acceptance_rate'])}" for p in rates) or "–",
         )
     return table
 
@@ -266,7 +266,7 @@ def _decision(decision: dict[str, Any]) -> Table:
             _marked(_number(row["speedup"]), row["speedup_source"]) if recommended else "–",
             _marked(_number(row["tokens_per_step"]), row["acceptance_source"]),
             _marked(_number(row["unique_experts"], 0), row["union_source"]), _number(row["uniform_bound"], 0),
-            str(row["windows"]), str(row["steps"]), _number(budget.get("median"), 0),
+            _number(row["windows"]), _number(row["steps"]), _number(budget.get("median"), 0),
             _bytes(budget.get("bytes_saved_per_window")),
         )
     return table
