@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,9 @@ def report(
     if swept:
         print_budget_sweep(summary["budget_sweep"], console)
     console.print(f"dashboard: {dashboard}", markup=False, highlight=False)
+    named = " ".join(shlex.quote(str(path)) for path in traces)
+    console.print(f"next: moetrace report {named} --json > decision.json && moetrace export decision.json "
+                  "--vllm-spec-schedule", markup=False, highlight=False)
 
 
 @click.command()
@@ -282,3 +286,5 @@ def budget(trace: Path, k: int, coverage: float, shape_preset: str | None, outpu
         console.print(f"warning: {warning}", style="yellow", markup=False, highlight=False)
     print_budget_table(payload, console)
     console.print(f"budgets: {output}", markup=False, highlight=False)
+    console.print(f"next: moetrace record MODEL --k {k} --budget {shlex.quote(str(output))},none (what the budget "
+                  "does to acceptance and output, measured in vLLM)", markup=False, highlight=False)

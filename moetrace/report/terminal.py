@@ -179,7 +179,9 @@ def _against_trace(rows: list[dict[str, Any]]) -> Table:
 
 def _prediction_notes(prediction: dict[str, Any]) -> list[str]:
     basis = prediction["basis"]
-    lines = [f"all-reduce: {basis['allreduce']}"] if basis["allreduce"] else []
+    # an extrapolated all-reduce is already a note of the run's (printed above it, and in the dashboard)
+    said = basis["allreduce"] and not basis["allreduce_extrapolated"]
+    lines = [f"all-reduce: {basis['allreduce']}"] if said else []
     if basis.get("calibration"):
         lines.append(f"calibration: {basis['calibration']} ({basis.get('calibration_device')})")
     check = basis.get("calibrated_at_anchor")

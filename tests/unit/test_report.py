@@ -388,3 +388,17 @@ def test_the_record_out_folder_is_enough_when_it_holds_one_run(tmp_path: Path) -
     small_k2_trace(tmp_path / "out" / "run-b" / "k2")
     _one_line_error(_invoke("report", tmp_path / "out", "--k", "2"), "holds 2 runs (run-a, run-b): give one of them")
     assert _invoke("report", tmp_path / "out" / "run-b", "--k", "2").exit_code == 0
+
+
+def test_the_terminal_report_says_an_extrapolated_all_reduce_once_and_ends_with_the_next_command(
+        verify_trace: Path, tmp_path: Path) -> None:
+    result = _invoke("report", verify_trace, "--k", "3", "-o", tmp_path / "r.html")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stdout.split())  # as read, whatever rich wrapped
+    assert said.count("EXTRAPOLATED from 2 GPUs") == 1  # the preset's all-reduce curve, measured on 2 H200s
+    assert said.endswith(f"next: moetrace report {verify_trace} --json > decision.json && moetrace export "
+                         "decision.json --vllm-spec-schedule")
+    budget = _invoke("budget", verify_trace, "--k", "3", "-o", tmp_path / "budgets.json")
+    assert " ".join(budget.stdout.split()).endswith(
+        f"next: moetrace record MODEL --k 3 --budget {tmp_path / 'budgets.json'},none (what the budget does to "
+        "acceptance and output, measured in vLLM)")
