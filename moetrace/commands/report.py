@@ -236,7 +236,7 @@ def report(
     console.print(f"dashboard: {dashboard}", markup=False, highlight=False)
     named = " ".join(shlex.quote(str(path)) for path in traces)
     console.print(f"next: moetrace report {named} --json > decision.json && moetrace export decision.json "
-                  "--vllm-spec-schedule", markup=False, highlight=False)
+                  "--vllm-spec-schedule", markup=False, highlight=False, soft_wrap=True)  # whole, to copy
 
 
 @click.command()
@@ -287,4 +287,4 @@ def budget(trace: Path, k: int, coverage: float, shape_preset: str | None, outpu
     print_budget_table(payload, console)
     console.print(f"budgets: {output}", markup=False, highlight=False)
     console.print(f"next: moetrace record MODEL --k {k} --budget {shlex.quote(str(output))},none (what the budget "
-                  "does to acceptance and output, measured in vLLM)", markup=False, highlight=False)
+                  "does to acceptance and output, measured in vLLM)", markup=False, highlight=False, soft_wrap=True)

@@ -293,7 +293,9 @@ def test_the_terminal_report_cuts_nothing_at_80_columns_when_piped(verify_trace:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Predicted verify step" in done.stdout and "Side by side" in done.stdout
     assert "…" not in done.stdout
-    assert max(len(line) for line in done.stdout.splitlines()) <= 80
+    *tables, next_command = done.stdout.splitlines()
+    assert max(len(line) for line in tables) <= 80
+    assert next_command.startswith("next: moetrace report ")  # printed whole, to be copied, however long
 
 
 def test_measured_term_columns_show_only_where_the_traces_measured_them() -> None:
@@ -396,9 +398,9 @@ def test_the_terminal_report_says_an_extrapolated_all_reduce_once_and_ends_with_
     assert result.exit_code == 0, result.output
     said = " ".join(result.stdout.split())  # as read, whatever rich wrapped
     assert said.count("EXTRAPOLATED from 2 GPUs") == 1  # the preset's all-reduce curve, measured on 2 H200s
-    assert said.endswith(f"next: moetrace report {verify_trace} --json > decision.json && moetrace export "
-                         "decision.json --vllm-spec-schedule")
+    assert result.stdout.splitlines()[-1] == (f"next: moetrace report {verify_trace} --json > decision.json && "
+                                              "moetrace export decision.json --vllm-spec-schedule")
     budget = _invoke("budget", verify_trace, "--k", "3", "-o", tmp_path / "budgets.json")
-    assert " ".join(budget.stdout.split()).endswith(
+    assert budget.stdout.splitlines()[-1] == (
         f"next: moetrace record MODEL --k 3 --budget {tmp_path / 'budgets.json'},none (what the budget does to "
         "acceptance and output, measured in vLLM)")
