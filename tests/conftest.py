@@ -26,21 +26,26 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER is not None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+# Every process this test process starts (engines, servers, their writer processes) inherits this mark: the writers
+# it left behind are told from those of another test run on the same machine, which they must never touch.
+TEST_PROCESS = f"MOETRACE_TEST_PROCESS={os.getpid()}"
+os.environ["MOETRACE_TEST_PROCESS"] = str(os.getpid())
+
 WRITER_GRACE_SECONDS = 10.0  # a writer process whose engine side closed or went away ends on its own within this
 
 
 def writer_processes() -> set[int]:
     """PIDs of the running ``python -P -m moetrace.recording.writer`` processes (their short-lived launcher runs
-    ``python -c``) started from this xdist worker (they inherit its environment), or from anywhere when not under
-    xdist."""
+    ``python -c``) started from this test process (they inherit its ``TEST_PROCESS`` mark): never those of another
+    xdist worker or of another test run on the machine."""
     found = set()
-    mine = f"PYTEST_XDIST_WORKER={WORKER}".encode()
+    mine = TEST_PROCESS.encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             if b"-m\0moetrace.recording.writer\0" in (entry / "cmdline").read_bytes() and (
-                    WORKER is None or mine in (entry / "environ").read_bytes().split(b"\0")):
+                    mine in (entry / "environ").read_bytes().split(b"\0")):
                 found.add(int(entry.name))
         except OSError:
             continue
