@@ -611,8 +611,10 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     widest = report("--calibration", str(calibration), "--profile", "measured", "--batch", "2", "--k0-sync",
                     str(sync)).stdout
     assert "sched" in widest and "rej" in widest
-    # every table, the measured-mode ones with a dozen columns included, fits an 80-column terminal unfolded
-    assert max(len(line) for line in widest.splitlines()) <= 80
+    # every table, the measured-mode ones with a dozen columns included, fits an 80-column terminal unfolded (the
+    # next command after them is printed whole, to be copied)
+    *tables, next_command = widest.splitlines()
+    assert max(len(line) for line in tables) <= 80 and next_command.startswith("next: moetrace report ")
     assert f"{predicted_k2 + 0.5 - 0.05:.2f}" in widest
     with_async = json.loads((sync / "manifest.json").read_text())
     with_async["capture"] = {"async_scheduling": True}
