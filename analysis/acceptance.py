@@ -8,7 +8,7 @@ i = 1..k is exactly the mean tokens a decoding request-step gains.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import polars as pl
 
@@ -164,6 +164,14 @@ ACCEPTANCE_SCHEMA: dict[str, pl.DataType] = {
     "acceptance_source": pl.String()}
 
 
+def drawn_from(recorded: Collection[int], k: int) -> int:
+    """The recorded k whose trace a k is drawn from: itself where recorded, else the smallest recorded above it (its
+    request-steps proposed at least k drafts where they could), else the largest: what a k's acceptance and tokens
+    (``acceptance_per_k``) and unions (``concurrency``) are read from."""
+    larger = [at for at in recorded if at >= k]
+    return min(larger) if larger else max(recorded)
+
+
 def acceptance_per_k(recorded: Mapping[int, pl.LazyFrame], ks: Sequence[int], given_rate: float | None = None
                      ) -> pl.DataFrame:
     """Per k: tokens a request gains per step, tokens a request-step reads, the decoding request-steps behind them,
@@ -184,8 +192,7 @@ def acceptance_per_k(recorded: Mapping[int, pl.LazyFrame], ks: Sequence[int], gi
                          "tokens_read": float(k + 1), "request_steps": None,
                          "acceptance_source": Source.GIVEN.value})
             continue
-        larger = [recorded_k for recorded_k in recorded if recorded_k >= k]
-        at = min(larger) if larger else max(recorded)
+        at = drawn_from(recorded, k)
         steps = recorded[at].filter(decoding())
         by_position = acceptance_by_position(recorded[at], at)
         rates = dict(zip(by_position["draft_pos"].to_list(), by_position["acceptance_rate"].to_list()))

@@ -14,38 +14,38 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import polars as pl
 
-from moetrace.analysis.predicates import accepted_sequence, not_prefill, step_key
+from moetrace.analysis.counterfactual import CutSequence, Proposals, proposed_drafts
+from moetrace.analysis.predicates import HASH_RANGE, accepted_sequence, not_prefill, step_key
 
 WINDOW = ["layer", "window_major", "window_minor"]
 NEVER_KEPT = 1 << 30  # rank of a picked expert the candidates did not list
-HASH_RANGE = 1 << 32
 
 
 def budget_windows(routing: pl.LazyFrame, k: int, measured: bool, share: float = 1.0) -> pl.LazyFrame:
-    """Routing rows keyed by window, complete windows of k+1 tokens only (as the growth analysis counts them).
-    Measured: the recorded verification windows ``(step, request)`` that verified k drafts. Counterfactual: windows
-    of k+1 consecutive accepted tokens (``(request, position // (k+1))``).
+    """Routing rows keyed by window, complete windows of k+1 tokens only: a budget must hold for a window that
+    verifies all k drafts, however many a drafter proposed. Measured: the recorded verification windows ``(step,
+    request)`` that verified k drafts. Counterfactual: ``counterfactual.window_spans``' full windows of k+1
+    consecutive accepted tokens (``window_major``: the request, ``window_minor``: the window's first position).
     ``share`` < 1 keeps a deterministic sample of whole windows (by a hash of the window key): budget curves are
     means over windows, so a uniform sample estimates them at a fraction of the cost."""
-    if measured:
-        keyed = routing.filter(pl.col("phase").cast(pl.String) == "verify").with_columns(
-            window_major=step_key(), window_minor=pl.col("request")
-        )
-    else:
-        keyed = accepted_sequence(routing).with_columns(
-            window_major=pl.col("request"), window_minor=pl.col("position") // (k + 1)
-        )
+    if not measured:
+        return CutSequence(accepted_sequence(routing).collect(), 0, None).windows(k, share=share, full=True)[0].lazy()
+    keyed = routing.filter(pl.col("phase").cast(pl.String) == "verify").with_columns(
+        window_major=step_key(), window_minor=pl.col("request")
+    )
     if share < 1.0:
         key_hash = pl.struct("window_major", "window_minor").hash(seed=0) % HASH_RANGE
         keyed = keyed.filter(key_hash < int(share * HASH_RANGE))
     return keyed.filter(pl.len().over(WINDOW) == k + 1)
 
 
-# lcm(1..9): a block of this many positions holds whole windows of k+1 tokens for every k ≤ 8 (windows start at
-# multiples of k+1), so a sample of blocks serves every k at once.
+# lcm(1..9): a block of this many positions holds whole windows of k+1 tokens for every k ≤ 8 (full windows start
+# at multiples of k+1), so a sample of blocks serves every k at once. A request-step's window (``counterfactual``)
+# starts at its anchor: one that runs past a block's end into a block not sampled is lost (at most k of 2,520).
 SAMPLE_BLOCK = 2520
 # Rows read into memory at most, per table, for windows at every k; beyond it, a deterministic sample.
 MAX_SAMPLE_ROWS = 3_000_000
@@ -56,20 +56,35 @@ class WindowSample:
     """What windows at any k are cut from, read from the trace once: the accepted sequence of a deterministic
     sample of position blocks ``(request, position // SAMPLE_BLOCK)`` (counterfactual windows), and every
     non-prefill row of a deterministic sample of whole steps (``stepped``: the recorded request-steps, at the
-    trace's own k). ``share``: the share of blocks and steps kept (1.0: the whole trace)."""
+    trace's own k). ``share``: the share of blocks and steps kept (1.0: the whole trace); ``trace_k``: the k the
+    trace recorded; ``proposals``: its ``counterfactual.proposed_drafts``."""
 
     accepted: pl.DataFrame
     stepped: pl.DataFrame
     share: float
+    trace_k: int
+    proposals: pl.DataFrame
+
+    @cached_property
+    def sequence(self) -> CutSequence:
+        """The accepted rows ordered for cutting counterfactual windows, with what each request-step proposed."""
+        return CutSequence(self.accepted, self.trace_k, Proposals.of(self.proposals) if self.trace_k else None)
 
     def windows(self, k: int, measured: bool, max_windows: int) -> tuple[pl.LazyFrame, float]:
-        """``budget_windows`` of the sample, thinned to about ``max_windows`` windows per layer; with the share of
-        the trace's windows they stand for."""
-        rows = self.stepped if measured else self.accepted
-        share = window_share(rows.height, max(int(rows["layer"].n_unique()), 1), k, max_windows)
+        """``budget_windows`` of the sample (full windows of k+1 tokens), thinned to about ``max_windows`` windows
+        per layer; with the share of the trace's windows they stand for."""
         if measured:  # whole steps, so that a step's windows stay together
+            share = window_share(self.stepped.height, max(int(self.stepped["layer"].n_unique()), 1), k, max_windows)
             return budget_windows(self._whole_steps(share), k, True), share * self.share
-        return budget_windows(rows.lazy(), k, False, share), share * self.share
+        keyed, share = self.sequence.windows(k, max_windows, full=True)
+        return keyed.lazy(), share * self.share
+
+    def request_windows(self, k: int, max_windows: int) -> tuple[pl.LazyFrame, float]:
+        """The counterfactual windows at ``k`` (``counterfactual``: one per request-step, as many accepted tokens as
+        its drafter proposed), keyed as ``CutSequence.windows``, thinned to about ``max_windows`` windows per layer;
+        with the share of the trace's windows they stand for."""
+        keyed, share = self.sequence.windows(k, max_windows)
+        return keyed.lazy(), share * self.share
 
     def request_steps(self, max_windows: int) -> tuple[pl.LazyFrame, float]:
         """Every recorded request-step as a window (``window_major``: its step key, ``window_minor``: its request),
@@ -120,7 +135,7 @@ def window_sample(routing: pl.LazyFrame, trace_k: int, columns: list[str],
                   max_rows: int = MAX_SAMPLE_ROWS) -> WindowSample:
     """A ``WindowSample`` of the trace (see ``sampled_windows``)."""
     share = sample_share(int(routing.select(pl.len()).collect().item()), max_rows)
-    return WindowSample(*sampled_windows(routing, share, columns), share)
+    return WindowSample(*sampled_windows(routing, share, columns), share, trace_k, proposed_drafts(routing, trace_k))
 
 
 def window_share(rows: int, layers: int, k: int, max_windows: int) -> float:

@@ -16,8 +16,10 @@ accepted and rejected drafts, or one decode token where nothing was proposed):
   prompt ⌊B/P⌋ times and the rest drawn;
 - lower bound: fewer request-steps than B: the union of all of them.
 
-At a k no trace recorded: windows of k+1 consecutive accepted tokens of the primary trace (counterfactual), drawn
-the same way (lower bound when fewer than B). Alongside: uniform, N·(1−(1−K/N)^(B(k+1))).
+At a k no trace recorded: the counterfactual windows (``counterfactual``: one per request-step, as many consecutive
+accepted tokens as its drafter proposed) of the trace acceptance draws the k from (``drawn_from``: the smallest
+recorded k above it, else the largest), drawn the same way (lower bound when fewer than B). Alongside: uniform,
+N·(1−(1−K/N)^(B(k+1))).
 
 Long traces are sampled to about ``MAX_WINDOWS`` windows per layer and k first (whole steps where steps are
 unioned). Per layer, with the experts on the busiest rank under an expert placement and the ranks touched.
@@ -32,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 import polars as pl
 
-from moetrace.analysis.acceptance import decode_steps
+from moetrace.analysis.acceptance import decode_steps, drawn_from
 from moetrace.analysis.budgets import WINDOW, WindowSample
 from moetrace.analysis.expert_sets import (
     Masks,
@@ -205,27 +207,27 @@ def sampled_batch_unions(masks: Masks, prompts: npt.NDArray[np.int64], batch: in
     return np.bitwise_or.reduce(masks[picks], axis=1), False
 
 
-def batch_unions(counterfactual: RecordedK, recorded: Mapping[int, RecordedK], num_experts: int, top_k: int,
+def batch_unions(recorded: Mapping[int, RecordedK], num_experts: int, top_k: int,
                  expert_rank: npt.NDArray[np.int64], ks: Sequence[int], batches: Sequence[int],
                  seed: int = 0) -> pl.DataFrame:
     """Per (batch, k, layer): unique experts, busiest-rank experts and ranks touched one step reads, what they rest
     on (windows, measured steps), the uniform bound and the source (see the module doc). ``recorded``: the sweep's
-    traces by k; ``counterfactual``: the primary trace, for the k no trace recorded."""
+    traces by k."""
     ranks = rank_masks(expert_rank, num_experts)
     rows: list[dict[str, object]] = []
     for k in ks:
-        at_k = recorded.get(k)
-        if at_k is not None:
-            windows, _ = at_k.sample.request_steps(MAX_WINDOWS)
-            sizes = decoding_step_sizes(at_k.steps)
+        at_k = k in recorded
+        drawn = recorded[drawn_from(recorded, k)]
+        if at_k:
+            windows, _ = drawn.sample.request_steps(MAX_WINDOWS)
+            sizes = decoding_step_sizes(drawn.steps)
         else:
-            windows, _ = counterfactual.sample.windows(k, False, MAX_WINDOWS)
+            windows, _ = drawn.sample.request_windows(k, MAX_WINDOWS)
             sizes = {}
-        per_layer = window_masks(windows, num_experts, "window_minor" if at_k is not None else "window_major")
-        prompts_of = (at_k if at_k is not None else counterfactual).prompts
+        per_layer = window_masks(windows, num_experts, "window_minor" if at_k else "window_major")
         for layer, found in sorted(per_layer.items()):
-            prompts = np.array([prompts_of.get(int(r), -1 - int(r)) for r in found.requests], dtype=np.int64)
-            by_step = StepUnions.of(found.masks, found.major, prompts, sizes) if at_k is not None else None
+            prompts = np.array([drawn.prompts.get(int(r), -1 - int(r)) for r in found.requests], dtype=np.int64)
+            by_step = StepUnions.of(found.masks, found.major, prompts, sizes) if at_k else None
             for batch in batches:
                 unions = by_step.ran(batch) if by_step is not None else found.masks[:0]
                 measured_steps = len(unions)
@@ -235,7 +237,7 @@ def batch_unions(counterfactual: RecordedK, recorded: Mapping[int, RecordedK], n
                                                          seed + 7919 * layer + batch)
                     measured_steps = 0
                     source = (Source.LOWER_BOUND if short else
-                              Source.ESTIMATED if at_k is not None else Source.COUNTERFACTUAL)
+                              Source.ESTIMATED if at_k else Source.COUNTERFACTUAL)
                 if len(unions) == 0:
                     continue
                 on_rank = per_rank_counts(unions, ranks) if len(ranks) > 1 else count_experts(unions)[:, None]

@@ -98,22 +98,28 @@ def expert_masks(experts: npt.NDArray[np.integer], num_experts: int) -> Masks:
 
 
 def window_union(
-    masks: Masks, starts: npt.NDArray[np.int64], width: int, scratch: Scratch | None = None, name: str = "union"
+    masks: Masks, starts: npt.NDArray[np.int64], width: int | npt.NDArray[np.int64], scratch: Scratch | None = None,
+    name: str = "union"
 ) -> Masks:
     """Union of the ``width`` consecutive rows (along axis 0) that start at each of ``starts`` (in ``scratch``'s
-    ``name`` when given)."""
+    ``name`` when given). ``width``: one for every window, or one per window, widest first (so that the windows
+    still open at each offset are a prefix)."""
     shape = (len(starts), *masks.shape[1:])
     out: Masks = _work(scratch, name, shape, np.uint64)
     if len(starts) == 0:
         return out
-    if int(starts.min()) < 0 or int(starts.max()) + width > len(masks):
+    widths = np.broadcast_to(np.asarray(width, dtype=np.int64), (len(starts),))
+    if bool(np.any(np.diff(widths) > 0)):
+        raise ValueError("windows must come widest first")
+    if int(starts.min()) < 0 or int((starts + widths).max()) > len(masks) or int(widths.min()) < 1:
         raise IndexError("window beyond the rows")
     np.take(masks, starts, axis=0, out=out, mode="clip")  # in place: mode="raise" would buffer
-    if width > 1:
-        buffer = _work(scratch, "union.buffer", shape, np.uint64)  # shared: used only within this call
-        for offset in range(1, width):
-            np.take(masks, starts + offset, axis=0, out=buffer, mode="clip")
-            out |= buffer
+    buffer = _work(scratch, "union.buffer", shape, np.uint64)  # shared: used only within this call
+    # the windows still open at each offset: widths are non-increasing, so a prefix (-widths ascending)
+    open_at = np.searchsorted(-widths, -np.arange(1, int(widths[0])), side="left")
+    for offset, count in enumerate(open_at.tolist(), start=1):
+        np.take(masks, starts[:count] + offset, axis=0, out=buffer[:count], mode="clip")
+        out[:count] |= buffer[:count]
     return out
 
 

@@ -1,12 +1,14 @@
-"""Unique experts per layer as the verification window grows: measured, counterfactual and the uniform bound.
+"""Unique experts per layer one request-step reads as k grows: measured, counterfactual and the uniform bound.
 
-- measured, per request: verification windows ``(step, request)`` of the recorded trace; the window of size k+1 is
-  the anchor plus drafts 1..k of windows that proposed at least k drafts (so one trace at k answers 0..k).
+- measured, per request: every decoding request-step ``(step, request)`` of the recorded trace, its drafts capped at
+  k (the anchor and drafts 1..min(d, k) of the d it proposed: what it would have read at k, so one trace at K
+  answers 0..K).
 - measured, per batch: the union over every decode/verify token of a step, drafts capped at k.
-- counterfactual: windows of k+1 consecutive tokens of the accepted sequence (decode tokens, verification anchors and
-  accepted drafts), aligned on positions that are multiples of k+1; only complete windows count. Any trace, plain
+- counterfactual: ``counterfactual.window_spans``' windows of consecutive accepted tokens, one per request-step,
+  as many tokens as its drafter proposed (a trace without drafts: full windows of k+1 tokens). Any trace, plain
   decoding included, answers every k this way.
-- uniform: N·(1−(1−top_k/N)^(k+1)), the expected union of k+1 independent uniformly random top-k sets.
+- uniform: the expected union of as many independent uniformly random top-k sets as a request-step reads,
+  N·(1−(1−top_k/N)^T) averaged over the request-steps' T (``counterfactual.window_tokens``; k+1 without drafts).
 
 Every row also carries the per-rank view under an expert placement: experts on the busiest rank and ranks touched.
 """
@@ -22,6 +24,7 @@ import numpy.typing as npt
 import polars as pl
 
 from moetrace.analysis.concurrency import uniform_unique_experts
+from moetrace.analysis.counterfactual import Proposals, proposed_drafts, window_spans, window_tokens
 from moetrace.analysis.predicates import accepted_sequence, in_sequence, not_prefill, step_key
 from moetrace.analysis.sources import RANKS, Source
 from moetrace.analysis.streamed_windows import NotTokenMajor, counterfactual_streamed
@@ -33,6 +36,7 @@ from moetrace.analysis.expert_sets import (
     group_union,
     per_rank_counts,
     rank_masks,
+    window_union,
 )
 
 MEASURED = Source.MEASURED.value
@@ -111,27 +115,32 @@ def window_means(sums: pl.DataFrame) -> pl.DataFrame:
 
 
 def counterfactual_window_sums(
-    routing: pl.LazyFrame, num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64]
+    routing: pl.LazyFrame, num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64], trace_k: int,
+    proposals: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
-    """Window sums (``WINDOW_SUMS_SCHEMA``) of unique experts per window of k+1 consecutive accepted tokens, per
-    layer and k (see module doc).
+    """Window sums (``WINDOW_SUMS_SCHEMA``) of unique experts per counterfactual window (``counterfactual``), per
+    layer and k, of a trace recorded at ``trace_k``; ``proposals``: its ``counterfactual.proposed_drafts`` where the
+    caller has them.
 
     Token-major traces (every token's layers on consecutive rows, in one layer order, and each request's positions
     increasing from batch to batch: what the recorder writes) are streamed in batches, without a sort; anything else
     takes the general path, which sorts."""
+    found = Proposals.of(proposed_drafts(routing, trace_k) if proposals is None else proposals) if trace_k else None
     try:
-        return _frame(counterfactual_streamed(routing, num_experts, ks, expert_rank, COUNTERFACTUAL, PER_REQUEST))
+        return _frame(counterfactual_streamed(routing, num_experts, ks, expert_rank, trace_k, found, COUNTERFACTUAL,
+                                              PER_REQUEST))
     except NotTokenMajor:
-        return _counterfactual_sorted(routing, num_experts, ks, expert_rank)
+        return _counterfactual_sorted(routing, num_experts, ks, expert_rank, trace_k, found)
 
 
 def _counterfactual_sorted(
-    routing: pl.LazyFrame, num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64]
+    routing: pl.LazyFrame, num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64], trace_k: int,
+    proposals: Proposals | None,
 ) -> pl.DataFrame:
-    """The general path: sort by layer, request and position, then group windows per layer."""
+    """The general path: sort by layer, request and position, then cut windows per layer."""
     frame = (
         accepted_sequence(routing)
-        .select("layer", "request", "position", "experts")
+        .select("layer", "request", "position", step_key(), "draft_pos", "experts")
         .sort("layer", "request", "position")
         .collect()
     )
@@ -141,10 +150,11 @@ def _counterfactual_sorted(
         masks = expert_masks(part["experts"].to_numpy(), num_experts)
         request = part["request"].to_numpy()
         position = part["position"].to_numpy()
+        proposed = None if proposals is None else proposals.at(
+            part["step_key"].to_numpy(), request, part["draft_pos"].to_numpy())
         for k in ks:
-            starts = group_starts(request, position // (k + 1))
-            sizes = np.diff(np.append(starts, len(part)))
-            unions = group_union(masks, starts)[sizes == k + 1]
+            spans = window_spans(request, position, proposed, k, trace_k).widest_first()
+            unions = window_union(masks, spans.starts, spans.widths)
             rows.append(_window_row(layer, k, COUNTERFACTUAL, PER_REQUEST, unions, ranks))
     return _frame(rows)
 
@@ -216,25 +226,20 @@ def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
 def measured_window_sums(
     rows: WindowRows, num_experts: int, trace_k: int, expert_rank: npt.NDArray[np.int64], whole_steps: bool = True
 ) -> pl.DataFrame:
-    """Window sums (``WINDOW_SUMS_SCHEMA``) of unique experts per recorded verification window (per request) and
-    per step (whole batch, where ``whole_steps``: not where the rows are of one request in N), k = 0..trace_k.
-    ``rows``: ``decode_and_verify`` of the trace."""
+    """Window sums (``WINDOW_SUMS_SCHEMA``) of unique experts per recorded request-step (per request) and per step
+    (whole batch, where ``whole_steps``: not where the rows are of one request in N), drafts capped at k, k =
+    0..trace_k. ``rows``: ``decode_and_verify`` of the trace."""
     ranks = rank_masks(expert_rank, num_experts)
     found: list[dict[str, object] | None] = []
     for layer, part in rows.by_layer():
         masks = expert_masks(part.experts, num_experts)
-        step, request, draft_pos, is_verify = part.step, part.request, part.draft_pos, part.is_verify
-        window_starts = group_starts(step, request)
-        window_drafts = np.maximum.reduceat(draft_pos, window_starts) if len(window_starts) else draft_pos
-        drafts_in_window = np.repeat(window_drafts, np.diff(np.append(window_starts, len(step))))
         for k in range(trace_k + 1):
-            capped = draft_pos <= k
-            in_window = capped & is_verify & (drafts_in_window >= k)
-            unions = group_union(masks[in_window], group_starts(step[in_window], request[in_window]))
+            capped = part.draft_pos <= k
+            read, step = masks[capped], part.step[capped]
+            unions = group_union(read, group_starts(step, part.request[capped]))
             found.append(_window_row(layer, k, MEASURED, PER_REQUEST, unions, ranks))
             if whole_steps:
-                unions = group_union(masks[capped], group_starts(step[capped]))
-                found.append(_window_row(layer, k, MEASURED, PER_BATCH, unions, ranks))
+                found.append(_window_row(layer, k, MEASURED, PER_BATCH, group_union(read, group_starts(step)), ranks))
     return _frame(found)
 
 
@@ -282,12 +287,14 @@ def growth_sums(
     trace_k: int,
     expert_rank: npt.NDArray[np.int64],
     rows: WindowRows,
+    proposals: pl.DataFrame,
     whole_steps: bool = True,
 ) -> pl.DataFrame:
     """Window sums of the measured (k ≤ trace_k) and counterfactual (every k in ks) growth per layer.
-    ``rows``: ``decode_and_verify`` of ``routing``; ``whole_steps``: as ``measured_window_sums``."""
+    ``rows``: ``decode_and_verify`` of ``routing``; ``proposals``: its ``counterfactual.proposed_drafts``;
+    ``whole_steps``: as ``measured_window_sums``."""
     measured = measured_window_sums(rows, num_experts, min(trace_k, max(ks, default=0)), expert_rank, whole_steps)
-    return pl.concat([measured, counterfactual_window_sums(routing, num_experts, ks, expert_rank)])
+    return pl.concat([measured, counterfactual_window_sums(routing, num_experts, ks, expert_rank, trace_k, proposals)])
 
 
 def growth(
@@ -302,21 +309,32 @@ def growth(
     """Measured (k ≤ trace_k) and counterfactual (every k in ks) growth per layer (``growth_table``).
     ``rows``: ``decode_and_verify`` of the trace when the caller has it already."""
     rows = decode_and_verify(routing) if rows is None else rows
-    return growth_table(growth_sums(routing, num_experts, ks, trace_k, expert_rank, rows), num_experts, top_k, ks)
+    proposals = proposed_drafts(routing, trace_k)
+    sums = growth_sums(routing, num_experts, ks, trace_k, expert_rank, rows, proposals)
+    return growth_table(sums, proposals, num_experts, top_k, ks, trace_k)
 
 
-def growth_table(sums: pl.DataFrame, num_experts: int, top_k: int, ks: Sequence[int]) -> pl.DataFrame:
+def growth_table(sums: pl.DataFrame, proposals: pl.DataFrame, num_experts: int, top_k: int, ks: Sequence[int],
+                 trace_k: int) -> pl.DataFrame:
     """The growth table from ``growth_sums`` (of one trace, or summed over its partitions): means per window, the
-    uniform bound and the routing locality (unique experts / uniform bound: below 1 means tokens share experts more
-    than chance)."""
-    uniform = pl.DataFrame(
-        {"k": list(ks), "uniform_bound": [uniform_unique_experts(num_experts, top_k, k + 1) for k in ks]},
-        schema={"k": pl.Int32(), "uniform_bound": pl.Float64()},
-    )
+    uniform bound of the request-steps' tokens (``proposals``: ``counterfactual.proposed_drafts`` of the trace,
+    recorded at ``trace_k``) and the routing locality (unique experts / uniform bound: below 1 means tokens share
+    experts more than chance)."""
+    proposed = proposals["proposed"].to_numpy()
+
+    def bound(k: int) -> float:
+        if not trace_k or not len(proposed):
+            return uniform_unique_experts(num_experts, top_k, k + 1)
+        tokens, request_steps = np.unique(window_tokens(proposed, k, trace_k), return_counts=True)
+        return float(np.average([uniform_unique_experts(num_experts, top_k, int(t)) for t in tokens],
+                                weights=request_steps))
+
+    uniform = pl.DataFrame({"k": list(ks), "uniform_bound": [bound(k) for k in ks]},
+                           schema={"k": pl.Int32(), "uniform_bound": pl.Float64()})
     return (
         window_means(sums).join(uniform, on="k", how="left")
         .with_columns(
-            # The bound is for one request's k+1 tokens; a batch holds more tokens, so it has none.
+            # The bound is for one request-step's tokens; a batch holds more tokens, so it has none.
             uniform_bound=pl.when(pl.col("scope") == PER_REQUEST).then(pl.col("uniform_bound")),
         )
         .with_columns(locality=pl.col("unique_experts") / pl.col("uniform_bound"))

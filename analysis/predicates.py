@@ -12,6 +12,7 @@ from __future__ import annotations
 import polars as pl
 
 DP_RANK_SHIFT = 16  # step keys: step << 16 | dp_rank (dp_rank is uint16)
+HASH_RANGE = 1 << 32  # a key's hash modulo this, below share × this: in a deterministic sample at that share
 
 
 def in_sequence() -> pl.Expr:

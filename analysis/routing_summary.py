@@ -1,8 +1,9 @@
 """Everything the report reads from a trace's routing rows, in a form whose parts add up: integer sums over windows
-(growth, rejected-only experts), expert picks, the routing/steps agreement counts, and the rows of the window sample
-(each kept by a hash of its own key). The summaries of an always-on recording's partitions, added
-(``added_summaries``), equal the summary of all its rows read as one trace, exactly: a window, a step and a sampled
-block never span two partitions (a request that ran across a boundary is a request in each, on both paths)."""
+(growth, rejected-only experts), expert picks, the routing/steps agreement counts, the rows of the window sample
+(each kept by a hash of its own key) and the drafts each request-step proposed. The summaries of an always-on
+recording's partitions, added (``added_summaries``), equal the summary of all its rows read as one trace, exactly:
+a window, a step and a sampled block never span two partitions (a request that ran across a boundary is a request
+in each, on both paths)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import polars as pl
 
 from moetrace.analysis.budgets import sampled_windows
 from moetrace.analysis.consistency import routing_gaps
+from moetrace.analysis.counterfactual import proposed_drafts
 from moetrace.analysis.growth import WINDOW_KEYS, WindowRows, decode_and_verify, growth_sums, rejected_only_sums
 from moetrace.analysis.load import expert_load
 
@@ -27,6 +29,7 @@ class RoutingSummary:
     gaps: pl.DataFrame  # consistency.routing_gaps: one row of counts
     accepted: pl.DataFrame  # the window sample's tables (budgets.WindowSample)
     stepped: pl.DataFrame
+    proposals: pl.DataFrame  # counterfactual.proposed_drafts: the drafts each request-step proposed
 
 
 @dataclass(frozen=True)
@@ -50,14 +53,16 @@ def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame,
     (``growth.decode_and_verify``: the placement comparison takes them)."""
     rows = decode_and_verify(routing)
     accepted, stepped = sampled_windows(routing, request.share, list(request.sample_columns))
+    proposals = proposed_drafts(routing, request.trace_k)
     return RoutingSummary(
         growth=growth_sums(routing, request.num_experts, request.ks, request.trace_k, request.expert_rank, rows,
-                           request.whole_steps),
+                           proposals, request.whole_steps),
         rejected_only=rejected_only_sums(rows, request.num_experts),
         load=expert_load(rows, request.num_experts),
         gaps=routing_gaps(routing, steps, sampled_requests=not request.whole_steps),
         accepted=accepted,
         stepped=stepped,
+        proposals=proposals,
     ), rows
 
 
@@ -74,6 +79,7 @@ def added_summaries(parts: Sequence[RoutingSummary]) -> RoutingSummary:
         gaps=joined("gaps").sum(),
         accepted=joined("accepted"),
         stepped=joined("stepped"),
+        proposals=joined("proposals"),
     )
 
 

@@ -15,7 +15,7 @@ import polars as pl
 class Source(enum.Enum):
     MEASURED = "measured"  # read from the trace's own rows at the k (and concurrency) it ran
     ESTIMATED = "estimated"  # drawn from what the trace recorded, combined as it did not run it
-    COUNTERFACTUAL = "counterfactual"  # windows of consecutive accepted tokens: a k the trace did not record
+    COUNTERFACTUAL = "counterfactual"  # windows of accepted tokens, as many as drafted: a k the trace did not record
     LOWER_BOUND = "lower bound"  # fewer windows than asked for: the union of all of them
     EXTRAPOLATED = "extrapolated"  # continued past what was measured (acceptance past the largest recorded k)
     GIVEN = "given"  # stated by the user (--acceptance)
@@ -41,7 +41,9 @@ MEANINGS = {
     Source.MEASURED: "read from the trace's own rows at the k (and concurrency) it ran",
     Source.ESTIMATED: "drawn from what the trace recorded, combined as it did not run it (its windows as steps of "
                       "another concurrency, a step time from the concurrencies it ran)",
-    Source.COUNTERFACTUAL: "windows of consecutive accepted tokens: a k the trace did not record",
+    Source.COUNTERFACTUAL: "windows of consecutive accepted tokens, as many as each request-step's drafter proposed "
+                           "(past the recorded k, a capped drafter assumed to propose every draft): a k the trace did "
+                           "not record",
     Source.LOWER_BOUND: "fewer windows than asked for: the union of all of them",
     Source.EXTRAPOLATED: "continued past what was measured (acceptance past the largest recorded k)",
     Source.GIVEN: "stated by the user (--acceptance)",

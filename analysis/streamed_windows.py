@@ -1,7 +1,7 @@
 """The streamed path of the counterfactual growth (``growth.counterfactual_window_sums``): a token-major trace (every
 token's layers on consecutive rows, in one layer order, each request's positions increasing from batch to batch:
-what the recorder writes) read in batches, windows of k+1 consecutive accepted tokens counted as they complete,
-without a sort."""
+what the recorder writes) read in batches, its counterfactual windows (``counterfactual``) counted as they
+complete, without a sort."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import numpy.typing as npt
 import polars as pl
 
-from moetrace.analysis.predicates import in_sequence
+from moetrace.analysis.counterfactual import Proposals, window_spans
+from moetrace.analysis.predicates import in_sequence, step_key
 from moetrace.analysis.expert_sets import (
     Masks,
     MaskTable,
@@ -178,20 +179,29 @@ class _WindowStats:
         return rows
 
 
+# A request's pending tokens [P]: positions, drafts proposed (``counterfactual.Proposals.at``; None for a trace
+# without drafts), experts [P, layers, top_k]
+_Held = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None, npt.NDArray[np.integer]]
+# Tokens [T] of any requests: request, position, drafts proposed (as ``_Held``), experts [T, layers, top_k]
+_Tokens = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64] | None, npt.NDArray[np.integer]]
+
+
 class _SequenceWindows:
-    """Counterfactual windows over streamed tokens. Each round sorts the new tokens, with those still pending for
-    the same requests, by (request, position) and counts the complete windows that no later token can reach (later
-    tokens of a request must lie beyond every position already seen for it); tokens of windows still open stay
+    """Counterfactual windows (``counterfactual.window_spans``) over streamed tokens. Each round sorts the new tokens,
+    with those still pending for the same requests, by (request, position) and counts the complete windows that end
+    beyond every position seen for their request before the round and that no later token can reach (later tokens
+    of a request lie beyond every position already seen for it); the tokens a window still open may hold stay
     pending, per request, until that request's next tokens (or the end)."""
 
     NO_POSITION = -1
     OPEN_END = np.iinfo(np.int64).max
 
-    def __init__(self, ks: Sequence[int], table: MaskTable, stats: _WindowStats) -> None:
-        self.widths = sorted({k + 1 for k in ks})
+    def __init__(self, ks: Sequence[int], trace_k: int, table: MaskTable, stats: _WindowStats) -> None:
+        self.ks, self.trace_k = list(ks), trace_k
+        self.widest = max(self.ks, default=0) + 1  # no window holds more tokens
         self.table, self.stats = table, stats
         self.scratch = Scratch()
-        self.pending: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.integer]]] = {}  # positions, experts
+        self.pending: dict[int, _Held] = {}
         self.seen = np.zeros(0, np.int64)  # requests seen so far, ascending
         self.last = np.zeros(0, np.int64)  # and the last position seen for each
 
@@ -201,13 +211,12 @@ class _SequenceWindows:
         at = np.minimum(np.searchsorted(self.seen, request), len(self.seen) - 1)
         return np.where(self.seen[at] == request, self.last[at], self.NO_POSITION)
 
-    def add(
-        self, request: npt.NDArray[np.int64], position: npt.NDArray[np.int64], experts: npt.NDArray[np.integer]
-    ) -> None:
+    def add(self, request: npt.NDArray[np.int64], position: npt.NDArray[np.int64],
+            proposed: npt.NDArray[np.int64] | None, experts: npt.NDArray[np.integer]) -> None:
         if (position <= self._last(request)).any():
             raise NotTokenMajor  # a request went back to a position already passed
         held = [(r, self.pending.pop(r)) for r in np.unique(request).tolist() if r in self.pending]
-        self._round(*self._joined(held, (request, position, experts)), final=False)
+        self._round(*self._joined(held, (request, position, proposed, experts)), final=False)
 
     def finish(self) -> None:
         held, self.pending = list(self.pending.items()), {}
@@ -215,29 +224,26 @@ class _SequenceWindows:
             self._round(*self._joined(held, None), final=True)
 
     @staticmethod
-    def _joined(
-        held: list[tuple[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.integer]]]],
-        new: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.integer]] | None,
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.integer]]:
-        requests = [np.full(len(positions), r, np.int64) for r, (positions, _) in held]
-        positions = [positions for _, (positions, _) in held]
-        experts = [experts for _, (_, experts) in held]
+    def _joined(held: list[tuple[int, _Held]], new: _Tokens | None) -> _Tokens:
+        parts: list[_Tokens] = [(np.full(len(positions), r, np.int64), positions, proposed, experts)
+                                 for r, (positions, proposed, experts) in held]
         if new is not None:
-            requests.append(new[0])
-            positions.append(new[1])
-            experts.append(new[2])
-        if len(experts) == 1:
-            return requests[0], positions[0], experts[0]
-        return np.concatenate(requests), np.concatenate(positions), np.concatenate(experts)
+            parts.append(new)
+        if len(parts) == 1:
+            return parts[0]
+        request, position, proposed, experts = zip(*parts)
+        return (np.concatenate(request), np.concatenate(position),
+                None if proposed[0] is None else np.concatenate(proposed), np.concatenate(experts))
 
     def _round(
-        self, request: npt.NDArray[np.int64], position: npt.NDArray[np.int64], experts: npt.NDArray[np.integer],
-        final: bool,
+        self, request: npt.NDArray[np.int64], position: npt.NDArray[np.int64],
+        proposed: npt.NDArray[np.int64] | None, experts: npt.NDArray[np.integer], final: bool,
     ) -> None:
         if len(request) == 0:
             return
         order = np.lexsort((position, request))
         request, position = request[order], position[order]
+        proposed = None if proposed is None else proposed[order]
         runs = group_starts(request)
         run_of = np.repeat(np.arange(len(runs)), np.diff(np.append(runs, len(request))))
         run_request = request[runs]
@@ -248,61 +254,42 @@ class _SequenceWindows:
         np.maximum.at(last, index, np.concatenate([self.last, after]))
         self.last = last
         reach = np.full(len(runs), self.OPEN_END, np.int64) if final else after
-        masks = self.table.masks(np.take(experts, order, axis=0), self.scratch)
-        # With distinct positions, a window of width w is the union of w/m consecutive windows of a width m that
-        # divides it (8 = 2 x 4, 9 = 3 x 3, ...): built from those, the wider windows read fewer rows.
-        distinct = not ((np.diff(request) == 0) & (np.diff(position) == 0)).any()
-        bases = {w: max((m for m in self.widths if 1 < m < w and w % m == 0), default=0) for w in self.widths}
-        if not distinct:
-            bases = dict.fromkeys(self.widths, 0)
-        reused = set(bases.values())
-        built: dict[int, tuple[npt.NDArray[np.int64], Masks]] = {}
-        keep = np.zeros(len(request), dtype=bool)
-        for width in self.widths:
-            window = position // width
-            starts = group_starts(request, window)
-            sizes = np.diff(np.append(starts, len(request)))
-            end = window[starts] * width + (width - 1)
-            run = run_of[starts]
-            complete = sizes == width
-            closes_now = complete & (end <= reach[run]) & (end > before[run])
-            base = bases[width]
-            counted: npt.NDArray[np.bool_] | None = None
-            if width in reused or base:  # every complete window, some of them counted already
-                chosen, counted = starts[complete], closes_now[complete]
-            else:
-                chosen = starts[closes_now]
-            name = f"union{width}" if width in reused else "union"
-            if base:
-                base_starts, base_unions = built[base]
-                unions = window_union(base_unions, np.searchsorted(base_starts, chosen), width // base, self.scratch,
-                                      name)
-            else:
-                unions = window_union(masks, chosen, width, self.scratch, name)
-            if width in reused:
-                built[width] = (chosen, unions)
-            self.stats.add(width - 1, unions, counted)
-            keep |= window * width + (width - 1) > reach[run_of]
+        masks = self.table.masks(np.take(experts, order, axis=0), self.scratch)  # [tokens, layers, words]
+        for k in self.ks:
+            spans = window_spans(request, position, proposed, k, self.trace_k)
+            run = run_of[spans.starts]
+            closes_now = spans.take((spans.ends > before[run]) & (spans.ends <= reach[run])).widest_first()
+            self.stats.add(k, window_union(masks, closes_now.starts, closes_now.widths, self.scratch))
+        # a window still open ends past the reach, so it starts after reach - widest + 1
+        keep = position > reach[run_of] - self.widest + 1
         if keep.any():
             request, position = request[keep], position[keep]
+            proposed = None if proposed is None else proposed[keep]
             experts = np.take(experts, order[keep], axis=0)
             bounds = np.append(group_starts(request), len(request))
             for start, stop in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-                self.pending[int(request[start])] = (position[start:stop], experts[start:stop])
+                self.pending[int(request[start])] = (position[start:stop],
+                                                     None if proposed is None else proposed[start:stop],
+                                                     experts[start:stop])
 
 
 def counterfactual_streamed(
-    routing: pl.LazyFrame, num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64], source: str,
-    scope: str
+    routing: pl.LazyFrame, num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64], trace_k: int,
+    proposals: Proposals | None, source: str, scope: str
 ) -> list[dict[str, object]]:
-    """Counterfactual windows of k+1 consecutive accepted tokens over a token-major trace, streamed in batches:
-    one row of sums per (layer, k) (``growth.WINDOW_SUMS_SCHEMA``, labelled ``source`` and ``scope``); raises
-    ``NotTokenMajor`` for a trace not laid out so."""
-    query = routing.select("request", "position", "layer", "experts", in_sequence().alias("in_sequence"))
-    tokens = _TokenMajor(_batches(query), ("request", "position"), keep="in_sequence")
+    """Counterfactual windows (``counterfactual``) over a token-major trace recorded at ``trace_k``, streamed in
+    batches (``proposals``: what its request-steps proposed; None without drafts): one row of sums per (layer, k)
+    (``growth.WINDOW_SUMS_SCHEMA``, labelled ``source`` and ``scope``); raises ``NotTokenMajor`` for a trace not
+    laid out so."""
+    keys = ("request", "position", "step_key", "draft_pos") if proposals is not None else ("request", "position")
+    anchors: list[pl.Expr | str] = [step_key(), "draft_pos"] if proposals is not None else []
+    query = routing.select("request", "position", "layer", "experts", in_sequence().alias("in_sequence"), *anchors)
+    tokens = _TokenMajor(_batches(query), keys, keep="in_sequence")
     stats = _WindowStats(ks, rank_masks(expert_rank, num_experts))
-    windows = _SequenceWindows(ks, MaskTable(num_experts), stats)
-    for keys, experts in tokens:
-        windows.add(keys["request"], keys["position"], experts)
+    windows = _SequenceWindows(ks, trace_k, MaskTable(num_experts), stats)
+    for found, experts in tokens:
+        proposed = None if proposals is None else proposals.at(found["step_key"], found["request"],
+                                                               found["draft_pos"])
+        windows.add(found["request"], found["position"], proposed, experts)
     windows.finish()
     return [] if tokens.layers is None else stats.rows(tokens.layers, ks, source, scope)

@@ -100,7 +100,8 @@ def run_moetrace(root: Path) -> list[dict[str, object]]:
     from moetrace.trace.reader import open_trace
 
     trace = open_trace(root)
-    frame = window_means(counterfactual_window_sums(trace.routing(), NUM_EXPERTS, KS, linear_placement(NUM_EXPERTS, 1)))
+    frame = window_means(counterfactual_window_sums(trace.routing(), NUM_EXPERTS, KS, linear_placement(NUM_EXPERTS, 1),
+                                                    trace.k))
     return frame.select("layer", "k", "unique_experts").to_dicts()
 
 

@@ -40,11 +40,10 @@ def main() -> None:
                                                  pl.col("steps").min())
 
     ks = sorted(recorded)
-    measured = means(concurrency.batch_unions(recorded[run.primary.k], recorded, model.num_experts, model.top_k,
-                                              placement, ks, batches)).filter(pl.col("source") == "measured")
+    measured = means(concurrency.batch_unions(recorded, model.num_experts, model.top_k, placement, ks,
+                                              batches)).filter(pl.col("source") == "measured")
     concurrency.MIN_MEASURED_STEPS = 1 << 62  # the estimate at every B
-    estimated = means(concurrency.batch_unions(recorded[run.primary.k], recorded, model.num_experts, model.top_k,
-                                               placement, ks, batches))
+    estimated = means(concurrency.batch_unions(recorded, model.num_experts, model.top_k, placement, ks, batches))
     table = (measured.select("k", "batch", "steps", measured="unique_experts")
              .join(estimated.select("k", "batch", estimated="unique_experts"), on=["k", "batch"])
              .with_columns(ratio=pl.col("estimated") / pl.col("measured")).sort("k", "batch"))

@@ -32,7 +32,7 @@ from moetrace.trace.reader import Trace, numbered_on
 
 CACHE_DIR = "report-cache"
 # Bumped whenever what a summary holds or how it is computed changes: a cache of another format is never read.
-SUMMARY_FORMAT = 1
+SUMMARY_FORMAT = 2  # 2: the drafter's proposal lengths (``proposals``)
 CONNECT_TIMEOUT_S = 10.0
 
 

@@ -64,7 +64,8 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
     elif analysis.run.primary.k < k:
         found.append(
             f"recorded at k={analysis.run.primary.k}: figures at k={k} are counterfactual "
-            f"(windows of {k + 1} consecutive accepted tokens)"
+            + ("(windows of accepted tokens, as many as each request-step's drafter proposed)"
+               if analysis.run.primary.k > 0 else f"(windows of {k + 1} consecutive accepted tokens)")
         )
     one_in = analysis.manifest.capture.one_request_in
     if one_in > 1:

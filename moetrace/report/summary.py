@@ -201,8 +201,7 @@ def step_inputs(run: Run, sample: WindowSample, shape: ModelShape, placement: np
         unions = uniform_unions(shape.num_experts, shape.top_k, placement, ks, batches)
     else:
         recorded = recorded_ks(run, sample)
-        unions = batch_unions(recorded[run.primary.k], recorded, shape.num_experts, shape.top_k, placement, ks,
-                              batches)
+        unions = batch_unions(recorded, shape.num_experts, shape.top_k, placement, ks, batches)
     acceptance = acceptance_per_k({t.k: t.steps() for t in run.traces}, ks, options.acceptance)
     return (union_means(unions).join(acceptance, on="k")
             .with_columns(tokens=pl.col("batch").cast(pl.Float64) * pl.col("tokens_read")).sort("batch", "k"))
@@ -375,7 +374,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         summary, rows = partitioned_summary(trace, request, options.ray), None
     else:
         summary, rows = summarise_routing(trace.routing(), trace.steps(), request)
-    growth = growth_table(summary.growth, shape.num_experts, shape.top_k, request.ks)
+    growth = growth_table(summary.growth, summary.proposals, shape.num_experts, shape.top_k, request.ks, trace.k)
     by_position = pl.concat(
         [acceptance_by_position(t.steps(), t.k).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
     )
@@ -389,7 +388,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
                                                              t.manifest.capture.one_request_in > 1)
             for t in run.traces}
     disagreements = {k: found for k, table in gaps.items() if (found := disagreement(table)) is not None}
-    sample = WindowSample(summary.accepted, summary.stepped, request.share)
+    sample = WindowSample(summary.accepted, summary.stepped, request.share, trace.k, summary.proposals)
     curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape.expert_bytes)
     if trace.lacks("router_weights"):  # budgets are by routing-weight coverage
         curves = curves.clear()

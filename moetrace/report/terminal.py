@@ -54,8 +54,9 @@ def _table(title: str, columns: list[tuple[str, str]]) -> Table:
 def _growth(run: dict[str, Any], k: int) -> Table:
     table = _table(
         "Unique experts per layer vs k (mean over layers)",
-        [("k", ""), ("req", "measured per request window"), ("batch", "measured per step's batch"),
-         ("cf", "counterfactual (windows of k+1 accepted tokens)"), ("uniform", "uniform-routing bound"),
+        [("k", ""), ("req", "measured per request-step, drafts capped at k"), ("batch", "measured per step's batch"),
+         ("cf", "counterfactual (a request-step's accepted tokens, as many as its drafter proposed)"),
+         ("uniform", "uniform-routing bound of as many tokens"),
          ("local", "best / uniform"), ("rank", "busiest rank's experts"), ("ranks", "ranks touched per window")],
     )
     for row in run["growth_overview"]:

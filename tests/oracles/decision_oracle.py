@@ -23,8 +23,18 @@ itself (pyarrow) and follows these rules:
   with ep = 1: E = U, R = B·tokens_read·top_k, S = shared; with ep > 1: E = busiest,
   R = B·tokens_read·top_k·busiest/U, S = shared/ep (the routed experts' kernel, plus the shared experts as a dense
   MLP read once a step, each costing one expert of the kernel's one-token point). No all-reduce.
-- speedup(k, B) = tokens_per_step(k) / (step(k, B) / step(0, B)); the recommended k is the recorded k with the
-  largest speedup, 0 when none exceeds 1, ties to the smaller k.
+- A k the sweep did not record stands for the trace of the smallest recorded k above it, K (past the largest: the
+  largest, where the report extrapolates acceptance and decides nothing). Each decoding request-step of that trace
+  proposed d drafts (the largest draft_pos of its rows) and accepted a; at k it would propose t = min(d, k) drafts
+  (past K: d where d < K, else k) and accept min(a, k), so tokens_per_step(k) = 1 + mean min(a, k) and
+  tokens_read(k) = 1 + mean t. Its window at k is, in every layer, the tokens its request kept (decode tokens,
+  verification anchors, accepted drafts) at positions p … p + t, p its anchor's position; none where the request
+  kept no token at one of them (it ended). A trace recorded at K = 0 has full windows: a request's kept tokens
+  grouped by position // (k + 1), a group of exactly k + 1 rows a window. These windows ran in no step: U(k, B) is
+  drawn from them as above. The old rule (``full_windows=True``), windows of k + 1 accepted tokens whatever the
+  drafter proposed (as a K = 0 trace's), is kept only to show where it decides differently.
+- speedup(k, B) = tokens_per_step(k) / (step(k, B) / step(0, B)); the recommended k is the k up to the largest
+  recorded with the largest speedup, 0 when none exceeds 1, ties to the smaller k.
 """
 
 from __future__ import annotations
@@ -58,6 +68,8 @@ class Recording:
     tokens: npt.NDArray[np.int64]  # per window: num_tokens
     full_steps: dict[tuple[int, int], list[int]]  # (rank, step) where every request decodes -> its windows
     prompt: npt.NDArray[np.int64]  # per window: its request's prompt number
+    rows: list[dict[str, Any]]  # every routing row, its step and request as (rank, step) and (rank, request)
+    prompt_of: dict[tuple[int, int], int]  # (rank, request) -> its prompt number
 
 
 def _read(folder: Path) -> dict[str, list[Any]]:
@@ -81,6 +93,7 @@ def read_recording(path: Path) -> Recording:
     step_of: list[tuple[int, int]] = []
     all_decoding: dict[tuple[int, int], bool] = {}
     hits: list[tuple[int, int, int]] = []  # (layer index, window, expert)
+    rows: list[dict[str, Any]] = []
     request_of: list[tuple[int, int]] = []  # per window: (rank, request)
     prompt_rows: dict[tuple[int, int], list[tuple[int, int | None]]] = {}  # (rank, request) -> (position, token)
     first_layer = min(layers)
@@ -98,6 +111,11 @@ def read_recording(path: Path) -> Recording:
                 step_of.append((rank, s))
                 request_of.append((rank, r))
         routing = _read(folder / "routing")
+        rows += [{"step": (rank, s), "request": (rank, r), "position": position, "phase": phase, "draft_pos": d,
+                  "accepted": a, "layer": layer, "experts": experts}
+                 for s, r, position, phase, d, a, layer, experts in zip(
+                     routing["step"], routing["request"], routing["position"], routing["phase"], routing["draft_pos"],
+                     routing["accepted"], routing["layer"], routing["experts"])]
         for s, r, layer, experts, phase, position, token in zip(
                 routing["step"], routing["request"], routing["layer"], routing["experts"], routing["phase"],
                 routing["position"], routing["token"]):
@@ -115,17 +133,84 @@ def read_recording(path: Path) -> Recording:
             full_steps.setdefault(key, []).append(w)
     greedy = float(((manifest.get("workload") or {}).get("sampling") or {}).get("temperature") or 0.0) == 0.0
     numbers: dict[object, int] = {}
-    prompt = [numbers.setdefault(tuple(sorted(prompt_rows[key])) if greedy and key in prompt_rows
-                                 and all(t is not None for _, t in prompt_rows[key]) else key, len(numbers))
-              for key in request_of]
+    prompt_of = {key: numbers.setdefault(tuple(sorted(prompt_rows[key])) if greedy and key in prompt_rows
+                                         and all(t is not None for _, t in prompt_rows[key]) else key, len(numbers))
+                 for key in sorted(set(request_of) | {row["request"] for row in rows})}
     return Recording(int(manifest["spec"]["k"]), manifest, masks, step_of, np.asarray(drafts), np.asarray(accepted),
-                     np.asarray(tokens), full_steps, np.asarray(prompt, dtype=np.int64))
+                     np.asarray(tokens), full_steps, np.asarray([prompt_of[key] for key in request_of], dtype=np.int64),
+                     rows, prompt_of)
 
 
 def read_sweep(folder: Path) -> dict[int, Recording]:
     """A sweep folder: one trace (or DP recording) per k."""
     recordings = [read_recording(child) for child in sorted(folder.iterdir()) if child.is_dir()]
     return {rec.k: rec for rec in recordings}
+
+
+def drafts_at(proposed: int, k: int, trace_k: int) -> int:
+    """Drafts a request-step that proposed ``proposed`` at ``trace_k`` would propose at ``k`` (module doc)."""
+    if k <= trace_k:
+        return min(proposed, k)
+    return proposed if proposed < trace_k else k
+
+
+def counterfactual_windows(rows: list[dict[str, Any]], k: int,
+                           trace_k: int) -> dict[int, dict[tuple[Any, int], set[int]]]:
+    """Per layer, {(request, first position): experts} of every window at ``k`` (module doc) of a trace recorded at
+    ``trace_k``; ``rows``: its routing rows as dicts (step, request, position, phase, draft_pos, accepted, layer,
+    experts)."""
+    proposed: dict[tuple[Any, Any], int] = {}
+    for row in rows:
+        if row["phase"] != "prefill":
+            key = (row["step"], row["request"])
+            proposed[key] = max(proposed.get(key, 0), int(row["draft_pos"]))
+    kept: dict[tuple[int, Any], dict[int, list[set[int]]]] = {}  # (layer, request) -> position -> expert sets
+    anchors: list[tuple[int, Any, int, int]] = []  # layer, request, position, drafts proposed
+    for row in rows:
+        if not (row["phase"] == "decode" or (row["phase"] == "verify" and (row["draft_pos"] == 0 or row["accepted"]))):
+            continue
+        kept.setdefault((row["layer"], row["request"]), {}).setdefault(row["position"], []).append(set(row["experts"]))
+        if row["draft_pos"] == 0:
+            anchors.append((row["layer"], row["request"], row["position"], proposed[(row["step"], row["request"])]))
+    found: dict[int, dict[tuple[Any, int], set[int]]] = {}
+    if trace_k == 0:
+        for (layer, request), by_position in kept.items():
+            groups: dict[int, list[set[int]]] = {}
+            for position, sets in by_position.items():
+                groups.setdefault(position // (k + 1), []).extend(sets)
+            for group, sets in groups.items():
+                if len(sets) == k + 1:
+                    found.setdefault(layer, {})[(request, group * (k + 1))] = set().union(*sets)
+        return found
+    for layer, request, position, drafts in anchors:
+        span = range(position, position + drafts_at(drafts, k, trace_k) + 1)
+        held = kept[(layer, request)]
+        if all(p in held for p in span):
+            found.setdefault(layer, {})[(request, position)] = set().union(*(s for p in span for s in held[p]))
+    return found
+
+
+def counterfactual(sweep: dict[int, Recording], k: int, full_windows: bool = False) -> Recording:
+    """What the trace of the smallest recorded k above ``k`` (else the largest) says of ``k`` (module doc)."""
+    above = [at for at in sweep if at > k]
+    trace_k = min(above) if above else max(sweep)
+    rec = sweep[trace_k]
+    windows = counterfactual_windows(rec.rows, k, 0 if full_windows else trace_k)
+    layers = sorted(windows)
+    keys = sorted(windows[layers[0]]) if layers else []
+    masks = np.zeros((len(layers), len(keys), int(rec.manifest["model"]["num_experts"])), dtype=bool)
+    for index, layer in enumerate(layers):
+        assert sorted(windows[layer]) == keys  # every token routed in every layer
+        for w, key in enumerate(keys):
+            masks[index, w, sorted(windows[layer][key])] = True
+    drafts = np.asarray([drafts_at(int(d), k, trace_k) for d in rec.drafts], dtype=np.int64)
+    return Recording(k, rec.manifest, masks, [], drafts, np.minimum(rec.accepted, k), drafts + 1, {},
+                     np.asarray([rec.prompt_of[request] for request, _ in keys], dtype=np.int64), [], rec.prompt_of)
+
+
+def every_k(sweep: dict[int, Recording], full_windows: bool = False) -> dict[int, Recording]:
+    """The sweep's recordings, and for every k below its largest that it did not record, ``counterfactual``."""
+    return {k: sweep[k] if k in sweep else counterfactual(sweep, k, full_windows) for k in range(max(sweep) + 1)}
 
 
 def tokens_per_step(rec: Recording, conditional: bool = False) -> float:
@@ -215,7 +300,7 @@ class Cost:
 
 
 def speedups(sweep: dict[int, Recording], batch: int, cost: Cost, conditional: bool = False) -> dict[int, float]:
-    """speedup(k, batch) for every recorded k (k = 0 is 1 by definition)."""
+    """speedup(k, batch) for every k of ``sweep`` (k = 0 is 1 by definition)."""
     steps = {}
     for k, rec in sweep.items():
         u, busiest, _ = union(rec, batch, cost.ep)
@@ -235,11 +320,12 @@ def margin(per_k: dict[int, float]) -> float:
     return options[0] / options[1] - 1.0 if len(options) > 1 else math.inf
 
 
-def decide(sweep: dict[int, Recording], batches: list[int], cost: Cost,
-           conditional: bool = False) -> dict[int, tuple[int, dict[int, float]]]:
-    """Per batch: the recommended k and the speedup of every recorded k behind it."""
+def decide(sweep: dict[int, Recording], batches: list[int], cost: Cost, conditional: bool = False,
+           full_windows: bool = False) -> dict[int, tuple[int, dict[int, float]]]:
+    """Per batch: the recommended k and the speedup of every k up to the largest recorded behind it."""
     out = {}
+    compared = every_k(sweep, full_windows)
     for batch in batches:
-        per_k = speedups(sweep, batch, cost, conditional)
+        per_k = speedups(compared, batch, cost, conditional)
         out[batch] = (best_k(per_k), per_k)
     return out

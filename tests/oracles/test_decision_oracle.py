@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -115,7 +117,7 @@ def agrees(case: Case, tmp_path: Path, well_sampled: tuple[int, ...] | None = No
     calls "ok" (all of ``well_sampled``, default all); returns the oracle's decisions."""
     sweep = write_sweep(case, tmp_path / "sweep")
     recordings = oracle.read_sweep(sweep)
-    assert sorted(recordings) == list(range(case.k + 1))
+    assert sorted(recordings) == sorted(case.accept)
     assert all(rec.masks.shape[1] >= 50 for rec in recordings.values())  # decoding request-steps per k
     decided = oracle.decide(recordings, list(case.batches), case.cost)
     for batch in case.batches:
@@ -302,3 +304,44 @@ def test_conditional_acceptance_rates_would_decide_otherwise(tmp_path: Path) -> 
     conditional = oracle.decide(oracle.read_sweep(tmp_path / "sweep"), list(case.batches), case.cost,
                                 conditional=True)
     assert any(conditional[b][0] != decided[b][0] for b in case.batches), (conditional, decided)
+
+
+def test_a_k_the_sweep_left_out_reads_as_far_as_its_drafter_proposed(tmp_path: Path) -> None:
+    """A sweep of k = 0 and 3 alone (0..3 drafts per request-step): the report decides on k = 1 and 2 too, from the
+    k = 3 trace's windows as long as its drafter proposed, and picks the oracle's k. With full windows of k + 1
+    accepted tokens for them (the old rule) the oracle would not speculate at one request."""
+    case = Case(accept={0: 0.0, 3: 0.4}, cost=Cost(2.0, 1.0, 0.25), pool=40)  # found by a search, as CASES
+    decided = agrees(case, tmp_path)
+    assert decided[1][0] == 1  # a k the sweep did not record
+    full = oracle.decide(oracle.read_sweep(tmp_path / "sweep"), list(case.batches), case.cost, full_windows=True)
+    assert full[1][0] == 0, full
+
+
+def test_the_oracles_windows_by_hand(tmp_path: Path) -> None:
+    """One request at K = 3, each kept token on its own two experts (2p, 2p + 1), rejected drafts on 30 and 31.
+    Request-steps (anchor: proposed, accepted): 4: 1, 1; 6: 3, 1; 8: 0; 9: 3, 3; 13: 0. At k = 2 they propose
+    1, 2, 0, 2, 0 and read 2, 3, 1, 3, 1 tokens (anchor 6: 6, 7 and the next anchor 8); at k = 5, past K, 1, 5
+    (capped at K), 0, 5, 0: anchor 9's window (9..14) runs past the last kept token, 13."""
+    model = Model(num_experts=32, top_k=2, layers=(1,))
+    rows: list[tuple[int, int, str, int, bool | None, tuple[int, ...]]] = []
+    positions: list[int] = []
+    for step, (anchor, drafts, kept) in enumerate([(4, 1, 1), (6, 3, 1), (8, 0, 0), (9, 3, 3), (13, 0, 0)], 1):
+        for j in range(drafts + 1):
+            accepted = None if j == 0 else j <= kept
+            rows.append((step, 0, "verify" if drafts else "decode", j, accepted,
+                         (30, 31) if accepted is False else (2 * (anchor + j), 2 * (anchor + j) + 1)))
+            positions.append(anchor + j)
+    root = hand_trace(tmp_path / "k3", model, 3, rows)
+    table = pq.read_table(root / "routing" / "part-00000.parquet")
+    pq.write_table(table.set_column(table.schema.get_field_index("position"), "position",
+                                    pa.array(positions, pa.uint32())), root / "routing" / "part-00000.parquet")
+    rec = oracle.read_recording(root)
+    at_two = oracle.counterfactual({3: rec}, 2)
+    assert sorted(at_two.masks[0].sum(axis=1).tolist()) == [2, 2, 4, 6, 6]
+    assert oracle.tokens_read(at_two) == pytest.approx((2 + 3 + 1 + 3 + 1) / 5)
+    assert oracle.tokens_per_step(at_two) == pytest.approx(1 + (1 + 1 + 0 + 2 + 0) / 5)
+    at_five = oracle.counterfactual({3: rec}, 5)
+    assert sorted(at_five.masks[0].sum(axis=1).tolist()) == [2, 2, 4, 12]
+    assert oracle.tokens_read(at_five) == pytest.approx((2 + 6 + 1 + 6 + 1) / 5)
+    full = oracle.counterfactual({3: rec}, 2, full_windows=True)  # positions 6-8, 9-11: 3 tokens each
+    assert full.masks[0].sum(axis=1).tolist() == [6, 6]

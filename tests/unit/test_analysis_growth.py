@@ -20,6 +20,7 @@ from moetrace.analysis.growth import (
 )
 from moetrace.analysis.concurrency import uniform_unique_experts
 from moetrace.analysis.placement import linear_placement
+import decision_oracle as oracle
 from trace_builder import Model, Tokens, decode_tokens, routing_frame, verify_tokens
 
 MODEL = Model(num_experts=16, top_k=2, layers=(1, 2))
@@ -64,49 +65,63 @@ def test_measured_matches_brute_force() -> None:
                                               linear_placement(16, EP)))
     for layer in MODEL.layers:
         mine = [r for r in rows if r["layer"] == layer and r["phase"] != "prefill"]
-        by_window: dict[tuple[object, object], list[dict[str, object]]] = defaultdict(list)
+        by_request_step: dict[tuple[object, object], list[dict[str, object]]] = defaultdict(list)
         by_step: dict[object, list[dict[str, object]]] = defaultdict(list)
         for r in mine:
-            if r["phase"] == "verify":
-                by_window[(r["step"], r["request"])].append(r)
+            by_request_step[(r["step"], r["request"])].append(r)
             by_step[r["step"]].append(r)
         for k in range(4):
-            windows = [
-                {e for r in w if r["draft_pos"] <= k for e in r["experts"]}  # type: ignore[operator, attr-defined]
-                for w in by_window.values()
-                if max(r["draft_pos"] for r in w) >= k  # type: ignore[type-var]
-            ]
+            # every request-step (with drafts or not), the drafts it proposed past k left out
+            windows = [{e for r in w if r["draft_pos"] <= k for e in r["experts"]}  # type: ignore[operator, attr-defined]
+                       for w in by_request_step.values()]
             _check(frame, layer, k, "request", windows)
             batches = [{e for r in w if r["draft_pos"] <= k for e in r["experts"]} for w in by_step.values()]  # type: ignore[operator, attr-defined]
             _check(frame, layer, k, "batch", batches)
 
 
-def test_counterfactual_matches_brute_force() -> None:
+def test_counterfactual_windows_hold_what_the_drafter_proposed_by_brute_force() -> None:
+    """Drafts 0..2 per request-step at K = 2: at every k, windows of min(d, k) + 1 accepted tokens from each anchor
+    (past K, d + 1 where d < 2, k + 1 where the drafter was capped), against the oracle's own count."""
     tokens = verify_tokens(np.random.default_rng(2), MODEL, requests=2, steps=15, k=2, accept_prob=0.5,
                            variable_drafts=True)
     rows = _rows(tokens)
+    assert 0 < sum(d == 2 for d in tokens.draft_pos.tolist()) < sum(d == 0 for d in tokens.draft_pos.tolist())
     frame = window_means(counterfactual_window_sums(routing_frame(tokens, MODEL), MODEL.num_experts, range(6),
-                                                    linear_placement(16, EP)))
-    for layer in MODEL.layers:
-        in_sequence = [
-            r
-            for r in rows
-            if r["layer"] == layer
-            and (r["phase"] == "decode" or (r["phase"] == "verify" and (r["draft_pos"] == 0 or r["accepted"])))
-        ]
-        for k in range(6):
-            groups: dict[tuple[object, int], list[set[int]]] = defaultdict(list)
-            for r in in_sequence:
-                groups[(r["request"], int(r["position"]) // (k + 1))].append(set(r["experts"]))  # type: ignore[call-overload, arg-type]
-            windows = [set().union(*sets) for sets in groups.values() if len(sets) == k + 1]
-            _check(frame, layer, k, "request", windows)
+                                                    linear_placement(16, EP), 2))
+    for k in range(6):
+        for layer, windows in oracle.counterfactual_windows(rows, k, 2).items():
+            _check(frame, layer, k, "request", list(windows.values()))
+
+
+def test_counterfactual_windows_by_hand() -> None:
+    """One request at K = 3, each token its own two experts (2p, 2p + 1), so a window's unique experts are twice
+    its tokens. Request-steps: anchor 4 proposes 1 (accepted); anchor 6 proposes 3 (1 accepted, 2 rejected);
+    anchor 8 none; anchor 9 proposes 3 (all accepted); anchor 13 none. At k = 2 the windows hold 2, 3, 1, 3, 1
+    tokens (anchor 6's: 6, 7 and the next anchor 8): 4.0 experts. At k = 5 anchor 6 reads 6 tokens (capped at K:
+    6..11), anchor 9's 9..14 runs past the request's last token (13): 4, 12, 2, 2: 5.0."""
+    model = Model(num_experts=32, top_k=2, layers=(1,))
+    steps = [(1, 4, 1, 1), (2, 6, 3, 1), (3, 8, 0, 0), (4, 9, 3, 3), (5, 13, 0, 0)]  # step, anchor, drafts, accepted
+    step, position, draft_pos, phase, accepted = [], [], [], [], []
+    for number, anchor, drafts, kept in steps:
+        for j in range(drafts + 1):
+            step.append(number), position.append(anchor + j), draft_pos.append(j)
+            phase.append("verify" if drafts else "decode"), accepted.append(None if j == 0 else j <= kept)
+    experts = np.array([[[2 * p, 2 * p + 1]] if accepted[i] is not False else [[30, 31]]
+                        for i, p in enumerate(position)], dtype=np.uint16)
+    tokens = Tokens(step=np.array(step, np.uint32), request=np.zeros(len(step), np.uint32),
+                    position=np.array(position, np.uint32), phase=phase, draft_pos=np.array(draft_pos, np.uint8),
+                    accepted=accepted, experts=experts, weights=np.ones(experts.shape, np.float32))
+    frame = window_means(counterfactual_window_sums(routing_frame(tokens, model), 32, [2, 5],
+                                                    linear_placement(32, 1), 3))
+    assert dict(zip(frame["k"].to_list(), frame["unique_experts"].to_list())) == {2: 4.0, 5: 5.0}
+    assert frame["windows"].to_list() == [5, 4]
 
 
 def test_uniform_random_routing_meets_closed_form() -> None:
     model = Model(num_experts=384, top_k=8, layers=(0,))
     tokens = decode_tokens(np.random.default_rng(3), model, requests=4, steps=6000)
     frame = window_means(counterfactual_window_sums(routing_frame(tokens, model), 384, range(1, 9),
-                                                    linear_placement(384, 1)))
+                                                    linear_placement(384, 1), 0))
     for row in frame.to_dicts():
         assert row["unique_experts"] == pytest.approx(uniform_unique_experts(384, 8, row["k"] + 1), rel=0.01)
 

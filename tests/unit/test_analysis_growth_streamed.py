@@ -3,7 +3,6 @@ and its fallback to the general path for rows laid out any other way."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
@@ -12,8 +11,10 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
+import decision_oracle as oracle
 import moetrace.analysis.growth as growth_module
 import moetrace.analysis.streamed_windows as streamed_module
+from moetrace.analysis.counterfactual import Proposals, proposed_drafts
 from moetrace.analysis.expert_sets import MaskTable, expert_masks, window_union
 from moetrace.analysis.growth import counterfactual_window_sums, window_means
 from moetrace.analysis.placement import linear_placement
@@ -24,34 +25,27 @@ MODEL = Model(num_experts=16, top_k=2, layers=(1, 2, 5))
 KS = range(0, 9)
 
 
-def brute_force(frame: pl.DataFrame, ep: int) -> dict[tuple[int, int], tuple[int, float, float, float]]:
-    """(layer, k) -> windows, mean unique experts, busiest rank, ranks touched, from Python sets."""
+def brute_force(frame: pl.DataFrame, ep: int, trace_k: int) -> dict[tuple[int, int], tuple[int, float, float, float]]:
+    """(layer, k) -> windows, mean unique experts, busiest rank, ranks touched, from the oracle's windows (Python
+    sets) of a trace recorded at ``trace_k``."""
     rank = linear_placement(MODEL.num_experts, ep)
     rows = frame.with_columns(pl.col("phase").cast(pl.String)).to_dicts()
-    in_sequence = [
-        r for r in rows if r["phase"] == "decode" or (r["phase"] == "verify" and (r["draft_pos"] == 0 or r["accepted"]))
-    ]
     out = {}
-    for layer in MODEL.layers:
-        for k in KS:
-            groups: dict[tuple[int, int], list[set[int]]] = defaultdict(list)
-            for r in in_sequence:
-                if r["layer"] == layer:
-                    groups[(r["request"], r["position"] // (k + 1))].append(set(r["experts"]))
-            windows = [set().union(*sets) for sets in groups.values() if len(sets) == k + 1]
-            if windows:
-                on_rank = [[sum(1 for e in w if rank[e] == x) for x in range(ep)] for w in windows]
-                out[(layer, k)] = (
-                    len(windows),
-                    mean(len(w) for w in windows),
-                    mean(max(c) for c in on_rank),
-                    mean(sum(1 for n in c if n) for c in on_rank),
-                )
+    for k in KS:
+        for layer, found in oracle.counterfactual_windows(rows, k, trace_k).items():
+            windows = list(found.values())
+            on_rank = [[sum(1 for e in w if rank[e] == x) for x in range(ep)] for w in windows]
+            out[(layer, k)] = (
+                len(windows),
+                mean(len(w) for w in windows),
+                mean(max(c) for c in on_rank),
+                mean(sum(1 for n in c if n) for c in on_rank),
+            )
     return out
 
 
-def assert_brute_force(result: pl.DataFrame, frame: pl.DataFrame, ep: int) -> None:
-    want = brute_force(frame, ep)
+def assert_brute_force(result: pl.DataFrame, frame: pl.DataFrame, ep: int, trace_k: int) -> None:
+    want = brute_force(frame, ep, trace_k)
     got = {
         (r["layer"], r["k"]): (r["windows"], r["unique_experts"], r["busiest_rank_experts"], r["ranks_touched"])
         for r in result.to_dicts()
@@ -84,10 +78,12 @@ def test_streamed_matches_brute_force_across_batches(
     tokens = verify_tokens(np.random.default_rng(7), MODEL, requests=3, steps=25, k=3, accept_prob=0.6,
                            variable_drafts=True)
     routing = routing_frame(tokens, MODEL)
-    result = counterfactual_window_sums(routing, MODEL.num_experts, KS, linear_placement(16, ep))
+    result = counterfactual_window_sums(routing, MODEL.num_experts, KS, linear_placement(16, ep), 3)
     assert not general_path_calls
-    assert_brute_force(window_means(result), routing.collect(), ep)
-    assert_frame_equal(result, growth_module._counterfactual_sorted(routing, 16, KS, linear_placement(16, ep)))
+    assert_brute_force(window_means(result), routing.collect(), ep, 3)
+    proposals = Proposals.of(proposed_drafts(routing, 3))
+    assert_frame_equal(result, growth_module._counterfactual_sorted(routing, 16, KS, linear_placement(16, ep), 3,
+                                                                    proposals))
 
 
 def _shuffled(frame: pl.DataFrame, seed: int) -> pl.LazyFrame:
@@ -114,9 +110,9 @@ def test_other_layouts_take_the_general_path(
         routing = frame.filter(pl.int_range(pl.len()) != frame.height // 2).lazy()
     else:
         routing = frame.reverse().lazy()
-    result = window_means(counterfactual_window_sums(routing, MODEL.num_experts, KS, linear_placement(16, 4)))
+    result = window_means(counterfactual_window_sums(routing, MODEL.num_experts, KS, linear_placement(16, 4), 2))
     assert general_path_calls
-    assert_brute_force(result, routing.collect(), 4)
+    assert_brute_force(result, routing.collect(), 4, 2)
 
 
 def test_repeated_positions_count_rows_like_the_general_path(general_path_calls: list[int]) -> None:
@@ -130,26 +126,26 @@ def test_repeated_positions_count_rows_like_the_general_path(general_path_calls:
         [np.arange(0, 11 * width), np.arange(10 * width, 25 * width), np.arange(26 * width, frame.height)]
     )  # token 10 twice, token 25 missing
     routing = frame[rows].lazy()
-    result = window_means(counterfactual_window_sums(routing, MODEL.num_experts, KS, linear_placement(16, 4)))
+    result = window_means(counterfactual_window_sums(routing, MODEL.num_experts, KS, linear_placement(16, 4), 0))
     assert not general_path_calls
-    assert_brute_force(result, routing.collect(), 4)
+    assert_brute_force(result, routing.collect(), 4, 0)
 
 
 def test_streamed_from_parquet_files(tmp_path: Path, general_path_calls: list[int]) -> None:
     tokens = verify_tokens(np.random.default_rng(10), MODEL, requests=4, steps=40, k=3, accept_prob=0.7)
     trace = open_trace(write_trace(tmp_path / "t", tokens, MODEL, k=3, files=3))
     result = window_means(counterfactual_window_sums(trace.routing(), MODEL.num_experts, KS,
-                                                     linear_placement(16, 2)))
+                                                     linear_placement(16, 2), trace.k))
     assert not general_path_calls
-    assert_brute_force(result, trace.routing().collect(), 2)
+    assert_brute_force(result, trace.routing().collect(), 2, trace.k)
 
 
 def test_empty_and_single_token() -> None:
     tokens = decode_tokens(np.random.default_rng(11), MODEL, requests=1, steps=1)
     frame = routing_frame(tokens, MODEL)
-    one = counterfactual_window_sums(frame, 16, KS, linear_placement(16, 1))
+    one = counterfactual_window_sums(frame, 16, KS, linear_placement(16, 1), 0)
     assert one["k"].to_list() == [0, 0, 0] and one["windows"].to_list() == [1, 1, 1]
-    empty = counterfactual_window_sums(frame.filter(pl.lit(False)), 16, KS, linear_placement(16, 1))
+    empty = counterfactual_window_sums(frame.filter(pl.lit(False)), 16, KS, linear_placement(16, 1), 0)
     assert empty.height == 0 and empty.schema == one.schema
 
 

@@ -185,6 +185,7 @@ def whole_summary(trace: Trace, request: SummaryRequest) -> RoutingSummary:
 
 def assert_same_summary(mine: RoutingSummary, expected: RoutingSummary) -> None:
     assert_frame_equal(mine.growth, expected.growth, check_row_order=False)
+    assert_frame_equal(mine.proposals, expected.proposals, check_row_order=False)
     for name in ("rejected_only", "load", "gaps", "accepted", "stepped"):
         assert_frame_equal(getattr(mine, name), getattr(expected, name)), name
 
