@@ -230,10 +230,12 @@ def _table_files(directory: Path, expected: pa.Schema | None, warnings: list[str
 
 
 def rank_directories(directory: Path) -> list[Path]:
-    """The per-DP-rank traces (``dp0/``, ``dp1/``, …) a data-parallel recording left in ``directory``."""
+    """The per-DP-rank traces (``dp0/``, ``dp1/``, …) a data-parallel recording left in ``directory``: each a trace,
+    or, recorded always on, a root of partitions."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if re.fullmatch(r"dp[0-9]+", p.name) and (p / MANIFEST_NAME).exists()]
+    found = [p for p in directory.iterdir()
+             if re.fullmatch(r"dp[0-9]+", p.name) and ((p / MANIFEST_NAME).exists() or partitions(p))]
     return sorted(found, key=lambda p: int(p.name[2:]))
 
 
@@ -264,8 +266,9 @@ def merged_manifest(traces: list[Trace]) -> dict[str, Any]:
 def open_ranks(directory: Path, ranks: list[Path]) -> Trace:
     """One trace over a data-parallel recording's ranks: rank 0's manifest with the counts of all, complete
     when every rank is; the ranks must be one recording (same model, drafter and k; under `vllm serve` each rank
-    names its run by its own start time, so run ids may differ by a second)."""
-    traces = [open_trace(rank, dp_rank=int(rank.name[2:])) for rank in ranks]
+    names its run by its own start time, so run ids may differ by a second). A rank recorded always on is its
+    partitions as one trace (``open_partitions``)."""
+    traces = [open_rank(rank) for rank in ranks]
     first = traces[0]
     mismatch = not_one_recording(traces)
     if mismatch is not None:
@@ -279,6 +282,14 @@ def open_ranks(directory: Path, ranks: list[Path]) -> Trace:
                  steps_files=[f for t in traces for f in t.steps_files],
                  telemetry_files=first.telemetry_files,
                  warnings=[w for t in traces for w in t.warnings], ranks=traces)
+
+
+def open_rank(rank: Path) -> Trace:
+    """One data-parallel rank's folder (``dp<r>``): its trace, or, recorded always on, its partitions."""
+    dp_rank = int(rank.name[2:])
+    if not (rank / MANIFEST_NAME).exists() and (found := partitions(rank)):
+        return open_partitions(rank, found, dp_rank)
+    return open_trace(rank, dp_rank)
 
 
 def open_trace(directory: str | os.PathLike[str], dp_rank: int | None = None) -> Trace:
@@ -307,14 +318,14 @@ def open_trace(directory: str | os.PathLike[str], dp_rank: int | None = None) ->
     )
 
 
-def open_partitions(root: Path, found: list[Path]) -> Trace:
+def open_partitions(root: Path, found: list[Path], dp_rank: int | None = None) -> Trace:
     """One trace over an always-on recording's partitions ``found`` under ``root``, oldest first: the first one's
     manifest with the counts and requests of all, complete when every one is; each partition's steps and requests
     numbered on after the one before (a request that ran across a boundary is a request in each). A partition whose
     manifest cannot be read is named in the warnings and left out; one of another model, drafter, k or schema
     version is refused, naming it. A partition still open (the one being recorded) is read up to its last step that
     both its closed routing and steps files hold (``open_partition``): its tables agree, and what follows waits for a
-    later report."""
+    later report. ``dp_rank``: see ``read_manifest``."""
     parts: list[Trace] = []
     warnings: list[str] = []
     for path in found:
@@ -323,7 +334,7 @@ def open_partitions(root: Path, found: list[Path]) -> Trace:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             warnings.append(f"{path}: unreadable manifest ({exc}): partition left out")
             continue
-        parts.append(open_partition(open_trace(path)))
+        parts.append(open_partition(open_trace(path, dp_rank)))
     if not parts:
         raise UserError(f"{root}: none of its {len(found)} partition(s) is readable")
     first = parts[0]

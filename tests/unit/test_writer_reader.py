@@ -667,3 +667,32 @@ def test_a_second_checkouts_package_beside_this_ones_analysis_is_refused_in_one_
     last = mixed.stderr.strip().splitlines()[-1]
     # an editable install maps the subpackage to its own checkout: refused by name; any other install has none
     assert "two moetrace checkouts are mixed" in last or "No module named 'moetrace.analysis'" in last
+
+
+def test_a_data_parallel_recording_always_on_reads_as_one_trace_of_each_ranks_partitions(tmp_path: Path) -> None:
+    """Under `vllm serve` with DP each rank records into OUT/dp<r>, and always on that is a root of partitions
+    (OUT/dp<r>/date=…/hour=…): OUT reads as one trace of both ranks, each its partitions numbered on."""
+    from click.testing import CliRunner
+    from trace_builder import Model, verify_tokens, write_trace
+
+    from moetrace.cli import main
+
+    model, root, written = Model(), tmp_path / "served", []
+    for rank in (0, 1):
+        for hour in (15, 16):
+            tokens = verify_tokens(np.random.default_rng(10 * rank + hour), model, requests=2, steps=6, k=2,
+                                   accept_prob=0.6)
+            part = write_trace(root / f"dp{rank}" / "date=2026-12-04" / f"hour={hour}", tokens, model, k=2)
+            manifest = json.loads((part / "manifest.json").read_text())
+            manifest["parallel"].update(dp=2, dp_rank=rank)
+            (part / "manifest.json").write_text(json.dumps(manifest))
+            written.append((rank, tokens))
+    (trace,) = open_traces(root)
+    assert [len(rank.parts) for rank in trace.ranks] == [2, 2] and trace.manifest.parallel.dp_ranks == (0, 1)
+    routing = trace.routing().collect()
+    assert routing.height == sum(len(tokens.step) for _, tokens in written) * len(model.layers)
+    for rank in (0, 1):  # each rank's two partitions, the second's steps numbered on after the first's
+        steps = sum(len(np.unique(tokens.step)) for at, tokens in written if at == rank)
+        assert routing.filter(pl.col("dp_rank") == rank)["step"].n_unique() == steps
+    reported = CliRunner().invoke(main, ["report", str(root), "--json", "-o", str(tmp_path / "r.html")])
+    assert reported.exit_code == 0, reported.output
