@@ -339,6 +339,12 @@ def record(request: RecordRequest, progress: ProgressFn,
     before any engine starts, what in the request will make the trace measure less than it could."""
     if request.method not in SPEC_METHODS:
         raise UserError(f"--method: unknown method {request.method!r} (choose from {', '.join(SPEC_METHODS)})")
+    ngram_only = sorted(key for key in request.spec_args if key.startswith("prompt_lookup_"))
+    if request.method != "ngram" and ngram_only:
+        raise UserError(f"--spec-arg {ngram_only[0]}: n-gram's setting; --method {request.method} has no prompt "
+                        "lookup")
+    if any(budget is not None for _, budget in request.budgets) and max(request.ks) == 0:
+        raise UserError("--budget: a budget limits the experts of verification steps; --k 0 verifies nothing")
     if request.candidates < 0:
         raise UserError("--candidates must be >= 0")
     if request.time_phases_every is not None and request.time_phases_every < 1:

@@ -58,6 +58,18 @@ def test_a_drafter_for_a_method_that_takes_none_is_refused_before_any_engine_sta
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["--method", "eagle3", "--spec-arg", "prompt_lookup_max=4"],
+     "--spec-arg prompt_lookup_max: n-gram's setting; --method eagle3 has no prompt lookup"),
+    (["--k", "0", "--budget", "16"], "--budget: a budget limits the experts of verification steps; --k 0 verifies "
+                                     "nothing"),
+])
+def test_a_setting_the_method_or_k_cannot_use_is_refused_before_any_engine_starts(
+        args: list[str], says: str, tmp_path: Path) -> None:
+    assert refuse(["record", *args, "--out", str(tmp_path / "out")]) == f"error: {says}"
+    assert not (tmp_path / "out").exists()
+
+
 def test_unknown_method_is_refused(tmp_path: Path) -> None:
     assert "unknown method 'medusa'" in refuse(["record", "--method", "medusa", "--out", str(tmp_path)])
 
