@@ -1,5 +1,5 @@
-"""What the commands share: the consoles, the one refusal to overwrite a file, and a trace's expert load for the
-placement commands."""
+"""What the commands share: the consoles, warnings on stderr, and a trace's expert load for the placement
+commands."""
 
 from __future__ import annotations
 
@@ -11,6 +11,13 @@ from rich.console import Console
 
 err_console = Console(stderr=True)
 console = Console()
+
+
+def warn(lines: list[str]) -> None:
+    """Each of ``lines`` as a warning on stderr: what the reader met (a file skipped as corrupt, a recording that did
+    not close) is said whatever the command can still say from the rest."""
+    for line in lines:
+        err_console.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def trace_load(trace_path: Path) -> tuple[Any, list[int]]:
@@ -27,6 +34,7 @@ def trace_load(trace_path: Path) -> tuple[Any, list[int]]:
     from moetrace.trace.schema import MAX_K
 
     trace = open_run(trace_path, MAX_K).primary
+    warn(trace.warnings)
     model = trace.manifest.model
     experts, moe_layers = model.num_experts, list(model.moe_layers)
     layers = model.num_layers or max(moe_layers) + 1

@@ -16,6 +16,7 @@ from moetrace.analysis.calibration import check_calibration
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED
 from moetrace.analysis.profile import PROFILE_PRESETS, Profile, parse_profile
 from moetrace.analysis.shape import SHAPE_PRESETS
+from moetrace.commands.common import warn
 from moetrace.errors import UserError, check_k, refuse_existing
 from moetrace.report.budget_sweep import budget_runs, budget_sweep_summary, print_budget_sweep, recorded_concurrency
 from moetrace.report.dashboard import render_dashboard
@@ -224,8 +225,7 @@ def report(
     except OSError as exc:
         raise UserError(f"{dashboard}: cannot write dashboard ({exc.strerror})") from None
     summary["dashboard"] = str(dashboard)
-    for warning in summary["warnings"]:
-        click.echo(f"warning: {warning}", err=True)
+    warn(summary["warnings"])
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
@@ -282,8 +282,7 @@ def budget(trace: Path, k: int, coverage: float, shape_preset: str | None, outpu
     except OSError as exc:
         raise UserError(f"{output}: cannot write budgets ({exc.strerror})") from None
     console = Console()
-    for warning in payload["warnings"]:
-        console.print(f"warning: {warning}", style="yellow", markup=False, highlight=False)
+    warn(payload["warnings"])
     print_budget_table(payload, console)
     console.print(f"budgets: {output}", markup=False, highlight=False)
     console.print(f"next: moetrace record MODEL --k {k} --budget {shlex.quote(str(output))},none (what the budget "

@@ -408,3 +408,16 @@ def test_the_terminal_report_says_an_extrapolated_all_reduce_once_and_ends_with_
     assert budget.stdout.splitlines()[-1] == (
         f"next: moetrace record MODEL --k 3 --budget {tmp_path / 'budgets.json'},none (what the budget does to "
         "acceptance and output, measured in vLLM)")
+
+
+def test_budget_export_and_place_name_a_corrupt_file_on_stderr(verify_trace: Path, tmp_path: Path) -> None:
+    broken = verify_trace / "routing" / "part-00001.parquet"
+    broken.write_bytes(broken.read_bytes()[:200])
+    named = f"warning: {broken}: skipped, corrupt or truncated Parquet"
+    for args in (["budget", verify_trace, "--k", "3", "-o", tmp_path / "b.json"],
+                 ["export", verify_trace, "--sglang-expert-location", "--ep", "2", "-o", tmp_path / "s.json"],
+                 ["export", verify_trace, "--eplb", "--ep", "2", "-o", tmp_path / "e.json"],
+                 ["place", verify_trace, "--ep", "2", "-o", tmp_path / "p.json"]):
+        result = _invoke(*args)
+        assert result.exit_code in (0, 1), result.output
+        assert named in " ".join(result.stderr.split()) and named not in result.stdout, (args[0], result.stderr)
