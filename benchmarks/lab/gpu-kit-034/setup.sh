@@ -11,6 +11,7 @@ H=$GPU_KIT_HOME
 for tree in site vsite; do
   [ -f "$H/$tree/.unpacked" ] || { echo "$H/$tree is not unpacked yet (receive.sh / receive-vllm.sh)" >&2; exit 2; }
 done
+python3 "$(dirname "$0")/patch_vllm.py" "$H/vsite"
 rm -rf "$H/project" "$H/src" && mkdir -p "$H/src"
 tar -C "${1:?usage: setup.sh PROJECT_DIR}" --exclude=./.gpu --exclude=./.git --exclude=./build \
     --exclude='./*.egg-info' --exclude=./traces -cf - . | tar -C "$H/src" -xf -
