@@ -6,7 +6,7 @@
 #                                          VLLM_WHEEL given, plus the download of its 239 MB otherwise)
 #   VLLM_WHEEL=path/to/vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl  uses that wheel instead of downloading it.
 #   XZ_THREADS=1 (default: xz stays on one core; 0 = all cores, same output size within a few hundred KB).
-# On the host: receive-vllm.sh after each transfer, then setup.sh (see README.md). Triton is NOT carried: torch 2.14's
+# On the host: receive.sh after each transfer, then setup.sh (see README.md). Triton is NOT carried: torch 2.14's
 # own pin is 3.8, but the host's triton 3.6.0 runs torch.compile (measured) and vLLM 0.34 sets no minimum of its own.
 set -euo pipefail
 OUT=$(mkdir -p "${1:?usage: build-vllm-parts.sh OUTDIR2}" && cd "$1" && pwd)

@@ -1,5 +1,5 @@
 # Sourced on the GPU host before anything that imports torch 2.14 or vLLM 0.34. The path, first to last: the project
-# installed with its dist-info (setup.sh), vLLM 0.34 and its dependencies (receive-vllm.sh: vsite), torch 2.14 and
+# installed with its dist-info (setup.sh), vLLM 0.34 and its dependencies (receive.sh: vsite), torch 2.14 and
 # its NCCL (receive.sh: site), then the host's own packages. torch's tree before the host's, so `import torch` takes it,
 # and its NCCL first among the nvidia/*/lib folders torch preloads (it searches sys.path in order).
 export GPU_KIT_HOME=${GPU_KIT_HOME:-$HOME/.cache/gpu-kit-034}

@@ -1,4 +1,4 @@
-"""On the GPU host, once vLLM 0.34 is unpacked (receive-vllm.sh): the one change the kit makes to vLLM's source.
+"""On the GPU host, once vLLM 0.34 is unpacked (receive.sh): the one change the kit makes to vLLM's source.
 vLLM 0.34's kernel warm-up imports MiniMax-M3's MSA warm-up on every CUDA engine, whatever the model, and that module
 imports the CuTe DSL (nvidia-cutlass-dsl), which the kit leaves out: without this an engine of any model fails to
 start (seen on an H100: ModuleNotFoundError: No module named 'cutlass'). Idempotent.

@@ -10,9 +10,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
-import time
-import traceback
-from collections.abc import Callable
+
+from probe import check  # this folder is the script's first on sys.path
 
 # What vLLM imports on the offline LLM path and under `vllm serve` (the emulation's roots; see README.md).
 MODULES = [
@@ -42,18 +41,6 @@ MODULES = [
     "moetrace.hooks.plugin",
     "moetrace.cli",
 ]
-
-
-def check(name: str, run: Callable[[], str]) -> bool:
-    began = time.perf_counter()
-    try:
-        said = run()
-    except Exception as exc:  # a probe: every failure is reported, none stops the others
-        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        print(f"FAIL {name}: {last[:400]}", flush=True)
-        return False
-    print(f"ok   {name} ({time.perf_counter() - began:.1f} s): {said}", flush=True)
-    return True
 
 
 def main() -> int:
