@@ -17,12 +17,13 @@ from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED
 from moetrace.analysis.profile import PROFILE_PRESETS, Profile, parse_profile
 from moetrace.analysis.shape import SHAPE_PRESETS
 from moetrace.commands.common import warn
-from moetrace.errors import UserError, check_k, refuse_existing
+from moetrace.errors import UserError, refuse_existing
 from moetrace.report.budget_sweep import budget_runs, budget_sweep_summary, print_budget_sweep, recorded_concurrency
 from moetrace.report.dashboard import render_dashboard
 from moetrace.report.distributed import check_address
 from moetrace.analysis.decision import DEFAULT_BATCHES, batches_from
 from moetrace.trace.reader import is_partition_root, run_path
+from moetrace.trace.schema import check_k
 from moetrace.report.inputs import DEFAULT_PREDICTION, model_shape, open_run
 from moetrace.report.payload import summary_json
 from moetrace.report.summary import Options, analyse_run, budget_curves_per_k, sample_note, trace_windows

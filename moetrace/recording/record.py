@@ -25,12 +25,13 @@ from moetrace.analysis.shape import config_expert_count, config_value
 from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.recording.drafters import check_drafter_batch, drafter_checkpoint, resolve_drafter
 from moetrace.recording.engine import SPEC_METHODS
-from moetrace.errors import UserError, check_k, refuse_existing
+from moetrace.errors import UserError, refuse_existing
 from moetrace.recording.host import gpu_inventory
 from moetrace.recording.prompts import load_prompts, repeated_in_a_step
 from moetrace.recording.telemetry import TelemetrySampler
 from moetrace.trace.manifest import amend_manifest
 from moetrace.trace.reader import read_manifest
+from moetrace.trace.schema import check_k
 
 # Keys under which configs name their routed-expert count (DeepSeek/Kimi, Qwen-MoE, Mixtral, ERNIE).
 

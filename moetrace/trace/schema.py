@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from moetrace.errors import UserError
+
 SCHEMA_VERSION = "moetrace/1"
 MANIFEST_NAME = "manifest.json"
 ENGINE_ROUTED_EXPERTS_NAME = "vllm-routed-experts.npz"  # vLLM's own arrays, when the engine returned them
@@ -27,6 +29,15 @@ TOKEN_PHASES = ("prefill", "decode", "verify")  # routing ``phase``: what the to
 # _sample (the rejection sampler under speculation); drafting: propose_draft_token_ids
 TIMED_CALLS = ("forward", "sampling", "drafting")
 MAX_K = 16
+
+
+def check_k(k: int, option: str = "--k") -> int:
+    """``k`` where it is a draft length moetrace handles (0..MAX_K), else one line naming ``option``."""
+    if not 0 <= k <= MAX_K:
+        raise UserError(f"{option} {k}: must be between 0 and {MAX_K}")
+    return k
+
+
 # manifest ``source.lacks``: what the source of an imported trace (``moetrace import``) could not know, so the report
 # leaves out what rests on it. Returned routing (vLLM's and SGLang's routed experts) holds the tokens each request
 # kept; SGLang's expert distribution recorder (``per_token`` dumps) holds every token a forward pass routed and the
