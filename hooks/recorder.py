@@ -87,7 +87,7 @@ class Recorder:
         self.model_runner = api.model_runner(runner)
         if self.model_runner.name == "v2" and int(vllm_config.parallel_config.data_parallel_size) > 1:
             raise UnsupportedRunner("moetrace records Model Runner V2 without data parallelism only "
-                                    "(set VLLM_USE_V2_MODEL_RUNNER=0)")
+                                    "(Model Runner V1 records it: VLLM_USE_V2_MODEL_RUNNER=0, vLLM 0.33 and earlier)")
         self.runner = runner
         self.runners = api.target_moe_runners(runner.model)
         if not self.runners:
@@ -204,16 +204,16 @@ class Recorder:
                                       self.layout.width)
         self.copier = StepCopier(self.device, self.ring, int(self.runner.max_num_tokens))
         manifest = worker_manifest(self._vllm_config, self._infos, options, capture={
-                "model_runner": self.model_runner.name,
-                "recomputed_from_logits": any(entry is not None for entry in self.entries),
-                "async_scheduling": not self.sampled_on_host,  # vLLM turns it off for some drafters
-                "phases_timed_every": self.timing_every,
-                "host_copy": self.copier.path,
-                "replayed_routing": options.replay_routing,
-                "sampled": sampled_manifest(options),
-                "budget": None if sizes is None else {
-                    "scope": options.budget_scope,
-                    "per_layer": {str(info.layer): size for info, size in zip(self._infos, sizes)}}})
+            "model_runner": self.model_runner.name,
+            "recomputed_from_logits": any(entry is not None for entry in self.entries),
+            "async_scheduling": not self.sampled_on_host,  # vLLM turns it off for some drafters
+            "phases_timed_every": self.timing_every,
+            "host_copy": self.copier.path,
+            "replayed_routing": options.replay_routing,
+            "sampled": sampled_manifest(options),
+            "budget": None if sizes is None else {
+                "scope": options.budget_scope,
+                "per_layer": {str(info.layer): size for info, size in zip(self._infos, sizes)}}})
         if options.metrics_port is not None and self._metrics_state is None:  # one for every trace it records into
             self._metrics_state = MetricsState.create(len(self._infos), self._infos[0].num_experts,
                                                       int(manifest["spec"]["k"]))

@@ -52,14 +52,14 @@ def drop_oldest(root: Path, cap: int, keep: Collection[Path]) -> list[Path]:
     one being written, those still closing); returns those deleted, oldest first. Emptied date and hour folders go
     with them."""
     dropped = []
-    found = partitions(root)
-    held = {partition: bytes_under(partition) for partition in found}  # walked once, less each partition as it goes
-    for partition in found:
-        if sum(held.values()) <= cap:
+    sizes = {partition: bytes_under(partition) for partition in partitions(root)}  # walked once
+    held = sum(sizes.values())  # less each partition as it goes
+    for partition, size in sizes.items():
+        if held <= cap:
             break
         if any(path == partition or path.is_relative_to(partition) for path in keep):
             continue
-        del held[partition]
+        held -= size
         shutil.rmtree(partition, ignore_errors=True)
         dropped.append(partition)
         for parent in partition.parents:  # hour=, then date= folders left empty
