@@ -18,7 +18,9 @@ HERE = Path(__file__).parent
 # the helpers (trace builders, the engine fixtures, the decision oracle) importable from every folder of tests
 sys.path[:0] = [str(HERE), str(HERE / "fixtures"), str(HERE / "oracles")]
 
-pytest_plugins = ["pytester"]
+# vllm_fixtures as a plugin: its session-scoped recording is one fixture for every module (a module importing the
+# fixture would hold its own definition of it, and each such module would record it again)
+pytest_plugins = ["pytester", "vllm_fixtures"]
 
 # Under pytest-xdist (scripts/test.sh runs a worker per core) each worker runs its own vLLM engines: they must not
 # all pin their OpenMP threads to the same core, as vLLM's automatic binding does.

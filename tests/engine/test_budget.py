@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from click.testing import CliRunner
 
-from vllm_fixtures import record_like_the_fixture, recorded_trace, run_cli  # noqa: F401 (fixture)
+from vllm_fixtures import record_like_the_fixture, run_cli
 from moetrace.cli import main
 from moetrace.default_model import CONFIG, ensure_default_model
 from moetrace.hooks.budget import LayerBudget, TokenGroups, restrict
@@ -155,7 +155,7 @@ def test_a_budgeted_recording_run_again_routes_and_generates_the_same(budgeted: 
 
 @pytest.mark.vllm
 def test_report_on_a_budget_sweep_compares_each_budget_with_the_unbudgeted_outputs(
-        budgeted: Path, recorded_trace: Path, tmp_path: Path) -> None:  # noqa: F811
+        budgeted: Path, recorded_trace: Path, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     (sweep / "budget-12").symlink_to(budgeted)

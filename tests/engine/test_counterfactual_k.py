@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from vllm_fixtures import recorded_trace, record_like_the_fixture  # noqa: F401 (fixture)
+from vllm_fixtures import record_like_the_fixture
 from moetrace.analysis.budgets import WINDOW, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, request_prompts
 from moetrace.analysis.placement import linear_placement

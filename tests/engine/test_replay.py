@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 
 from trace_builder import Model, verify_tokens, write_trace
-from vllm_fixtures import record_like_the_fixture, recorded_trace, run_cli  # noqa: F401 (fixture)
+from vllm_fixtures import record_like_the_fixture, run_cli
 from moetrace.default_model import CONFIG
 from moetrace.trace.reader import open_trace
 
@@ -35,7 +35,7 @@ def kept_tokens(trace: Path) -> tuple[dict[tuple[int, int, int], dict[str, Any]]
 @pytest.mark.vllm
 @pytest.mark.xdist_group("recorded_trace")
 def test_replayed_routing_routes_every_token_as_the_trace_did_and_a_budget_still_holds(
-        recorded_trace: Path, tmp_path: Path) -> None:  # noqa: F811
+        recorded_trace: Path, tmp_path: Path) -> None:
     replayed = record_like_the_fixture(tmp_path, "--replay-routing", str(recorded_trace), "--budget", "12",
                                        "--num-prompts", "4", "--max-tokens", "24")  # the last value of each wins
     manifest = open_trace(replayed).manifest.document

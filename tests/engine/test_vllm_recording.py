@@ -20,14 +20,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from vllm_fixtures import (  # noqa: F401 (fixture)
-    CANDIDATES,
-    K,
-    assert_same_routing_up_to_divergence,
-    record_like_the_fixture,
-    recorded_trace,
-    run_cli,
-)
+from vllm_fixtures import CANDIDATES, K, assert_same_routing_up_to_divergence, record_like_the_fixture, run_cli
 import moetrace
 from moetrace.cli import main
 from moetrace.compare import load_outputs
