@@ -22,7 +22,7 @@ from typing import Any
 
 from moetrace.hooks.options import RecordingOptions, replay_refusal
 from moetrace.analysis.shape import config_expert_count, config_value
-from moetrace.default_model import CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
+from moetrace.default_model import BOS_ID, CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.recording.drafters import check_drafter_batch, drafter_checkpoint, resolve_drafter
 from moetrace.recording.engine import SPEC_METHODS
 from moetrace.errors import UserError, refuse_existing
@@ -72,11 +72,16 @@ class RecordRequest:
 class ResolvedModel:
     path: Path
     name: str
-    byte_tokens: bool  # the embedded default: prompts are encoded as bytes, no tokenizer
+    byte_tokens: bool  # no tokenizer (the embedded default, a config for dummy weights): prompts go in as bytes
     dtype: str | None  # None: the default model's (float32 on the CPU, bfloat16 on a GPU)
     max_positions: int | None
     num_experts: int
     top_k: int | None
+
+    @property
+    def embedded(self) -> bool:
+        """The embedded default model (which ships its drafters)."""
+        return self.name == DEFAULT_MODEL_NAME and self.dtype is None
 
 
 @dataclass
@@ -150,6 +155,10 @@ def parse_key_values(pairs: tuple[str, ...], option: str) -> dict[str, Any]:
     return parsed
 
 
+# Files of a Hugging Face tokenizer (fast, SentencePiece, BPE vocabulary, tiktoken as Kimi's checkpoints ship it)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "tiktoken.model")
+
+
 def resolve_model(model: str | None) -> ResolvedModel:
     if model is None:
         path = ensure_default_model()
@@ -174,7 +183,15 @@ def resolve_model(model: str | None) -> ResolvedModel:
     if not experts:
         raise UserError(f"{model} is not a MoE model (its config names no routed experts)")
     top_k = config_value(config, "num_experts_per_tok")
-    return ResolvedModel(path, path.name, False, "auto", None, experts, top_k if isinstance(top_k, int) else None)
+    byte_tokens = not any((path / name).exists() for name in TOKENIZER_FILES)
+    if byte_tokens:  # a config for dummy weights: prompts go in as their UTF-8 bytes, as for the embedded default
+        vocab = config_value(config, "vocab_size")
+        if not isinstance(vocab, int) or vocab <= BOS_ID:
+            raise UserError(f"{model} has no tokenizer, and its vocabulary ({vocab}) cannot hold byte prompts "
+                            f"(token ids up to {BOS_ID})")
+    positions = config_value(config, "max_position_embeddings") if byte_tokens else None
+    return ResolvedModel(path, path.name, byte_tokens, "auto", positions if isinstance(positions, int) else None,
+                         experts, top_k if isinstance(top_k, int) else None)
 
 
 def run_directory(request: RecordRequest, model: ResolvedModel) -> Path:
@@ -215,7 +232,7 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
     if _on_cpu_build():  # KV cache sized explicitly: the CPU backend's default fraction can exceed a NUMA node
         engine_args.setdefault("kv_cache_memory_bytes", 512 << 20)
         engine_args.setdefault("gpu_memory_utilization", 0.3)
-        if model.byte_tokens and model.dtype is None:  # the default model in float32: on a CPU with AMX tiles vLLM
+        if model.embedded:  # the default model in float32: on a CPU with AMX tiles vLLM
             engine_args.setdefault("attention_backend", "CPU_MLA")  # prefers AMX MLA, which takes no float32
             if request.method in ("mtp", "eagle3", "draft_model"):  # a drafter's MLA layer picks its backend from
                 # the speculative config (the embedded EAGLE-3 head and draft model are MLA, in float32)
@@ -360,7 +377,7 @@ def record(request: RecordRequest, progress: ProgressFn,
         warn(repeated)
     model = resolve_model(request.model)
     request = dataclasses.replace(request, drafter=resolve_drafter(request.method, request.drafter, model.path,
-                                                                   model.byte_tokens))
+                                                                   model.embedded))
     check_drafter_batch(request.method, request.drafter, request.batch_size)
     if request.candidates and not (model.top_k or 0) < request.candidates <= model.num_experts:
         raise UserError(f"--candidates {request.candidates}: must be more than top-{model.top_k} and at most the "
