@@ -9,6 +9,10 @@ if TYPE_CHECKING:
     from moetrace.trace.manifest import Manifest
 
 
+class UnpricedFormat(ValueError):
+    """The recorded experts' weight format (named) is one whose bytes the cost model cannot count."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
     num_experts: int
@@ -32,7 +36,11 @@ class ModelShape:
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> ModelShape:
+        """The recorded model's shape; ``UnpricedFormat`` where its experts are stored in a format whose bytes the
+        cost model cannot count (the manifest names it, with no ``expert_weight_bits``)."""
         model = manifest.model.fields
+        if model.get("expert_format") and not model.get("expert_weight_bits"):
+            raise UnpricedFormat(str(model["expert_format"]))
         moe_layers = len(manifest.model.moe_layers)
         return cls(
             num_experts=manifest.model.num_experts,
@@ -44,6 +52,7 @@ class ModelShape:
             shared_experts=int(model.get("shared_experts") or 0),
             expert_weight_bits=int(model.get("expert_weight_bits") or 16),
             quant_group_size=int(model["quant_group_size"]) if model.get("quant_group_size") else None,
+            scale_bits=int(model.get("quant_scale_bits") or 16),
         )
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,21 +21,61 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def expert_weight_format(hf_config: Any, dtype: torch.dtype) -> tuple[int, int | None]:
-    """(bits per expert weight, quantisation group size or None) from the checkpoint's quantisation config."""
+class ExpertFormat(NamedTuple):
+    """How a checkpoint stores its routed experts' weights: bits per weight, one scale per ``group`` weights (None:
+    no scales worth counting), the scale's bits, and the format's name (for the manifest and the report)."""
+
+    bits: int
+    group: int | None
+    scale_bits: int
+    name: str
+
+
+# An expert's projection as the checkpoint names it (DeepseekV3/Kimi): what compressed-tensors' ignore list is
+# matched against
+EXPERT_MODULE = "model.layers.1.mlp.experts.0.gate_proj"
+
+
+def _ignored(patterns: list[str], module: str) -> bool:
+    """compressed-tensors' ignore list: exact names, or ``re:`` regular expressions matched from the start."""
+    return any(re.match(p[3:], module) if p.startswith("re:") else p == module for p in patterns)
+
+
+def expert_weight_format(hf_config: Any, dtype: torch.dtype) -> ExpertFormat:
+    """The routed experts' weight format from the checkpoint's quantisation config: compressed-tensors (Kimi-K2.5's
+    INT4 W4A16, group 32, scales in the model's dtype; block or channel FP8), FP8 with weight blocks (Kimi-K2's:
+    one float32 scale per 128 x 128 block), GPTQ/AWQ bits; else the model's dtype. A method none of these reads
+    is named with no bits (``bits`` 0): the report leaves out what its bytes would price."""
+    model_bits = torch.finfo(dtype).bits
     quant = getattr(hf_config, "quantization_config", None) or {}
     if not isinstance(quant, dict):
         quant = quant.to_dict() if hasattr(quant, "to_dict") else {}
-    for group in (quant.get("config_groups") or {}).values():  # compressed-tensors (Kimi-K2.5 INT4)
-        weights = group.get("weights") or {}
-        if weights.get("num_bits"):
-            return int(weights["num_bits"]), weights.get("group_size")
-    if quant.get("bits"):  # GPTQ/AWQ style
-        return int(quant["bits"]), quant.get("group_size")
-    if "fp8" in str(quant.get("quant_method", "")):
+    method = str(quant.get("quant_method", "") or "")
+    if not quant:
+        return ExpertFormat(model_bits, None, 0, str(dtype).removeprefix("torch."))
+    if method == "compressed-tensors":
+        if _ignored(list(quant.get("ignore") or []), EXPERT_MODULE):
+            return ExpertFormat(model_bits, None, 0, str(dtype).removeprefix("torch."))
+        for group in (quant.get("config_groups") or {}).values():
+            weights = group.get("weights") or {}
+            if not weights.get("num_bits"):
+                continue
+            bits, strategy = int(weights["num_bits"]), weights.get("strategy")
+            block = weights.get("block_structure")
+            size = (int(weights["group_size"]) if strategy == "group" and weights.get("group_size")
+                    else int(block[0]) * int(block[1]) if strategy == "block" and block else None)
+            kind = "float" if weights.get("type") == "float" else "int"
+            return ExpertFormat(bits, size, model_bits if size else 0,
+                                f"compressed-tensors {kind}{bits} {strategy}" + (f" {size}" if size else ""))
+    if method == "fp8":
         block = quant.get("weight_block_size")
-        return 8, int(block[1]) if block else None
-    return torch.finfo(dtype).bits, None
+        size = int(block[0]) * int(block[1]) if block else None
+        return ExpertFormat(8, size, 32 if size else 0, "fp8" + (f" block {block[0]}x{block[1]}" if block else ""))
+    if quant.get("bits"):  # GPTQ/AWQ style
+        group_size = quant.get("group_size")
+        size = int(group_size) if isinstance(group_size, int) and group_size > 0 else None
+        return ExpertFormat(int(quant["bits"]), size, 16 if size else 0, f"{method or 'quantized'} int{quant['bits']}")
+    return ExpertFormat(0, None, 0, method or "unknown quantisation")
 
 
 def placement_facts(num_experts: int, ep: int, strategy: str) -> dict[str, Any]:
@@ -57,7 +98,7 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: Record
     hf = model_config.hf_text_config
     parallel = vllm_config.parallel_config
     spec = vllm_config.speculative_config
-    bits, group = expert_weight_format(model_config.hf_config, model_config.dtype)
+    experts = expert_weight_format(model_config.hf_config, model_config.dtype)
     tp = int(parallel.tensor_parallel_size)
     ep = tp * int(parallel.data_parallel_size) if parallel.enable_expert_parallel else 1
     first = routers[0]
@@ -86,8 +127,10 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: Record
             # vLLM applies the scaling factor to the MoE output on CUDA and CPU, so recorded weights sum to ~1.
             "router_scaling_factor_in_weights": first.routed_scaling_factor,
             "dtype": str(model_config.dtype).removeprefix("torch."),
-            "expert_weight_bits": bits,
-            "quant_group_size": group,
+            "expert_format": experts.name,
+            "expert_weight_bits": experts.bits or None,  # None: a format the cost model cannot price
+            "quant_group_size": experts.group,
+            "quant_scale_bits": experts.scale_bits or None,
         },
         "parallel": {
             "tp": tp,
