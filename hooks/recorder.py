@@ -55,9 +55,11 @@ from moetrace.hooks.capture import (
     wrap_router,
 )
 from moetrace.hooks.manifest import worker_manifest
-from moetrace.hooks.options import RecordingOptions
+from moetrace.hooks.options import REPLAY_NEEDS_V1, RecordingOptions
+from moetrace.hooks.planned import PlannedStep
 from moetrace.hooks.replay import ReplayedRouting, replayed_routing
-from moetrace.hooks.vllm_api import ForwardPlan, HookPoint, RunnerV1, WorkerApi, require_fields
+from moetrace.hooks.vllm_api import (ForwardPlan, HookPoint, RunnerV1, RunnerV2, WorkerApi, require_fields,
+                                     sequence_limits)
 from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CUDA, PhaseTiming
 from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, copied_event, to_host
@@ -89,6 +91,9 @@ class Recorder:
             raise UnsupportedRunner("moetrace records Model Runner V2 without data parallelism only "
                                     "(Model Runner V1 records it: VLLM_USE_V2_MODEL_RUNNER=0, vLLM 0.33 and earlier)")
         self.runner = runner
+        # vLLM's request id -> prompt + max_tokens, for the requests still running (across partitions): a
+        # request-step that begins at the last position is one vLLM runs after the request finished, and drops
+        self.sequence_limit: dict[str, int] = {}
         self.runners = api.target_moe_runners(runner.model)
         if not self.runners:
             raise UnsupportedRunner("the target model has no MoE layers to record")
@@ -464,8 +469,10 @@ class Recorder:
             self._scheduled, self._step_kwargs, self._plan = scheduler_output, kwargs, None
             if self.windows is not None:
                 self._sampled = self._is_request_step() and self.windows.admits(time.monotonic())
+            self.sequence_limit.update(sequence_limits(scheduler_output))
             for finished in scheduler_output.finished_req_ids:  # done since the last step: no more rows to come
                 self.request_index.pop(finished, None)
+                self.sequence_limit.pop(finished, None)
             if self.capture.ran:  # outside CUDA graphs the routers' Python ran and kept references to their outputs
                 self.capture.begin_step()
             if self._time_next or self._timing:  # a timed step begins, or the last one ended without sampling
@@ -688,6 +695,7 @@ class Recorder:
             step=self.step - 1,
             t_start=self._t_start,
             requests=np.array([self.request_index[r] for r in inputs.req_ids], dtype=np.uint32),
+            sequence_limit=np.array([self.sequence_limit.get(r, 0) for r in inputs.req_ids], dtype=np.int64),
             new_requests=new,
             query_start=inputs.query_start,
             num_prompt_tokens=inputs.num_prompt_tokens,

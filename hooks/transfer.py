@@ -191,6 +191,7 @@ class PendingStep:
     query_start: npt.NDArray[np.int64]  # [R + 1]
     num_prompt_tokens: npt.NDArray[np.int64]  # [R]
     drafts: npt.NDArray[np.int64]  # [R]
+    sequence_limit: npt.NDArray[np.int64]  # [R] prompt + max_tokens (0: none given)
     packed: RingRows  # where its [T, W] int32 block (see PackedLayout) lands in the ring shared with the writer
     layout: PackedLayout
     copied: torch.cuda.Event | None = None
@@ -207,4 +208,4 @@ class PendingStep:
             self.copied.synchronize()
         return StepRecord(self.step, self.t_start, self.t_end, self.requests, self.query_start, self.num_prompt_tokens,
                           self.drafts, np.asarray(self.kept, dtype=np.int64), self.packed, self.layout,
-                          self.new_requests)
+                          self.new_requests, self.sequence_limit)

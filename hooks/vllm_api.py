@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
@@ -56,12 +56,17 @@ RUNNER_V2_FIELDS = ("model", "max_num_tokens", "req_states", "execute_model", "s
 INPUT_BATCH_V2_FIELDS = ("req_ids", "num_reqs", "num_tokens", "query_start_loc_np", "idx_mapping_np",
                          "num_draft_tokens_per_req", "positions", "input_ids")
 GRAPH_MANAGER_V2_FIELDS = ("graphs", "run_fullgraph", "run_pw_graph")
+# ... where a budget or a replay plans each forward's tokens: the batch as ``prepare_inputs`` lays it out, the
+# positions buffer the forward reads (at a fixed address), the most requests a step holds
+PLANNING_V2_FIELDS = ("prepare_inputs", "input_buffers", "max_num_reqs")
 # V2 warms its kernels up at start-up (``WARMUP_PATH``) by running batches of requests of its own through
 # execute_model and sample_tokens: their ids start so (``_context_warmup_``: from 0.34).
 WARMUP_PATH = "vllm.v1.worker.gpu.warmup"
 WARMUP_REQUEST_PREFIXES = ("_warmup_", "_v2_mixed_warmup", "_context_warmup_")
 # What the recorder reads on a step's ``SchedulerOutput`` (a dataclass, ``vllm.v1.core.sched.output``).
-SCHEDULER_OUTPUT_FIELDS = ("total_num_scheduled_tokens", "num_scheduled_tokens", "finished_req_ids")
+SCHEDULER_OUTPUT_FIELDS = ("total_num_scheduled_tokens", "num_scheduled_tokens", "finished_req_ids",
+                           "scheduled_new_reqs")
+NEW_REQUEST_FIELDS = ("req_id", "prompt_token_ids", "sampling_params")  # a request's first scheduling
 ROUTER_FIELDS = ("_compute_routing", "global_num_experts", "top_k")
 MOE_RUNNER_FIELDS = ("router", "layer_id", "layer_name", "is_monolithic")
 
@@ -184,6 +189,15 @@ def eplb_placement(load: npt.NDArray[np.int64], ep: int, redundant: int) -> dict
     logical, replicas = logical_maps(physical, load.shape[1])
     return {"physical_to_logical_map": physical.tolist(), "logical_to_physical_map": logical.tolist(),
             "logical_replica_count": replicas.tolist()}
+
+
+def sequence_limits(scheduler_output: Any) -> Iterator[tuple[str, int]]:
+    """(request id, prompt + max_tokens) of each request scheduled for the first time in this step: a request
+    whose sequence has reached it is finished (0 where vLLM gives no limit: pooling, prompt embeddings)."""
+    for request in scheduler_output.scheduled_new_reqs:
+        params, prompt = request.sampling_params, request.prompt_token_ids
+        limit = getattr(params, "max_tokens", None)
+        yield request.req_id, (len(prompt) + int(limit)) if prompt is not None and limit is not None else 0
 
 
 def require_fields(obj: Any, fields: tuple[str, ...], what: str) -> None:
@@ -511,6 +525,8 @@ class Reads:
 CONTRACT = (
     Reads("common", (WORKER_PATH,), ("load_model", "shutdown", "model_runner", "vllm_config")),
     Reads("common", (SCHEDULER_OUTPUT_PATH,), SCHEDULER_OUTPUT_FIELDS),
+    Reads("common", ("vllm.v1.core.sched.output.NewRequestData",), NEW_REQUEST_FIELDS),
+    Reads("common", ("vllm.sampling_params.SamplingParams",), ("max_tokens",)),
     Reads("common", (MOE_RUNNER_PATH,), MOE_RUNNER_FIELDS + ("routed_experts",)),
     Reads("common", ("vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts",), ("forward_monolithic",)),
     Reads("common", ("vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter",),

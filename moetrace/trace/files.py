@@ -77,6 +77,7 @@ class StepCapture:
     cand_scores: npt.NDArray[np.float32] | None  # [T, L, C]
     steps_rows: dict[str, npt.NDArray[Any]]  # one entry per STEPS_SCHEMA column, each [R]
     new_requests: tuple[str, ...] = ()  # vLLM's ids of the requests first seen in this step, in index order
+    discarded: tuple[int, int] = (0, 0)  # request-steps and tokens left out: run after their request finished
 
     PER_TOKEN = ("request", "position", "phase", "draft_pos", "token", "accepted", "experts", "weights",
                  "cand_experts", "cand_scores")
@@ -185,6 +186,8 @@ class TraceFiles:
         self.tokens = 0
         self.drafts = 0
         self.accepted = 0
+        self.discarded_request_steps = 0
+        self.discarded_tokens = 0
         # vLLM's id of every request index (the manifest's ``requests``): kept here, in the writer process, so that
         # the engine side holds only the requests still running
         self.requests: list[str] = list(manifest.get("requests") or [])
@@ -213,6 +216,8 @@ class TraceFiles:
             self.tokens += len(cap.request)
             self.drafts += int((cap.accepted >= 0).sum())
             self.accepted += int((cap.accepted == 1).sum())
+            self.discarded_request_steps += cap.discarded[0]
+            self.discarded_tokens += cap.discarded[1]
         return captures
 
     def maybe_rotate(self) -> None:
@@ -244,6 +249,9 @@ class TraceFiles:
             "routing_files": self._routing.files_closed,
             "routing_bytes": self._routing.bytes_written,
             "steps_rows": self._steps.rows_written,
+            # request-steps (and their tokens) vLLM ran for a request already finished, and dropped: left out
+            "discarded_request_steps": self.discarded_request_steps,
+            "discarded_tokens": self.discarded_tokens,
         }
 
     def routing_table(self, captures: list[StepCapture]) -> pa.Table:

@@ -26,7 +26,8 @@ def record() -> StepRecord:
     packed = np.concatenate([ids, weights, cand_ids, cand_scores, positions, token_ids], axis=1)
     return StepRecord(step=7, t_start_ns=10, t_end_ns=20, requests=np.array([4, 0, 2], dtype=np.uint32),
                       query_start=np.array([0, 4, 5, 8]), num_prompt_tokens=np.array([6, 3, 4]),
-                      drafts=np.array([0, 0, 2]), kept=np.array([0, 1, 2]), packed=packed, layout=LAYOUT)
+                      drafts=np.array([0, 0, 2]), kept=np.array([0, 1, 2]), packed=packed, layout=LAYOUT,
+                      sequence_limit=np.array([70, 0, 40]))
 
 
 def test_a_pickled_step_record_is_the_same_record() -> None:
@@ -72,3 +73,20 @@ def test_a_record_whose_rows_lie_in_the_shared_ring_is_pickled_as_where_they_lie
         assert crossed.assemble().experts.tolist() == whole.assemble().experts.tolist()
     finally:
         ring.close()
+
+
+def test_a_request_step_run_after_its_request_reached_max_tokens_is_left_out_and_counted() -> None:
+    """Async scheduling runs one more step for a request whose last token is still in flight; vLLM drops it. Its
+    first token lies at prompt + max_tokens - 1: the request's other rows, and every other request's, stay."""
+    whole = pickle.loads(pickle.dumps(record())).assemble()
+    finished = dataclasses.replace(record(), sequence_limit=np.array([70, 0, 6]))  # request 2: prompt 4 + 2 tokens
+    rows = pickle.loads(pickle.dumps(finished)).assemble()
+    kept = whole.request != 2
+    assert rows.request.tolist() == whole.request[kept].tolist() == [4, 4, 4, 4, 0]
+    assert rows.experts.tolist() == whole.experts[kept].tolist()
+    assert rows.position.tolist() == whole.position[kept].tolist()
+    assert rows.steps_rows["request"].tolist() == [4, 0]
+    assert rows.steps_rows["batch_size"].tolist() == [3, 3], "the batch as the engine ran it"
+    assert rows.discarded == (1, 3) and whole.discarded == (0, 0)
+    one_short = dataclasses.replace(record(), sequence_limit=np.array([70, 0, 7]))  # one token still to come
+    assert pickle.loads(pickle.dumps(one_short)).assemble().discarded == (0, 0)
