@@ -150,19 +150,18 @@ class Recorder:
         self._guarded = Guard(self._stop)
         self._roles: dict[str, Callable[..., Any]] = {
             "step": self.step_begins, "sample": self.sample, "sample_tokens": self.sample_tokens,
-            "drafting": self.propose_draft_tokens, "capture_model": self.capture_model}
+            "drafting": self.propose_draft_tokens, "capture_model": self.capture_model, "plan": self.inputs_prepared}
         self._installed: list[tuple[HookPoint, Any]] = []  # each hook, and the instance attribute it replaced
         self._timed_only: list[HookPoint] = []  # hooked only while a timed step is under way
         self.install()
 
     def _engine_check(self, what: str, data_parallel: int) -> None:
-        """``UnsupportedRunner`` where ``what`` (a budget, a replay) cannot change this engine's routing: only Model
-        Runner V1 plans each step's tokens before the forward, routers under data parallelism see other ranks'
-        tokens, other tensor-parallel ranks route on their own (rank 0 alone records), and kernels that fuse
-        routing never call the router."""
+        """``UnsupportedRunner`` where ``what`` (a budget, a replay) cannot change this engine's routing: routers
+        under data parallelism see other ranks' tokens, other tensor-parallel ranks route on their own (rank 0 alone
+        records), and kernels that fuse routing never call the router."""
         tensor_parallel = int(self._vllm_config.parallel_config.tensor_parallel_size)
-        if not isinstance(self.model_runner, RunnerV1) or data_parallel > 1 or tensor_parallel > 1:
-            raise UnsupportedRunner(f"{what} needs Model Runner V1 without data or tensor parallelism")
+        if data_parallel > 1 or tensor_parallel > 1:
+            raise UnsupportedRunner(f"{what} needs an engine without data or tensor parallelism")
         if any(entry is not None for entry in self.entries):
             raise UnsupportedRunner(f"{what} needs the router's own routing (this MoE kernel fuses it)")
 
@@ -185,10 +184,12 @@ class Recorder:
         """``hooks.replay.replayed_routing`` of the trace ``options.replay_routing`` names, or ``UnsupportedRunner``
         saying why this engine cannot replay it."""
         self._engine_check("replayed routing", data_parallel)
+        if isinstance(self.model_runner, RunnerV2):
+            raise UnsupportedRunner(REPLAY_NEEDS_V1)
         assert options.replay_routing is not None
         try:
             return replayed_routing(Path(options.replay_routing), infos[0].num_experts, self.top_k,
-                                    int(self.runner.max_num_tokens), cast(RunnerV1, self.model_runner).positions(),
+                                    int(self.runner.max_num_tokens), self.model_runner.positions(),
                                     device)
         except ValueError as exc:
             raise UnsupportedRunner(str(exc)) from None
@@ -303,6 +304,8 @@ class Recorder:
             else:
                 wrap_logits_entry(entry[0], entry[1], moe.router, slot, self.capture)
         points = self.model_runner.hook_points()
+        if self.budgets is not None or self.replay is not None:
+            points += self.model_runner.plan_points()
         self._timed_only = [point for point in points if point.timed_only]
         for point in points:
             if not point.timed_only:
@@ -532,13 +535,24 @@ class Recorder:
         self._plan = (plan, result, args, kwargs)
         if self.budgets is not None or self.replay is not None:  # planned per token before the forward
             with self._guarded:
-                runner = cast(RunnerV1, self.model_runner)  # refused on any other (``_engine_check``)
-                step = runner.planned_step(self._scheduled, kwargs.get("num_tokens"))
-                if self.budgets is not None:
-                    self.budgets[0][0].plan(step)
-                if self.replay is not None:
-                    self.replay.plan(step, () if self._scheduled is None else self._scheduled.finished_req_ids)
+                runner = cast(RunnerV1, self.model_runner)  # V1's graph hook (V2 plans in ``inputs_prepared``)
+                self._plan_tokens(runner.planned_step(self._scheduled, kwargs.get("num_tokens")))
         return result
+
+    def inputs_prepared(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Model Runner V2 has laid the step's batch out (``HookPoint`` role ``plan``, hooked under a budget or a
+        replay): plan its tokens before the forward."""
+        batch = original(*args, **kwargs)
+        with self._guarded:
+            self._plan_tokens(cast(RunnerV2, self.model_runner).planned_step(batch))
+        return batch
+
+    def _plan_tokens(self, step: PlannedStep | None) -> None:
+        """Write the next forward's token groups (a budget) and bank rows (a replay); None: no request's step."""
+        if self.budgets is not None:
+            self.budgets[0][0].plan(step)
+        if self.replay is not None:
+            self.replay.plan(step, () if self._scheduled is None else self._scheduled.finished_req_ids)
 
     def forward_launched(self) -> None:
         """The GPU runs the step's forward (called as sampling begins, under the caller's guard): hand the last steps

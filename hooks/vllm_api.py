@@ -125,6 +125,11 @@ def unchecked(vllm: str) -> str | None:
             f"{supported()}): recording goes on, and stops in one line at any internal it lacks")
 
 
+def v2_only(vllm: str) -> bool:
+    """Whether release ``vllm`` records on Model Runner V2 alone (V1 gone: ``REFUSED``)."""
+    return (release_of(vllm), RunnerV1.name) in REFUSED
+
+
 def refuse_gone(vllm: str, runner: str) -> None:
     """``VllmApiError`` in one line where the contract check found an internal of ``runner`` (``v1``, ``v2``) gone in
     release ``vllm``."""
@@ -253,10 +258,11 @@ ForwardPlan = tuple[Hashable | None, list[int] | None]
 class HookPoint:
     """One call the recorder wraps: ``owner.name``, in the role it plays in a step (``step``: called once a step,
     before its forward, with the scheduler's output; ``sample``, ``sample_tokens``, ``drafting``,
-    ``capture_model``; or ``graph``: a call that says which CUDA graph the forward replays, ``plan`` of its result
-    and arguments, read as it returns, or, with ``plan_at_launch`` (a plan of the result and arguments alone, which
-    vLLM leaves as they are), once the forward is launched: before the launch, under sync scheduling, the GPU
-    idles, so there the hook only keeps the result).
+    ``capture_model``; ``plan``: returns a step's batch as laid out before its forward (``planning``); or ``graph``:
+    a call that says which CUDA graph the forward replays, ``plan`` of its result and arguments, read as it returns,
+    or, with ``plan_at_launch`` (a plan of the result and arguments alone, which vLLM leaves as they are), once the
+    forward is launched: before the launch, under sync scheduling, the GPU idles, so there the hook only keeps the
+    result).
 
     Where the runner allows, the calls wrapped return before the forward runs or begin after it: a wrapper around
     the forward would lie beneath its every Python call, and CPython allocates the frames of a thread's calls in
@@ -270,6 +276,7 @@ class HookPoint:
     plan: Callable[..., ForwardPlan] | None = None
     plan_at_launch: bool = False
     timed_only: bool = False  # hooked only while a timed step is under way (it times a phase, and nothing else)
+    planning: bool = False  # role ``plan``, hooked only where a budget or a replay plans each forward's tokens
 
 
 class StepInputs(NamedTuple):
@@ -309,6 +316,11 @@ class RunnerV1:
                 HookPoint("drafting", runner, "propose_draft_token_ids", timed_only=True),
                 HookPoint("graph", runner, "_determine_batch_execution_and_padding", self.forward_plan,
                           plan_at_launch=True)]
+
+    @staticmethod
+    def plan_points() -> list[HookPoint]:
+        """None: V1 plans a forward's tokens in its ``graph`` hook, which returns before the forward too."""
+        return []
 
     def forward_plan(self, result: tuple[Any, ...], *args: Any, **kwargs: Any) -> ForwardPlan:
         """From ``_determine_batch_execution_and_padding``'s (CUDA-graph mode, batch descriptor, microbatching, DP
@@ -409,6 +421,26 @@ class RunnerV2:
                 HookPoint("graph", manager, "run_fullgraph", lambda _, desc, *args, **kwargs: (("FULL", desc), None)),
                 HookPoint("graph", manager, "run_pw_graph", lambda *args, **kwargs: (self.api.graph_key(), None))]
         return points
+
+    def plan_points(self) -> list[HookPoint]:
+        """Where a budget or a replay plans a forward's tokens: as ``prepare_inputs`` returns the step's batch
+        (dummy runs, CUDA-graph captures among them, lay theirs out elsewhere and run unplanned)."""
+        require_fields(self.runner, PLANNING_V2_FIELDS, "model runner (V2)")
+        return [HookPoint("plan", self.runner, "prepare_inputs", planning=True)]
+
+    @staticmethod
+    def planned_step(batch: Any) -> PlannedStep:
+        """The step's batch as ``prepare_inputs`` returned it, in its own request order (decodes first)."""
+        num_reqs = int(batch.num_reqs)
+        drafts = batch.num_draft_tokens_per_req
+        return PlannedStep(batch.query_start_loc_np[: num_reqs + 1].astype(np.int64),
+                           np.zeros(num_reqs, np.int64) if drafts is None else drafts[:num_reqs].astype(np.int64),
+                           list(batch.req_ids[:num_reqs]))
+
+    def positions(self) -> torch.Tensor:
+        """The runner's device positions [>= T_max], at a fixed address: each forward's tokens' are its first T."""
+        positions: torch.Tensor = self.runner.input_buffers.positions
+        return positions
 
     def sampled_on_host(self) -> bool:
         return False
@@ -558,8 +590,9 @@ CONTRACT = (
     Reads("v1", ("vllm.v1.outputs.SamplerOutput",), ("sampled_token_ids",)),
     Reads("v1", ("vllm.v1.outputs.ModelRunnerOutput",), ("sampled_token_ids",)),
     # V2: likewise
-    *(Reads("v2", (path,), RUNNER_V2_FIELDS + ("execute_model_state",), reached="runner")
+    *(Reads("v2", (path,), RUNNER_V2_FIELDS + ("execute_model_state",) + PLANNING_V2_FIELDS, reached="runner")
       for path in (RUNNER_V2_PATH, CPU_RUNNER_V2_PATH)),
+    Reads("v2", ("vllm.v1.worker.gpu.input_batch.InputBuffers",), ("positions",)),
     Reads("v2", ("vllm.v1.worker.gpu.states.RequestState",), ("prompt_len",)),
     Reads("v2", ("vllm.v1.worker.gpu.buffer_utils.UvaBackedTensor",), ("np",)),
     Reads("v2", ("vllm.v1.worker.gpu.model_runner.ExecuteModelState",), ("input_batch",)),

@@ -85,13 +85,19 @@ def test_budgeted_verification_uses_at_most_the_budget_and_matches_an_independen
     assert budget is not None and budget.scope == "step" and set(budget.per_layer.values()) == {BUDGET}
     if trace.manifest.document["capture"]["mode"] != "eager":  # compiled: the budget ran inside CUDA graphs
         assert trace.manifest.document["capture_mechanisms"].get("graph", 0) > 0
-    rows = trace.routing().filter(pl.col("phase") == "verify").sort("step", "layer", "request", "position").collect()
+    used = (trace.routing().filter(pl.col("phase") == "verify").explode("experts").group_by("step", "layer")
+            .agg(pl.col("experts").n_unique()).collect())
+    assert used.height > 20 and used["experts"].max() <= BUDGET, "every verification step, every layer"
+    # a step whose engine batch held a request-step the trace left out (run after its request's end: async
+    # scheduling) routed tokens the rows lack: the budget there cannot be recomputed from the rows alone
+    whole = (trace.steps().group_by("step").agg(rows=pl.len(), batch=pl.col("batch_size").first())
+             .filter(pl.col("rows") == pl.col("batch")).select("step"))
+    rows = (trace.routing().filter(pl.col("phase") == "verify").join(whole.collect().lazy(), on="step")
+            .sort("step", "layer", "request", "position").collect())
     biases = selection_bias()
     checked = rerouted = ties = groups = 0
     for (step, layer), group in rows.group_by(["step", "layer"], maintain_order=True):
         groups += 1
-        used = {e for experts in group["experts"] for e in experts}
-        assert len(used) <= BUDGET, f"step {step} layer {layer}: {len(used)} experts"
         expected, near_tie = reroute(group.to_dicts(), biases[int(layer)], BUDGET)
         if near_tie:
             ties += 1
