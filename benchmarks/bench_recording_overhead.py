@@ -30,7 +30,8 @@ time: ``engine_thread_usage``); ``--faults`` splits its minor page faults by par
 Mode ``off-again`` is an A/A control: how far two identical modes drift apart in as many rounds.
 
 ``--model kimi-k2-tp8`` is a dummy-weight model of Kimi-K2's per-GPU shape under TP=8 (``kimi_slice.py``): the
-step a Kimi deployment's rank runs.
+step a Kimi deployment's rank runs; ``kimi-k2-tp8-int4`` the same in Kimi-K2.5's format (INT4 experts, group 32),
+``kimi-k2-tp8-fp8`` in Kimi-K2's (FP8, 128 x 128 blocks).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from lab.kimi_slice import kimi_k2_slice
+from lab.kimi_slice import QUANTIZATION, kimi_k2_slice
 
 
 def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) -> tuple[float, float, dict[str, float]]:
@@ -367,9 +368,11 @@ def engine_settings_for(model: str, scratch: Path, batch: int, max_tokens: int, 
         request = RecordRequest(model=None, ks=[3], batch_size=batch, max_tokens=max_tokens, out=scratch,
                                 eager=not compiled, time_phases_every=time_phases_every)
         return engine_settings(request, resolve_model(None), 3, scratch / "trace", prompts, scratch / "progress")
-    model_dir = scratch / "kimi-k2-tp8"
+    model_dir = scratch / model
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(kimi_k2_slice(8)))
+    quantization = QUANTIZATION[model.removeprefix("kimi-k2-tp8").removeprefix("-") or "bf16"]
+    config = kimi_k2_slice(8) | ({"quantization_config": quantization} if quantization else {})
+    (model_dir / "config.json").write_text(json.dumps(config))
     request = RecordRequest(model=str(model_dir), ks=[3], batch_size=batch, max_tokens=max_tokens, out=scratch,
                             eager=not compiled, time_phases_every=time_phases_every,
                             engine_args={"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 1024})
@@ -383,7 +386,8 @@ def engine_settings_for(model: str, scratch: Path, batch: int, max_tokens: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("default", "kimi-k2-tp8"), default="default")
+    parser.add_argument("--model", choices=("default", "kimi-k2-tp8", "kimi-k2-tp8-int4", "kimi-k2-tp8-fp8"),
+                        default="default", help="the slice in bf16, or in Kimi-K2.5's INT4 or Kimi-K2's FP8 format")
     parser.add_argument("--compiled", action="store_true", help="torch.compile and CUDA graphs (vLLM's default)")
     parser.add_argument("--batches", default="1,32", help="concurrencies to measure, e.g. 1,64")
     parser.add_argument("--engine-batch", type=int,

@@ -37,10 +37,10 @@ from moetrace.hooks.planned import PlannedStep
 
 log = logging.getLogger("moetrace")
 
-# Releases (major.minor) moetrace records on: TESTED ran it (0.26 on an H200, 0.32's CPU build), the others were
-# only checked against their sources (CHECKED: every release whose wheel the contract check reads).
+# Releases (major.minor) moetrace records on: TESTED ran it (0.26 on an H200, 0.32's CPU build, 0.34 on an H100),
+# the others were only checked against their sources (CHECKED: every release whose wheel the contract check reads).
 SUPPORTED = ("0.26", "0.32", "0.33", "0.34")
-TESTED = ("0.26", "0.32")
+TESTED = ("0.26", "0.32", "0.34")
 CHECKED = ("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33", "0.34")
 
 # What the recorder reads on Model Runner V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` and the CPU

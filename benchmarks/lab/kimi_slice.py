@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
+# Kimi-K2.5's own quantization_config (moonshotai/Kimi-K2.5, as Kimi-K2-Thinking's)
+KIMI_K25_INT4 = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
+                    "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True,
+                    "type": "int"}}},
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
+# Kimi-K2's (moonshotai/Kimi-K2-Instruct)
+KIMI_K2_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+QUANTIZATION = {"bf16": None, "int4": KIMI_K25_INT4, "fp8": KIMI_K2_FP8}
+
 
 def kimi_k2_slice(tp: int) -> dict[str, Any]:
     """Kimi-K2's config with every per-GPU dimension divided by ``tp`` (what one rank of a TP=``tp`` deployment

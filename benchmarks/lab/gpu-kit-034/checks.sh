@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# vLLM 0.34 checks on a GPU (issue 57), decided 2026-12-06 before they ran. On the host, after receive.sh and
+# setup.sh, with env.sh sourced:
+#   bash benchmarks/lab/gpu-kit-034/checks.sh SECONDS [PART ...]     (default parts: default int4 fp8 k25)
+# Every recording: --compiled (CUDA graphs), 8 prompts, batch 4, 48 tokens, vLLM's own routed-experts capture on
+# (enable_return_routed_experts), then `kimi_formats.py check` (kept rows = vLLM's capture, drafts and accepted =
+# vLLM's counters, expert format and bytes = the config's) into $OUT/<part>-check.json. Parts:
+#   default:  the embedded default model, n-gram k = 3 (acceptance against vLLM's counters under async scheduling);
+#   int4:     the Kimi-K2 TP=8 slice in Kimi-K2.5's format (compressed-tensors INT4 experts, group 32), n-gram k = 2;
+#   fp8:      the slice in Kimi-K2's format (FP8, 128 x 128 blocks), n-gram k = 2;
+#   k25:      KimiK25ForConditionalGeneration around the default model's config, text only, n-gram k = 2;
+#   overhead: recording overhead on the INT4 slice, n-gram k = 3, batches 1 and 64, 6 rounds of 128 tokens
+#             (benchmarks/bench_recording_overhead.py) into $OUT/overhead-int4.json.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+R=$(cd "$(dirname "$0")/../../.." && pwd)
+OUT=${OUT:-/tmp/moetrace-out}
+end=$(( $(date +%s) + ${1:-540} ))
+[ $# -gt 0 ] && shift
+parts=" ${*:-default int4 fp8 k25} "
+mkdir -p "$OUT"
+cd /root || exit 1  # not the project: `python3 -m moetrace` would import its source tree, not the installed package
+M=/root/models
+T=/root/runs
+python3 "$R/benchmarks/lab/kimi_formats.py" model-dirs "$M"
+record() {  # PART MOETRACE-RECORD-ARGS...
+  local part=$1 left=$(( end - $(date +%s) - 20 ))
+  shift
+  if [ "$left" -lt 100 ]; then echo "not run now ($left s left): $part"; return 0; fi
+  echo "== $part: moetrace record $*"
+  timeout "$left" python3 -m moetrace record "$@" --compiled --max-tokens 48 --num-prompts 8 --batch-size 4 \
+    --engine-arg enable_return_routed_experts=true --out "$T/$part" --force 2>&1 | tee "$OUT/$part.log"
+  for manifest in "$T/$part"/*/manifest.json; do
+    [ -f "$manifest" ] || continue
+    trace=$(dirname "$manifest")
+    cp "$manifest" "$OUT/$part-manifest.json"
+    cp "$trace/engine.log" "$OUT/$part-engine.log" 2>/dev/null
+    python3 "$R/benchmarks/lab/kimi_formats.py" check "$trace" --json "$OUT/$part-check.json" 2>&1 | tee -a "$OUT/$part.log"
+    timeout 120 python3 -m moetrace report "$trace" --json > "$OUT/$part-report.json" 2>> "$OUT/$part.log"
+  done
+}
+dummy=(--engine-arg load_format=dummy --engine-arg max_model_len=1024)
+[[ "$parts" == *" default "* ]] && record default --k 3
+[[ "$parts" == *" int4 "* ]] && record int4 "$M/kimi-k2-tp8-int4" --k 2 "${dummy[@]}"
+[[ "$parts" == *" fp8 "* ]] && record fp8 "$M/kimi-k2-tp8-fp8" --k 2 "${dummy[@]}"
+[[ "$parts" == *" k25 "* ]] && record k25 "$M/kimi-k25-tiny" --k 2 "${dummy[@]}" \
+  --engine-arg 'limit_mm_per_prompt={"image": 0, "video": 0}'
+if [[ "$parts" == *" overhead "* ]]; then
+  left=$(( end - $(date +%s) - 10 ))
+  timeout "$left" python3 "$R/benchmarks/bench_recording_overhead.py" --model kimi-k2-tp8-int4 --compiled \
+    --batches 1,64 --rounds 6 --max-tokens 128 --json "$OUT/overhead-int4.json" 2>&1 | tee "$OUT/overhead.log"
+fi
+ls -la "$OUT"
