@@ -210,6 +210,8 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
                 "checks": analysis.checks,
                 "disagreements": {str(k): what for k, what in analysis.disagreements.items()},
                 "acceptance_by_position": analysis.acceptance_by_position.to_dicts(),
+                "by_context": {"k": analysis.run.primary.k, "share": analysis.by_context_share,
+                               **{name: table.to_dicts() for name, table in analysis.by_context.items()}},
                 "rejected_only": analysis.rejected_only.to_dicts(),
                 "budget": budget_summary(analysis, options.coverage),
                 "prediction": prediction_summary(analysis, k),

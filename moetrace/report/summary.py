@@ -24,6 +24,7 @@ from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps
 from moetrace.analysis.budgets import WindowSample, budget_curves, sample_share, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, request_prompts, union_means, uniform_unions
 from moetrace.analysis.consistency import disagreement, routing_gaps
+from moetrace.analysis.context import context_tables
 from moetrace.analysis.decision import (
     DEFAULT_BATCHES,
     against_trace,
@@ -116,6 +117,9 @@ class RunAnalysis:
     # "measured" over the concurrencies the sweep recorded (--profile measured; else None)
     crossovers: dict[str, dict[str, Any] | None] | None = None
     policies: PolicyReplay | None = None  # k-choosing policies replayed per --batch (``analysis.policies``)
+    # the primary trace's measurements per context bucket (``analysis.context``), and the share of steps they read
+    by_context: dict[str, pl.DataFrame] = field(default_factory=dict)
+    by_context_share: float = 1.0
 
     @property
     def manifest(self) -> Manifest:
@@ -448,6 +452,8 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         placement_note=placement_note,
     )
     analysis.checks = self_check(analysis)
+    analysis.by_context = context_tables(trace.routing(), trace.steps(), trace.k, request.share)
+    analysis.by_context_share = request.share
     if speedups is not None:
         measured_speedups = (None if checked is None or checked.is_empty() else
                              checked.select("batch", "k", speedup="measured_speedup"))

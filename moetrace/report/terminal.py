@@ -115,6 +115,31 @@ def _acceptance(run: dict[str, Any]) -> Table:
     return table
 
 
+def _by_context(by_context: dict[str, Any]) -> Table:
+    k = by_context["k"]
+    sampled = "" if by_context["share"] >= 1.0 else f", a sample of {by_context['share']:.0%} of steps"
+    table = _table(f"By context (tokens before a request-step's first token), recorded k={k}{sampled}", [
+        ("context", ""), ("windows", "decoding request-steps"), ("mean ctx", "their mean context, tokens"),
+        ("rate by position", "share of windows that accepted at least i drafts"),
+        ("tok/step", "tokens gained per request-step"),
+        ("1st reject", "mean position of the first rejected draft, where one was"),
+        ("experts", "unique experts a verification window read, mean over MoE layers"),
+        ("step ms", "mean decode step (verification and drafting), over every batch size")])
+    for row in by_context["acceptance"]:
+        bucket = row["bucket"]
+        experts = [e for e in by_context["experts"] if e["bucket"] == bucket]
+        windows = sum(e["windows"] for e in experts)
+        steps = [t for t in by_context["step_time"] if t["bucket"] == bucket and t["step_ms"] is not None]
+        counted = sum(t["steps"] for t in steps)
+        table.add_row(
+            row["context"], str(row["request_steps"]), _number(row["mean_context"], 0),
+            " ".join(f"{i}:{_number(row[f'rate_{i}'])}" for i in range(1, k + 1)) or "–",
+            _number(row["tokens_per_step"]), _number(row["first_rejected"]),
+            _number(sum(e["unique_experts"] * e["windows"] for e in experts) / windows if windows else None, 1),
+            _number(sum(t["step_ms"] * t["steps"] for t in steps) / counted if counted else None, 1))
+    return table
+
+
 def _step_reads(run: dict[str, Any], k: int) -> Table:
     """What one step reads per concurrency and k: the table the prediction and the decision take."""
     batches = sorted({row["batch"] for row in run["step_reads"]})
@@ -323,6 +348,8 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         console.print(_step_reads(run, k))
         console.print(_step_bytes(run, k))
         console.print(_acceptance(run))
+        if run["by_context"]["acceptance"]:
+            console.print(_by_context(run["by_context"]))
         if run.get("prediction"):
             console.print(_prediction(run["prediction"], k))
             for line in _prediction_notes(run["prediction"]):

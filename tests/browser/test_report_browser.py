@@ -99,8 +99,8 @@ def test_dashboard_renders_offline_and_reacts_to_k(dashboard: Path) -> None:
     with browser_page(dashboard) as (page, errors):
         figures = page.eval_on_selector_all(".figure", "nodes => nodes.map(n => n.id)")
         # per run: expert load, unique experts layer × k, predicted speedup batch × k (the shipped preset predicts
-        # without flags, so the prediction figure is there too)
-        assert len(figures) == 6 + 2 * 3
+        # without flags, so the prediction figure is there too); one of them by context
+        assert len(figures) == 7 + 2 * 3
         decision_rows = page.eval_on_selector_all("#decision tr[data-batch]", "rows => rows.map(r => r.innerText)")
         assert len(decision_rows) == 2 * 4, decision_rows  # 2 runs × concurrencies 1, 8, 32, 128
         for figure in figures:

@@ -1,0 +1,100 @@
+"""What a trace measured, by the context its request-steps ran at: acceptance, where drafts are first rejected,
+unique experts per verification window and step time, per context bucket, each with its sample size.
+
+A request-step's context is the tokens before its first token (the position of its anchor, or of a prefill
+chunk's first token): what its attention reads from the KV cache. Buckets are powers of four of 1K tokens
+(``CONTEXT_BUCKETS``): at long context a verify step's attention reads each request's KV cache once for its k + 1
+queries, while the experts it reads still grow with k, and n-gram drafts come from a longer history. A step holds
+requests at several contexts: its time is filed under the bucket of its requests' mean context.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from moetrace.analysis.acceptance import mean_ms
+from moetrace.analysis.predicates import HASH_RANGE, decoding, step_key
+
+# Upper bounds (tokens of context, inclusive) of every bucket but the last, which is open: ≤1K, 1-4K, 4-16K, 16-64K,
+# >64K
+CONTEXT_BUCKETS = (1024, 4096, 16384, 65536)
+BUCKET_LABELS = ("≤1K", "1-4K", "4-16K", "16-64K", ">64K")
+KEYS = ("dp_rank", "step", "request")
+
+
+def bucket_of(context: pl.Expr) -> pl.Expr:
+    """The bucket (0 .. len(CONTEXT_BUCKETS)) of a context in tokens."""
+    bucket = pl.lit(len(CONTEXT_BUCKETS), pl.Int32)
+    for index, bound in reversed(list(enumerate(CONTEXT_BUCKETS))):
+        bucket = pl.when(context <= bound).then(pl.lit(index, pl.Int32)).otherwise(bucket)
+    return bucket
+
+
+def labelled(frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` with its ``bucket`` index named (``context``) first."""
+    names = dict(enumerate(BUCKET_LABELS))
+    return frame.with_columns(context=pl.col("bucket").replace_strict(names, return_dtype=pl.String)).select(
+        "context", pl.exclude("context"))
+
+
+def request_step_contexts(routing: pl.LazyFrame) -> pl.LazyFrame:
+    """``(dp_rank, step, request)`` → ``context`` (the position of the request-step's first token) and its
+    ``bucket``, read from the rows of one MoE layer (every layer holds the same tokens)."""
+    first_layer = routing.filter(pl.col("layer") == pl.col("layer").min())
+    return first_layer.group_by(*KEYS).agg(context=pl.col("position").min().cast(pl.Int64)).with_columns(
+        bucket=bucket_of(pl.col("context")))
+
+
+def acceptance_by_context(steps: pl.LazyFrame, contexts: pl.LazyFrame, k: int) -> pl.DataFrame:
+    """Per context bucket: decoding request-steps and their mean context, the unconditional acceptance rate at
+    draft positions 1..k (``rate_<i>``: accepted at least i ÷ request-steps), tokens gained per request-step, and
+    where verification first rejected a draft: the mean position of the first rejected draft over the windows that
+    rejected one (``first_rejected``), and the share of windows with drafts that accepted them all."""
+    decode = steps.filter(decoding()).join(contexts, on=list(KEYS))
+    with_drafts = pl.col("num_drafts") > 0
+    rejected = pl.col("num_accepted") < pl.col("num_drafts")
+    table = decode.group_by("bucket").agg(
+        request_steps=pl.len().cast(pl.Int64),
+        mean_context=pl.col("context").mean().cast(pl.Float64),
+        **{f"rate_{i}": ((pl.col("num_accepted") >= i).sum() / pl.len()).cast(pl.Float64) for i in range(1, k + 1)},
+        tokens_per_step=(pl.col("num_accepted").mean() + 1).cast(pl.Float64),
+        first_rejected=(pl.col("num_accepted") + 1).filter(with_drafts & rejected).mean().cast(pl.Float64),
+        all_accepted=pl.when(with_drafts.any()).then(  # null, not NaN, where no window had drafts
+            (with_drafts & ~rejected).sum() / with_drafts.sum().cast(pl.Float64)),
+    ).sort("bucket").collect()
+    return labelled(table)
+
+
+def experts_by_context(routing: pl.LazyFrame, contexts: pl.LazyFrame) -> pl.DataFrame:
+    """Per context bucket and MoE layer: verification windows (a request-step's anchor and drafts in one layer) and
+    the mean number of unique experts one window read."""
+    verify = routing.filter(pl.col("phase").cast(pl.String) == "verify")
+    windows = verify.group_by(*KEYS, "layer").agg(unique=pl.col("experts").explode().n_unique())
+    table = windows.join(contexts, on=list(KEYS)).group_by("bucket", "layer").agg(
+        windows=pl.len().cast(pl.Int64), unique_experts=pl.col("unique").mean().cast(pl.Float64)
+    ).sort("bucket", "layer").collect()
+    return labelled(table)
+
+
+def step_time_by_context(steps: pl.LazyFrame, contexts: pl.LazyFrame) -> pl.DataFrame:
+    """Per context bucket (of a step's requests' mean context) and batch (requests in the step): the steps in which
+    every request was decoding, and their mean time in ms (from vLLM's ``execute_model`` to its sync after
+    sampling: verification and drafting)."""
+    per_step = steps.join(contexts, on=list(KEYS)).group_by("dp_rank", "step").agg(
+        decoding=decoding().all(), batch=pl.len().cast(pl.Int64), context=pl.col("context").mean(),
+        t_start_ns=pl.col("t_start_ns").first(), t_end_ns=pl.col("t_end_ns").first())
+    table = per_step.filter(pl.col("decoding")).with_columns(bucket=bucket_of(pl.col("context"))).group_by(
+        "bucket", "batch").agg(steps=pl.len().cast(pl.Int64),
+                               step_ms=mean_ms(pl.col("t_end_ns") - pl.col("t_start_ns"))
+                               ).sort("bucket", "batch").collect()
+    return labelled(table)
+
+
+def context_tables(routing: pl.LazyFrame, steps: pl.LazyFrame, k: int, share: float = 1.0) -> dict[str, pl.DataFrame]:
+    """The three tables by context (``acceptance``, ``experts``, ``step_time``) of a trace recorded at ``k``, from
+    the engine steps in a deterministic sample at ``share`` (1.0: all of them)."""
+    if share < 1.0:
+        routing = routing.filter(step_key().hash(seed=2) % HASH_RANGE < int(share * HASH_RANGE))
+    contexts = request_step_contexts(routing).collect().lazy()  # read once, joined three times
+    return {"acceptance": acceptance_by_context(steps, contexts, k), "experts": experts_by_context(routing, contexts),
+            "step_time": step_time_by_context(steps, contexts)}
