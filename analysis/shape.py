@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from moetrace.trace.model_config import config_expert_count, config_value
+
 if TYPE_CHECKING:
     from moetrace.trace.manifest import Manifest
 
@@ -54,24 +56,6 @@ class ModelShape:
             quant_group_size=int(model["quant_group_size"]) if model.get("quant_group_size") else None,
             scale_bits=int(model.get("quant_scale_bits") or 16),
         )
-
-
-EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
-
-
-def config_value(config: dict[str, Any], *keys: str) -> Any:
-    """The first of ``keys`` set in a Hugging Face config or its ``text_config`` (multimodal models)."""
-    for node in (config, config.get("text_config") or {}):
-        for key in keys:
-            if node.get(key) is not None:
-                return node[key]
-    return None
-
-
-def config_expert_count(config: dict[str, Any]) -> int:
-    """Routed experts per MoE layer named by a Hugging Face config; 0 for a dense model."""
-    count = config_value(config, *EXPERT_COUNT_KEYS)
-    return int(count) if isinstance(count, int) and count > 1 else 0
 
 
 def shape_from_config(config: dict[str, Any]) -> ModelShape:

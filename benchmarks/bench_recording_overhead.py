@@ -414,7 +414,7 @@ def main() -> None:
 
     from moetrace.recording.engine import build_llm, engine_prompts
     from moetrace.hooks.vllm_api import vllm_version
-    from moetrace.recording.host import gpu_inventory, host_facts
+    from moetrace.hooks.host import gpu_inventory, host_facts
 
     with tempfile.TemporaryDirectory(prefix="moetrace-bench-") as scratch:
         settings = engine_settings_for(args.model, Path(scratch), args.engine_batch or max(batches), args.max_tokens,

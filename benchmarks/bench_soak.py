@@ -30,7 +30,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests"),
 
 from served import send_traffic, server_memory, vllm_server  # noqa: E402
 
-from moetrace.recording.partitions import bytes_under, partitions  # noqa: E402
+from moetrace.trace.partitions import bytes_under, partitions  # noqa: E402
 
 SLICES = 20
 WARM = SLICES // 10  # slices run before the warm reading

@@ -42,7 +42,7 @@ def uniform_random_trace(directory: Path, tokens: int, seed: int = 0) -> Path:
 
     from moetrace.trace.schema import SCHEMA_VERSION
     from moetrace.trace.files import StepCapture
-    from moetrace.recording.writer import TraceWriter
+    from moetrace.writer.process import TraceWriter
 
     rng = np.random.default_rng(seed)
     layers, top_k, experts, batch = list(range(1, 61)), 8, 384, 32

@@ -11,7 +11,7 @@ import torch
 from moetrace.hooks.capture import RouterInfo
 from moetrace.hooks.options import RecordingOptions
 from moetrace.hooks.vllm_api import VllmApiError, expert_placement
-from moetrace.recording.host import gpu_inventory, host_facts
+from moetrace.hooks.host import gpu_inventory, host_facts
 
 
 def package_version(name: str) -> str | None:

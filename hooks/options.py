@@ -11,7 +11,7 @@ from typing import Any
 
 from moetrace.trace.manifest import Manifest
 
-AT_CAP = ("drop-oldest", "stop")  # what always-on recording does at its disk cap (``moetrace.recording.partitions``)
+AT_CAP = ("drop-oldest", "stop")  # what always-on recording does at its disk cap (``moetrace.trace.partitions``)
 BUDGET_SCOPES = ("step", "window")  # a budget limits a step's verifying tokens together, or each request's window
 
 
@@ -37,15 +37,15 @@ class RecordingOptions:
     budget_scope: str = "step"
     # route as the trace at this path routed (``hooks.replay``: a model with dummy weights, routed as a trained one)
     replay_routing: str | None = None
-    # serve live metrics (``moetrace.recording.metrics``) at this port (data-parallel rank r: port + r)
+    # serve live metrics (``moetrace.writer.metrics``) at this port (data-parallel rank r: port + r)
     metrics_port: int | None = None
-    # always on under ``vllm serve`` (``moetrace.recording.partitions``): a complete trace every this many seconds,
+    # always on under ``vllm serve`` (``moetrace.trace.partitions``): a complete trace every this many seconds,
     # in <out>/date=YYYY-MM-DD/hour=HH/ (a shorter period: .../start=HHMMSS/), until shutdown
     partition_seconds: float | None = None
     # the most the partitions under ``out`` may hold; there, ``at_cap``: "drop-oldest" partitions, or "stop" recording
     disk_cap_bytes: int | None = None
     at_cap: str = "drop-oldest"
-    # sampled under ``vllm serve`` (``moetrace.recording.sampling``): a window of this many request steps every
+    # sampled under ``vllm serve`` (``moetrace.hooks.sampling``): a window of this many request steps every
     # ``sample_every_seconds`` (from one window's first step to the next's); the steps between run unrecorded
     sample_steps: int | None = None
     sample_every_seconds: float | None = None

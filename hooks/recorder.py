@@ -64,11 +64,11 @@ from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CUDA, PhaseTiming
 from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, copied_event, to_host
 from moetrace.trace.schema import TIMED_CALLS
-from moetrace.recording.partitions import drop_oldest, over_cap, partition_dir
-from moetrace.recording.metrics import MetricsState
-from moetrace.recording.ring import RingRows, SharedRows, ring_capacity
-from moetrace.recording.sampling import StepWindows, sampled_manifest
-from moetrace.recording.writer import TraceWriter
+from moetrace.trace.partitions import drop_oldest, over_cap, partition_dir
+from moetrace.writer.metrics import MetricsState
+from moetrace.writer.ring import RingRows, SharedRows, ring_capacity
+from moetrace.hooks.sampling import StepWindows, sampled_manifest
+from moetrace.writer.process import TraceWriter
 
 log = logging.getLogger("moetrace")
 CAP_CHECK_SECONDS = 5.0  # between partitions, how often a thread checks the partition root against its disk cap

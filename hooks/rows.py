@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetrace.trace.schema import TOKEN_PHASES
-from moetrace.recording.ring import RingRows, SharedRows
+from moetrace.writer.ring import RingRows, SharedRows
 from moetrace.trace.files import StepCapture
 
 PREFILL, DECODE, VERIFY = (np.int8(TOKEN_PHASES.index(p)) for p in ("prefill", "decode", "verify"))

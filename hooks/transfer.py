@@ -14,7 +14,7 @@ import torch
 
 from moetrace.hooks.rows import PackedLayout, StepRecord
 from moetrace.hooks.vllm_api import StepInputs
-from moetrace.recording.ring import RingRows, SharedRows
+from moetrace.writer.ring import RingRows, SharedRows
 
 def int32_column(values: torch.Tensor) -> torch.Tensor:
     """Non-negative values below 2**31 [T] as an int32 column [T, 1]: a view where they are int32 or int64 (its low

@@ -37,7 +37,7 @@ WRITER_GRACE_SECONDS = 10.0  # a writer process whose engine side closed or went
 
 
 def writer_processes() -> set[int]:
-    """PIDs of the running ``python -P -m moetrace.recording.writer`` processes (their short-lived launcher runs
+    """PIDs of the running ``python -P -m moetrace.writer.process`` processes (their short-lived launcher runs
     ``python -c``) started from this test process (they inherit its ``TEST_PROCESS`` mark): never those of another
     xdist worker or of another test run on the machine."""
     found = set()
@@ -46,7 +46,7 @@ def writer_processes() -> set[int]:
         if not entry.name.isdigit():
             continue
         try:
-            if b"-m\0moetrace.recording.writer\0" in (entry / "cmdline").read_bytes() and (
+            if b"-m\0moetrace.writer.process\0" in (entry / "cmdline").read_bytes() and (
                     mine in (entry / "environ").read_bytes().split(b"\0")):
                 found.add(int(entry.name))
         except OSError:

@@ -143,7 +143,7 @@ def measure_engine(settings: dict[str, Any], out: Path, budgets: list[str], roun
 def measure(args: argparse.Namespace) -> None:
     """Every engine (k) not yet in ``<out>/budget-measurements.json``, while the time budget allows one more."""
     from moetrace.hooks.vllm_api import vllm_version
-    from moetrace.recording.host import gpu_inventory
+    from moetrace.hooks.host import gpu_inventory
 
     began = time.perf_counter()
     out: Path = args.out

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from moetrace.hooks.transfer import StepCopier, int32_column
-from moetrace.recording.ring import RingRows, SharedRows
+from moetrace.writer.ring import RingRows, SharedRows
 
 VARIANTS = ("none", "mapped", "device-copy", "device-only", "batched", "one-kernel")
 BATCHED_STEPS = 16

@@ -361,7 +361,7 @@ def measure(args: argparse.Namespace) -> None:
     """Every (drafter, k) engine not yet in ``<out>/<model>-measurements.json``, while the time budget allows one
     more (a call that stops early is resumed by running the same command again)."""
     from moetrace.hooks.vllm_api import vllm_version
-    from moetrace.recording.host import gpu_inventory
+    from moetrace.hooks.host import gpu_inventory
 
     began = time.perf_counter()
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(spread_routing): a function of this script

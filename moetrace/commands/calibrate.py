@@ -22,7 +22,7 @@ def default_output(device: str, quick: bool) -> Path:
     """calibration-<gpu name>x<count>.json (from NVML, no torch), calibration-cpu.json; ``-quick`` for smoke runs."""
     name = "cpu"
     if device == "cuda":
-        from moetrace.recording.host import gpu_inventory
+        from moetrace.hooks.host import gpu_inventory
 
         gpus = gpu_inventory()["gpus"]
         if gpus:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 
-from moetrace.analysis.shape import config_value
+from moetrace.trace.model_config import config_value
 from moetrace.errors import UserError
 from moetrace.recording.record import ResolvedModel
 from moetrace.trace.schema import (

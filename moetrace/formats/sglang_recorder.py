@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from moetrace.analysis.shape import config_value
+from moetrace.trace.model_config import config_value
 from moetrace.errors import UserError, refuse_existing
 from moetrace.recording.record import ResolvedModel
 from moetrace.trace.schema import (

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from moetrace.hooks.options import REPLAY_NEEDS_V1, RecordingOptions, replay_refusal
-from moetrace.analysis.shape import config_expert_count, config_value
+from moetrace.trace.model_config import config_expert_count, config_value
 from moetrace.default_model import BOS_ID, CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.recording.drafters import check_drafter_batch, drafter_checkpoint, resolve_drafter
 from moetrace.recording.engine import SPEC_METHODS
 from moetrace.errors import UserError, refuse_existing
-from moetrace.recording.host import gpu_inventory
+from moetrace.hooks.host import gpu_inventory
 from moetrace.recording.prompts import load_prompts, repeated_in_a_step
 from moetrace.recording.telemetry import TelemetrySampler
 from moetrace.trace.manifest import amend_manifest

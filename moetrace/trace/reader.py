@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace.errors import UserError
-from moetrace.recording.partitions import partitions
+from moetrace.trace.partitions import partitions
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.schema import (
     FOOTER_SCHEMA_KEY,

@@ -211,7 +211,7 @@ def main() -> None:
 
     from moetrace.compare import compare_runs, reference_check, windows_after_finish
     from moetrace.hooks.vllm_api import vllm_version
-    from moetrace.recording.host import gpu_inventory
+    from moetrace.hooks.host import gpu_inventory
     from moetrace.trace.reader import open_trace
 
     with tempfile.TemporaryDirectory(prefix="moetrace-capture-") as scratch:

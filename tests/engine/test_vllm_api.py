@@ -51,7 +51,7 @@ def test_hooks_and_writer_never_import_polars_or_plotly() -> None:
     code = (
         "import sys\n"
         "import moetrace.hooks.plugin, moetrace.hooks.recorder, moetrace.hooks.capture, moetrace.hooks.rows\n"
-        "import moetrace.hooks.vllm_api, moetrace.hooks.manifest, moetrace.recording.writer\n"
+        "import moetrace.hooks.vllm_api, moetrace.hooks.manifest, moetrace.writer.process\n"
         "print(sorted(m for m in ('polars', 'plotly') if m in sys.modules))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

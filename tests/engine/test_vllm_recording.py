@@ -25,7 +25,7 @@ import moetrace
 from moetrace.cli import main
 from moetrace.compare import load_outputs
 from moetrace.default_model import default_model_dir, ensure_default_model
-from moetrace.recording.host import cpu_model
+from moetrace.hooks.host import cpu_model
 from moetrace.analysis.concurrency import request_prompts
 from moetrace.recording.prompts import BUILTIN_PROMPTS
 from moetrace.trace.reader import open_trace

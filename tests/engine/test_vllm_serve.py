@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from moetrace.recording.engine import served_spec_decode_counters
-from moetrace.recording.metrics import series_bound
-from moetrace.recording.partitions import bytes_under, partitions
+from moetrace.writer.metrics import series_bound
+from moetrace.trace.partitions import bytes_under, partitions
 from moetrace.trace.reader import open_trace, open_traces
 from conftest import free_port
 from vllm_fixtures import run_cli

@@ -18,7 +18,7 @@ from moetrace.hooks.capture import (
 )
 from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.vllm_api import StepInputs
-from moetrace.recording.ring import SharedRows
+from moetrace.writer.ring import SharedRows
 
 E, K, L, C = 32, 4, 3, 6  # experts, top-k, layers, candidates
 SIZES = (1, 2, 4, 8)
@@ -401,7 +401,7 @@ def test_the_engine_side_never_imports_the_analysis_stack() -> None:
 
     engine_side = ["moetrace.hooks.plugin", "moetrace.hooks.recorder", "moetrace.hooks.capture",
                    "moetrace.hooks.rows", "moetrace.hooks.manifest", "moetrace.hooks.vllm_api",
-                   "moetrace.recording.writer", "moetrace.recording.ring", "moetrace.trace.files"]
+                   "moetrace.writer.process", "moetrace.writer.ring", "moetrace.trace.files"]
     probe = (f"import importlib, sys\nfor name in {engine_side!r}: importlib.import_module(name)\n"
              "print(sorted(m for m in ('polars', 'plotly', 'rich', 'click') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd="/")
@@ -416,7 +416,7 @@ def test_the_reader_never_imports_the_recording_side() -> None:
     import sys
 
     probe = ("import sys, moetrace.trace.reader\n"
-             "print(sorted(m for m in sys.modules if m in ('moetrace.recording.writer', 'moetrace.recording.ring',"
+             "print(sorted(m for m in sys.modules if m in ('moetrace.writer.process', 'moetrace.writer.ring',"
              " 'moetrace.trace.files') or m.startswith('moetrace.hooks')))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd="/")
     assert done.returncode == 0, done.stderr

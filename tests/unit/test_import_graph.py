@@ -1,5 +1,6 @@
-"""The package's modules import one another without a cycle, deferred imports included (a cycle makes the import
-order matter and hides which layer depends on which: commands on recording and formats, never the other way)."""
+"""The package's modules import one another without a cycle, and its packages one way, in the order data flows,
+deferred imports included (a cycle makes the import order matter and hides which layer depends on which: commands
+on recording and formats, never the other way)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,40 @@ def test_the_package_import_graph_has_no_cycle() -> None:
 def test_the_cycle_finder_finds_a_cycle_and_none_where_there_is_none() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# The packages in the order data flows, each importing only packages after it: the commands drive a recording, which
+# spawns the hooks inside vLLM, which hand rows to the writer process, which writes the trace; the report runs the
+# analyses over the trace. (``moetrace`` itself, the package's facade, is left out: every module's parent.)
+PACKAGE_ORDER = ("__main__", "cli", "commands", "compare", "formats", "report", "analysis", "calibrate", "recording",
+                 "hooks", "writer", "trace", "default_model", "errors")
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def back_edges(graph: dict[str, set[str]], order: tuple[str, ...]) -> list[str]:
+    """Every import from a package to one at or before it in ``order`` (another package's), as "a -> b"."""
+    rank = {name: index for index, name in enumerate(order)}
+    found = []
+    for module, targets in graph.items():
+        source = package_of(module)
+        for target in targets:
+            into = package_of(target)
+            if "moetrace" not in (source, into) and into != source and rank[into] <= rank[source]:
+                found.append(f"{module} -> {target}")
+    return sorted(found)
+
+
+def test_packages_depend_one_way_in_the_order_data_flows() -> None:
+    modules = module_files()
+    graph = {name: imports_of(file, modules) - {name} for name, file in modules.items()}
+    assert {package_of(name) for name in modules} - {"moetrace"} == set(PACKAGE_ORDER)
+    assert back_edges(graph, PACKAGE_ORDER) == []
+
+
+def test_a_back_edge_between_packages_is_found() -> None:
+    graph = {"moetrace.trace.reader": {"moetrace.recording.record"}, "moetrace.recording.record": set()}
+    assert back_edges(graph, PACKAGE_ORDER) == ["moetrace.trace.reader -> moetrace.recording.record"]

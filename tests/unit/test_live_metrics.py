@@ -1,4 +1,4 @@
-"""Live metrics of a recording (``moetrace.recording.metrics``): every figure against a brute force over the steps,
+"""Live metrics of a recording (``moetrace.writer.metrics``): every figure against a brute force over the steps,
 in process and as the writer process serves them over HTTP, within the stated series bound."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moetrace.recording.metrics import IMBALANCE_STEPS, LiveMetrics, MetricsState, layer_groups, series_bound
-from moetrace.recording.writer import TraceWriter
+from moetrace.writer.metrics import IMBALANCE_STEPS, LiveMetrics, MetricsState, layer_groups, series_bound
+from moetrace.writer.process import TraceWriter
 from conftest import free_port
 from test_writer_reader import EXPERTS, LAYERS, manifest, submit_and_wait, verify_step
 

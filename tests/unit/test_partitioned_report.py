@@ -23,7 +23,7 @@ from moetrace.analysis.predicates import accepted_sequence
 from moetrace.analysis.routing_summary import RoutingSummary, SummaryRequest, added_summaries, summarise_routing
 from moetrace.cli import main
 from moetrace.errors import UserError
-from moetrace.recording.partitions import partitions
+from moetrace.trace.partitions import partitions
 from moetrace.report.distributed import cache_root, partition_cache, partition_summary, prune_cache
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace, open_traces

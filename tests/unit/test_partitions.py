@@ -1,4 +1,4 @@
-"""Always-on recording's partitions (``moetrace.recording.partitions``): Hive-style folders by UTC time, and the
+"""Always-on recording's partitions (``moetrace.trace.partitions``): Hive-style folders by UTC time, and the
 disk cap that drops the oldest, never the one being written."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import calendar
 from pathlib import Path
 
-from moetrace.recording.partitions import bytes_under, drop_oldest, over_cap, partition_dir, partitions
+from moetrace.trace.partitions import bytes_under, drop_oldest, over_cap, partition_dir, partitions
 
 AFTERNOON = calendar.timegm((2026, 12, 4, 15, 30, 20, 0, 0, 0))  # 2026-12-04 15:30:20 UTC
 

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 
 from moetrace.hooks.rows import PackedLayout, StepRecord
-from moetrace.recording.ring import SharedRows
+from moetrace.writer.ring import SharedRows
 
 # R = 3 requests: a prefill of 4 tokens, a decode token, a verification of an anchor and 2 drafts (1 accepted)
 LAYOUT = PackedLayout(layers=2, top_k=2, candidates=3, token_ids=True)

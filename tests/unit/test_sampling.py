@@ -1,8 +1,8 @@
-"""Sampled recording's windows (``moetrace.recording.sampling``) against a hand-driven clock."""
+"""Sampled recording's windows (``moetrace.hooks.sampling``) against a hand-driven clock."""
 
 from __future__ import annotations
 
-from moetrace.recording.sampling import StepWindows
+from moetrace.hooks.sampling import StepWindows
 
 
 def test_a_window_of_n_steps_every_m_seconds_admits_exactly_those_steps() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from moetrace.recording.host import cpu_model, gpu_inventory
+from moetrace.hooks.host import cpu_model, gpu_inventory
 from moetrace.trace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION, TELEMETRY_SCHEMA
 from moetrace.recording.telemetry import TelemetrySampler
 

@@ -24,11 +24,11 @@ from moetrace.errors import UserError
 from moetrace.hooks.rows import PackedLayout, StepRecord
 from moetrace.trace.reader import open_trace, open_traces
 from moetrace.trace.schema import FOOTER_SCHEMA_KEY, SCHEMA_VERSION
-import moetrace.recording.writer
-from moetrace.recording.ring import RingRows, SharedRows
+import moetrace.writer.process
+from moetrace.writer.ring import RingRows, SharedRows
 from moetrace.trace.files import StepCapture
 from moetrace.trace.manifest import amend_manifest, start_manifest
-from moetrace.recording.writer import HAND_OVER_STEPS, TraceWriter
+from moetrace.writer.process import HAND_OVER_STEPS, TraceWriter
 
 LAYERS = [1, 2, 3]
 TOP_K = 8
@@ -218,7 +218,7 @@ def test_reader_skips_a_corrupt_file_naming_it_and_reads_the_rest(tmp_path: Path
 
 def test_a_writer_process_that_cannot_start_leaves_no_descriptor_open(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("moetrace.recording.writer.sys.executable", str(tmp_path / "no-python"))
+    monkeypatch.setattr("moetrace.writer.process.sys.executable", str(tmp_path / "no-python"))
     before = set(os.listdir("/proc/self/fd"))
     with pytest.raises(FileNotFoundError):
         TraceWriter(tmp_path / "trace", manifest(), LAYERS, TOP_K)
@@ -238,7 +238,7 @@ def test_a_writer_launched_beside_takes_steps_before_its_process_runs_and_writes
 
 def test_a_writer_launched_beside_that_cannot_start_stops_the_recording_not_the_caller(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("moetrace.recording.writer.sys.executable", str(tmp_path / "no-python"))
+    monkeypatch.setattr("moetrace.writer.process.sys.executable", str(tmp_path / "no-python"))
     before = set(os.listdir("/proc/self/fd"))
     writer = TraceWriter(tmp_path / "trace", manifest(), LAYERS, TOP_K, launch_beside=True)  # no raise
     writer.submit(verify_step(0, np.random.default_rng(3)))
@@ -368,7 +368,7 @@ def test_the_engine_thread_hands_steps_over_in_batches_not_a_pickle_per_step(
     """Code run once per step runs cold, so ``forward_ready`` only queues until ``HAND_OVER_STEPS`` steps wait (or
     the oldest has waited ``SEND_EVERY_SECONDS``, or a quarter of the ring is reserved), then hands them all over in
     one message; every step reaches the trace."""
-    monkeypatch.setattr(moetrace.recording.writer, "SEND_EVERY_SECONDS", 3600.0)  # only the count or the ring decides
+    monkeypatch.setattr(moetrace.writer.process, "SEND_EVERY_SECONDS", 3600.0)  # only the count or the ring decides
     rng = np.random.default_rng(12)
     writer = TraceWriter(tmp_path / "count", manifest(), LAYERS, TOP_K)
     for step in range(HAND_OVER_STEPS - 1):
@@ -447,8 +447,8 @@ from pathlib import Path
 import numpy as np
 sys.path.insert(0, {tests!r})
 from test_writer_reader import LAYERS, TOP_K, NotReadyYet, manifest, verify_step
-import moetrace.recording.writer
-from moetrace.recording.writer import TraceWriter
+import moetrace.writer.process
+from moetrace.writer.process import TraceWriter
 writer = TraceWriter(Path({root!r}), manifest(), LAYERS, TOP_K, row_group_rows=10)
 rng = np.random.default_rng(5)
 writer.note_sections({{"partition": {{"switch_ms": 4.25}}, "phases": {{"forward": {{"1": {{"calls": 3}}}}}}}})
@@ -460,7 +460,7 @@ deadline = time.monotonic() + 30
 while writer.steps < 4 and time.monotonic() < deadline:
     time.sleep(0.05)
 if {unsent}:  # two more steps queued by the engine thread, not yet time to hand them over
-    moetrace.recording.writer.SEND_EVERY_SECONDS = 3600
+    moetrace.writer.process.SEND_EVERY_SECONDS = 3600
     for step in (5, 6):
         writer.submit(verify_step(step, rng))
     writer.forward_ready()
@@ -603,7 +603,7 @@ def test_a_failing_test_that_started_a_writer_process_leaves_none_behind(pyteste
     pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
     pytester.makepyfile(test_inner="""
 from pathlib import Path
-from moetrace.recording.writer import TraceWriter
+from moetrace.writer.process import TraceWriter
 
 def test_fails_with_its_writer_open(tmp_path):
     writer = TraceWriter(tmp_path / "t", {"schema": "moetrace/1", "run_id": "inner"}, [1], 2)

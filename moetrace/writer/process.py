@@ -5,7 +5,7 @@ that the engine process and the writer process both map (``SharedRows``); ``Trac
 and ``forward_ready`` (called where the GPU is busy with the next forward) hands the queued steps over in batches:
 one pickle of what is left of each step whose rows have landed (its request order, query starts, drafts, kept
 counts, and where its rows lie in the ring: a few hundred bytes) and one write down a non-blocking pipe to the writer
-process (``python -m moetrace.recording.writer``), which copies the rows out of the ring, releasing them, and
+process (``python -m moetrace.writer.process``), which copies the rows out of the ring, releasing them, and
 assembles rows, builds Arrow tables, compresses and writes. Done by a thread of the engine process, that work took
 the GIL from the engine loop at high step rates (measured on an H200: 4-5% of throughput). A file being written is
 named ``*.parquet.inprogress`` and renamed when closed, so a killed recording leaves every rotated file readable and
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moetrace.recording.metrics import MetricsState, serve_metrics
-from moetrace.recording.ring import SHARED_BYTES, EngineRecord, Pending, SharedRows
+from moetrace.writer.metrics import MetricsState, serve_metrics
+from moetrace.writer.ring import SHARED_BYTES, EngineRecord, Pending, SharedRows
 from moetrace.trace.files import Assemblable, StepCapture, TraceFiles
 from moetrace.trace.manifest import amend_manifest, start_manifest
 from moetrace.trace.schema import ROUTING_DIR, STEPS_DIR
@@ -91,7 +91,7 @@ class TraceWriter:
     ) -> None:
         """``rows``: the ring that steps leave their rows in, shared with the writer process (closed with the
         writer); ``metrics_port``: where the writer process serves the recording's live metrics
-        (``moetrace.recording.metrics``), if anywhere, kept in ``metrics_state`` (an always-on recording's, which
+        (``moetrace.writer.metrics``), if anywhere, kept in ``metrics_state`` (an always-on recording's, which
         lives across its partitions' writers; None: the writer's own); ``launch_beside``: start the writer process
         on a thread of its own and return at once (an always-on recording's next partition: the engine thread does
         not wait for a Python to start; steps queue in the pipe meanwhile, and a launch that fails stops the
@@ -445,14 +445,14 @@ LAUNCH_DETACHED = (
     "fds = tuple(int(fd) for fd in sys.argv[1:] if int(fd) >= 0)\n"
     # -P: not the working directory first on sys.path, where a source checkout's moetrace/ would shadow the
     # installed package the engine imported (seen: a checkout beside a non-editable install lacks moetrace.hooks)
-    "subprocess.Popen([sys.executable, '-P', '-m', 'moetrace.recording.writer', *sys.argv[1:]], pass_fds=fds,\n"
+    "subprocess.Popen([sys.executable, '-P', '-m', 'moetrace.writer.process', *sys.argv[1:]], pass_fds=fds,\n"
     "                 stdin=subprocess.DEVNULL, start_new_session=True)\n"
 )
 
 if __name__ == "__main__":
     # Run the importable module's serve, not this __main__ copy's: pickled steps name the classes of
-    # moetrace.recording.writer.
-    from moetrace.recording.writer import serve as serve_steps
+    # moetrace.writer.process.
+    from moetrace.writer.process import serve as serve_steps
 
     ring, metrics = (int(fd) if int(fd) >= 0 else None for fd in sys.argv[4:6])  # where the engine shares them
     serve_steps(os.fdopen(int(sys.argv[1]), "rb"), os.fdopen(int(sys.argv[2]), "wb"),
