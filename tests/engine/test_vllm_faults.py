@@ -152,16 +152,16 @@ def test_between_vllms_sync_and_the_next_launch_the_recorder_only_notes_the_step
     tmp_path: Path,
 ) -> None:
     """Under sync scheduling the GPU idles from vLLM's sync after sampling until the next forward is launched: every
-    µs the recorder spends there slows every step. There it only notes the step, counts the tokens each request kept
-    and queues the finished step; which CUDA graph the forward replays is read, and the step laid out, packed and
-    handed over, once the forward is launched. The drafter, called there too, is hooked only for the steps whose
-    phases are timed (none here)."""
+    µs the recorder spends there slows every step. There it only notes the step (and each new request's prompt +
+    max_tokens), counts the tokens each request kept and queues the finished step; which CUDA graph the forward
+    replays is read, and the step laid out, packed and handed over, once the forward is launched. The drafter,
+    called there too, is hooked only for the steps whose phases are timed (none here)."""
     result, _ = run_engine_with("calls_while_the_gpu_idles", tmp_path)
     (seen,) = result["seen"]
     assert set(seen["idle"]) <= {"Recorder.step_begins", "Recorder.forward_planned_at_launch",
                                  "RoutingCapture.begin_step", "RunnerV1.kept_on_host", "TraceWriter.failed",
                                  "TraceWriter.submit", "EngineRecord.set_submitted", "Guard.__enter__",
-                                 "Guard.__exit__"}, seen["idle"]
+                                 "Guard.__exit__", "sequence_limits"}, seen["idle"]
     for after_the_launch in ("RunnerV1.forward_plan", "Recorder.forward_launched", "Recorder._layout",
                              "TraceWriter.forward_ready", "Recorder._is_recorded"):
         assert after_the_launch in seen["busy"] and after_the_launch not in seen["idle"]
