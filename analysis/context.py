@@ -1,8 +1,8 @@
 """What a trace measured, by the context its request-steps ran at: acceptance, where drafts are first rejected,
 unique experts per verification window and step time, per context bucket, each with its sample size.
 
-A request-step's context is the tokens before its first token (the position of its anchor, or of a prefill
-chunk's first token): what its attention reads from the KV cache. Buckets are powers of four of 1K tokens
+A request-step's context is the tokens before its first token (the position of its anchor): what its attention
+reads from the KV cache. Buckets are powers of four of 1K tokens
 (``CONTEXT_BUCKETS``): at long context a verify step's attention reads each request's KV cache once for its k + 1
 queries, while the experts it reads still grow with k, and n-gram drafts come from a longer history. A step holds
 requests at several contexts: its time is filed under the bucket of its requests' mean context.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import polars as pl
 
 from moetrace.analysis.acceptance import mean_ms
-from moetrace.analysis.predicates import HASH_RANGE, decoding, step_key
+from moetrace.analysis.predicates import decoding
 
 # Upper bounds (tokens of context, inclusive) of every bucket but the last, which is open: ≤1K, 1-4K, 4-16K, 16-64K,
 # >64K
@@ -37,12 +37,11 @@ def labelled(frame: pl.DataFrame) -> pl.DataFrame:
         "context", pl.exclude("context"))
 
 
-def request_step_contexts(routing: pl.LazyFrame) -> pl.LazyFrame:
+def request_step_contexts(routing: pl.LazyFrame, layer: int) -> pl.LazyFrame:
     """``(dp_rank, step, request)`` → ``context`` (the position of the request-step's first token) and its
-    ``bucket``, read from the rows of one MoE layer (every layer holds the same tokens)."""
-    first_layer = routing.filter(pl.col("layer") == pl.col("layer").min())
-    return first_layer.group_by(*KEYS).agg(context=pl.col("position").min().cast(pl.Int64)).with_columns(
-        bucket=bucket_of(pl.col("context")))
+    ``bucket``, read from the rows of MoE ``layer`` (every layer holds the same tokens)."""
+    return routing.filter(pl.col("layer") == layer).group_by(*KEYS).agg(
+        context=pl.col("position").min().cast(pl.Int64)).with_columns(bucket=bucket_of(pl.col("context")))
 
 
 def acceptance_by_context(steps: pl.LazyFrame, contexts: pl.LazyFrame, k: int) -> pl.DataFrame:
@@ -80,21 +79,23 @@ def step_time_by_context(steps: pl.LazyFrame, contexts: pl.LazyFrame) -> pl.Data
     """Per context bucket (of a step's requests' mean context) and batch (requests in the step): the steps in which
     every request was decoding, and their mean time in ms (from vLLM's ``execute_model`` to its sync after
     sampling: verification and drafting)."""
-    per_step = steps.join(contexts, on=list(KEYS)).group_by("dp_rank", "step").agg(
-        decoding=decoding().all(), batch=pl.len().cast(pl.Int64), context=pl.col("context").mean(),
+    per_step = steps.group_by("dp_rank", "step").agg(
+        decoding=decoding().all(), batch=pl.len().cast(pl.Int64),
         t_start_ns=pl.col("t_start_ns").first(), t_end_ns=pl.col("t_end_ns").first())
-    table = per_step.filter(pl.col("decoding")).with_columns(bucket=bucket_of(pl.col("context"))).group_by(
+    step_context = steps.join(contexts, on=list(KEYS)).group_by("dp_rank", "step").agg(context=pl.col("context").mean())
+    table = per_step.filter(pl.col("decoding")).join(step_context, on=["dp_rank", "step"]).with_columns(
+        bucket=bucket_of(pl.col("context"))).group_by(
         "bucket", "batch").agg(steps=pl.len().cast(pl.Int64),
                                step_ms=mean_ms(pl.col("t_end_ns") - pl.col("t_start_ns"))
                                ).sort("bucket", "batch").collect()
     return labelled(table)
 
 
-def context_tables(routing: pl.LazyFrame, steps: pl.LazyFrame, k: int, share: float = 1.0) -> dict[str, pl.DataFrame]:
-    """The three tables by context (``acceptance``, ``experts``, ``step_time``) of a trace recorded at ``k``, from
-    the engine steps in a deterministic sample at ``share`` (1.0: all of them)."""
-    if share < 1.0:
-        routing = routing.filter(step_key().hash(seed=2) % HASH_RANGE < int(share * HASH_RANGE))
-    contexts = request_step_contexts(routing).collect().lazy()  # read once, joined three times
-    return {"acceptance": acceptance_by_context(steps, contexts, k), "experts": experts_by_context(routing, contexts),
+def context_tables(stepped: pl.LazyFrame, steps: pl.LazyFrame, k: int, layer: int) -> dict[str, pl.DataFrame]:
+    """The three tables by context (``acceptance``, ``experts``, ``step_time``) of a trace recorded at ``k`` whose
+    first MoE layer is ``layer``, from ``stepped``: the routing rows of the decoding and verifying request-steps
+    of whole engine steps, all of them or a deterministic sample (``analysis.budgets.WindowSample.stepped``,
+    already in memory: no other pass over the trace's rows)."""
+    contexts = request_step_contexts(stepped, layer).collect().lazy()  # read once, joined three times
+    return {"acceptance": acceptance_by_context(steps, contexts, k), "experts": experts_by_context(stepped, contexts),
             "step_time": step_time_by_context(steps, contexts)}

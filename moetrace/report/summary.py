@@ -452,7 +452,8 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         placement_note=placement_note,
     )
     analysis.checks = self_check(analysis)
-    analysis.by_context = context_tables(trace.routing(), trace.steps(), trace.k, request.share)
+    analysis.by_context = context_tables(sample.stepped.lazy(), trace.steps(), trace.k,
+                                         trace.manifest.model.moe_layers[0])
     analysis.by_context_share = request.share
     if speedups is not None:
         measured_speedups = (None if checked is None or checked.is_empty() else

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+import polars as pl
 import pytest
 from vllm_fixtures import run_cli
 
@@ -46,7 +47,8 @@ def test_tables_by_context_equal_a_brute_force_count_over_the_rows(two_lengths: 
         if row["layer"] == first_layer:
             key = (row["step"], row["request"])
             context[key] = min(context.get(key, row["position"]), row["position"])
-    tables = context_tables(trace.routing(), trace.steps(), K)
+    stepped = trace.routing().filter(pl.col("phase").cast(pl.String) != "prefill")
+    tables = context_tables(stepped, trace.steps(), K, first_layer)
 
     decoding = [s for s in steps if s["num_tokens"] == s["num_drafts"] + 1 and (s["step"], s["request"]) in context]
     by_bucket: dict[int, list[dict[str, int]]] = defaultdict(list)
