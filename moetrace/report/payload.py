@@ -157,7 +157,20 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
         "crossover": None if analysis.crossovers is None else {
             kind: None if found is None else {**found, "says": crossover_sentence(found)}
             for kind, found in analysis.crossovers.items()},
+        "context": recorded_context(analysis),
     }
+
+
+def recorded_context(analysis: RunAnalysis) -> dict[str, Any] | None:
+    """The context the decision holds at: the primary trace's decoding request-steps' mean context and the bucket
+    most of them ran in (``analysis.context``); None where it recorded none."""
+    rows = analysis.by_context.get("acceptance")
+    if rows is None or rows.is_empty():
+        return None
+    steps = int(rows["request_steps"].sum())
+    widest = rows.sort("request_steps", descending=True).row(0, named=True)
+    return {"mean_tokens": float((rows["mean_context"] * rows["request_steps"]).sum()) / steps,
+            "bucket": widest["context"], "request_steps": steps}
 
 
 def crossover_sentence(found: dict[str, Any]) -> str:

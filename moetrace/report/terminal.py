@@ -326,6 +326,11 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
         for found in (decision["crossover"] or {}).values():
             if found is not None:
                 console.print(Text(f"  crossover, {found['says']}"))
+        if decision["context"] is not None:
+            at = decision["context"]
+            console.print(Text(f"  at the context the trace ran at: a mean {at['mean_tokens']:,.0f} tokens, mostly "
+                               f"{at['bucket']} ({at['request_steps']:,} decoding request-steps); the decision does "
+                               "not yet move with context", style="dim"))
         if decision["policies"] and decision["policies"]["rows"]:
             console.print(_policies(decision))
             for line in decision["policies"]["verdict"]:

@@ -103,5 +103,11 @@ def test_the_report_shows_the_tables_by_context_in_the_terminal_and_json(two_len
     run = json.loads(done.stdout)["runs"][0]
     assert [row["context"] for row in run["by_context"]["acceptance"]] == ["≤1K", "1-4K"]
     assert run["by_context"]["k"] == K and run["by_context"]["share"] == 1.0
+    (decision,) = json.loads(done.stdout)["decision"]  # named at the context it holds: the request-steps' mean
+    rows = run["by_context"]["acceptance"]
+    assert decision["context"]["request_steps"] == sum(r["request_steps"] for r in rows)
+    assert decision["context"]["mean_tokens"] == pytest.approx(
+        sum(r["mean_context"] * r["request_steps"] for r in rows) / sum(r["request_steps"] for r in rows))
     shown = run_cli("report", str(two_lengths), "--k", str(K), "-o", str(tmp_path / "again.html"))
     assert shown.returncode == 0 and "By context" in shown.stdout and "1-4K" in shown.stdout
+    assert "at the context the trace ran at" in shown.stdout
