@@ -58,6 +58,7 @@ from moetrace.hooks.manifest import worker_manifest
 from moetrace.hooks.options import REPLAY_NEEDS_V1, RecordingOptions
 from moetrace.hooks.planned import PlannedStep
 from moetrace.hooks.replay import ReplayedRouting, replayed_routing
+from moetrace.hooks.sampling import StepWindows, sampled_manifest
 from moetrace.hooks.vllm_api import (ForwardPlan, HookPoint, RunnerV1, RunnerV2, WorkerApi, require_fields,
                                      sequence_limits)
 from moetrace.hooks.rows import PackedLayout
@@ -67,7 +68,6 @@ from moetrace.trace.schema import TIMED_CALLS
 from moetrace.trace.partitions import drop_oldest, over_cap, partition_dir
 from moetrace.writer.metrics import MetricsState
 from moetrace.writer.ring import RingRows, SharedRows, ring_capacity
-from moetrace.hooks.sampling import StepWindows, sampled_manifest
 from moetrace.writer.process import TraceWriter
 
 log = logging.getLogger("moetrace")
