@@ -190,7 +190,7 @@ class Recorder:
         try:
             return replayed_routing(Path(options.replay_routing), infos[0].num_experts, self.top_k,
                                     int(self.runner.max_num_tokens), self.model_runner.positions(),
-                                    device)
+                                    device, self._vllm_config.model_config.dtype)  # the gate's, so its logits
         except ValueError as exc:
             raise UnsupportedRunner(str(exc)) from None
 

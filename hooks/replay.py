@@ -6,7 +6,8 @@ every token) is routed as a token of a recorded run was, through the router wrap
 
 The trace (``moetrace record --candidates C``, C >= the model's top-k) becomes a bank on the device: per routed
 token and layer, its C candidate experts and their selection scores (the last row at each request and position:
-the token the request kept). A request of the engine replays a request of the trace: the i-th request of a
+the token the request kept), in the router logits' dtype with each token's candidates kept in their recorded order
+(``strictly_ordered``). A request of the engine replays a request of the trace: the i-th request of a
 recording, the trace's request i mod R; its token at position p replays that request's p-th routed token (p modulo
 the request's length); the model's MoE layer l replays the trace's layer l mod Lt. Before each forward
 ``ReplayedRouting.plan`` writes each token's first bank row and its request's length into device buffers at fixed
@@ -35,13 +36,17 @@ from moetrace.hooks.planned import PlannedBuffer, PlannedStep
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.schema import MANIFEST_NAME, ROUTING_DIR
 
-FLOOR = -1.0e4  # the logit of an expert outside a token's recorded candidates: no router picks it while C >= top-k
+# The logit of an expert outside a token's recorded candidates: no router picks it over one (C >= top-k, and recorded
+# selection scores lie far above), yet its sigmoid or softmax stays a positive float32. At -1e4 they were 0, and a
+# budget that left a token only such experts (its group kept none of its candidates) divided 0 by 0: NaN hidden
+# states, then sampled token ids outside the vocabulary (vLLM 0.34's warm-up on an H100, 2026-12-06).
+FLOOR = -60.0
 
 
 @dataclass(frozen=True)
 class RoutingBank:
-    """A trace's routed tokens on the device: candidate ids [N, Lt, C] (int64) and scores [N, Lt, C], and each
-    request's first row and length [R]."""
+    """A trace's routed tokens on the device: candidate ids [N, Lt, C] (int64) and scores [N, Lt, C] (in the router
+    logits' dtype, ``strictly_ordered``), and each request's first row and length [R]."""
 
     ids: torch.Tensor
     scores: torch.Tensor
@@ -53,9 +58,23 @@ class RoutingBank:
         return int(self.ids.shape[1])
 
 
-def load_bank(path: Path, num_experts: int, top_k: int, device: torch.device) -> RoutingBank:
-    """The bank of the trace at ``path`` for a model of ``num_experts`` experts and top-``top_k``; ``ValueError``
-    saying why the trace cannot be replayed into it. Read with pyarrow (the engine side imports no polars)."""
+def strictly_ordered(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scores`` [..., C] (a token's candidates, best first) rounded to ``dtype``, each below the one before it: where
+    rounding ties two (bfloat16 keeps 8 bits, so scores 0.004 apart tie), the later takes the next value below. The
+    router's top-k of them is then the recorded first K, as on the engine it was recorded on. On the host:
+    ``nextafter`` is not on every device for every dtype."""
+    rounded = scores.cpu().to(dtype)
+    lowest = torch.tensor(float("-inf"), dtype=dtype)
+    columns = [rounded[..., 0]]
+    for column in range(1, rounded.shape[-1]):
+        columns.append(torch.minimum(rounded[..., column], torch.nextafter(columns[-1], lowest)))
+    return torch.stack(columns, dim=-1).to(scores.device)
+
+
+def load_bank(path: Path, num_experts: int, top_k: int, device: torch.device, dtype: torch.dtype) -> RoutingBank:
+    """The bank of the trace at ``path`` for a model of ``num_experts`` experts and top-``top_k`` whose router
+    logits are ``dtype``; ``ValueError`` saying why the trace cannot be replayed into it. Read with pyarrow (the
+    engine side imports no polars)."""
     try:
         manifest = Manifest.from_document(json.loads((path / MANIFEST_NAME).read_text()))
     except (OSError, ValueError) as exc:
@@ -82,10 +101,13 @@ def load_bank(path: Path, num_experts: int, top_k: int, device: torch.device) ->
     shape = (tokens, layers, candidates)
     ids = table["cand_experts"].combine_chunks().flatten().to_numpy().reshape(-1, candidates)[last]
     scores = table["cand_scores"].combine_chunks().flatten().to_numpy().reshape(-1, candidates)[last]
+    if scores.size and float(scores.min()) <= FLOOR / 2:
+        raise ValueError(f"{path}: selection scores down to {float(scores.min()):.3g} lie too near the floor that "
+                         f"keeps other experts out ({FLOOR})")
     _, lengths = np.unique(request[last[::layers]], return_counts=True)
     return RoutingBank(
         ids=torch.from_numpy(ids.astype(np.int64).reshape(shape)).to(device),
-        scores=torch.from_numpy(scores.astype(np.float32).reshape(shape)).to(device),
+        scores=strictly_ordered(torch.from_numpy(scores.astype(np.float32).reshape(shape)), dtype).to(device),
         starts=np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64),
         lengths=lengths.astype(np.int64),
     )
@@ -136,11 +158,12 @@ class ReplayedRouting:
 
 
 def replayed_routing(path: Path, num_experts: int, top_k: int, max_num_tokens: int, positions: torch.Tensor,
-                     device: torch.device) -> ReplayedRouting:
+                     device: torch.device, dtype: torch.dtype) -> ReplayedRouting:
     """The routing of the trace at ``path``, ready to replay on an engine of ``max_num_tokens`` tokens a step whose
-    runner keeps token positions in ``positions``; ``ValueError`` naming why it cannot."""
+    runner keeps token positions in ``positions`` and whose router logits are ``dtype``; ``ValueError`` naming why
+    it cannot."""
     try:
-        bank = load_bank(path, num_experts, top_k, device)
+        bank = load_bank(path, num_experts, top_k, device, dtype)
     except ValueError as exc:
         raise ValueError(f"cannot replay routing from {exc}") from None
     return ReplayedRouting(bank, max_num_tokens, positions)

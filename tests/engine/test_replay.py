@@ -12,10 +12,14 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pytest
+import torch
 
 from trace_builder import Model, verify_tokens, write_trace
 from vllm_fixtures import record_like_the_fixture, run_cli
 from moetrace.default_model import CONFIG
+from moetrace.hooks.budget import LayerBudget, TokenGroups, restrict
+from moetrace.hooks.planned import PlannedStep
+from moetrace.hooks.replay import ReplayedRouting, RoutingBank, strictly_ordered
 from moetrace.trace.reader import open_trace
 
 TOP_K = int(CONFIG["num_experts_per_tok"])
@@ -74,6 +78,45 @@ def test_a_trace_that_kept_too_few_candidates_cannot_be_replayed_in_one_line(tmp
     done = run_cli("record", "--replay-routing", str(thin), "--out", str(tmp_path / "t"))
     assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1
     assert "keeps 4 candidates per token; replaying needs at least the model's top-8" in done.stderr
+
+
+def test_a_budget_that_leaves_a_token_none_of_its_replayed_candidates_weighs_the_kept_experts_evenly() -> None:
+    """Three tokens of one verify window replay a bank of 4 candidates; tokens 0 and 1 pick experts 8 and 9, token 2
+    picks 0 and 1, so a budget of 2 keeps 8 and 9: token 2 must move to experts it never had as candidates. Its
+    router scores them alike (the floor), so each takes half its weight (by hand), not 0 / 0."""
+    experts, top_k = 16, 2
+    ids = torch.tensor([[[8, 9, 10, 11]], [[8, 9, 12, 13]], [[0, 1, 2, 3]]])  # [N=3, Lt=1, C=4]
+    scores = torch.tensor([[[0.9, 0.8, 0.2, 0.1]], [[0.9, 0.7, 0.2, 0.1]], [[0.6, 0.5, 0.4, 0.3]]])
+    bank = RoutingBank(ids=ids, scores=scores, starts=np.array([0]), lengths=np.array([3]))
+    step = PlannedStep(np.array([0, 3]), np.array([2]), ["a"])  # one request verifying 2 drafts
+    replay = ReplayedRouting(bank, max_tokens=8, positions=torch.arange(8))
+    replay.plan(step, ())
+    logits = replay.logits(0, torch.zeros(3, experts))
+    routed = logits.sigmoid().topk(top_k, dim=1)  # the router: sigmoid, top-k, renormalised
+    weights, chosen = routed.values / routed.values.sum(dim=1, keepdim=True), routed.indices
+    groups = TokenGroups(max_tokens=8, max_requests=2, scope="window", sizes=[top_k], num_experts=experts,
+                         device=torch.device("cpu"))
+    groups.plan(step)
+    new_weights, new_ids = restrict(groups, LayerBudget(0, "sigmoid", renormalize=True), logits, None, weights, chosen)
+    assert [sorted(row) for row in new_ids.tolist()] == [[8, 9], [8, 9], [8, 9]]
+    assert torch.equal(new_weights[:2], weights[:2])
+    assert new_weights[2].tolist() == pytest.approx([0.5, 0.5])
+
+
+def test_replayed_scores_keep_every_tokens_recorded_order_where_bfloat16_rounding_ties_them() -> None:
+    """A GPU's router logits are bfloat16, whose 8 bits tie scores 0.004 apart: on an H100 (vLLM 0.34) the replay
+    swapped a token's 8th and 9th experts. Each row must stay strictly decreasing, within a few bfloat16 steps of its
+    rounded score (counted here on the bit patterns)."""
+    scores = torch.tensor([[0.90001, 0.90000, 0.89999, 0.5, 0.49999, -0.2],
+                           [1.25, 0.7500001, 0.75, 0.25, 0.1, 0.0]])
+    ordered = strictly_ordered(scores, torch.bfloat16)
+    assert ordered.dtype == torch.bfloat16
+    assert (ordered[:, :-1] > ordered[:, 1:]).all()
+    rounded = scores.to(torch.bfloat16)
+    assert (scores.to(torch.bfloat16)[:, 1:] == rounded[:, :-1]).any()  # the input does tie in bfloat16
+    steps = (rounded.view(torch.int16).int() - ordered.view(torch.int16).int()).abs()  # same sign: bits count steps
+    assert steps.max() <= 2 and (steps[:, 0] == 0).all()
+    assert torch.equal(strictly_ordered(scores, torch.float32), scores)  # float32 keeps them all apart already
 
 
 SWEEP_IN_ONE_ENGINE = """
