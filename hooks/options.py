@@ -115,12 +115,6 @@ class RecordingOptions:
         return json.dumps(dataclasses.asdict(self))
 
 
-# Replayed routing runs on Model Runner V1 only: on V2 (vLLM 0.34, an H100, 2026-12-06) the engine failed in its
-# warm-up, an embedding lookup of token ids outside the vocabulary, where the same budget alone ran
-REPLAY_NEEDS_V1 = ("replaying routing needs Model Runner V1 (vLLM 0.33 and earlier); on Model Runner V2 the engine "
-                   "fails at warm-up")
-
-
 def replay_refusal(manifest: Manifest, num_experts: int, top_k: int) -> str | None:
     """Why a trace with ``manifest`` cannot route a model of ``num_experts`` experts and top-``top_k``
     (``replay_routing``), None where it can: checked by ``moetrace record`` before an engine starts, and by the

@@ -55,7 +55,7 @@ from moetrace.hooks.capture import (
     wrap_router,
 )
 from moetrace.hooks.manifest import worker_manifest
-from moetrace.hooks.options import REPLAY_NEEDS_V1, RecordingOptions
+from moetrace.hooks.options import RecordingOptions
 from moetrace.hooks.planned import PlannedStep
 from moetrace.hooks.replay import ReplayedRouting, replayed_routing
 from moetrace.hooks.sampling import StepWindows, sampled_manifest
@@ -184,8 +184,6 @@ class Recorder:
         """``hooks.replay.replayed_routing`` of the trace ``options.replay_routing`` names, or ``UnsupportedRunner``
         saying why this engine cannot replay it."""
         self._engine_check("replayed routing", data_parallel)
-        if isinstance(self.model_runner, RunnerV2):
-            raise UnsupportedRunner(REPLAY_NEEDS_V1)
         assert options.replay_routing is not None
         try:
             return replayed_routing(Path(options.replay_routing), infos[0].num_experts, self.top_k,

@@ -125,11 +125,6 @@ def unchecked(vllm: str) -> str | None:
             f"{supported()}): recording goes on, and stops in one line at any internal it lacks")
 
 
-def v2_only(vllm: str) -> bool:
-    """Whether release ``vllm`` records on Model Runner V2 alone (V1 gone: ``REFUSED``)."""
-    return (release_of(vllm), RunnerV1.name) in REFUSED
-
-
 def refuse_gone(vllm: str, runner: str) -> None:
     """``VllmApiError`` in one line where the contract check found an internal of ``runner`` (``v1``, ``v2``) gone in
     release ``vllm``."""

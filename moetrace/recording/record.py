@@ -20,7 +20,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
-from moetrace.hooks.options import REPLAY_NEEDS_V1, RecordingOptions, replay_refusal
+from moetrace.hooks.options import RecordingOptions, replay_refusal
 from moetrace.trace.model_config import config_expert_count, config_value
 from moetrace.default_model import BOS_ID, CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.recording.drafters import check_drafter_batch, drafter_checkpoint, resolve_drafter
@@ -346,11 +346,7 @@ def _read_progress(path: Path) -> tuple[int, int]:
 
 def check_replayable(path: Path, model: ResolvedModel) -> None:
     """``UserError`` where the trace at ``path`` cannot route ``model`` (``--replay-routing``)."""
-    from moetrace.hooks.vllm_api import v2_only, vllm_version
-
     refused = replay_refusal(read_manifest(path), model.num_experts, model.top_k or 1)
-    if refused is None and (v2_only(vllm_version()) or os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"):
-        refused = REPLAY_NEEDS_V1
     if refused is not None:
         raise UserError(f"--replay-routing {path}: {refused}")
 

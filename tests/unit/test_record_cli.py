@@ -5,15 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from moetrace.cli import main
-from moetrace.hooks.options import REPLAY_NEEDS_V1
 from moetrace.hooks.vllm_api import vllm_version
 from moetrace.default_model import ensure_default_model
-from trace_builder import Model, verify_tokens, write_trace
 from vllm_fixtures import run_cli
 
 
@@ -214,14 +211,3 @@ def test_manifest_says_random_weights_exactly_when_vllm_loads_dummy_weights(
     request = RecordRequest(model=None, ks=[1], out=tmp_path, engine_args=engine_args)
     settings = engine_settings(request, resolve_model(None), 1, tmp_path / "k1", ["x"], tmp_path / "progress")
     assert settings["recording"]["random_weights"] is random
-
-
-def test_replaying_routing_on_model_runner_v2_is_refused_before_any_engine_starts(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = Model(num_experts=384, top_k=8, layers=(1, 2, 3))
-    tokens = verify_tokens(np.random.default_rng(0), model, requests=2, steps=2, k=2, accept_prob=0.5, candidates=16)
-    trace = write_trace(tmp_path / "trace", tokens, model, k=2)
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    message = refuse(["record", "--replay-routing", str(trace), "--out", str(tmp_path / "out")])
-    assert message == f"error: --replay-routing {trace}: {REPLAY_NEEDS_V1}"
-    assert not (tmp_path / "out").exists()
