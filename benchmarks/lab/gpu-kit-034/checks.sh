@@ -9,6 +9,9 @@
 #   int4:     the Kimi-K2 TP=8 slice in Kimi-K2.5's format (compressed-tensors INT4 experts, group 32), n-gram k = 2;
 #   fp8:      the slice in Kimi-K2's format (FP8, 128 x 128 blocks), n-gram k = 2;
 #   k25:      KimiK25ForConditionalGeneration around the default model's config, text only, n-gram k = 2;
+#   draft:    the default model drafting for itself with its one-layer cut (draft_model), k = 2;
+#   replay:   tests/engine/test_replay.py and test_budget.py (replayed routing under a budget, budgets eager and
+#             with CUDA graphs) into $OUT/replay.log;
 #   overhead: recording overhead on the INT4 slice, n-gram k = 3, batches 1 and 64, 6 rounds of 128 tokens
 #             (benchmarks/bench_recording_overhead.py) into $OUT/overhead-int4.json.
 set -o pipefail
@@ -30,11 +33,11 @@ record() {  # PART MOETRACE-RECORD-ARGS...
   echo "== $part: moetrace record $*"
   timeout "$left" python3 -m moetrace record "$@" --compiled --max-tokens 48 --num-prompts 8 --batch-size 4 \
     --engine-arg enable_return_routed_experts=true --out "$T/$part" --force 2>&1 | tee "$OUT/$part.log"
+  for log in "$T/$part"/*/engine.log; do [ -f "$log" ] && cp "$log" "$OUT/$part-engine.log"; done
   for manifest in "$T/$part"/*/manifest.json; do
     [ -f "$manifest" ] || continue
     trace=$(dirname "$manifest")
     cp "$manifest" "$OUT/$part-manifest.json"
-    cp "$trace/engine.log" "$OUT/$part-engine.log" 2>/dev/null
     python3 "$R/benchmarks/lab/kimi_formats.py" check "$trace" --json "$OUT/$part-check.json" 2>&1 | tee -a "$OUT/$part.log"
     timeout 120 python3 -m moetrace report "$trace" --json > "$OUT/$part-report.json" 2>> "$OUT/$part.log"
   done
@@ -45,9 +48,16 @@ dummy=(--engine-arg load_format=dummy --engine-arg max_model_len=1024)
 [[ "$parts" == *" fp8 "* ]] && record fp8 "$M/kimi-k2-tp8-fp8" --k 2 "${dummy[@]}"
 [[ "$parts" == *" k25 "* ]] && record k25 "$M/kimi-k25-tiny" --k 2 "${dummy[@]}" \
   --engine-arg 'limit_mm_per_prompt={"image": 0, "video": 0}'
+[[ "$parts" == *" draft "* ]] && record draft --method draft_model --k 2
 if [[ "$parts" == *" overhead "* ]]; then
   left=$(( end - $(date +%s) - 10 ))
   timeout "$left" python3 "$R/benchmarks/bench_recording_overhead.py" --model kimi-k2-tp8-int4 --compiled \
     --batches 1,64 --rounds 6 --max-tokens 128 --json "$OUT/overhead-int4.json" 2>&1 | tee "$OUT/overhead.log"
+fi
+if [[ "$parts" == *" replay "* ]]; then
+  left=$(( end - $(date +%s) - 10 ))
+  timeout "$left" python3 -m pytest --rootdir="$R" -c "$R/pyproject.toml" -p no:cacheprovider --basetemp=/root/pt \
+    -rA "$R/tests/engine/test_replay.py" "$R/tests/engine/test_budget.py" 2>&1 | tee "$OUT/replay.log"
+  (cd /root/pt && find . -name engine.log | tar -czf "$OUT/replay-engine-logs.tgz" -T -) 2>/dev/null
 fi
 ls -la "$OUT"
