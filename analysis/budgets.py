@@ -145,8 +145,9 @@ def window_share(rows: int, layers: int, k: int, max_windows: int) -> float:
     return 1.0 if windows <= max_windows else max_windows / windows
 
 
-def budget_curves(windows: pl.LazyFrame, expert_bytes: int, use_candidates: bool) -> pl.DataFrame:
-    """Per (layer, budget) from 1 to the largest useful budget: see the module doc for the columns."""
+def budget_curves(windows: pl.LazyFrame, expert_bytes: int | None, use_candidates: bool) -> pl.DataFrame:
+    """Per (layer, budget) from 1 to the largest useful budget: see the module doc for the columns (``bytes_saved``
+    null where ``expert_bytes`` is: a format the cost model cannot price)."""
     # The windows feed four aggregations: collected once (they are a sample of a long trace), not rescanned.
     columns = [*WINDOW, "position", "experts", "weights", *(["cand_experts", "cand_scores"] if use_candidates else [])]
     windows = windows.select(columns).collect().lazy()
@@ -207,7 +208,7 @@ def budget_curves(windows: pl.LazyFrame, expert_bytes: int, use_candidates: bool
             mean_unique=pl.col("reaching").sum().over("layer") / pl.col("total_windows"),
         )
         .with_columns(experts_saved=pl.col("mean_unique") - pl.col("experts_read"))
-        .with_columns(bytes_saved=pl.col("experts_saved") * float(expert_bytes))
+        .with_columns(bytes_saved=pl.col("experts_saved") * (None if expert_bytes is None else float(expert_bytes)))
         .select(
             pl.col("layer"),
             pl.col("budget").cast(pl.Int64),

@@ -24,25 +24,29 @@ class ModelShape:
     hidden_size: int
     expert_width: int
     shared_experts: int
-    expert_weight_bits: int
+    expert_weight_bits: int  # 0 where ``unpriced_format`` names the format
     quant_group_size: int | None  # one scale per group of this many weights; None: no scales
     scale_bits: int = 16
     activation_bytes: int = 2  # bf16 activations on the wire
+    unpriced_format: str | None = None  # the experts' format, where the cost model cannot count its bytes
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes read for one expert in one layer: gate, up and down matrices, plus their quantisation scales."""
+        """Bytes read for one expert in one layer: gate, up and down matrices, plus their quantisation scales;
+        ``UnpricedFormat`` where the format is one the cost model cannot count (``unpriced_format``)."""
+        if self.unpriced_format is not None:
+            raise UnpricedFormat(self.unpriced_format)
         weights = 3 * self.hidden_size * self.expert_width
         scales = 0 if not self.quant_group_size else (weights // self.quant_group_size) * self.scale_bits // 8
         return weights * self.expert_weight_bits // 8 + scales
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> ModelShape:
-        """The recorded model's shape; ``UnpricedFormat`` where its experts are stored in a format whose bytes the
-        cost model cannot count (the manifest names it, with no ``expert_weight_bits``)."""
+        """The recorded model's shape; ``unpriced_format`` set where its experts are stored in a format whose bytes
+        the cost model cannot count (the manifest names it, with no ``expert_weight_bits``)."""
         model = manifest.model.fields
-        if model.get("expert_format") and not model.get("expert_weight_bits"):
-            raise UnpricedFormat(str(model["expert_format"]))
+        unpriced = str(model["expert_format"]) if model.get("expert_format") and not model.get(
+            "expert_weight_bits") else None
         moe_layers = len(manifest.model.moe_layers)
         return cls(
             num_experts=manifest.model.num_experts,
@@ -52,10 +56,19 @@ class ModelShape:
             hidden_size=manifest.model.hidden_size,
             expert_width=int(model.get("expert_width") or 0),
             shared_experts=int(model.get("shared_experts") or 0),
-            expert_weight_bits=int(model.get("expert_weight_bits") or 16),
+            expert_weight_bits=0 if unpriced else int(model.get("expert_weight_bits") or 16),
             quant_group_size=int(model["quant_group_size"]) if model.get("quant_group_size") else None,
             scale_bits=int(model.get("quant_scale_bits") or 16),
+            unpriced_format=unpriced,
         )
+
+    def unpriced_note(self) -> str | None:
+        """What a report leaves out where the experts' bytes cannot be counted (None: nothing)."""
+        if self.unpriced_format is None:
+            return None
+        return (f"its experts are stored as {self.unpriced_format}, whose bytes the cost model cannot count: left "
+                f"out the expert bytes per step, the bytes budgets save and the predicted speedup (give --shape "
+                f"{min(SHAPE_PRESETS)} or another preset to price them as that model's)")
 
 
 def shape_from_config(config: dict[str, Any]) -> ModelShape:

@@ -15,15 +15,17 @@ def step_bytes(per_k: pl.DataFrame, deployment: Deployment, ranks_per_token: flo
     one token's experts lie on (EP dispatch). Where the tokens are unknown (null: no acceptance to know them
     from), so are the bytes they move."""
     rows = per_k.sort("k").to_dicts()
+    priced = deployment.shape.unpriced_format is None  # else the expert weights' bytes are unknown
     return pl.DataFrame({
         "k": [int(row["k"]) for row in rows],
         "source": [str(row["union_source"]) for row in rows],
         "tokens": [row["tokens"] for row in rows],
         "unique_experts": [float(row["unique_experts"]) for row in rows],
-        "expert_weight_bytes": [deployment.expert_weight_bytes(row["unique_experts"]) for row in rows],
+        "expert_weight_bytes": [deployment.expert_weight_bytes(row["unique_experts"]) if priced else None
+                                for row in rows],
         "busiest_rank_weight_bytes": [deployment.busiest_rank_weight_bytes(row["unique_experts"],
                                                                            row["busiest_rank_experts"])
-                                      for row in rows],
+                                      if priced else None for row in rows],
         "allreduce_bytes": [None if row["tokens"] is None else deployment.allreduce_bytes(row["tokens"])
                             for row in rows],
         "ep_bytes": [None if row["tokens"] is None else deployment.ep_bytes(row["tokens"], ranks_per_token)

@@ -262,9 +262,9 @@ def budget(trace: Path, k: int, coverage: float, shape_preset: str | None, outpu
     if run.primary.lacks("router_weights"):
         raise UserError(f"{trace}: imported without router weights: no budget by routing-weight coverage")
     shape = model_shape(run.primary, shape_preset)
-    curves, share = budget_curves_per_k(run, trace_windows(run), range(k, k + 1), shape.expert_bytes)
+    curves, share = budget_curves_per_k(run, trace_windows(run), range(k, k + 1), shape)
     curves = curves.drop("k")
-    notes = [note for note in (sample_note(share),) if note is not None]
+    notes = [note for note in (sample_note(share), shape.unpriced_note()) if note is not None]
     chosen = smallest_budgets(curves.lazy(), coverage)
     payload: dict[str, Any] = {
         "schema": "moetrace-budget/1",
@@ -272,7 +272,7 @@ def budget(trace: Path, k: int, coverage: float, shape_preset: str | None, outpu
         "k": k,
         "source": MEASURED if run.primary.k == k else COUNTERFACTUAL,
         "coverage_target": coverage,
-        "expert_bytes": shape.expert_bytes,
+        "expert_bytes": None if shape.unpriced_format is not None else shape.expert_bytes,
         "budgets": {str(row["layer"]): row["budget"] for row in chosen.to_dicts()},
         "per_layer": chosen.to_dicts(),
         "window_share": share,

@@ -12,7 +12,7 @@ import numpy.typing as npt
 import polars as pl
 
 from moetrace.analysis.placement import explicit_placement, linear_placement, round_robin_placement
-from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape, UnpricedFormat
+from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.errors import UserError
 from moetrace.trace.reader import Trace, open_traces, run_path
 
@@ -81,19 +81,12 @@ def open_run(path: Path, k: int) -> Run:
 
 
 def model_shape(trace: Trace, preset: str | None) -> ModelShape:
-    """The manifest's shape, or a named preset (checked to route over the same experts as the trace); a trace whose
-    experts are stored in a format the cost model cannot price needs the preset."""
+    """The manifest's shape (``unpriced_format`` set where the cost model cannot count its experts' bytes), or a
+    named preset (checked to route over the same experts as the trace)."""
     if preset is not None and preset not in SHAPE_PRESETS:
         raise UserError(f"--shape {preset}: unknown preset (known: {', '.join(sorted(SHAPE_PRESETS))})")
-    try:
-        recorded = ModelShape.from_manifest(trace.manifest)
-    except UnpricedFormat as exc:
-        if preset is None:
-            raise UserError(f"{trace.path}: its experts are stored as {exc}, whose bytes the cost model cannot count: "
-                            f"give --shape {min(SHAPE_PRESETS)} (or another preset) to price them as that model's"
-                            ) from None
     if preset is None:
-        return recorded
+        return ModelShape.from_manifest(trace.manifest)
     shape = SHAPE_PRESETS[preset]
     model = trace.manifest.model
     if (shape.num_experts, shape.top_k) != (model.num_experts, model.top_k):

@@ -112,8 +112,8 @@ def budget_summary(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:
         "median_budget": float(budgets.median()) if len(budgets) else None,  # type: ignore[arg-type]
         "max_budget": int(budgets.max()) if len(budgets) else None,  # type: ignore[arg-type]
         # per verification window, over the model's MoE layers (mean per recorded layer × MoE layers)
-        "bytes_saved_per_window": float(chosen["bytes_saved"].mean()) * analysis.shape.moe_layers  # type: ignore[arg-type]
-        if len(chosen)
+        "bytes_saved_per_window": float(saved) * analysis.shape.moe_layers  # type: ignore[arg-type]
+        if (saved := chosen["bytes_saved"].mean()) is not None
         else None,
         "per_layer": chosen.to_dicts(),
     }
@@ -240,8 +240,13 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
                 for line in [*analysis.run.warnings,
                              *(f"k={k}: routing and steps disagree: {what}"
                                for k, what in sorted(analysis.disagreements.items())), *analysis.checks]]
-    warnings += [f"{decision['label']}: no recommendation at {row['batch']} request(s) per step: {row['status']}"
-                 for decision in decisions for row in decision["per_batch"] if row["status"] != "ok"]
+    unrecommended: dict[tuple[str, str], list[str]] = {}  # one line per reason, naming every concurrency it holds at
+    for decision in decisions:
+        for row in decision["per_batch"]:
+            if row["status"] != "ok":
+                unrecommended.setdefault((decision["label"], row["status"]), []).append(str(row["batch"]))
+    warnings += [f"{label}: no recommendation at {', '.join(batches)} request(s) per step: {status}"
+                 for (label, status), batches in unrecommended.items()]
     return {"decision": decisions, "warnings": warnings, "k": k, "coverage_target": options.coverage, "runs": runs}
 
 

@@ -156,14 +156,16 @@ def summary_request(trace: Trace, num_experts: int, max_k: int, placement: npt.N
                           sample_columns(trace), whole_steps=trace.manifest.capture.one_request_in == 1)
 
 
-def budget_curves_per_k(run: Run, sample: WindowSample, ks: range, expert_bytes: int) -> tuple[pl.DataFrame, float]:
+def budget_curves_per_k(run: Run, sample: WindowSample, ks: range, shape: ModelShape) -> tuple[pl.DataFrame, float]:
     """Budget curves (with a k column) of the primary trace: its verification windows at its own k, counterfactual
-    windows of accepted tokens at any other k. Also the smallest share of windows a k was computed from."""
+    windows of accepted tokens at any other k, bytes at ``shape``'s (none where it cannot price them). Also the
+    smallest share of windows a k was computed from."""
     trace = run.primary
     use_candidates = "cand_experts" in sample.accepted.columns
     layers = len(trace.manifest.model.moe_layers)
     per_layer = min(MAX_BUDGET_WINDOWS, max(500, MAX_BUDGET_WINDOWS_ALL_LAYERS // max(layers, 1)))
     frames, shares = [], []
+    expert_bytes = None if shape.unpriced_format is not None else shape.expert_bytes
     for k in ks:
         windows, share = sample.windows(k, trace.k == k, per_layer)
         frames.append(budget_curves(windows, expert_bytes, use_candidates).with_columns(k=pl.lit(k, pl.Int32)))
@@ -393,7 +395,7 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
             for t in run.traces}
     disagreements = {k: found for k, table in gaps.items() if (found := disagreement(table)) is not None}
     sample = WindowSample(summary.accepted, summary.stepped, request.share, trace.k, summary.proposals)
-    curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape.expert_bytes)
+    curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape)
     if trace.lacks("router_weights"):  # budgets are by routing-weight coverage
         curves = curves.clear()
     at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
@@ -408,8 +410,10 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     bytes_table = step_bytes(inputs.filter(pl.col("batch") == 1), deployment_for(shape, tp, ep),
                              float(one_token.item()) if len(one_token) else 1.0)
     speedups = prediction = decision = basis = None
-    prediction_note = None
-    if options.predicts:
+    prediction_note = shape.unpriced_note()
+    if prediction_note is not None:
+        decision = unpredicted(options.batches, prediction_note) if options.predicts else None
+    elif options.predicts:
         _, _, pred_ep, _ = prediction_deployment(shape, tp, ep, options)
         pred_inputs = inputs if pred_ep == ep else step_inputs(
             run, sample, shape, expert_placement(trace, pred_ep, options.placement_file), options, batches)

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 from click.testing import CliRunner
@@ -55,7 +56,8 @@ def test_the_bytes_priced_per_expert_count_weights_and_one_scale_per_group(
         assert shape.expert_bytes == SHAPE_PRESETS["kimi-k2"].expert_bytes == 24_772_608
 
 
-def test_a_format_the_cost_model_cannot_price_is_named_and_the_report_asks_for_a_shape(tmp_path: Path) -> None:
+def test_a_format_the_cost_model_cannot_price_leaves_only_the_byte_figures_out_and_says_which(
+        tmp_path: Path) -> None:
     assert read({"quant_method": "mxfp4"}) == ExpertFormat(0, None, 0, "mxfp4")
     model = Model(num_experts=8, top_k=2)
     root = write_trace(tmp_path / "t", verify_tokens(np.random.default_rng(0), model, requests=2, steps=3, k=2,
@@ -63,8 +65,25 @@ def test_a_format_the_cost_model_cannot_price_is_named_and_the_report_asks_for_a
     manifest = json.loads((root / "manifest.json").read_text())
     manifest["model"].update(expert_format="mxfp4", expert_weight_bits=None)
     (root / "manifest.json").write_text(json.dumps(manifest))
-    result = CliRunner().invoke(main, ["report", str(root), "--k", "2"])
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    assert result.output.splitlines() == [
-        f"error: {open_trace(root).path}: its experts are stored as mxfp4, whose bytes the cost model cannot count: "
-        "give --shape kimi-k2 (or another preset) to price them as that model's"]
+    steps = open_trace(root).steps().collect()
+    result = CliRunner().invoke(main, ["report", str(root), "--k", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    run = report["runs"][0]
+    left_out = ("its experts are stored as mxfp4, whose bytes the cost model cannot count: left out the expert bytes "
+                "per step, the bytes budgets save and the predicted speedup (give --shape kimi-k2 or another preset "
+                "to price them as that model's)")
+    assert [line for line in report["warnings"] if "mxfp4" in line] == [
+        f"t: no recommendation at 1, 8, 32, 128 request(s) per step: {left_out}"]
+    assert {row["k"] for row in report["decision"][0]["per_batch"]} == {None}
+    # everything else is there: acceptance (against the steps table), experts read, budgets, the other bytes
+    at_k = next(row for row in run["acceptance_per_k"] if row["k"] == 2)
+    drafted = steps.filter(pl.col("num_drafts") > 0)
+    assert at_k["mean_accepted"] == pytest.approx(drafted["num_accepted"].mean())
+    assert all(row["unique_experts"] > 0 and row["expert_weight_bytes"] is None and row["allreduce_bytes"] == 0
+               for row in run["step_bytes"])
+    assert run["budget"]["min_budget"] >= 2 and run["budget"]["bytes_saved_per_window"] is None
+    priced = CliRunner().invoke(main, ["report", str(root), "--k", "2", "--json", "--shape", "kimi-k2"])
+    assert priced.exit_code == 1  # the preset is checked against the trace's experts: 8 here, not Kimi-K2's 384
+    assert priced.output.splitlines() == [
+        f"error: --shape kimi-k2: 384 experts top-8, but {open_trace(root).path} routes over 8 experts top-2"]
