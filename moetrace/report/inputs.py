@@ -13,6 +13,7 @@ import polars as pl
 
 from moetrace.analysis.placement import explicit_placement, linear_placement, round_robin_placement
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
+from moetrace.analysis.uncertainty import HeldOutErrors
 from moetrace.errors import UserError
 from moetrace.trace.reader import Trace, open_traces, run_path
 
@@ -36,6 +37,13 @@ class PredictionPreset:
     def calibration(self) -> dict[str, Any]:
         doc: dict[str, Any] = json.loads((Path(__file__).parents[1] / "data" / self.calibration_file).read_text())
         return doc
+
+
+def held_out_errors() -> HeldOutErrors:
+    """The committed record of the prediction's misses at held-out concurrencies (``benchmarks/
+    prediction_errors.py`` writes it from the speedup validations' results)."""
+    document = json.loads((Path(__file__).parents[1] / "data" / "prediction-errors.json").read_text())
+    return HeldOutErrors(tuple(float(cell["error"]) for cell in document["cells"]))
 
 
 DEFAULT_PREDICTION = PredictionPreset(

@@ -158,6 +158,8 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
             kind: None if found is None else {**found, "says": crossover_sentence(found)}
             for kind, found in analysis.crossovers.items()},
         "context": recorded_context(analysis),
+        "held_out_cells": basis.get("held_out_cells"),  # behind each speedup's interval (analysis.uncertainty)
+        "held_out_coverage": basis.get("held_out_coverage"),
     }
 
 

@@ -47,12 +47,14 @@ from moetrace.analysis.profile import Profile
 from moetrace.analysis.routing_summary import SummaryRequest, summarise_routing
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
+from moetrace.analysis.uncertainty import with_intervals
 from moetrace.errors import UserError
 from moetrace.report.distributed import partitioned_summary
 from moetrace.report.placements import held_out_comparison
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace
-from moetrace.report.inputs import PredictionPreset, Run, expert_placement, model_shape, parallel_size
+from moetrace.report.inputs import (PredictionPreset, Run, expert_placement, held_out_errors, model_shape,
+                                    parallel_size)
 from moetrace.report.measured import (engine_slots, measured_steps, passed_baselines, recorded_phases, recorded_steps,
                                       sync_trace)
 
@@ -272,7 +274,9 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
     if options.calibration is not None:
         device = options.calibration.get("device", {})
         basis["calibration_device"] = f"{device.get('name')} x{device.get('count')}"
-    decision = recommended_k(speedups, options.batches, disagreements, unpriced)
+    errors = held_out_errors()
+    basis["held_out_cells"], basis["held_out_coverage"] = len(errors.errors), errors.coverage
+    decision = with_intervals(recommended_k(speedups, options.batches, disagreements, unpriced), speedups, errors)
     return speedups, table, decision, basis
 
 

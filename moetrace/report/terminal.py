@@ -323,6 +323,11 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
             if row["k"] is None:
                 picks = f" (the figures would pick k={row['best_k']})" if row["best_k"] is not None else ""
                 console.print(Text(f"  B={row['batch']}: no recommendation: {row['status']}{picks}", style="yellow"))
+            elif row.get("within_error"):
+                console.print(Text(
+                    f"  B={row['batch']}: k={row['k']}'s {row['speedup']:.2f}x stands for {row['speedup_low']:.2f}-"
+                    f"{row['speedup_high']:.2f}x measured, which k={','.join(map(str, row['within_error']))} "
+                    "reach too: within the prediction's error"))
         for found in (decision["crossover"] or {}).values():
             if found is not None:
                 console.print(Text(f"  crossover, {found['says']}"))
@@ -337,6 +342,10 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
                 console.print(Text(f"  {line}"))
     for based_on in dict.fromkeys(decision["based_on"] for decision in decisions):
         console.print(Text(f"  predicted {based_on}", style="dim"))
+    for coverage, cells in dict.fromkeys((decision["held_out_coverage"], decision["held_out_cells"])
+                                         for decision in decisions if decision.get("held_out_cells")):
+        console.print(Text(f"  intervals: the measured speedup a prediction stands for, from the errors of "
+                           f"{coverage:.0%} of {cells} held-out cells (docs/validation.md)", style="dim"))
     console.print(Text(f"  {MARK_LEGEND}", style="dim"))
 
 

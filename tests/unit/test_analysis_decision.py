@@ -19,6 +19,7 @@ from moetrace.analysis.decision import (
 )
 from moetrace.analysis.profile import Profile
 from moetrace.analysis.shape import ModelShape
+from moetrace.analysis.uncertainty import HeldOutErrors, with_intervals
 
 SHAPE = ModelShape(num_experts=64, top_k=2, num_layers=2, moe_layers=1, hidden_size=8, expert_width=4,
                    shared_experts=0, expert_weight_bits=16, quant_group_size=None)
@@ -197,3 +198,21 @@ def test_the_crossover_is_interpolated_in_log_concurrency_between_the_last_payin
     # a concurrency that pays again above one that does not moves the crossover up to the last that pays
     assert crossover(crossing_speedups({1: 1.5, 8: 0.9, 32: 1.1, 128: 0.9}), [1, 8, 32, 128],
                      "predicted")["paying"] == 32
+
+
+def test_each_recommended_speedup_carries_the_interval_the_held_out_errors_give_and_the_k_inside_it() -> None:
+    """Errors spread evenly over -10%..+10% (central 80%: -8%..+8%): at B=1, k=2's 1.50 stands for 1.50/1.08 to
+    1.50/0.92; k=1's 1.40 reaches 1.40/0.92 = 1.52 > 1.389, so it lies within; k=3 extrapolated is not compared.
+    Computed here by hand."""
+    errors = HeldOutErrors(tuple(e / 100 for e in range(-10, 11)), coverage=0.8)
+    assert errors.bounds() == pytest.approx((-0.08, 0.08))
+    speedups = pl.DataFrame({"batch": [1, 1, 1, 1, 8, 8, 8], "k": [0, 1, 2, 3, 0, 1, 2],
+                             "speedup": [1.0, 1.40, 1.50, 1.90, 1.0, 1.30, 1.10],
+                             "acceptance_source": ["measured"] * 3 + ["extrapolated"] + ["measured"] * 3})
+    decision = pl.DataFrame({"batch": [1, 8, 32], "k": [2, 1, None]}, schema={"batch": pl.Int32, "k": pl.Int32})
+    rows = {row["batch"]: row for row in with_intervals(
+        decision, speedups.with_columns(pl.col("batch", "k").cast(pl.Int32)), errors).to_dicts()}
+    assert rows[1]["speedup_low"] == pytest.approx(1.50 / 1.08) and rows[1]["speedup_high"] == pytest.approx(1.5 / 0.92)
+    assert rows[1]["within_error"] == [1]  # k=0 (exactly 1) lies below 1.389
+    assert rows[8]["within_error"] == []  # k=2's 1.10/0.92 = 1.196 stays under k=1's 1.30/1.08 = 1.204
+    assert rows[32]["within_error"] is None and rows[32]["speedup_low"] is None
