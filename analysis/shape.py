@@ -29,6 +29,8 @@ class ModelShape:
     scale_bits: int = 16
     activation_bytes: int = 2  # bf16 activations on the wire
     unpriced_format: str | None = None  # the experts' format, where the cost model cannot count its bytes
+    kv_bytes_per_token: int | None = None  # KV cache one token of context holds on one rank, all layers
+    max_context: int | None = None  # the model's max_position_embeddings
 
     @property
     def expert_bytes(self) -> int:
@@ -60,6 +62,8 @@ class ModelShape:
             quant_group_size=int(model["quant_group_size"]) if model.get("quant_group_size") else None,
             scale_bits=int(model.get("quant_scale_bits") or 16),
             unpriced_format=unpriced,
+            kv_bytes_per_token=int(model["kv_bytes_per_token"]) if model.get("kv_bytes_per_token") else None,
+            max_context=int(model["max_position_embeddings"]) if model.get("max_position_embeddings") else None,
         )
 
     def unpriced_note(self) -> str | None:
@@ -101,5 +105,7 @@ SHAPE_PRESETS: dict[str, ModelShape] = {
         shared_experts=1,
         expert_weight_bits=4,
         quant_group_size=32,
+        kv_bytes_per_token=(512 + 64) * 2 * 61,  # MLA: latent 512 + rope 64, bf16, every layer, on every rank
+        max_context=262_144,  # Kimi-K2.5
     ),
 }

@@ -12,6 +12,7 @@ from moetrace.hooks.capture import RouterInfo
 from moetrace.hooks.options import RecordingOptions
 from moetrace.hooks.vllm_api import VllmApiError, expert_placement
 from moetrace.hooks.host import gpu_inventory, host_facts
+from moetrace.trace.model_config import kv_bytes_per_token
 
 
 def package_version(name: str) -> str | None:
@@ -90,6 +91,12 @@ def placement_facts(num_experts: int, ep: int, strategy: str) -> dict[str, Any]:
     return facts
 
 
+def kv_cache_bytes(vllm_config: Any) -> int:
+    """Bytes of one KV-cache element: the model's dtype unless the cache is set to an 8-bit type."""
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    return 1 if cache_dtype.startswith("fp8") else vllm_config.model_config.dtype.itemsize
+
+
 def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: RecordingOptions,
                     capture: dict[str, Any]) -> dict[str, Any]:
     """The manifest's sections that the worker knows as recording starts; ``capture``: what the recorder chose
@@ -131,6 +138,9 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: Record
             "expert_weight_bits": experts.bits or None,  # None: a format the cost model cannot price
             "quant_group_size": experts.group,
             "quant_scale_bits": experts.scale_bits or None,
+            # what a step reads per token of context, on one rank (``trace.model_config.kv_bytes_per_token``)
+            "kv_bytes_per_token": kv_bytes_per_token(hf.to_dict(), tp, kv_cache_bytes(vllm_config)),
+            "max_position_embeddings": getattr(hf, "max_position_embeddings", None),
         },
         "parallel": {
             "tp": tp,

@@ -22,3 +22,23 @@ def config_expert_count(config: dict[str, Any]) -> int:
     """Routed experts per MoE layer named by a Hugging Face config; 0 for a dense model."""
     count = config_value(config, *EXPERT_COUNT_KEYS)
     return int(count) if isinstance(count, int) and count > 1 else 0
+
+
+def kv_bytes_per_token(config: dict[str, Any], tp: int, cache_bytes: int) -> int | None:
+    """KV-cache bytes one token holds on one of ``tp`` tensor-parallel ranks, over all decoder layers, at
+    ``cache_bytes`` per element: MLA keeps one latent (``kv_lora_rank`` + ``qk_rope_head_dim``) per token and layer
+    on every rank; multi-head and grouped-query attention keep keys and values of their KV heads, split over the
+    ranks. None where the config does not say."""
+    layers = config_value(config, "num_hidden_layers")
+    latent = config_value(config, "kv_lora_rank")
+    if not layers:
+        return None
+    if latent:
+        return (int(latent) + int(config_value(config, "qk_rope_head_dim") or 0)) * cache_bytes * int(layers)
+    heads = config_value(config, "num_key_value_heads", "num_attention_heads")
+    hidden = config_value(config, "hidden_size")
+    if not heads or not hidden:
+        return None
+    head_dim = int(config_value(config, "head_dim") or int(hidden) // int(config_value(config, "num_attention_heads")
+                                                                         or heads))
+    return 2 * max(1, int(heads) // tp) * head_dim * cache_bytes * int(layers)

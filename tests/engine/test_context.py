@@ -13,6 +13,7 @@ import pytest
 from vllm_fixtures import run_cli
 
 from moetrace.analysis.context import CONTEXT_BUCKETS, context_tables
+from moetrace.default_model import CONFIG
 from moetrace.trace.reader import open_trace
 
 SHORT = "def add(a, b):\n    return a + b\n"
@@ -111,3 +112,21 @@ def test_the_report_shows_the_tables_by_context_in_the_terminal_and_json(two_len
     shown = run_cli("report", str(two_lengths), "--k", str(K), "-o", str(tmp_path / "again.html"))
     assert shown.returncode == 0 and "By context" in shown.stdout and "1-4K" in shown.stdout
     assert "at the context the trace ran at" in shown.stdout
+
+
+@pytest.mark.vllm
+def test_the_recording_says_what_a_token_of_context_holds_and_the_report_decides_per_context_from_it(
+        two_lengths: Path, tmp_path: Path) -> None:
+    """The manifest's KV bytes per token against the checkpoint's config (MLA: one latent of kv_lora_rank +
+    qk_rope_head_dim per token and layer, at the model's dtype); the report then decides at two contexts (under the
+    shipped preset, which predicts for Kimi-K2 and reads a token's KV bytes from its shape)."""
+    manifest = open_trace(two_lengths).manifest
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[manifest.model.fields["dtype"]]
+    assert manifest.model.fields["kv_bytes_per_token"] == (
+        (CONFIG["kv_lora_rank"] + CONFIG["qk_rope_head_dim"]) * itemsize * CONFIG["num_hidden_layers"])
+    assert manifest.model.fields["max_position_embeddings"] == CONFIG["max_position_embeddings"]
+    done = run_cli("report", str(two_lengths), "--k", str(K), "--context", "1024,32768",
+                   "--json", "-o", str(tmp_path / "report.html"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)["decision"][0]["by_context"]
+    assert sorted({row["context"] for row in found["per_batch"]}) == [1024, 32768]
