@@ -99,3 +99,14 @@ def context_tables(stepped: pl.LazyFrame, steps: pl.LazyFrame, k: int, layer: in
     contexts = request_step_contexts(stepped, layer).collect().lazy()  # read once, joined three times
     return {"acceptance": acceptance_by_context(steps, contexts, k), "experts": experts_by_context(stepped, contexts),
             "step_time": step_time_by_context(steps, contexts)}
+
+
+def recorded_context(acceptance: pl.DataFrame | None) -> dict[str, float | int | str] | None:
+    """The context a trace ran at, from ``acceptance_by_context``'s table: its decoding request-steps' mean context
+    (``mean_tokens``), the bucket most of them ran in and how many there were; None where it recorded none."""
+    if acceptance is None or acceptance.is_empty():
+        return None
+    steps = int(acceptance["request_steps"].sum())
+    widest = acceptance.sort("request_steps", descending=True).row(0, named=True)
+    return {"mean_tokens": float((acceptance["mean_context"] * acceptance["request_steps"]).sum()) / steps,
+            "bucket": str(widest["context"]), "request_steps": steps}

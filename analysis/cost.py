@@ -379,3 +379,38 @@ def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None
                          f"profile's {profile.step_ms * profile.moe:.2f} ms ({level:.1f}x): its growth with k is "
                          f"taken from a curve that far from this deployment's level")
     return table, basis
+
+
+# ---------------------------------------------------------------- context
+
+
+def kv_read_ms(batch: int, context: float, kv_bytes_per_token: int, bandwidth_gbs: float) -> float:
+    """One step's read of its ``batch`` requests' KV caches of ``context`` tokens on one rank, at ``bandwidth_gbs``."""
+    return batch * context * kv_bytes_per_token / (bandwidth_gbs * 1e6)
+
+
+def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], recorded_context: float, kv_bytes_per_token: int,
+                bandwidth_gbs: float) -> pl.DataFrame:
+    """``speedups`` (per batch and k: step_ms, tokens_per_step, prefill_ms_per_token, ...) moved from the context
+    the traces ran at, ``recorded_context`` tokens, to each of ``contexts``, with a context column. A verify step
+    reads each request's KV cache once for all its k + 1 queries, so every k's step of B requests grows alike, by
+    ``kv_read_ms`` of B × (L − L₀) tokens (attention_kv_ms): at long context the MoE's growth with k weighs less and
+    speculation pays more. Estimated (``step_source``): the KV bytes the model's config names, read at the
+    calibration's copy bandwidth; the attention's compute over k + 1 queries stays as the step priced it. A step
+    that would shrink to nothing (a context far below the recorded one) gets no speedup."""
+    frames = []
+    for context in contexts:
+        frames.append(speedups.with_columns(
+            context=pl.lit(context, pl.Int64),
+            attention_kv_ms=pl.col("batch").cast(pl.Float64) * kv_read_ms(1, context - recorded_context,
+                                                                           kv_bytes_per_token, bandwidth_gbs)))
+    moved = pl.concat(frames).with_columns(step_ms=pl.col("step_ms") + pl.col("attention_kv_ms"))
+    at_k0 = [pl.col(name).filter(pl.col("k") == 0).first().over("batch", "context")
+             for name in ("step_ms", "tokens_per_step", "prefill_ms_per_token")]
+    per_token = pl.col("step_ms") / pl.col("tokens_per_step") + pl.col("prefill_ms_per_token")
+    return moved.with_columns(
+        step_ratio=pl.col("step_ms") / at_k0[0],
+        speedup=pl.when((pl.col("step_ms") > 0) & (at_k0[0] > 0))
+        .then((at_k0[0] / at_k0[1] + at_k0[2]) / per_token),
+        step_source=pl.lit(Source.ESTIMATED.value),
+    )

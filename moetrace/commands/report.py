@@ -103,6 +103,18 @@ def _batches(text: str) -> tuple[int, ...]:
         raise UserError(f"--batch {text}: give concurrencies ≥ 1, comma-separated (e.g. 1,8,32,128)") from None
 
 
+def _contexts(text: str | None) -> tuple[int, ...]:
+    if text is None:
+        return ()
+    try:
+        contexts = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        contexts = ()
+    if not contexts or contexts[0] < 1:
+        raise UserError(f"--context {text}: give context lengths ≥ 1 token, comma-separated (e.g. 1024,8192,32768)")
+    return contexts
+
+
 def _coverage(value: float) -> float:
     if not 0.0 < value <= 1.0:
         raise UserError(f"--coverage {value}: must be in (0, 1]")
@@ -136,6 +148,9 @@ def _coverage(value: float) -> float:
               help="Unique experts for the prediction: the trace's, or uniformly random routing's.")
 @click.option("--batch", "batch_text", default=",".join(map(str, DEFAULT_BATCHES)), show_default=True,
               help="Concurrencies (requests per step) to recommend a k for, comma-separated.")
+@click.option("--context", "context_text", default=None, metavar="L,L,...",
+              help="Context lengths (tokens before a request's next token) to recommend a k at beside --batch, "
+                   "comma-separated; default: the context the trace ran at.")
 @click.option("--min-agreement", type=float, default=0.99, show_default=True,
               help="A budget sweep: the least share of tokens a budget's greedy output must share with the "
                    "unbudgeted run's for its budget to be recommended.")
@@ -162,6 +177,7 @@ def report(
     acceptance: float | None,
     routing: str,
     batch_text: str,
+    context_text: str | None,
     min_agreement: float,
     ray_address: str | None,
     output: Path | None,
@@ -197,6 +213,7 @@ def report(
         acceptance=_acceptance(acceptance),
         routing=routing,
         batches=_batches(batch_text),
+        contexts=_contexts(context_text),
         preset=preset,
         measured_baseline=measured_baseline,
         k0_sync=k0_sync,

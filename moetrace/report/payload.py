@@ -9,6 +9,7 @@ import polars as pl
 
 from moetrace.report.placements import held_out_verdict
 from moetrace.analysis.budgets import smallest_budgets
+from moetrace.analysis.context import recorded_context
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, PER_BATCH, PER_REQUEST, best_window_estimate
 from moetrace.analysis.sources import least_direct_expr
 from moetrace.report.summary import RANDOM_WEIGHTS_NOTE, Options, RunAnalysis, sample_note
@@ -157,22 +158,15 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
         "crossover": None if analysis.crossovers is None else {
             kind: None if found is None else {**found, "says": crossover_sentence(found)}
             for kind, found in analysis.crossovers.items()},
-        "context": recorded_context(analysis),
+        "context": recorded_context(analysis.by_context.get("acceptance")),
+        "by_context": None if analysis.context_decision is None else {  # --context (report.contexts)
+            "recorded_context": analysis.context_decision.recorded_context,
+            "per_batch": analysis.context_decision.rows.to_dicts(),
+            "crossover": [{"context": context, **found, "says": crossover_sentence(found)}
+                          for context, found in analysis.context_decision.crossovers.items()]},
         "held_out_cells": basis.get("held_out_cells"),  # behind each speedup's interval (analysis.uncertainty)
         "held_out_coverage": basis.get("held_out_coverage"),
     }
-
-
-def recorded_context(analysis: RunAnalysis) -> dict[str, Any] | None:
-    """The context the decision holds at: the primary trace's decoding request-steps' mean context and the bucket
-    most of them ran in (``analysis.context``); None where it recorded none."""
-    rows = analysis.by_context.get("acceptance")
-    if rows is None or rows.is_empty():
-        return None
-    steps = int(rows["request_steps"].sum())
-    widest = rows.sort("request_steps", descending=True).row(0, named=True)
-    return {"mean_tokens": float((rows["mean_context"] * rows["request_steps"]).sum()) / steps,
-            "bucket": widest["context"], "request_steps": steps}
 
 
 def crossover_sentence(found: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps
 from moetrace.analysis.budgets import WindowSample, budget_curves, sample_share, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, request_prompts, union_means, uniform_unions
 from moetrace.analysis.consistency import disagreement, routing_gaps
-from moetrace.analysis.context import context_tables
+from moetrace.analysis.context import context_tables, recorded_context
 from moetrace.analysis.decision import (
     DEFAULT_BATCHES,
     against_trace,
@@ -48,6 +48,7 @@ from moetrace.analysis.routing_summary import SummaryRequest, summarise_routing
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
 from moetrace.analysis.uncertainty import with_intervals
+from moetrace.report.contexts import ContextDecision, context_decision, context_refusal
 from moetrace.errors import UserError
 from moetrace.report.distributed import partitioned_summary
 from moetrace.report.placements import held_out_comparison
@@ -80,6 +81,7 @@ class Options:
     measured_baseline: bool = False  # --profile measured: the sweep's own k=0 step times instead of a profile
     k0_sync: Path | None = None  # --k0-sync: a k=0 trace recorded with async scheduling off
     ray: str | None = None  # --ray: an always-on recording's partitions summarised on this Ray cluster
+    contexts: tuple[int, ...] = ()  # --context: context lengths to decide at beside the recorded one
 
     @property
     def predicts(self) -> bool:
@@ -122,6 +124,7 @@ class RunAnalysis:
     # the primary trace's measurements per context bucket (``analysis.context``), and the share of steps they read
     by_context: dict[str, pl.DataFrame] = field(default_factory=dict)
     by_context_share: float = 1.0
+    context_decision: ContextDecision | None = None  # --context: the decision per (context, batch)
 
     @property
     def manifest(self) -> Manifest:
@@ -463,6 +466,8 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     analysis.by_context = context_tables(sample.stepped.lazy(), trace.steps(), trace.k,
                                          trace.manifest.model.moe_layers[0])
     analysis.by_context_share = request.share
+    if options.contexts and speedups is not None:
+        analysis.context_decision = decide_at_contexts(analysis, options, unpriced)
     if speedups is not None:
         measured_speedups = (None if checked is None or checked.is_empty() else
                              checked.select("batch", "k", speedup="measured_speedup"))
@@ -472,6 +477,23 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
                 measured_speedups, sorted(set(measured_speedups["batch"].to_list())), "measured")}
         analysis.policies = replayed_policies(run, speedups, decision, options.max_k)
     return analysis
+
+
+def decide_at_contexts(analysis: RunAnalysis, options: Options, unpriced: dict[int, str]) -> ContextDecision:
+    """``report.contexts.context_decision`` of the analysis' predicted speedups at ``options.contexts``; a
+    ``UserError`` in one line where they cannot be priced."""
+    assert analysis.speedups is not None
+    shape = prediction_deployment(analysis.shape, analysis.tp, analysis.ep, options)[0]
+    refused = context_refusal(options.contexts, shape, options.calibration)
+    recorded = recorded_context(analysis.by_context.get("acceptance"))
+    if refused is None and recorded is None:
+        refused = "--context: the trace holds no decoding request-step to know the context it ran at from"
+    if refused is not None:
+        raise UserError(refused)
+    assert recorded is not None and options.calibration is not None
+    return context_decision(analysis.speedups, options.contexts, float(recorded["mean_tokens"]), shape,
+                            options.calibration, options.batches, held_out_errors(), analysis.disagreements,
+                            unpriced)
 
 
 @dataclass(frozen=True)

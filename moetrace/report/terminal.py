@@ -300,6 +300,23 @@ def _decision(decision: dict[str, Any]) -> Table:
     return table
 
 
+def _decision_by_context(decision: dict[str, Any]) -> Table:
+    found = decision["by_context"]
+    rows = found["per_batch"]
+    contexts = sorted({row["context"] for row in rows})
+    table = _table(
+        f"Recommended k by context for {decision['drafter']} ({decision['label']}), recorded at "
+        f"{found['recorded_context']:,.0f} tokens",
+        [("B", "requests per step"), *((f"{context:,}", "") for context in contexts[:-1]),
+         (f"{contexts[-1]:,}", "columns: context length in tokens, the best k and its predicted speedup there")])
+    cells = {(row["batch"], row["context"]): row for row in rows}
+    for batch in sorted({row["batch"] for row in rows}):
+        table.add_row(str(batch), *(
+            f"k={cell['k']} {_marked(_number(cell['speedup']), cell['speedup_source'])}" if cell["k"] is not None
+            else "none" for cell in (cells[(batch, context)] for context in contexts)))
+    return table
+
+
 def _policies(decision: dict[str, Any]) -> Table:
     policies = decision["policies"]
     table = _table(
@@ -334,8 +351,20 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
         if decision["context"] is not None:
             at = decision["context"]
             console.print(Text(f"  at the context the trace ran at: a mean {at['mean_tokens']:,.0f} tokens, mostly "
-                               f"{at['bucket']} ({at['request_steps']:,} decoding request-steps); the decision does "
-                               "not yet move with context", style="dim"))
+                               f"{at['bucket']} ({at['request_steps']:,} decoding request-steps)"
+                               + ("" if decision.get("by_context") else "; other contexts: --context L,L,..."),
+                               style="dim"))
+        if decision.get("by_context") is not None:
+            console.print(_decision_by_context(decision))
+            console.print(Text("  context: tokens before a request's next token; each step moved from the recorded "
+                               "context by the KV cache it reads there (the model's KV bytes per token at the "
+                               "calibration's copy bandwidth: estimated)", style="dim"))
+            for row in decision["by_context"]["per_batch"]:
+                if row["k"] is None:
+                    console.print(Text(f"  B={row['batch']}, context {row['context']:,}: no recommendation: "
+                                       f"{row['status']}", style="yellow"))
+            for found in decision["by_context"]["crossover"]:
+                console.print(Text(f"  crossover at context {found['context']:,}, {found['says']}"))
         if decision["policies"] and decision["policies"]["rows"]:
             console.print(_policies(decision))
             for line in decision["policies"]["verdict"]:

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from moetrace.analysis.acceptance import acceptance_curve, tokens_per_step
 from moetrace.analysis.concurrency import uniform_unions
 from moetrace.analysis.calibration import allreduce_model, drafter_step_ms, expert_fit, ring_model, table_time_us
-from moetrace.analysis.cost import MeasuredSteps, forward_beyond_moe, per_k_from_nearest, predict
+from moetrace.analysis.cost import MeasuredSteps, at_contexts, forward_beyond_moe, per_k_from_nearest, predict
 from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.decision import speedup_per_batch
 from moetrace.analysis.placement import linear_placement
@@ -645,3 +645,18 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
                                             "--json").stdout)["runs"][0]["prediction"]["per_batch"]
            if row["batch"] == 2]
     assert [row["forward_beyond_moe_ms"] for row in few] == [None] * len(few)
+
+
+def test_a_longer_context_adds_the_same_kv_read_to_every_k_and_speculation_pays_more() -> None:
+    """Two concurrencies, k = 0 and 2, recorded at 100 tokens of context; moved to 10,100 tokens at 1,000 bytes a
+    token and 1,000 GB/s, a step of B requests reads B × 10,000 × 1,000 bytes more: B × 0.01 ms. By hand."""
+    speedups = pl.DataFrame({"batch": [1, 1, 4, 4], "k": [0, 2, 0, 2], "step_ms": [10.0, 12.0, 10.0, 12.0],
+                             "tokens_per_step": [1.0, 2.0, 1.0, 2.0], "prefill_ms_per_token": [0.0, 0.0, 0.5, 0.5]})
+    moved = at_contexts(speedups, [100, 10_100], 100.0, 1_000, 1_000.0)
+    rows = {(r["context"], r["batch"], r["k"]): r for r in moved.to_dicts()}
+    assert rows[(100, 4, 2)]["speedup"] == pytest.approx((10.0 / 1 + 0.5) / (12.0 / 2 + 0.5))
+    assert rows[(10_100, 1, 2)]["attention_kv_ms"] == pytest.approx(0.01)
+    assert rows[(10_100, 4, 0)]["step_ms"] == pytest.approx(10.04)
+    assert rows[(10_100, 4, 2)]["speedup"] == pytest.approx((10.04 / 1 + 0.5) / (12.04 / 2 + 0.5))
+    assert rows[(10_100, 4, 2)]["speedup"] > rows[(100, 4, 2)]["speedup"]
+    assert {r["step_source"] for r in rows.values()} == {"estimated"}

@@ -421,3 +421,33 @@ def test_budget_export_and_place_name_a_corrupt_file_on_stderr(verify_trace: Pat
         result = _invoke(*args)
         assert result.exit_code in (0, 1), result.output
         assert named in " ".join(result.stderr.split()) and named not in result.stdout, (args[0], result.stderr)
+
+
+def test_context_gives_a_decision_per_concurrency_and_context_and_bad_contexts_one_line(tmp_path: Path) -> None:
+    """With the shipped H200 calibration and a trace whose manifest says 70,272 KV bytes a token (Kimi-K2's MLA): at
+    each context every concurrency is decided, the KV read a step adds is B × (L − L₀) × 70,272 bytes at the copy
+    bandwidth (by hand), a longer context never lowers the best speedup, and a cache that cannot fit gets no
+    recommendation. A trace that does not say its KV bytes cannot be decided by context: one line."""
+    path = well_sampled_sweep(tmp_path / "sweep")
+    _one_line_error(_invoke("report", str(path), "--context", "1024"),
+                    "--context: the trace does not say how many KV-cache bytes a token holds")
+    for manifest in path.glob("*/manifest.json"):
+        document = json.loads(manifest.read_text())
+        document["model"].update(kv_bytes_per_token=70_272, max_position_embeddings=262_144)
+        manifest.write_text(json.dumps(document))
+    _, summary = _json_report(path, tmp_path, "--context", "1024,65536,262144", "--batch", "1,16")
+    found = summary["decision"][0]["by_context"]
+    rows = {(row["context"], row["batch"]): row for row in found["per_batch"]}
+    assert set(rows) == {(context, batch) for context in (1024, 65536, 262144) for batch in (1, 16)}
+    bandwidth = json.loads((Path(__file__).parents[2] / "moetrace" / "data" / "calibration-h200.json").read_text())[
+        "copy_bandwidth_gbs"]
+    assert rows[(65536, 16)]["attention_kv_ms"] == pytest.approx(
+        16 * (65536 - found["recorded_context"]) * 70_272 / (bandwidth * 1e6))
+    assert rows[(1024, 1)]["k"] is not None and rows[(65536, 16)]["speedup"] >= rows[(1024, 16)]["speedup"]
+    assert rows[(262144, 16)]["k"] is None and "exceeds the calibrated GPU's" in rows[(262144, 16)]["status"]
+    assert rows[(262144, 1)]["k"] is not None  # one request's 18 GB fits
+    assert [c["context"] for c in found["crossover"]] == [1024, 65536, 262144]
+    _one_line_error(_invoke("report", str(path), "--context", "8k"), "--context 8k: give context lengths")
+    _one_line_error(_invoke("report", str(path), "--context", "0,1024"), "--context 0,1024")
+    _one_line_error(_invoke("report", str(path), "--context", "300000"),
+                    "--context 300000: beyond the model's 262,144 tokens")

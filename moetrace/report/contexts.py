@@ -1,0 +1,69 @@
+"""The decision's second axis: the recommended k per (concurrency, context length), ``moetrace report --context``.
+
+The prediction holds at the context the traces ran at (``analysis.context``'s mean over decoding request-steps);
+``analysis.cost.at_contexts`` moves every step to each context asked for by the KV cache it reads there, priced
+from the predicted model's KV bytes per token at the calibration's copy bandwidth (estimated), and each context gets
+its decision, intervals and crossover as the recorded context does."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from moetrace.analysis.cost import at_contexts
+from moetrace.analysis.decision import crossover, recommended_k
+from moetrace.analysis.shape import ModelShape
+from moetrace.analysis.uncertainty import HeldOutErrors, with_intervals
+
+
+@dataclass(frozen=True)
+class ContextDecision:
+    """Per (context, batch): the decision rows (``analysis.decision.recommended_k`` with a context column and
+    ``attention_kv_ms``, what the KV read adds to a step there over the recorded context), and per context the
+    crossover (``analysis.decision.crossover``)."""
+
+    recorded_context: float
+    rows: pl.DataFrame
+    crossovers: dict[int, dict[str, Any]]
+
+
+def context_refusal(contexts: Sequence[int], shape: ModelShape, calibration: Mapping[str, Any] | None) -> str | None:
+    """Why ``--context`` cannot be priced for the predicted model ``shape`` (None: it can)."""
+    if shape.max_context is not None and max(contexts) > shape.max_context:
+        return (f"--context {max(contexts)}: beyond the model's {shape.max_context:,} tokens "
+                f"(max_position_embeddings)")
+    if shape.kv_bytes_per_token is None:
+        return ("--context: the trace does not say how many KV-cache bytes a token holds (recorded before moetrace "
+                "kept it): give --shape kimi-k2 or record it again")
+    if calibration is None or not calibration.get("copy_bandwidth_gbs"):
+        return "--context: the KV read is priced at a calibration's memory bandwidth: give --calibration"
+    return None
+
+
+def context_decision(speedups: pl.DataFrame, contexts: Sequence[int], recorded_context: float, shape: ModelShape,
+                     calibration: Mapping[str, Any], batches: Sequence[int], errors: HeldOutErrors,
+                     disagreements: Mapping[int, str], unpriced: Mapping[int, str]) -> ContextDecision:
+    """The decision at each of ``contexts`` from the ``speedups`` predicted at ``recorded_context``; a concurrency
+    whose KV cache alone would not fit the calibrated GPU's memory at a context gets no recommendation there."""
+    kv = shape.kv_bytes_per_token
+    assert kv is not None
+    moved = at_contexts(speedups, contexts, recorded_context, kv, float(calibration["copy_bandwidth_gbs"]))
+    memory = float(calibration.get("device", {}).get("memory_gib") or 0) * 2**30
+    frames, crossovers = [], {}
+    for context in contexts:
+        at = moved.filter(pl.col("context") == context).drop("context")
+        unfit = {batch: (f"the KV cache of {batch} requests of {context:,} tokens "
+                         f"({batch * context * kv / 1e9:,.0f} GB a rank) exceeds the calibrated GPU's "
+                         f"{memory / 2**30:,.0f} GiB")
+                 for batch in batches if memory and batch * context * kv > memory}
+        at = at.filter(~pl.col("batch").is_in(list(unfit)))
+        decided = with_intervals(recommended_k(at, batches, disagreements, {**unpriced, **unfit}), at, errors)
+        kv_ms = at.filter(pl.col("k") == 0).select("batch", "attention_kv_ms")
+        frames.append(decided.join(kv_ms, on="batch", how="left").with_columns(context=pl.lit(context, pl.Int64)))
+        crossovers[context] = crossover(at, [b for b in batches if b not in unpriced and b not in unfit],
+                                        "predicted")
+    return ContextDecision(recorded_context, pl.concat(frames, how="diagonal_relaxed").select(
+        "context", pl.exclude("context")), crossovers)
