@@ -77,5 +77,7 @@ def render_dashboard(summary: Mapping[str, Any]) -> str:
             "sources": {entry["source"]: entry for entry in legend},
             "runs": summary["runs"],
             "budget_sweep": summary.get("budget_sweep"),
+            "by_context": [{"label": decision["label"], "drafter": decision["drafter"], **decision["by_context"]}
+                           for decision in summary.get("decision") or [] if decision.get("by_context")],
         },
     )

@@ -323,3 +323,28 @@ def test_a_budget_sweeps_dashboard_shows_its_table_and_frontier_as_the_json_has_
     assert points[1] == pytest.approx([row["predicted"] for row in sweep["rows"]])
     assert sum("◀" in text for text in points[2]) == (sweep["best"] is not None)
     assert errors == []
+
+
+@pytest.mark.browser
+def test_the_context_heatmap_shows_the_recommended_k_per_concurrency_and_context_as_the_json_has_it(
+        tmp_path: Path) -> None:
+    model = Model(layers=(1, 2))
+    tokens = verify_tokens(np.random.default_rng(4), model, requests=3, steps=16, k=3, accept_prob=0.6)
+    trace = write_trace(tmp_path / "verify-k3", tokens, model, k=3)
+    written = json.loads((trace / "manifest.json").read_text())
+    written["model"].update(kv_bytes_per_token=70_272, max_position_embeddings=262_144)  # Kimi-K2's MLA
+    (trace / "manifest.json").write_text(json.dumps(written))
+    output = tmp_path / "context.html"
+    result = CliRunner().invoke(main, ["report", str(trace), "--k", "3", "--context", "1024,131072", "--batch",
+                                       "1,8,32", "--json", "-o", str(output)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["decision"][0]["by_context"]["per_batch"]
+    with browser_page(output) as (page, errors):
+        page.wait_for_selector("#fig-context-decision-0 svg.main-svg", timeout=15_000)
+        plotted = page.evaluate("(() => { const t = document.getElementById('fig-context-decision-0').data[0];"
+                                " return {x: t.x, y: t.y, z: t.z}; })()")
+    assert plotted["x"] == ["1,024", "131,072"] and plotted["y"] == ["1", "8", "32"]
+    want = {(str(row["batch"]), f"{row['context']:,}"): row["k"] for row in rows}
+    assert {(y, x): plotted["z"][i][j] for i, y in enumerate(plotted["y"]) for j, x in enumerate(plotted["x"])} == want
+    assert want[("32", "131,072")] is None  # 32 requests of 131,072 tokens: 295 GB a rank, past the H200's memory
+    assert errors == []
