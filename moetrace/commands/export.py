@@ -24,6 +24,9 @@ from moetrace.errors import UserError, refuse_existing
               help="SOURCE is a trace (or an SGLang stat dump, .pt): its decode and verification load per layer and "
                    "expert, and vLLM's default EPLB policy's placement from it (needs --ep).")
 @click.option("--drafter", "label", default=None, help="Which run's decision, by its label, when SUMMARY has several.")
+@click.option("--context", type=int, default=None,
+              help="With --vllm-spec-schedule: the context (of `moetrace report --context`) whose decision becomes "
+                   "the table vLLM takes today [default: the context the trace ran at].")
 @click.option("--ep", type=int, default=None,
               help="Expert-parallel ranks: with --eplb, those vLLM places on; with --sglang-expert-location, writes "
                    "a physical_to_logical_map instead of logical_count.")
@@ -32,26 +35,30 @@ from moetrace.errors import UserError, refuse_existing
               help="File to write [default: SOURCE's name with .vllm-spec-schedule.json, "
                    ".sglang-expert-location.json or .eplb.json].")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
-def export(source: Path, vllm_spec: bool, sglang_location: bool, eplb: bool, label: str | None, ep: int | None,
-           redundant: int, output: Path | None, force: bool) -> None:
+def export(source: Path, vllm_spec: bool, sglang_location: bool, eplb: bool, label: str | None, context: int | None,
+           ep: int | None, redundant: int, output: Path | None, force: bool) -> None:
     """Write what moetrace found in an engine's own format: with --vllm-spec-schedule, the recommended k per
     concurrency of SOURCE (the JSON of `moetrace report --json`) as the speculative-config keys vLLM reads
-    (method, num_speculative_tokens, num_speculative_tokens_per_batch_size); with --sglang-expert-location, the
+    (method, num_speculative_tokens, num_speculative_tokens_per_batch_size), and where SOURCE decided per context
+    (`moetrace report --context`) the same in the 5-item form vLLM's open PR #48944 proposes, beside it; with
+    --sglang-expert-location, the
     expert load of SOURCE (a trace in decode and verification, or the counts of an SGLang stat dump) as SGLang's
     --init-expert-location file; with --eplb, that load and the placement vLLM's default EPLB policy makes of it
     (physical_to_logical_map, logical_to_physical_map, logical_replica_count)."""
     if vllm_spec + sglang_location + eplb != 1:
         raise UserError("give one of --vllm-spec-schedule, --sglang-expert-location or --eplb")
     if vllm_spec:
-        export_vllm_spec_schedule(source, label, output, force)
+        export_vllm_spec_schedule(source, label, context, output, force)
     elif sglang_location:
         export_sglang_expert_location(source, ep, redundant, output, force)
     else:
         export_eplb(source, ep, redundant, output, force)
 
 
-def export_vllm_spec_schedule(summary: Path, label: str | None, output: Path | None, force: bool) -> None:
-    from moetrace.formats.export import vllm_spec_schedule
+def export_vllm_spec_schedule(summary: Path, label: str | None, context: int | None, output: Path | None,
+                              force: bool) -> None:
+    from moetrace.formats.export import (BY_CONTEXT_PROPOSAL, decision_at_context, vllm_spec_schedule,
+                                         vllm_spec_schedule_by_context)
 
     try:
         decisions = json.loads(summary.read_text())["decision"]
@@ -64,14 +71,25 @@ def export_vllm_spec_schedule(summary: Path, label: str | None, output: Path | N
         labels = ", ".join(str(d.get("label")) for d in decisions) or "none"
         raise UserError(f"{summary}: {'no' if not chosen else 'several'} decisions"
                         f"{f' labelled {label}' if label else ''}; give --drafter LABEL (labels: {labels})")
+    decided = chosen[0]
     try:
-        schedule = vllm_spec_schedule(chosen[0])
+        schedule = vllm_spec_schedule(decided if context is None else decision_at_context(decided, context))
+        by_context = vllm_spec_schedule_by_context(decided) if decided.get("by_context") else None
     except ValueError as exc:
         raise UserError(f"{summary}: {exc}") from None
     target = output or summary.with_name(f"{summary.stem}.vllm-spec-schedule.json")
-    refuse_existing(target, force)
+    beside = target.with_name(f"{target.name.removesuffix('.json')}-by-context.json")
+    for path in (target, *([beside] if by_context else [])):
+        refuse_existing(path, force)
     target.write_text(json.dumps(schedule, indent=2) + "\n")
-    click.echo(f"{target}: {schedule['method']} {schedule['num_speculative_tokens_per_batch_size']}")
+    at = "" if context is None else f" at context {context:,}"
+    click.echo(f"{target}: {schedule['method']}{at} {schedule['num_speculative_tokens_per_batch_size']}")
+    if by_context is not None:
+        proposed, left_out = by_context
+        beside.write_text(json.dumps(proposed, indent=2) + "\n")
+        click.echo(f"{beside}: {proposed['num_speculative_tokens_per_batch_size']} ({BY_CONTEXT_PROPOSAL})")
+        for cell in left_out:
+            click.echo(f"  left out: {cell}")
     click.echo(f"next: vllm serve MODEL --speculative-config \"$(cat {target})\"")
 
 

@@ -17,13 +17,16 @@ import numpy.typing as npt
 from moetrace.analysis.placement import replicated_placement
 
 LAST_BATCH = 65536  # the last range runs to here: vLLM reads its schedule up to its own max_num_seqs
+LAST_CONTEXT = 2**31 - 1  # the last context range runs to here: any context the model takes
+BY_CONTEXT_PROPOSAL = ("5-item entries [batch from, batch to, context from, context to, k]: vLLM's open proposal "
+                       "(RFC #48627, PR #48944), which no vLLM release reads yet")
 
 
-def range_ends(batches: Sequence[int]) -> list[int]:
-    """The last batch size each recommended concurrency covers: up to the geometric midpoint with the next one
-    (concurrencies are compared on a log scale: 8 is as far from 1 as 64 from 8), the last to ``LAST_BATCH``."""
-    ends = [max(low, min(math.isqrt(low * high), high - 1)) for low, high in zip(batches, batches[1:])]
-    return ends + [max(LAST_BATCH, batches[-1])]
+def range_ends(values: Sequence[int], last: int = LAST_BATCH) -> list[int]:
+    """The last value each recommended concurrency (or context length) covers: up to the geometric midpoint with the
+    next one (compared on a log scale: 8 is as far from 1 as 64 from 8), the last to ``last``."""
+    ends = [max(low, min(math.isqrt(low * high), high - 1)) for low, high in zip(values, values[1:])]
+    return ends + [max(last, values[-1])]
 
 
 def vllm_spec_schedule(decision: Mapping[str, Any]) -> dict[str, Any]:
@@ -53,6 +56,53 @@ def vllm_spec_schedule(decision: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError("no concurrency pays for speculation (k = 0 at every one): nothing to schedule")
     return {"method": decision["drafter"], "num_speculative_tokens": largest,
             "num_speculative_tokens_per_batch_size": schedule}
+
+
+def vllm_spec_schedule_by_context(decision: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """vLLM's speculative config keys in the proposed 5-item form (``BY_CONTEXT_PROPOSAL``) for one drafter's
+    decision per (concurrency, context) (``moetrace report --context``): each context covers the context lengths up
+    to the geometric midpoint with the next (the last to ``LAST_CONTEXT``), each concurrency its batch sizes as in
+    ``vllm_spec_schedule``; neighbouring batch ranges of one context with the same k merged. A cell with no
+    recommendation (a KV cache that would not fit) is left out: the second value says which and why. Raises
+    ``ValueError`` where the decision has no contexts or no cell pays."""
+    found = decision.get("by_context")
+    if not found or not found.get("per_batch"):
+        raise ValueError("the decision has no contexts: report it with --context L,L,...")
+    cells = {(int(row["context"]), int(row["batch"])): row for row in found["per_batch"]}
+    contexts, batches = sorted({c for c, _ in cells}), sorted({b for _, b in cells})
+    schedule: list[list[int]] = []
+    left_out = []
+    context_start = 1
+    for context, context_end in zip(contexts, range_ends(contexts, LAST_CONTEXT)):
+        start = 1
+        for batch, end in zip(batches, range_ends(batches)):
+            cell = cells[(context, batch)]
+            if cell.get("k") is None:
+                left_out.append(f"{batch} request(s) at {context:,} tokens: {cell.get('status')}")
+            elif (schedule and schedule[-1][2:] == [context_start, context_end, int(cell["k"])]
+                  and schedule[-1][1] == start - 1):
+                schedule[-1][1] = end
+            else:
+                schedule.append([start, end, context_start, context_end, int(cell["k"])])
+            start = end + 1
+        context_start = context_end + 1
+    largest = max((entry[4] for entry in schedule), default=0)
+    if largest == 0:
+        raise ValueError("no concurrency pays for speculation at any context: nothing to schedule")
+    return ({"method": decision["drafter"], "num_speculative_tokens": largest,
+             "num_speculative_tokens_per_batch_size": schedule}, left_out)
+
+
+def decision_at_context(decision: Mapping[str, Any], context: int) -> dict[str, Any]:
+    """``decision`` with the rows decided at ``context`` (``moetrace report --context``) as its per_batch table;
+    ``ValueError`` where that context was not reported."""
+    found = (decision.get("by_context") or {}).get("per_batch") or []
+    rows = [row for row in found if int(row["context"]) == context]
+    if not rows:
+        reported = sorted({int(row["context"]) for row in found})
+        raise ValueError(f"no decision at context {context:,} (reported at: "
+                         f"{', '.join(f'{c:,}' for c in reported) or 'none: report it with --context'})")
+    return {**decision, "per_batch": rows}
 
 
 def sglang_logical_count(picks: Mapping[tuple[int, int], int], num_layers: int, num_experts: int

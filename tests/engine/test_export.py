@@ -94,6 +94,33 @@ def test_export_writes_beside_the_summary_and_refuses_what_it_cannot_schedule(tm
         assert refused.exit_code == 1 and len(lines) == 1 and fragment in lines[0], refused.output
 
 
+def test_a_decision_per_context_exports_the_proposed_five_item_schedule_beside_todays(tmp_path: Path) -> None:
+    """By hand: contexts 1,024 and 32,768 split at isqrt(1,024 × 32,768) = 5,792 tokens, concurrencies 1 and 8 at
+    isqrt(8) = 2; the cell whose KV cache does not fit is left out and named; --context picks today's table."""
+    rows = [(1024, 1, 4), (1024, 8, 3), (32768, 1, 4), (32768, 8, None)]
+    decided = {**decision((1, 4), (8, 2)), "by_context": {"recorded_context": 200.0, "per_batch": [
+        {"context": c, "batch": b, "k": k, "status": "ok" if k is not None else "does not fit"} for c, b, k in rows]}}
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"decision": [decided]}))
+    done = CliRunner().invoke(main, ["export", str(summary), "--vllm-spec-schedule", "--context", "32768"],
+                              catch_exceptions=False)
+    assert done.exit_code == 1 and "no k is recommended at 8 request(s) per step: does not fit" in done.output
+    done = CliRunner().invoke(main, ["export", str(summary), "--vllm-spec-schedule", "--context", "1024"],
+                              catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    today = json.loads((tmp_path / "summary.vllm-spec-schedule.json").read_text())
+    assert today["num_speculative_tokens_per_batch_size"] == [[1, 2, 4], [3, LAST_BATCH, 3]]
+    proposed = json.loads((tmp_path / "summary.vllm-spec-schedule-by-context.json").read_text())
+    assert proposed == {"method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [
+        [1, 2, 1, 5792, 4], [3, LAST_BATCH, 1, 5792, 3], [1, 2, 5793, 2**31 - 1, 4]]}
+    assert "open proposal (RFC #48627, PR #48944)" in done.output
+    assert "left out: 8 request(s) at 32,768 tokens: does not fit" in done.output
+    again = CliRunner().invoke(main, ["export", str(summary), "--vllm-spec-schedule", "--context", "999"],
+                               catch_exceptions=False)
+    lines = [line for line in again.output.splitlines() if line.strip()]
+    assert again.exit_code == 1 and lines == [
+        f"error: {summary}: no decision at context 999 (reported at: 1,024, 32,768)"]
+
 @pytest.mark.vllm
 def test_a_cpu_engine_runs_the_exported_schedule(tmp_path: Path) -> None:
     """vLLM 0.32 (CPU build) started with the exported schedule drafts, at each step, at most the k its schedule
