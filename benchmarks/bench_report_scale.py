@@ -2,12 +2,17 @@
 one full scan of the same routing files with Polars, in the same run.
 
     python benchmarks/bench_report_scale.py [--tokens 1000000] [--layers 60]     # 60M rows: the target size
+    python benchmarks/bench_report_scale.py --guard benchmarks/results/report-scale-guard.json   # CI: 3M rows
 
 The trace is bench_growth's Kimi-shaped plain-decoding trace (384 experts, top-8, 64 requests), plus its steps
 table, generated once into the cache directory. The report runs in a child process (its peak memory is its own
 max RSS) with ``--acceptance 0.7`` (a plain-decoding trace has no drafts to measure) and writes its dashboard and
 JSON to a scratch folder. Baseline: a child that scans every routing file once (sum of all expert ids), the least
 any analysis of all rows must do. Targets: the report in at most 60 s and 4 GB.
+
+``--guard FILE`` (``scripts/test.sh`` runs it): the size, ratio and peak FILE commits; exit 1 where the report's time
+over the scan's, or its peak memory, grew past FILE's margin over them (the report slid from 12.6× to 18.5× at 60M
+rows unnoticed before this guard).
 """
 
 from __future__ import annotations
@@ -75,7 +80,12 @@ def timed_child(command: list[str]) -> tuple[float, float]:
 @click.option("--tokens", default=1_000_000, show_default=True, help="Decoded tokens (rows = tokens × layers).")
 @click.option("--layers", default=60, show_default=True)
 @click.option("--cache", type=click.Path(path_type=Path), default=Path(tempfile.gettempdir()) / "moetrace-bench")
-def main(tokens: int, layers: int, cache: Path) -> None:
+@click.option("--guard", type=click.Path(path_type=Path, exists=True), default=None,
+              help="Committed figures (tokens, layers, ratio, peak_gib, margin): fail past their margin.")
+def main(tokens: int, layers: int, cache: Path, guard: Path | None) -> None:
+    committed = json.loads(guard.read_text()) if guard else None
+    if committed is not None:
+        tokens, layers = int(committed["tokens"]), int(committed["layers"])
     root = trace_dir(cache, tokens, layers)
     if not (root / "steps").exists():
         print(f"generating {tokens * layers:,} rows into {root} ...", flush=True)
@@ -90,6 +100,14 @@ def main(tokens: int, layers: int, cache: Path) -> None:
     print(f"rows {rows:,}: report {report_s:.1f} s, peak {report_gib:.2f} GiB; one Polars scan {scan_s:.1f} s, "
           f"peak {scan_gib:.2f} GiB; report / scan = {report_s / scan_s:.1f}× "
           f"(targets: 60 s, 4 GiB: {'met' if report_s <= 60 and report_gib <= 4 else 'NOT met'})")
+    if committed is not None:
+        margin = float(committed["margin"])
+        slid = [f"{what} {now:.2f} past {margin:g} × the committed {then:.2f}" for what, now, then in (
+            ("report / scan", report_s / scan_s, float(committed["ratio"])),
+            ("peak GiB", report_gib, float(committed["peak_gib"]))) if now > margin * then]
+        if slid:
+            sys.exit(f"{guard}: the report slid: {'; '.join(slid)} (find what grew, or commit new figures)")
+        print(f"{guard}: within {margin:g} × the committed ratio and peak")
 
 
 if __name__ == "__main__":
