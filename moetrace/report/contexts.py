@@ -13,10 +13,13 @@ from typing import Any
 
 import polars as pl
 
+from moetrace.analysis.context import recorded_context
 from moetrace.analysis.cost import at_contexts
 from moetrace.analysis.decision import crossover, recommended_k
 from moetrace.analysis.shape import ModelShape
 from moetrace.analysis.uncertainty import HeldOutErrors, with_intervals
+from moetrace.errors import UserError
+from moetrace.report.inputs import held_out_errors
 
 
 @dataclass(frozen=True)
@@ -67,3 +70,21 @@ def context_decision(speedups: pl.DataFrame, contexts: Sequence[int], recorded_c
                                         "predicted")
     return ContextDecision(recorded_context, pl.concat(frames, how="diagonal_relaxed").select(
         "context", pl.exclude("context")), crossovers)
+
+
+def decide_at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], shape: ModelShape,
+                       calibration: Mapping[str, Any] | None, acceptance_by_context: pl.DataFrame | None,
+                       batches: Sequence[int], disagreements: Mapping[int, str],
+                       unpriced: Mapping[int, str]) -> ContextDecision:
+    """``context_decision`` of the ``speedups`` predicted for the model ``shape`` at ``contexts``, from the context
+    the traces ran at (``analysis.context.recorded_context`` of their ``acceptance_by_context``); a ``UserError`` in
+    one line where they cannot be priced."""
+    refused = context_refusal(contexts, shape, calibration)
+    recorded = recorded_context(acceptance_by_context)
+    if refused is None and recorded is None:
+        refused = "--context: the trace holds no decoding request-step to know the context it ran at from"
+    if refused is not None:
+        raise UserError(refused)
+    assert recorded is not None and calibration is not None
+    return context_decision(speedups, contexts, float(recorded["mean_tokens"]), shape, calibration, batches,
+                            held_out_errors(), disagreements, unpriced)

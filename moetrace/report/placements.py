@@ -20,6 +20,7 @@ from moetrace.analysis.verification_placement import (
     layer_windows,
 )
 from moetrace.errors import UserError
+from moetrace.trace.reader import Trace
 
 
 def held_out_comparison(rows: WindowRows, where: str, experts: int, layers: list[int], ep: int, redundant: int,
@@ -60,3 +61,22 @@ def held_out_verdict(scores: pl.DataFrame) -> str:
             f"waits for under EP; {mine['placement']} touches fewer ranks a window ({mine['ranks_touched']:.2f} "
             f"against {best['ranks_touched']:.2f}): use {best['placement']}'s placement unless dispatches "
             f"dominate the step")
+
+
+def placement_scores(trace: Trace, rows: WindowRows | None, ep: int) -> tuple[pl.DataFrame | None, str | None]:
+    """Under expert parallelism (``ep`` > 1) with verification windows: ``moetrace place``'s held-out comparison
+    of the verification-aware placement, vLLM's EPLB and the linear one (no redundant experts); else None. A
+    comparison that cannot be made is a note, not a failed report. ``rows`` None: the rows were summarised per
+    partition (--ray) and never met on one machine."""
+    experts = trace.manifest.model.num_experts
+    if ep < 2 or trace.k == 0:
+        return None, None
+    if rows is None:
+        return None, "placements not compared under --ray: the held-out comparison needs every row on one machine"
+    if experts % ep:
+        return None, f"placements not compared: {experts} experts do not split evenly over {ep} ranks"
+    try:
+        compared = held_out_comparison(rows, str(trace.path), experts, list(trace.manifest.model.moe_layers), ep, 0)
+    except UserError as exc:
+        return None, f"placements not compared: {exc}"
+    return compared.scores, None

@@ -24,7 +24,7 @@ from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps
 from moetrace.analysis.budgets import WindowSample, budget_curves, sample_share, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, request_prompts, union_means, uniform_unions
 from moetrace.analysis.consistency import disagreement, routing_gaps
-from moetrace.analysis.context import context_tables, recorded_context
+from moetrace.analysis.context import context_tables
 from moetrace.analysis.decision import (
     DEFAULT_BATCHES,
     against_trace,
@@ -37,21 +37,21 @@ from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.growth import (
     COUNTERFACTUAL,
     MEASURED,
-    WindowRows,
     growth_table,
     rejected_only_experts,
 )
-from moetrace.analysis.policies import compare_policies, policy_verdict
 from moetrace.analysis.predicates import decoding
 from moetrace.analysis.profile import Profile
 from moetrace.analysis.routing_summary import SummaryRequest, summarise_routing
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.traffic import step_bytes
 from moetrace.analysis.uncertainty import with_intervals
-from moetrace.report.contexts import ContextDecision, context_decision, context_refusal
+from moetrace.report.checks import self_check
+from moetrace.report.contexts import ContextDecision, decide_at_contexts
 from moetrace.errors import UserError
 from moetrace.report.distributed import partitioned_summary
-from moetrace.report.placements import held_out_comparison
+from moetrace.report.placements import placement_scores
+from moetrace.report.policies import PolicyReplay, replayed_policies
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace
 from moetrace.report.inputs import (PredictionPreset, Run, expert_placement, held_out_errors, model_shape,
@@ -310,63 +310,6 @@ def calibrated_drafter(run: Run, calibration: dict[str, Any] | None) -> tuple[di
                   f"them)"]
 
 
-def self_check(analysis: RunAnalysis) -> list[str]:
-    """At every recorded k, the prediction's inputs against the measured tables of the same report: tokens per
-    step (the acceptance table), unique experts per (batch, k) (the table of what a step reads) and expert bytes
-    (the bytes table, where both price the same shape); a difference over ``CHECK_TOLERANCE`` is a warning naming
-    both numbers."""
-    if analysis.speedups is None or analysis.prediction_basis is None:
-        return []
-    found = []
-    measured = {int(row["k"]): row for row in analysis.acceptance_per_k.to_dicts()}
-    unions = {(int(row["batch"]), int(row["k"])): row for row in analysis.unions.to_dicts()}
-    byte_rows = {int(row["k"]): row for row in analysis.step_bytes.to_dicts()}
-
-    def compare(what: str, predicted: float, table: str, value: float | None) -> None:
-        if value is None:
-            return
-        if abs(predicted - value) > CHECK_TOLERANCE * max(abs(value), 1e-12):
-            found.append(f"self-check: the prediction's {what} is {predicted:.4g}, the {table} measured {value:.4g} "
-                         f"({(predicted - value) / value:+.1%})")
-
-    for row in analysis.speedups.to_dicts():
-        k, batch = int(row["k"]), int(row["batch"])
-        if k not in measured:
-            continue
-        where = f"at k={k}, {batch} request(s)"
-        compare(f"tokens per step {where}", row["tokens_per_step"], "acceptance table", measured[k]["tokens_per_step"])
-        union = unions.get((batch, k))
-        if union is not None:
-            compare(f"unique experts per layer {where}", row["unique_experts"], "table of what a step reads",
-                    union["unique_experts"])
-        if batch == 1 and analysis.prediction_basis["same_shape"] and k in byte_rows:
-            compare(f"expert bytes per step {where}", row["expert_weight_bytes"], "bytes table",
-                    byte_rows[k]["expert_weight_bytes"])
-    return found
-
-
-CHECK_TOLERANCE = 0.01
-
-
-def placement_scores(trace: Trace, rows: WindowRows | None, ep: int) -> tuple[pl.DataFrame | None, str | None]:
-    """Under expert parallelism (``ep`` > 1) with verification windows: ``moetrace place``'s held-out comparison
-    of the verification-aware placement, vLLM's EPLB and the linear one (no redundant experts); else None. A
-    comparison that cannot be made is a note, not a failed report. ``rows`` None: the rows were summarised per
-    partition (--ray) and never met on one machine."""
-    experts = trace.manifest.model.num_experts
-    if ep < 2 or trace.k == 0:
-        return None, None
-    if rows is None:
-        return None, "placements not compared under --ray: the held-out comparison needs every row on one machine"
-    if experts % ep:
-        return None, f"placements not compared: {experts} experts do not split evenly over {ep} ranks"
-    try:
-        compared = held_out_comparison(rows, str(trace.path), experts, list(trace.manifest.model.moe_layers), ep, 0)
-    except UserError as exc:
-        return None, f"placements not compared: {exc}"
-    return compared.scores, None
-
-
 def unpriced_batches(run: Run, batches: Sequence[int]) -> dict[int, str]:
     """--profile measured: the concurrencies of ``batches`` above what the sweep's engines could run at once
     (``report.measured.engine_slots``), and why they get no prediction."""
@@ -462,12 +405,14 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         placements=placements,
         placement_note=placement_note,
     )
-    analysis.checks = self_check(analysis)
+    analysis.checks = self_check(speedups, basis, per_k, inputs, bytes_table)
     analysis.by_context = context_tables(sample.stepped.lazy(), trace.steps(), trace.k,
                                          trace.manifest.model.moe_layers[0])
     analysis.by_context_share = request.share
     if options.contexts and speedups is not None:
-        analysis.context_decision = decide_at_contexts(analysis, options, unpriced)
+        analysis.context_decision = decide_at_contexts(
+            speedups, options.contexts, prediction_deployment(shape, tp, ep, options)[0], options.calibration,
+            analysis.by_context.get("acceptance"), options.batches, disagreements, unpriced)
     if speedups is not None:
         measured_speedups = (None if checked is None or checked.is_empty() else
                              checked.select("batch", "k", speedup="measured_speedup"))
@@ -479,49 +424,3 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
     return analysis
 
 
-def decide_at_contexts(analysis: RunAnalysis, options: Options, unpriced: dict[int, str]) -> ContextDecision:
-    """``report.contexts.context_decision`` of the analysis' predicted speedups at ``options.contexts``; a
-    ``UserError`` in one line where they cannot be priced."""
-    assert analysis.speedups is not None
-    shape = prediction_deployment(analysis.shape, analysis.tp, analysis.ep, options)[0]
-    refused = context_refusal(options.contexts, shape, options.calibration)
-    recorded = recorded_context(analysis.by_context.get("acceptance"))
-    if refused is None and recorded is None:
-        refused = "--context: the trace holds no decoding request-step to know the context it ran at from"
-    if refused is not None:
-        raise UserError(refused)
-    assert recorded is not None and options.calibration is not None
-    return context_decision(analysis.speedups, options.contexts, float(recorded["mean_tokens"]), shape,
-                            options.calibration, options.batches, held_out_errors(), analysis.disagreements,
-                            unpriced)
-
-
-@dataclass(frozen=True)
-class PolicyReplay:
-    """``analysis.policies.compare_policies``'s rows, their verdict per concurrency, and the k of the trace
-    replayed."""
-
-    rows: pl.DataFrame
-    verdict: list[str]
-    trace_k: int
-
-
-def replayed_policies(run: Run, speedups: pl.DataFrame, decision: pl.DataFrame | None,
-                      max_k: int) -> PolicyReplay | None:
-    """``analysis.policies.compare_policies`` on the sweep's trace at its largest k (up to ``max_k``), at each
-    concurrency the decision priced (the static table: its k, or the k its figures would pick), at the predicted
-    steps; None without drafts."""
-    deepest = max((trace for trace in run.traces if trace.k <= max_k), key=lambda trace: trace.k)
-    if deepest.k == 0 or decision is None:
-        return None
-    table = {int(row["batch"]): int(row["k"] if row["k"] is not None else row["best_k"])
-             for row in decision.to_dicts() if row["k"] is not None or row["best_k"] is not None}
-    step_ms = {int(str(batch)): dict(zip(part["k"].to_list(), part["step_ms"].to_list()))
-               for (batch,), part in speedups.group_by("batch") if int(str(batch)) in table}
-    # a replay prices every k up to the trace's: not where nothing predicted one (no windows of it to read)
-    unpriced = {batch: f"no predicted step at k={', '.join(map(str, missing))}" for batch, at in step_ms.items()
-                if (missing := [k for k in range(deepest.k + 1) if k not in at])}
-    steps = deepest.steps()
-    rows = compare_policies(steps, deepest.k, step_ms, {b: k for b, k in table.items() if b not in unpriced})
-    requests = int(steps.select(pl.col("request").n_unique()).collect().item())
-    return PolicyReplay(rows, policy_verdict(rows, sorted(table), requests, unpriced), deepest.k)
