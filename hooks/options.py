@@ -115,6 +115,10 @@ class RecordingOptions:
         return json.dumps(dataclasses.asdict(self))
 
 
+class UnsupportedRunner(RuntimeError):
+    """The worker's engine is one moetrace cannot record from as the options ask."""
+
+
 def replay_refusal(manifest: Manifest, num_experts: int, top_k: int) -> str | None:
     """Why a trace with ``manifest`` cannot route a model of ``num_experts`` experts and top-``top_k``
     (``replay_routing``), None where it can: checked by ``moetrace record`` before an engine starts, and by the

@@ -31,7 +31,6 @@ The manifest's ``engine_thread_us_per_step`` says what each hook cost.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -44,9 +43,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from moetrace.hooks.budget import LayerBudget, TokenGroups, budgeted_layers, layer_budgets
 from moetrace.hooks.capture import (
-    RouterInfo,
     RoutingCapture,
     router_info,
     unwrap_logits_entry,
@@ -55,9 +52,10 @@ from moetrace.hooks.capture import (
     wrap_router,
 )
 from moetrace.hooks.manifest import worker_manifest
-from moetrace.hooks.options import RecordingOptions
+from moetrace.hooks.options import RecordingOptions, UnsupportedRunner
+from moetrace.hooks.partitioning import Partitions
 from moetrace.hooks.planned import PlannedStep
-from moetrace.hooks.replay import ReplayedRouting, replayed_routing
+from moetrace.hooks.rerouting import EngineFacts, Rerouting, budget_sizes
 from moetrace.hooks.sampling import StepWindows, sampled_manifest
 from moetrace.hooks.vllm_api import (ForwardPlan, HookPoint, RunnerV1, RunnerV2, WorkerApi, require_fields,
                                      sequence_limits)
@@ -65,21 +63,15 @@ from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CUDA, PhaseTiming
 from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, copied_event, to_host
 from moetrace.trace.schema import TIMED_CALLS
-from moetrace.trace.partitions import drop_oldest, over_cap, partition_dir
 from moetrace.writer.metrics import MetricsState
 from moetrace.writer.ring import RingRows, SharedRows, ring_capacity
 from moetrace.writer.process import TraceWriter
 
 log = logging.getLogger("moetrace")
-CAP_CHECK_SECONDS = 5.0  # between partitions, how often a thread checks the partition root against its disk cap
 # How often the writer process is told the manifest sections the recorder adds at close: a trace whose engine was
 # killed is closed by its writer process, with the sections it was told last.
 SECTIONS_EVERY_NS = 10_000_000_000
 _HOOK_MARK = "_moetrace_hook"
-
-
-class UnsupportedRunner(RuntimeError):
-    """The worker's model runner is one moetrace cannot record from."""
 
 
 class Recorder:
@@ -112,19 +104,22 @@ class Recorder:
         self.capture = RoutingCapture(
             int(runner.max_num_tokens), len(infos), self.top_k, self.candidates, device, graph_key=api.graph_key
         )
-        data_parallel = int(vllm_config.parallel_config.data_parallel_size)
+        parallel = vllm_config.parallel_config
         self.options, self._vllm_config, self._infos = options, vllm_config, infos
-        # always on under `vllm serve`: a complete trace per period under this root (``recording.partitions``)
-        self._partition_root = Path(options.out) if options.partition_seconds is not None else None
-        self._run_id, self._partition_started = options.run_id, 0.0
-        if self._partition_root is not None:
-            options = self._partition_options(options)
+        # always on under `vllm serve`: a complete trace per period under one root (``hooks.partitioning``)
+        self.partitions = None if options.partition_seconds is None else Partitions(options)
+        if self.partitions is not None:
+            options = self.partitions.options_for(options)
         # sampled: request steps outside the windows run unrecorded (``recording.sampling``); across partitions
         self.windows = None if options.sample_steps is None else StepWindows(
             options.sample_steps, float(options.sample_every_seconds or 0.0))
         self._sampled = True  # whether the step under way is in a window
-        self.budgets = None if options.budget is None else self._budgets(options, infos, device, data_parallel)
-        self.replay = None if options.replay_routing is None else self._replay(options, infos, device, data_parallel)
+        self.rerouting = None if options.budget is None and options.replay_routing is None else Rerouting(
+            options, EngineFacts([moe.router for moe in self.runners], infos, int(runner.max_num_tokens),
+                                 int(runner.max_num_reqs), self.model_runner.positions(),
+                                 (int(parallel.data_parallel_size), int(parallel.tensor_parallel_size)),
+                                 any(entry is not None for entry in self.entries), device,
+                                 vllm_config.model_config.dtype))
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
         self.packing = PackingColumns(self.token_ids)
         self.sampled_on_host = self.model_runner.sampled_on_host()
@@ -133,20 +128,13 @@ class Recorder:
         self._scheduled: Any = None
         self._step_kwargs: dict[str, Any] | None = None
         self._plan: tuple[Callable[..., ForwardPlan], Any, tuple[Any, ...], dict[str, Any]] | None = None
-        self.dp_rank = int(vllm_config.parallel_config.data_parallel_rank)
+        self.dp_rank = int(parallel.data_parallel_rank)
         self._close_lock = threading.Lock()
-        # always on: the partitions closing on threads of their own, and the engine thread's time (ms) on the switch
-        # that opened the partition under way (the manifest's ``partition``)
-        self._closing_partitions: list[tuple[threading.Thread, Path]] = []
-        self._switch_ms: float | None = None
-        # the disk cap, checked on threads (its walk of the root never on the engine thread): the root is over it,
-        # so switch at the next step (``_watch_cap``); after a switch it still is under "stop" (``_enforce_cap``)
-        self._cap_reached, self._stop_at_cap = threading.Event(), threading.Event()
         # the live metrics' values, kept from one trace to the next (partitions, windows): each writer process maps it
         self._metrics_state: MetricsState | None = None
         self._open_trace(options)
-        if self._partition_root is not None and options.disk_cap_bytes is not None:
-            threading.Thread(target=self._watch_cap, name="moetrace-disk-cap", daemon=True).start()
+        if self.partitions is not None:
+            self.partitions.watch_cap(lambda: self._closed is None)
         self._guarded = Guard(self._stop)
         self._roles: dict[str, Callable[..., Any]] = {
             "step": self.step_begins, "sample": self.sample, "sample_tokens": self.sample_tokens,
@@ -155,43 +143,6 @@ class Recorder:
         self._timed_only: list[HookPoint] = []  # hooked only while a timed step is under way
         self.install()
 
-    def _engine_check(self, what: str, data_parallel: int) -> None:
-        """``UnsupportedRunner`` where ``what`` (a budget, a replay) cannot change this engine's routing: routers
-        under data parallelism see other ranks' tokens, other tensor-parallel ranks route on their own (rank 0 alone
-        records), and kernels that fuse routing never call the router."""
-        tensor_parallel = int(self._vllm_config.parallel_config.tensor_parallel_size)
-        if data_parallel > 1 or tensor_parallel > 1:
-            raise UnsupportedRunner(f"{what} needs an engine without data or tensor parallelism")
-        if any(entry is not None for entry in self.entries):
-            raise UnsupportedRunner(f"{what} needs the router's own routing (this MoE kernel fuses it)")
-
-    def _budgets(self, options: RecordingOptions, infos: list[RouterInfo], device: torch.device, data_parallel: int
-                 ) -> list[tuple[TokenGroups, LayerBudget]]:
-        """``hooks.budget.budgeted_layers`` for this engine, or ``UnsupportedRunner`` saying why it cannot enforce
-        ``options.budget``."""
-        self._engine_check("a budget", data_parallel)
-        sizes = self._budget_sizes(options)
-        assert sizes is not None
-        try:
-            return budgeted_layers([moe.router for moe in self.runners], [info.scoring_func for info in infos],
-                                   sizes, infos[0].num_experts, int(self.runner.max_num_tokens),
-                                   int(self.runner.max_num_reqs), options.budget_scope, device)
-        except ValueError as exc:
-            raise UnsupportedRunner(str(exc)) from None
-
-    def _replay(self, options: RecordingOptions, infos: list[RouterInfo], device: torch.device, data_parallel: int
-                ) -> ReplayedRouting:
-        """``hooks.replay.replayed_routing`` of the trace ``options.replay_routing`` names, or ``UnsupportedRunner``
-        saying why this engine cannot replay it."""
-        self._engine_check("replayed routing", data_parallel)
-        assert options.replay_routing is not None
-        try:
-            return replayed_routing(Path(options.replay_routing), infos[0].num_experts, self.top_k,
-                                    int(self.runner.max_num_tokens), self.model_runner.positions(),
-                                    device, self._vllm_config.model_config.dtype)  # the gate's, so its logits
-        except ValueError as exc:
-            raise UnsupportedRunner(str(exc)) from None
-
     def _open_trace(self, options: RecordingOptions, launch_beside: bool = False) -> None:
         """Start the trace ``options`` names (its directory, run id, workload, budget) and its step state;
         ``launch_beside``: its writer process starts beside the engine thread (``TraceWriter``)."""
@@ -199,11 +150,9 @@ class Recorder:
         self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
         self.timing_every = int(options.time_phases_every or (
             TIMED_STEP_EVERY_ON_CUDA if self.capture.cuda else 1))
-        sizes = self._budget_sizes(options)
-        if self.budgets is not None:
-            self.budgets[0][0].set_sizes(sizes or [self._infos[0].num_experts] * len(self._infos))
-        if self.replay is not None:
-            self.replay.restart()
+        sizes = budget_sizes(options, self._infos)
+        if self.rerouting is not None:
+            self.rerouting.restart(sizes)
         self.ring = SharedRows.create(ring_capacity(self.layout.width, int(self.runner.max_num_tokens)),
                                       self.layout.width)
         self.copier = StepCopier(self.device, self.ring, int(self.runner.max_num_tokens))
@@ -261,17 +210,6 @@ class Recorder:
         self._forward_began = 0  # the timed step's start (perf_counter_ns), and the events around its forward
         self._forward_events: tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()] | None = None
 
-    def _budget_sizes(self, options: RecordingOptions) -> list[int] | None:
-        """Every recorded layer's budget under ``options`` (None: no budget); ``UnsupportedRunner`` naming a missing
-        layer or a budget outside [top_k, experts]."""
-        if options.budget is None:
-            return None
-        try:
-            return layer_budgets(options.budget, [info.layer for info in self._infos], self._infos[0].num_experts,
-                                 self.top_k)
-        except ValueError as exc:
-            raise UnsupportedRunner(str(exc)) from None
-
     def next_trace(self, options: RecordingOptions) -> dict[str, Any]:
         """Close this trace and go on recording into the one ``options`` names, with its budget, between steps (the
         driver's ``moetrace_next_trace``): the hooks, CUDA graphs and any replay stay as they are, so one engine
@@ -281,9 +219,9 @@ class Recorder:
         changed = [name for name in fixed if getattr(options, name) != getattr(self.options, name)]
         if changed:
             raise ValueError(f"a new trace keeps the engine's {', '.join(changed)}: only a new engine changes them")
-        if options.budget is not None and self.budgets is None:
+        if options.budget is not None and (self.rerouting is None or self.rerouting.budgets is None):
             raise ValueError("a budget needs an engine that started with one (its CUDA graphs hold the budget's work)")
-        self._budget_sizes(options)  # a budget this model cannot take is refused before the trace under way closes
+        budget_sizes(options, self._infos)  # a budget this model cannot take: refused before the trace under way closes
         with self._close_lock:
             if self._closed is not None:
                 raise ValueError("the recording is closed")
@@ -297,12 +235,12 @@ class Recorder:
             return
         for slot, (moe, entry) in enumerate(zip(self.runners, self.entries)):
             if entry is None:
-                wrap_router(moe.router, slot, self.capture, None if self.budgets is None else self.budgets[slot],
-                            self.replay)
+                wrap_router(moe.router, slot, self.capture,
+                            *(self.rerouting.of_layer(slot) if self.rerouting is not None else (None, None)))
             else:
                 wrap_logits_entry(entry[0], entry[1], moe.router, slot, self.capture)
         points = self.model_runner.hook_points()
-        if self.budgets is not None or self.replay is not None:
+        if self.rerouting is not None:
             points += self.model_runner.plan_points()
         self._timed_only = [point for point in points if point.timed_only]
         for point in points:
@@ -354,8 +292,8 @@ class Recorder:
             if self._closed is None:
                 self.uninstall()
                 self._closed = self._close_trace()
-        for thread, _ in self._closing_partitions:
-            thread.join()
+        if self.partitions is not None:
+            self.partitions.join()
         with self._close_lock:  # every writer process has mapped it by now (each close joined its launch)
             if self._metrics_state is not None:
                 self._metrics_state.close()
@@ -374,76 +312,24 @@ class Recorder:
             "capture_mechanisms": dict(self.mechanisms),
             "engine_thread_us_per_step": self.engine_thread_us_per_step(),
             "phases": {phase: timing.summary(wait=final) for phase, timing in self.phases.items()}}
-        if self._switch_ms is not None:
-            sections["partition"] = {"switch_ms": round(self._switch_ms, 3)}
+        if self.partitions is not None and self.partitions.switch_ms is not None:
+            sections["partition"] = {"switch_ms": round(self.partitions.switch_ms, 3)}
         return sections
 
-    def _partition_options(self, options: RecordingOptions) -> RecordingOptions:
-        """``options`` for the partition that starts now: its folder under the partition root, its own run id."""
-        assert self._partition_root is not None and options.partition_seconds is not None
-        self._partition_started = time.time()
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self._partition_started))
-        return dataclasses.replace(options, run_id=f"{self._run_id}-{stamp}", out=str(
-            partition_dir(self._partition_root, self._partition_started, float(options.partition_seconds))))
-
-    def _partition_due(self) -> bool:
-        """Whether this partition's period is over, or its root is over its cap (``_watch_cap``)."""
-        assert self.options.partition_seconds is not None
-        return (time.time() - self._partition_started >= self.options.partition_seconds
-                or self._cap_reached.is_set())
-
-    def _watch_cap(self) -> None:
-        """Thread: every ``CAP_CHECK_SECONDS`` until recording ends, whether the partitions are over their cap."""
-        root, cap = self._partition_root, self.options.disk_cap_bytes
-        assert root is not None and cap is not None
-        while self._closed is None and not self._stop_at_cap.is_set():
-            time.sleep(CAP_CHECK_SECONDS)
-            if over_cap(root, cap):
-                self._cap_reached.set()
-
     def _next_partition(self) -> None:
-        """Record on into the next partition, between steps, while this one closes on a thread of its own (its
-        writer process finishes it beside the new one's) and the new one's writer process starts on another: the
-        engine thread waits for neither. That closing thread then holds the root to its disk cap
-        (``_enforce_cap``)."""
+        """Record on into the next partition, between steps, while this one closes on a thread of its own
+        (``Partitions.close_beside``) and the new one's writer process starts on another: the engine thread waits
+        for neither."""
+        assert self.partitions is not None
         began = time.perf_counter()
         with self._close_lock:
             if self._closed is not None:
                 return
             self.copier.release()
             writer, sections = self.writer, self._closing_sections()
-            self._open_trace(self._partition_options(self.options), launch_beside=True)
-            self._cap_reached.clear()
-            closing = threading.Thread(target=self._close_partition, args=(writer, sections),
-                                       name="moetrace-partition-close")
-            closing.start()
-            self._closing_partitions = [(thread, path) for thread, path in self._closing_partitions
-                                        if thread.is_alive()] + [(closing, writer.root)]
-            self._switch_ms = (time.perf_counter() - began) * 1e3
-
-    def _close_partition(self, writer: TraceWriter, sections: dict[str, Any]) -> None:
-        """Thread: close a partition's trace beside the engine (what the engine thread once waited for), then hold
-        the root to its cap."""
-        began = time.perf_counter()
-        writer.close(sections)
-        log.info("moetrace: partition %s closed in %.1f ms beside the engine thread", writer.root,
-                 (time.perf_counter() - began) * 1e3)
-        self._enforce_cap()
-
-    def _enforce_cap(self) -> None:
-        """At the disk cap, drop the oldest partitions (never the one being written nor one still closing), or under
-        "stop" have the engine thread stop recording at its next step (the server serves on unhooked)."""
-        root, cap = self._partition_root, self.options.disk_cap_bytes
-        if root is None or cap is None or not over_cap(root, cap):
-            return
-        if self.options.at_cap == "stop":
-            log.warning("moetrace: %s holds more than its cap of %d bytes: recording stops, the server serves on",
-                        root, cap)
-            self._stop_at_cap.set()
-            return
-        still_closing = [path for thread, path in self._closing_partitions if thread is not threading.current_thread()]
-        dropped = drop_oldest(root, cap, keep=[Path(self.options.out), *still_closing])
-        log.info("moetrace: at the cap of %d bytes under %s, dropped %d partition(s)", cap, root, len(dropped))
+            self._open_trace(self.partitions.options_for(self.options), launch_beside=True)
+            self.partitions.close_beside(writer, sections)
+            self.partitions.switch_ms = (time.perf_counter() - began) * 1e3
 
     def _stop_beside_the_engine(self) -> None:
         """Unhook now, on the engine thread, and close the trace on a thread of its own: the engine runs on."""
@@ -531,7 +417,7 @@ class Recorder:
         kept as it is, and read once the forward is launched (until then, under sync scheduling, the GPU idles)."""
         result = original(*args, **kwargs)
         self._plan = (plan, result, args, kwargs)
-        if self.budgets is not None or self.replay is not None:  # planned per token before the forward
+        if self.rerouting is not None:  # planned per token before the forward
             with self._guarded:
                 runner = cast(RunnerV1, self.model_runner)  # V1's graph hook (V2 plans in ``inputs_prepared``)
                 self._plan_tokens(runner.planned_step(self._scheduled, kwargs.get("num_tokens")))
@@ -546,11 +432,9 @@ class Recorder:
         return batch
 
     def _plan_tokens(self, step: PlannedStep | None) -> None:
-        """Write the next forward's token groups (a budget) and bank rows (a replay); None: no request's step."""
-        if self.budgets is not None:
-            self.budgets[0][0].plan(step)
-        if self.replay is not None:
-            self.replay.plan(step, () if self._scheduled is None else self._scheduled.finished_req_ids)
+        """Plan the next forward's rerouting (``Rerouting.plan``); None: no request's step."""
+        assert self.rerouting is not None
+        self.rerouting.plan(step, () if self._scheduled is None else self._scheduled.finished_req_ids)
 
     def forward_launched(self) -> None:
         """The GPU runs the step's forward (called as sampling begins, under the caller's guard): hand the last steps
@@ -655,9 +539,9 @@ class Recorder:
                         raise RuntimeError("vLLM's sample_tokens returned no host lists of sampled tokens")
                     pending.t_end = time.monotonic_ns()  # vLLM has synced: the step's GPU work (our copy too) is done
                 self.writer.submit(pending)
-                if self._window_ends or self._stop_at_cap.is_set():
+                if self._window_ends or (self.partitions is not None and self.partitions.stop_at_cap.is_set()):
                     self._stop_beside_the_engine()
-                elif self._partition_root is not None and self._partition_due():
+                elif self.partitions is not None and self.partitions.due():
                     self._partition_ends = True  # switched at the next step's start, once nothing is in flight
             if self._timing:
                 self.own_ns["sample_tokens"] += time.perf_counter_ns() - began
