@@ -16,18 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace.errors import UserError
+from moetrace.trace.readable import STILL_OPEN, scan_files, table_files
 from moetrace.trace.partitions import partitions
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.schema import (
-    FOOTER_SCHEMA_KEY,
-    INPROGRESS_SUFFIX,
     MANIFEST_NAME,
     ROUTING_DIR,
-    SCHEMA_VERSION,
     STEPS_DIR,
     STEPS_SCHEMA,
     TELEMETRY_DIR,
@@ -85,7 +82,7 @@ class Trace:
         if self.parts:
             return self._in_sequence([part.routing() for part, _, _ in self.parts])
         schema = routing_schema(self.manifest.model.top_k, self.manifest.capture.candidates)
-        return self._up_to_last_step(_scan(self.routing_files, schema)).with_columns(
+        return self._up_to_last_step(scan_files(self.routing_files, schema)).with_columns(
             dp_rank=pl.lit(self.dp_rank, pl.UInt16))
 
     def steps(self) -> pl.LazyFrame:
@@ -94,7 +91,7 @@ class Trace:
             return self._merged([rank.steps() for rank in self.ranks])
         if self.parts:
             return self._in_sequence([part.steps() for part, _, _ in self.parts])
-        return self._up_to_last_step(_scan(self.steps_files, STEPS_SCHEMA)).with_columns(
+        return self._up_to_last_step(scan_files(self.steps_files, STEPS_SCHEMA)).with_columns(
             dp_rank=pl.lit(self.dp_rank, pl.UInt16))
 
     def _up_to_last_step(self, frame: pl.LazyFrame) -> pl.LazyFrame:
@@ -126,18 +123,6 @@ def numbered_on(frame: pl.LazyFrame, first_step: int, first_request: int) -> pl.
                               request=(pl.col("request").cast(pl.Int64) + first_request).cast(pl.UInt32))
 
 
-def _scan(files: list[Path], schema: pa.Schema) -> pl.LazyFrame:
-    if not files:
-        return pl.from_arrow(schema.empty_table()).lazy()  # type: ignore[union-attr]
-    if "weights" in schema.names:
-        kinds = {pq.read_schema(path).field("weights").type for path in files}
-        if len(kinds) > 1:  # float16 and float32 weights (both allowed): read every file's as float32
-            width = schema.field("weights").type.list_size
-            as_float32 = pl.col("weights").cast(pl.Array(pl.Float32, width))
-            return pl.concat([pl.scan_parquet(path, glob=False).with_columns(as_float32) for path in files])
-    return pl.scan_parquet(files, glob=False)  # paths are files, not patterns: "[...]" in a path is literal
-
-
 def unreadable_file(paths: list[Path]) -> str | None:
     """Where a failed read came from: the first Parquet file under these traces whose pages cannot be read (a
     footer can be intact over corrupt pages), as one line; None if every file reads."""
@@ -153,9 +138,6 @@ def unreadable_file(paths: list[Path]) -> str | None:
                 except Exception as exc:
                     return f"{file}: unreadable Parquet data ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
     return None
-
-
-STILL_OPEN = "file was still open when the recording stopped"
 
 
 def incomplete(directory: Path) -> str:
@@ -181,52 +163,6 @@ def read_manifest(directory: Path, dp_rank: int | None = None) -> Manifest:
         return Manifest.from_document(document)
     except ValueError as exc:
         raise UserError(f"{path}: {exc}") from None
-
-
-def _compatible(wanted: pa.DataType, got: pa.DataType) -> bool:
-    """The contract's type, or one of the variants it allows (any string dictionary; float16 or float32
-    weights)."""
-    if bool(got == wanted):
-        return True
-    if pa.types.is_dictionary(wanted):
-        return bool(pa.types.is_dictionary(got) and pa.types.is_string(got.value_type))
-    if pa.types.is_fixed_size_list(wanted) and pa.types.is_fixed_size_list(got):
-        floats = (pa.float16(), pa.float32())
-        return bool(wanted.list_size == got.list_size and wanted.value_type in floats and got.value_type in floats)
-    return False
-
-
-def _check_file(path: Path, expected: pa.Schema) -> str | None:
-    """Why ``path`` cannot be used, or None when it is intact and matches the contract."""
-    try:
-        schema = pq.read_schema(path)
-    except Exception as exc:
-        return f"{path}: skipped, corrupt or truncated Parquet ({type(exc).__name__})"
-    version = (schema.metadata or {}).get(FOOTER_SCHEMA_KEY)
-    if version is not None and version.decode() != SCHEMA_VERSION:
-        return f"{path}: skipped, unknown schema version {version.decode()!r}"
-    for wanted in expected:
-        if wanted.name not in schema.names:
-            return f"{path}: skipped, missing column {wanted.name!r}"
-        got = schema.field(wanted.name).type
-        if not _compatible(wanted.type, got):
-            return f"{path}: skipped, column {wanted.name!r} is {got}, expected {wanted.type}"
-    return None
-
-
-def _table_files(directory: Path, expected: pa.Schema | None, warnings: list[str]) -> list[Path]:
-    if not directory.is_dir():
-        return []
-    for lost in sorted(directory.glob(f"*{INPROGRESS_SUFFIX}")):
-        warnings.append(f"{lost}: skipped, {STILL_OPEN}")
-    good = []
-    for path in sorted(directory.glob("*.parquet")):
-        problem = _check_file(path, expected) if expected is not None else None
-        if problem is None:
-            good.append(path)
-        else:
-            warnings.append(problem)
-    return good
 
 
 def rank_directories(directory: Path) -> list[Path]:
@@ -310,10 +246,10 @@ def open_trace(directory: str | os.PathLike[str], dp_rank: int | None = None) ->
     return Trace(
         path=directory,
         manifest=manifest,
-        routing_files=_table_files(directory / ROUTING_DIR,
+        routing_files=table_files(directory / ROUTING_DIR,
                                    routing_schema(manifest.model.top_k, manifest.capture.candidates), warnings),
-        steps_files=_table_files(directory / STEPS_DIR, STEPS_SCHEMA, warnings),
-        telemetry_files=_table_files(directory / TELEMETRY_DIR, None, warnings),
+        steps_files=table_files(directory / STEPS_DIR, STEPS_SCHEMA, warnings),
+        telemetry_files=table_files(directory / TELEMETRY_DIR, None, warnings),
         warnings=warnings,
     )
 
