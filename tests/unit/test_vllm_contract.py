@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from moetrace.hooks import contract, vllm_api
-from moetrace.hooks.contract import Row, Sources, WheelUnavailable
+from moetrace.hooks import contract, vllm_api, wheels
+from moetrace.hooks.contract import Row
+from moetrace.hooks.wheels import Sources, WheelUnavailable
 from moetrace.hooks.vllm_api import (
     CHECKED,
     CPU_RUNNER_V2_PATH,
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.xdist_group("vllm-contract")
 
 def release_sources(release: str) -> Sources:
     try:
-        return Sources(contract.release_wheel(release))
+        return Sources(wheels.release_wheel(release))
     except WheelUnavailable as exc:
         pytest.skip(str(exc))
 
@@ -197,12 +198,12 @@ def test_the_check_imports_nothing_from_vllm() -> None:
 
 def test_a_wheel_is_read_from_the_cache_and_one_pip_cannot_get_is_one_line_naming_it(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(contract.WHEELS_ENV, str(tmp_path))
+    monkeypatch.setenv(wheels.WHEELS_ENV, str(tmp_path))
     cached = tmp_path / "vllm-0.99.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     cached.touch()
-    assert contract.release_wheel("0.99") == cached  # no pip
+    assert wheels.release_wheel("0.99") == cached  # no pip
     with pytest.raises(WheelUnavailable) as unavailable:
-        contract.release_wheel("0.0")  # vllm 0.0.0 was never released
+        wheels.release_wheel("0.0")  # vllm 0.0.0 was never released
     message = str(unavailable.value)
     assert "\n" not in message and "vLLM 0.0.0" in message and str(tmp_path) in message
     assert sorted(p.name for p in tmp_path.iterdir()) == [cached.name], "no download folder left behind"
