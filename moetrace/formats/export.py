@@ -29,6 +29,22 @@ def range_ends(values: Sequence[int], last: int = LAST_BATCH) -> list[int]:
     return ends + [max(last, values[-1])]
 
 
+def batch_ranges(k_at: Mapping[int, int | None]) -> list[list[int]]:
+    """``[start, end, k]`` ranges from batch size 1 for the k recommended at each concurrency (``range_ends``),
+    neighbouring ranges of the same k merged; a concurrency with none (None) leaves its range out."""
+    batches = sorted(k_at)
+    ranges: list[list[int]] = []
+    start = 1
+    for batch, end in zip(batches, range_ends(batches)):
+        k = k_at[batch]
+        if k is not None and ranges and ranges[-1][2] == k and ranges[-1][1] == start - 1:
+            ranges[-1][1] = end
+        elif k is not None:
+            ranges.append([start, end, k])
+        start = end + 1
+    return ranges
+
+
 def vllm_spec_schedule(decision: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's speculative config keys for one drafter's decision (a ``decision`` entry of the summary JSON): the
     method, ``num_speculative_tokens`` (the largest k recommended: vLLM caps every range at it) and
@@ -41,16 +57,7 @@ def vllm_spec_schedule(decision: Mapping[str, Any]) -> dict[str, Any]:
     for row in rows:
         if row.get("status") != "ok" or row.get("k") is None:
             raise ValueError(f"no k is recommended at {row['batch']} request(s) per step: {row.get('status')}")
-    batches = [int(row["batch"]) for row in rows]
-    schedule: list[list[int]] = []
-    start = 1
-    for row, end in zip(rows, range_ends(batches)):
-        k = int(row["k"])
-        if schedule and schedule[-1][2] == k:
-            schedule[-1][1] = end
-        else:
-            schedule.append([start, end, k])
-        start = end + 1
+    schedule = batch_ranges({int(row["batch"]): int(row["k"]) for row in rows})
     largest = max(k for _, _, k in schedule)
     if largest == 0:
         raise ValueError("no concurrency pays for speculation (k = 0 at every one): nothing to schedule")
@@ -71,20 +78,13 @@ def vllm_spec_schedule_by_context(decision: Mapping[str, Any]) -> tuple[dict[str
     cells = {(int(row["context"]), int(row["batch"])): row for row in found["per_batch"]}
     contexts, batches = sorted({c for c, _ in cells}), sorted({b for _, b in cells})
     schedule: list[list[int]] = []
-    left_out = []
+    left_out = [f"{batch} request(s) at {context:,} tokens: {cell.get('status')}"
+                for (context, batch), cell in sorted(cells.items()) if cell.get("k") is None]
     context_start = 1
     for context, context_end in zip(contexts, range_ends(contexts, LAST_CONTEXT)):
-        start = 1
-        for batch, end in zip(batches, range_ends(batches)):
-            cell = cells[(context, batch)]
-            if cell.get("k") is None:
-                left_out.append(f"{batch} request(s) at {context:,} tokens: {cell.get('status')}")
-            elif (schedule and schedule[-1][2:] == [context_start, context_end, int(cell["k"])]
-                  and schedule[-1][1] == start - 1):
-                schedule[-1][1] = end
-            else:
-                schedule.append([start, end, context_start, context_end, int(cell["k"])])
-            start = end + 1
+        k_at = {batch: None if cells[(context, batch)].get("k") is None else int(cells[(context, batch)]["k"])
+                for batch in batches}
+        schedule += [[start, end, context_start, context_end, k] for start, end, k in batch_ranges(k_at)]
         context_start = context_end + 1
     largest = max((entry[4] for entry in schedule), default=0)
     if largest == 0:
