@@ -405,12 +405,18 @@ def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], recorded_contex
             attention_kv_ms=pl.col("batch").cast(pl.Float64) * kv_read_ms(1, context - recorded_context,
                                                                            kv_bytes_per_token, bandwidth_gbs)))
     moved = pl.concat(frames).with_columns(step_ms=pl.col("step_ms") + pl.col("attention_kv_ms"))
-    at_k0 = [pl.col(name).filter(pl.col("k") == 0).first().over("batch", "context")
-             for name in ("step_ms", "tokens_per_step", "prefill_ms_per_token")]
-    per_token = pl.col("step_ms") / pl.col("tokens_per_step") + pl.col("prefill_ms_per_token")
+    rows = moved.select("batch", "context", "k", "step_ms", "tokens_per_step", "prefill_ms_per_token").to_dicts()
+    k0 = {(row["batch"], row["context"]): row for row in rows if row["k"] == 0}
+
+    def speedup(row: dict[str, Any]) -> float | None:
+        base = k0[(row["batch"], row["context"])]
+        if min(row["step_ms"], base["step_ms"]) <= 0:
+            return None
+        return end_to_end_speedup(base["step_ms"], base["tokens_per_step"], base["prefill_ms_per_token"],
+                                  row["step_ms"], row["tokens_per_step"], row["prefill_ms_per_token"])
+
     return moved.with_columns(
-        step_ratio=pl.col("step_ms") / at_k0[0],
-        speedup=pl.when((pl.col("step_ms") > 0) & (at_k0[0] > 0))
-        .then((at_k0[0] / at_k0[1] + at_k0[2]) / per_token),
+        step_ratio=pl.Series([row["step_ms"] / k0[(row["batch"], row["context"])]["step_ms"] for row in rows]),
+        speedup=pl.Series([speedup(row) for row in rows], dtype=pl.Float64),
         step_source=pl.lit(Source.ESTIMATED.value),
     )
