@@ -37,9 +37,8 @@ from moetrace.trace.manifest import Manifest
 from moetrace.trace.schema import MANIFEST_NAME, ROUTING_DIR
 
 # The logit of an expert outside a token's recorded candidates: no router picks it over one (C >= top-k, and recorded
-# selection scores lie far above), yet its sigmoid or softmax stays a positive float32. At -1e4 they were 0, and a
-# budget that left a token only such experts (its group kept none of its candidates) divided 0 by 0: NaN hidden
-# states, then sampled token ids outside the vocabulary (vLLM 0.34's warm-up on an H100, 2026-12-06).
+# selection scores lie far above), yet its sigmoid or softmax stays a positive float32, so a budget that leaves a
+# token only such experts (its group kept none of its candidates) weighs them evenly instead of dividing 0 by 0.
 FLOOR = -60.0
 
 
