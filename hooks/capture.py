@@ -320,3 +320,8 @@ def router_info(runner: Any) -> RouterInfo:
         scoring_func=str(getattr(router, "scoring_func", "softmax")),
         routed_scaling_factor=float(getattr(router, "routed_scaling_factor", 1.0)),
     )
+
+
+def logits_entry(moe: Any) -> tuple[Any, str]:
+    """Where a MoE layer hands its router logits on: to the fused kernel (monolithic), else to the router."""
+    return (moe.routed_experts, "forward_monolithic") if moe.is_monolithic else (moe.router, "select_experts")

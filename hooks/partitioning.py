@@ -100,3 +100,21 @@ class Partitions:
         """Wait for every partition still closing."""
         for thread, _ in self.closing:
             thread.join()
+
+
+class StopAfter:
+    """A recording under ``vllm serve`` that closes after ``steps`` recorded steps, or ``seconds`` after its first
+    (the driver's ``MOETRACE_RECORD`` steps= / seconds=)."""
+
+    __slots__ = ("steps", "seconds", "first_at")
+
+    def __init__(self, steps: int | None, seconds: float | None) -> None:
+        self.steps, self.seconds = steps, seconds
+        self.first_at: float | None = None
+
+    def reached(self, recorded: int) -> bool:
+        """Whether the step just recorded, the ``recorded``-th, is the last."""
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+        return (self.steps is not None and recorded >= self.steps) or (
+            self.seconds is not None and time.monotonic() - self.first_at >= self.seconds)

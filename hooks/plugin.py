@@ -139,7 +139,7 @@ class RecordingWorkerExtension:
             "error": getattr(self, "_moetrace_error", None),
             "writer_error": recorder.writer.failed if recorder is not None else None,
             # requests the recorder holds an index for: the running ones (finished ones are dropped)
-            "live_requests": len(recorder.request_index) if recorder is not None else 0,
+            "live_requests": len(recorder.requests.index) if recorder is not None else 0,
         }
 
     def moetrace_close(self) -> dict[str, Any] | None:

@@ -31,38 +31,34 @@ The manifest's ``engine_thread_us_per_step`` says what each hook cost.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
-from types import TracebackType
 from typing import Any, cast
-
-import numpy as np
-import torch
 
 from moetrace.hooks.capture import (
     RoutingCapture,
+    logits_entry,
     router_info,
     unwrap_logits_entry,
     unwrap_router,
     wrap_logits_entry,
     wrap_router,
 )
+from moetrace.hooks.hookset import Guard, HookSet
 from moetrace.hooks.manifest import worker_manifest
 from moetrace.hooks.options import RecordingOptions, UnsupportedRunner
-from moetrace.hooks.partitioning import Partitions
+from moetrace.hooks.partitioning import Partitions, StopAfter
 from moetrace.hooks.planned import PlannedStep
+from moetrace.hooks.requests import RequestBook
 from moetrace.hooks.rerouting import EngineFacts, Rerouting, budget_sizes
 from moetrace.hooks.sampling import StepWindows, sampled_manifest
-from moetrace.hooks.vllm_api import (ForwardPlan, HookPoint, RunnerV1, RunnerV2, WorkerApi, require_fields,
-                                     sequence_limits)
+from moetrace.hooks.vllm_api import ForwardPlan, RunnerV1, RunnerV2, WorkerApi, require_fields
 from moetrace.hooks.rows import PackedLayout
-from moetrace.hooks.timing import GOLDEN_RATIO_CONJUGATE, TIMED_STEP_EVERY_ON_CUDA, PhaseTiming
+from moetrace.hooks.timing import TIMED_STEP_EVERY_ON_CUDA, StepTimer
 from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, copied_event, to_host
-from moetrace.trace.schema import TIMED_CALLS
 from moetrace.writer.metrics import MetricsState
 from moetrace.writer.ring import RingRows, SharedRows, ring_capacity
 from moetrace.writer.process import TraceWriter
@@ -71,7 +67,6 @@ log = logging.getLogger("moetrace")
 # How often the writer process is told the manifest sections the recorder adds at close: a trace whose engine was
 # killed is closed by its writer process, with the sections it was told last.
 SECTIONS_EVERY_NS = 10_000_000_000
-_HOOK_MARK = "_moetrace_hook"
 
 
 class Recorder:
@@ -83,9 +78,7 @@ class Recorder:
             raise UnsupportedRunner("moetrace records Model Runner V2 without data parallelism only "
                                     "(Model Runner V1 records it: VLLM_USE_V2_MODEL_RUNNER=0, vLLM 0.33 and earlier)")
         self.runner = runner
-        # vLLM's request id -> prompt + max_tokens, for the requests still running (across partitions): a
-        # request-step that begins at the last position is one vLLM runs after the request finished, and drops
-        self.sequence_limit: dict[str, int] = {}
+        self.requests = RequestBook()
         self.runners = api.target_moe_runners(runner.model)
         if not self.runners:
             raise UnsupportedRunner("the target model has no MoE layers to record")
@@ -136,11 +129,10 @@ class Recorder:
         if self.partitions is not None:
             self.partitions.watch_cap(lambda: self._closed is None)
         self._guarded = Guard(self._stop)
-        self._roles: dict[str, Callable[..., Any]] = {
+        self.hooks = HookSet({
             "step": self.step_begins, "sample": self.sample, "sample_tokens": self.sample_tokens,
-            "drafting": self.propose_draft_tokens, "capture_model": self.capture_model, "plan": self.inputs_prepared}
-        self._installed: list[tuple[HookPoint, Any]] = []  # each hook, and the instance attribute it replaced
-        self._timed_only: list[HookPoint] = []  # hooked only while a timed step is under way
+            "drafting": self.propose_draft_tokens, "capture_model": self.capture_model, "plan": self.inputs_prepared,
+            "planned": self.forward_planned, "planned_at_launch": self.forward_planned_at_launch})
         self.install()
 
     def _open_trace(self, options: RecordingOptions, launch_beside: bool = False) -> None:
@@ -148,8 +140,8 @@ class Recorder:
         ``launch_beside``: its writer process starts beside the engine thread (``TraceWriter``)."""
         self.options = options
         self.mechanisms: dict[str, int] = {}  # forwards recorded per capture mechanism
-        self.timing_every = int(options.time_phases_every or (
-            TIMED_STEP_EVERY_ON_CUDA if self.capture.cuda else 1))
+        self.timer = StepTimer(self.capture.cuda, int(options.time_phases_every or (
+            TIMED_STEP_EVERY_ON_CUDA if self.capture.cuda else 1)))
         sizes = budget_sizes(options, self._infos)
         if self.rerouting is not None:
             self.rerouting.restart(sizes)
@@ -160,7 +152,7 @@ class Recorder:
             "model_runner": self.model_runner.name,
             "recomputed_from_logits": any(entry is not None for entry in self.entries),
             "async_scheduling": not self.sampled_on_host,  # vLLM turns it off for some drafters
-            "phases_timed_every": self.timing_every,
+            "phases_timed_every": self.timer.every,
             "host_copy": self.copier.path,
             "replayed_routing": options.replay_routing,
             "sampled": sampled_manifest(options),
@@ -182,33 +174,17 @@ class Recorder:
             metrics_state=self._metrics_state,
             launch_beside=launch_beside,
         )
-        # vLLM's request id -> its index in the trace, for the requests still running (a finished one is dropped,
-        # so a server that runs for days holds no more than it runs at once); the writer process keeps every id
-        self.request_index: dict[str, int] = {}
-        self._requests_seen = 0
+        self.requests.restart()
         self.step = 0
-        # A recording window under `vllm serve`: close after this many steps or seconds (None: until shutdown).
-        self.window_steps: int | None = options.steps
-        self.window_seconds: float | None = options.seconds
-        self._windowed = self.window_steps is not None or self.window_seconds is not None
-        self._first_step_at: float | None = None
-        self._window_ends = False  # the step under way is the window's last: close once it is queued
+        # under `vllm serve`: close after this many steps or seconds (None: at shutdown)
+        self.stop_after = None if options.steps is None and options.seconds is None else StopAfter(
+            options.steps, options.seconds)
+        self._last_step = False  # the step under way is the last (``stop_after``): close once it is queued
         self._partition_ends = False  # the partition's period is over: the next step starts the next partition
         self._sections_due_ns = 0  # when the writer process is next told the closing sections (its first step)
         self._closed: dict[str, Any] | None = None
         self._pending: PendingStep | None = None
-        self.own_ns = {"step": 0, "graph": 0, "hand_over": 0, "layout": 0, "sample": 0, "sample_tokens": 0,
-                       "phase_timing": 0}
-        self.phases = {phase: PhaseTiming(self.capture.cuda) for phase in TIMED_CALLS}
-        self._timing_phase = 0.0  # a Weyl sequence: steps timed evenly, never in step with a periodic workload
-        self._time_next = False  # whether the next step is timed: decided once a forward is launched
-        self._advance_timing()
-        self._timing = False  # whether the step under way is timed (its phases and the hooks' own time)
-        self._phases_in_flight = False  # whether a timed step's events may not have been read yet
-        self._batch = 0  # requests scheduled in the timed step under way
         self._t_start = 0  # when the step under way began (ns since the epoch)
-        self._forward_began = 0  # the timed step's start (perf_counter_ns), and the events around its forward
-        self._forward_events: tuple[torch.cuda.Event, torch.cuda.Event] | tuple[()] | None = None
 
     def next_trace(self, options: RecordingOptions) -> dict[str, Any]:
         """Close this trace and go on recording into the one ``options`` names, with its budget, between steps (the
@@ -242,36 +218,7 @@ class Recorder:
         points = self.model_runner.hook_points()
         if self.rerouting is not None:
             points += self.model_runner.plan_points()
-        self._timed_only = [point for point in points if point.timed_only]
-        for point in points:
-            if not point.timed_only:
-                self._hook(point)
-
-    def _hook(self, point: HookPoint) -> None:
-        replaced = vars(point.owner).get(point.name)
-        if getattr(replaced, _HOOK_MARK, False):
-            return
-        original = getattr(point.owner, point.name)
-        if point.plan is None:
-            hook = functools.partial(self._roles[point.role], original)
-        else:
-            planned = self.forward_planned_at_launch if point.plan_at_launch else self.forward_planned
-            hook = functools.partial(planned, original, point.plan)
-        setattr(hook, _HOOK_MARK, True)
-        setattr(point.owner, point.name, hook)
-        self._installed.append((point, replaced))
-
-    def _unhook(self, point: HookPoint, replaced: Any) -> None:
-        if replaced is None:
-            vars(point.owner).pop(point.name, None)  # the class's method shows through again
-        else:
-            setattr(point.owner, point.name, replaced)
-
-    def _unhook_timed_only(self) -> None:
-        """Remove the hooks installed for the timed step under way (``HookPoint.timed_only``)."""
-        for entry in [entry for entry in self._installed if entry[0].timed_only]:
-            self._installed.remove(entry)
-            self._unhook(*entry)
+        self.hooks.install(points)
 
     def uninstall(self) -> None:
         """Restore the runner and routers as they were; the writer stays open until ``close``."""
@@ -279,10 +226,9 @@ class Recorder:
             unwrap_router(moe.router)
             if entry is not None:
                 unwrap_logits_entry(entry[0])
-        for point, replaced in reversed(self._installed):
-            self._unhook(point, replaced)
-        self._installed = []
-        self._pending = self._forward_events = self._scheduled = self._step_kwargs = self._plan = None
+        self.hooks.uninstall()
+        self.timer.forget_forward()
+        self._pending = self._scheduled = self._step_kwargs = self._plan = None
         self.capture.begin_step()  # the last forward's router outputs are not held while unhooked
 
     def close(self) -> dict[str, Any]:
@@ -310,8 +256,8 @@ class Recorder:
         device times of calls still in flight not waited for)."""
         sections: dict[str, Any] = {
             "capture_mechanisms": dict(self.mechanisms),
-            "engine_thread_us_per_step": self.engine_thread_us_per_step(),
-            "phases": {phase: timing.summary(wait=final) for phase, timing in self.phases.items()}}
+            "engine_thread_us_per_step": self.timer.us_per_step(),
+            "phases": self.timer.summary(final)}
         if self.partitions is not None and self.partitions.switch_ms is not None:
             sections["partition"] = {"switch_ms": round(self.partitions.switch_ms, 3)}
         return sections
@@ -336,12 +282,6 @@ class Recorder:
         self.uninstall()
         threading.Thread(target=self.close, name="moetrace-close").start()
 
-    def _window_over(self) -> bool:
-        if self._first_step_at is None:
-            self._first_step_at = time.monotonic()
-        return (self.window_steps is not None and self.step >= self.window_steps) or (
-            self.window_seconds is not None and time.monotonic() - self._first_step_at >= self.window_seconds)
-
     # -- engine-thread hooks: never raise into the engine ------------------------------------------------------
 
     def step_begins(self, original: Callable[..., Any], scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -356,35 +296,24 @@ class Recorder:
             self._scheduled, self._step_kwargs, self._plan = scheduler_output, kwargs, None
             if self.windows is not None:
                 self._sampled = self._is_request_step() and self.windows.admits(time.monotonic())
-            self.sequence_limit.update(sequence_limits(scheduler_output))
-            for finished in scheduler_output.finished_req_ids:  # done since the last step: no more rows to come
-                self.request_index.pop(finished, None)
-                self.sequence_limit.pop(finished, None)
+            self.requests.scheduled(scheduler_output)
             if self.capture.ran:  # outside CUDA graphs the routers' Python ran and kept references to their outputs
                 self.capture.begin_step()
-            if self._time_next or self._timing:  # a timed step begins, or the last one ended without sampling
+            if self.timer.next or self.timer.on:  # a timed step begins, or the last one ended without sampling
                 self._begin_timed_step()
         return original(scheduler_output, *args, **kwargs)
 
     def _begin_timed_step(self) -> None:
         """A timed step begins (``_time_next``): its forward phase is timed from here on, and its drafting hooked, if
         it is a request's step."""
-        timed, self._time_next, self._timing = self._time_next, False, False
+        timer = self.timer
+        timed, timer.next, timer.on = timer.next, False, False
         if timed and self.writer.failed is None and self._is_recorded():
-            self.own_ns["step"] += time.monotonic_ns() - self._t_start
+            timer.own_ns["step"] += time.monotonic_ns() - self._t_start
             began = time.perf_counter_ns()
-            for point in self._timed_only:
-                self._hook(point)
-            self._forward_events = self.phases["forward"].start()
-            self._forward_began = time.perf_counter_ns()
-            self.own_ns["phase_timing"] += self._forward_began - began
-            self._timing = True
-
-    def _advance_timing(self) -> None:
-        """Decide whether the next step is timed (one in ``timing_every``), once the forward is launched: before it,
-        under sync scheduling, the GPU idles."""
-        self._timing_phase = (self._timing_phase + GOLDEN_RATIO_CONJUGATE) % 1.0
-        self._time_next = self._timing_phase * self.timing_every < 1.0
+            self.hooks.hook_timed_only()
+            timer.start_forward()
+            timer.own_ns["phase_timing"] += time.perf_counter_ns() - began
 
     def _is_recorded(self) -> bool:
         """Whether the step under way is recorded: a request's step, in a sampling window if sampled."""
@@ -405,10 +334,10 @@ class Recorder:
         result = original(*args, **kwargs)
         with self._guarded:
             if self.writer.failed is None:
-                began = time.perf_counter_ns() if self._timing else 0
+                began = time.perf_counter_ns() if self.timer.on else 0
                 self._plan = (_already_read, plan(result, *args, **kwargs), (), {})
-                if self._timing:
-                    self.own_ns["graph"] += time.perf_counter_ns() - began
+                if self.timer.on:
+                    self.timer.own_ns["graph"] += time.perf_counter_ns() - began
         return result
 
     def forward_planned_at_launch(self, original: Callable[..., Any], plan: Callable[..., ForwardPlan], *args: Any,
@@ -439,34 +368,26 @@ class Recorder:
     def forward_launched(self) -> None:
         """The GPU runs the step's forward (called as sampling begins, under the caller's guard): hand the last steps
         over, then queue this step's copy."""
-        if self._timing and self._forward_events is not None:
-            ended = time.perf_counter_ns()
-            self._batch = len(self._scheduled.num_scheduled_tokens)
-            self.phases["forward"].end(self._batch, self._forward_events, ended - self._forward_began)
-            self.own_ns["phase_timing"] += time.perf_counter_ns() - ended
-        self._forward_events = None
-        began = time.perf_counter_ns() if self._timing else 0
+        timer = self.timer
+        timer.end_forward(len(self._scheduled.num_scheduled_tokens) if timer.on and self._scheduled is not None else 0)
+        began = time.perf_counter_ns() if timer.on else 0
         self.writer.forward_ready()
-        if self._phases_in_flight:  # a timed step's events: read once they have completed
-            for timing in self.phases.values():
-                timing.read_done()
-            self._phases_in_flight = any(timing.in_flight for timing in self.phases.values())
         if self._t_start >= self._sections_due_ns:
             self._sections_due_ns = self._t_start + SECTIONS_EVERY_NS
             self.writer.note_sections(self._closing_sections(final=False))
-        handed = time.perf_counter_ns() if self._timing else 0
+        handed = time.perf_counter_ns() if timer.on else 0
         self._pending = None
         plan, self._plan = self._plan, None
         if self.writer.failed is None and self._is_recorded():
             read, result, args, kwargs = plan if plan is not None else (_already_read, (None, None), (), {})
             self._pending = self._layout(*read(result, *args, **kwargs))
-            if self._windowed:  # here, not between vLLM's sync and the next launch
-                self._window_ends = self._window_over()
+            if self.stop_after is not None:  # here, not between vLLM's sync and the next launch
+                self._last_step = self.stop_after.reached(self.step)
         self._scheduled = self._step_kwargs = None
-        self._advance_timing()
-        if self._timing:
-            self.own_ns["hand_over"] += handed - began
-            self.own_ns["layout"] += time.perf_counter_ns() - handed
+        timer.advance()
+        if timer.on:
+            timer.own_ns["hand_over"] += handed - began
+            timer.own_ns["layout"] += time.perf_counter_ns() - handed
 
     def capture_model(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Model Runner V2 builds its CUDA-graph manager after load: hook it now, before its graphs are captured."""
@@ -479,46 +400,25 @@ class Recorder:
         """Runs inside ``sample_tokens``, while the GPU still runs the forward: notes when the step ended, and with
         async scheduling also counts the tokens each request kept (accepted drafts + 1) on the device, copied
         without blocking."""
-        sampled = self._timed("sampling", original, *args, **kwargs)
+        sampled = self.timer.timed("sampling", self._guarded, self.writer.failed is None, original, *args, **kwargs)
         with self._guarded:
-            began = time.perf_counter_ns() if self._timing else 0
+            began = time.perf_counter_ns() if self.timer.on else 0
             pending = self._pending
             if pending is not None and self.writer.failed is None:
                 if not self.sampled_on_host:
                     pending.kept = to_host(self.model_runner.kept_on_device(sampled)[: len(pending.requests)])
                     pending.copied = copied_event()  # now after both copies
                 pending.t_end = time.monotonic_ns()
-            if self._timing:
-                self.own_ns["sample"] += time.perf_counter_ns() - began
+            if self.timer.on:
+                self.timer.own_ns["sample"] += time.perf_counter_ns() - began
         return sampled
 
     def propose_draft_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Hooked for a timed step only (``HookPoint.timed_only``): vLLM's sync has passed, so on other steps the
         drafter is called with no hook between."""
         with self._guarded:
-            self._unhook_timed_only()
-        return self._timed("drafting", original, *args, **kwargs)
-
-    def _timed(self, phase: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``call``, timed as ``phase`` when the step under way is a timed one (``timing_every``): never
-        raises into the engine."""
-        if not self._timing:
-            return call(*args, **kwargs)
-        timing = self.phases[phase]
-        began = time.perf_counter_ns()
-        events = None
-        with self._guarded:
-            if self.writer.failed is None:
-                events = timing.start()
-        called = time.perf_counter_ns()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            returned = time.perf_counter_ns()
-            with self._guarded:
-                if events is not None:
-                    timing.end(self._batch, events, returned - called)
-            self.own_ns["phase_timing"] += called - began + time.perf_counter_ns() - returned
+            self.hooks.unhook_timed_only()
+        return self.timer.timed("drafting", self._guarded, self.writer.failed is None, original, *args, **kwargs)
 
     def sample_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Called once the step's forward is launched (``forward_launched`` runs first). vLLM has synced by the time
@@ -530,7 +430,7 @@ class Recorder:
             self.forward_launched()
         output = original(*args, **kwargs)
         with self._guarded:
-            began = time.perf_counter_ns() if self._timing else 0
+            began = time.perf_counter_ns() if self.timer.on else 0
             pending, self._pending = self._pending, None
             if pending is not None and pending.t_end:  # (the writer drops what it is given once recording failed)
                 if pending.kept is None:
@@ -539,20 +439,14 @@ class Recorder:
                         raise RuntimeError("vLLM's sample_tokens returned no host lists of sampled tokens")
                     pending.t_end = time.monotonic_ns()  # vLLM has synced: the step's GPU work (our copy too) is done
                 self.writer.submit(pending)
-                if self._window_ends or (self.partitions is not None and self.partitions.stop_at_cap.is_set()):
+                if self._last_step or (self.partitions is not None and self.partitions.stop_at_cap.is_set()):
                     self._stop_beside_the_engine()
                 elif self.partitions is not None and self.partitions.due():
                     self._partition_ends = True  # switched at the next step's start, once nothing is in flight
-            if self._timing:
-                self.own_ns["sample_tokens"] += time.perf_counter_ns() - began
-                self._timing, self._phases_in_flight = False, True
+            if self.timer.on:
+                self.timer.own_ns["sample_tokens"] += time.perf_counter_ns() - began
+                self.timer.end_step()
         return output
-
-    def engine_thread_us_per_step(self) -> dict[str, float]:
-        """What each hook added to the engine thread, in µs per recorded step (its own work, vLLM's excluded),
-        measured on the timed steps."""
-        steps = max(self.phases["forward"].calls, 1)
-        return {name: round(ns / steps / 1e3, 2) for name, ns in self.own_ns.items()}
 
     def _stop(self, exc: BaseException | str) -> None:
         reason = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
@@ -583,15 +477,12 @@ class Recorder:
         self.copier.copy(columns, where)
         self.mechanisms[mechanism] = self.mechanisms.get(mechanism, 0) + 1
         self.step += 1
-        new = tuple(r for r in inputs.req_ids if r not in self.request_index)
-        for request in new:
-            self.request_index[request] = self._requests_seen
-            self._requests_seen += 1
+        requests, sequence_limit, new = self.requests.of_step(inputs.req_ids)
         return PendingStep(
             step=self.step - 1,
             t_start=self._t_start,
-            requests=np.array([self.request_index[r] for r in inputs.req_ids], dtype=np.uint32),
-            sequence_limit=np.array([self.sequence_limit.get(r, 0) for r in inputs.req_ids], dtype=np.int64),
+            requests=requests,
+            sequence_limit=sequence_limit,
             new_requests=new,
             query_start=inputs.query_start,
             num_prompt_tokens=inputs.num_prompt_tokens,
@@ -601,32 +492,7 @@ class Recorder:
         )
 
 
-class Guard:
-    """The one guard around moetrace's own work in every hook (``with recorder._guarded:``): an exception stops
-    recording, said in the log and the manifest, and never reaches vLLM (vLLM's own calls run outside it). A plain
-    context manager, not a generator: entered several times a step on the engine thread."""
-
-    __slots__ = ("stop",)
-
-    def __init__(self, stop: Callable[[BaseException], None]) -> None:
-        self.stop = stop
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, trace: TracebackType | None
-                 ) -> bool:
-        if isinstance(exc, Exception):
-            self.stop(exc)
-            return True  # swallowed: the engine carries on unhooked
-        return False
-
-
 def _already_read(plan: ForwardPlan) -> ForwardPlan:
     """How a plan read as its call returned is read again once the forward is launched."""
     return plan
 
-
-def logits_entry(moe: Any) -> tuple[Any, str]:
-    """Where a MoE layer hands its router logits on: to the fused kernel (monolithic), else to the router."""
-    return (moe.routed_experts, "forward_monolithic") if moe.is_monolithic else (moe.router, "select_experts")

@@ -161,7 +161,7 @@ def test_between_vllms_sync_and_the_next_launch_the_recorder_only_notes_the_step
     assert set(seen["idle"]) <= {"Recorder.step_begins", "Recorder.forward_planned_at_launch",
                                  "RoutingCapture.begin_step", "RunnerV1.kept_on_host", "TraceWriter.failed",
                                  "TraceWriter.submit", "EngineRecord.set_submitted", "Guard.__enter__",
-                                 "Guard.__exit__", "sequence_limits"}, seen["idle"]
+                                 "Guard.__exit__", "RequestBook.scheduled", "sequence_limits"}, seen["idle"]
     for after_the_launch in ("RunnerV1.forward_plan", "Recorder.forward_launched", "Recorder._layout",
                              "TraceWriter.forward_ready", "Recorder._is_recorded"):
         assert after_the_launch in seen["busy"] and after_the_launch not in seen["idle"]
