@@ -32,6 +32,7 @@ import torch
 
 from moetrace.hooks.budget import LayerBudget, TokenGroups, restrict
 from moetrace.hooks.replay import ReplayedRouting
+from moetrace.hooks.vllm_api import require_fields
 
 RoutingFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 GraphKey = Callable[[], Hashable]
@@ -322,6 +323,35 @@ def router_info(runner: Any) -> RouterInfo:
     )
 
 
-def logits_entry(moe: Any) -> tuple[Any, str]:
-    """Where a MoE layer hands its router logits on: to the fused kernel (monolithic), else to the router."""
-    return (moe.routed_experts, "forward_monolithic") if moe.is_monolithic else (moe.router, "select_experts")
+def logits_entries(runners: list[Any], everywhere: bool) -> list[tuple[Any, str] | None]:
+    """Per MoE layer, where its routing is recomputed from the router logits (None: its router is wrapped): a kernel
+    that fuses routing never calls the router (``everywhere``: every layer, to check that path against the wrapped
+    one). The entry is the fused kernel (monolithic), else the router."""
+    entries: list[tuple[Any, str] | None] = []
+    for moe in runners:
+        entry = None
+        if moe.is_monolithic or everywhere:
+            entry = (moe.routed_experts, "forward_monolithic") if moe.is_monolithic else (moe.router, "select_experts")
+            require_fields(entry[0], (entry[1],), "MoE layer")
+        entries.append(entry)
+    return entries
+
+
+def wrap_layers(runners: list[Any], entries: list[tuple[Any, str] | None], capture: RoutingCapture,
+                changes: Callable[[int], tuple[tuple[TokenGroups, LayerBudget] | None, ReplayedRouting | None]] | None
+                ) -> None:
+    """Record every MoE layer's routing: its router wrapped (with what ``changes`` its routing, per layer: a budget,
+    a replay), or its logits entry where it has one (``logits_entries``). Idempotent."""
+    for slot, (moe, entry) in enumerate(zip(runners, entries)):
+        if entry is None:
+            wrap_router(moe.router, slot, capture, *(changes(slot) if changes is not None else (None, None)))
+        else:
+            wrap_logits_entry(entry[0], entry[1], moe.router, slot, capture)
+
+
+def unwrap_layers(runners: list[Any], entries: list[tuple[Any, str] | None]) -> None:
+    """Undo ``wrap_layers``."""
+    for moe, entry in zip(runners, entries):
+        unwrap_router(moe.router)
+        if entry is not None:
+            unwrap_logits_entry(entry[0])

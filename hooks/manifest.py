@@ -10,6 +10,7 @@ import torch
 
 from moetrace.hooks.capture import RouterInfo
 from moetrace.hooks.options import RecordingOptions
+from moetrace.hooks.sampling import sampled_manifest
 from moetrace.hooks.vllm_api import VllmApiError, expert_placement
 from moetrace.hooks.host import gpu_inventory, host_facts
 from moetrace.trace.model_config import kv_bytes_per_token
@@ -98,9 +99,10 @@ def kv_cache_bytes(vllm_config: Any) -> int:
 
 
 def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: RecordingOptions,
-                    capture: dict[str, Any]) -> dict[str, Any]:
-    """The manifest's sections that the worker knows as recording starts; ``capture``: what the recorder chose
-    (model runner, host copy, phase timing, …), added to the ``capture`` section."""
+                    budget_sizes: list[int] | None, capture: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's sections that the worker knows as recording starts; ``budget_sizes``: each recorded layer's
+    expert budget (None: none); ``capture``: what the recorder chose (model runner, host copy, phase timing, …),
+    added to the ``capture`` section."""
     model_config = vllm_config.model_config
     hf = model_config.hf_text_config
     parallel = vllm_config.parallel_config
@@ -168,6 +170,11 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: Record
             "candidates": options.candidates,
             "token_ids": options.token_ids,
             "step_clock": "monotonic",  # steps' t_start_ns / t_end_ns: CLOCK_MONOTONIC (durations and periods only)
+            "replayed_routing": options.replay_routing,
+            "sampled": sampled_manifest(options),
+            "budget": None if budget_sizes is None else {
+                "scope": options.budget_scope,
+                "per_layer": {str(router.layer): size for router, size in zip(routers, budget_sizes)}},
             **capture,
         },
         "workload": options.workload,

@@ -114,6 +114,12 @@ class RecordingOptions:
         """The JSON that ``from_text`` reads back."""
         return json.dumps(dataclasses.asdict(self))
 
+    def engine_changes(self, other: RecordingOptions) -> list[str]:
+        """The options ``other`` changes that only a new engine could take (the hooks, CUDA graphs and any replay
+        are built once per engine)."""
+        fixed = ("candidates", "token_ids", "recompute_from_logits", "replay_routing", "budget_scope")
+        return [name for name in fixed if getattr(other, name) != getattr(self, name)]
+
 
 class UnsupportedRunner(RuntimeError):
     """The worker's engine is one moetrace cannot record from as the options ask."""

@@ -2,31 +2,18 @@
 
 # T tokens in the step, R requests in the batch, L recorded MoE layers, K top-k, d_i drafts of request i
 
-Both of vLLM's model runners are recorded (``vllm_api.RunnerV1`` and ``RunnerV2`` say which calls are wrapped
-and where a step's batch lives): a step begins (V1: ``_update_states``; V2: ``execute_model``), a call says which
-CUDA graph its forward replays, the forward runs, ``sample_tokens`` runs the rejection sampler, and the drafter
-runs after both. Each of the three is timed (the manifest's ``phases``: host time, and on CUDA the device time
-between events around it, per batch size) on every step on the CPU and one step in ``TIMED_STEP_EVERY_ON_CUDA`` on
-a GPU (``--time-phases-every``), so a trace says where its steps' time went. The timed steps follow a Weyl
-sequence: spread evenly, never in step with a periodic workload (a fixed every-Nth step would time nothing but
-prefills when requests last N steps). On V1 no hook lies beneath the forward (see ``HookPoint``: a few Python frames
-more beneath a PIECEWISE forward cost it a page fault per layer).
-
-Under sync scheduling the GPU idles from vLLM's sync after sampling until the next forward is launched, so
-whatever a hook does there slows every step; everything else runs while the GPU is busy (and is hidden, but in
-steps whose host work outlasts the GPU's: prefills, forwards outside CUDA graphs). Before the launch the hooks only
-note the step; after vLLM's sync they count the host lists of sampled tokens and queue the step. The rest happens
-once the forward is launched, as ``sample_tokens`` begins: what lives on the host (request order, query starts,
-drafts per request) is copied because the runner reuses those arrays; what lives on the device (routing rows,
-positions, token ids) is packed into one block (``torch.cat`` of views) that the GPU writes, without blocking, on
-vLLM's stream, straight into a ring of pinned rows that the writer process maps too (``StepCopier``,
-``SharedRows``), so vLLM's own sync covers it. With async scheduling vLLM's own device count of kept tokens is
-copied too, and an event after it says when the step is ready. Once a later step's forward is launched the step is
-handed to the writer process, in a batch of steps (``TraceWriter.forward_ready``): one pickle of their few host
-arrays and where their rows lie, one pipe write; the writer process copies the rows out of the ring and assembles
-and encodes them (``StepRecord.assemble``): recording adds no host sync to a step, the engine thread never touches
-the routing rows, and no thread in the engine process competes with the engine loop for the GIL while steps flow.
-The manifest's ``engine_thread_us_per_step`` says what each hook cost.
+Both of vLLM's model runners are recorded (``vllm_api.RunnerV1`` and ``RunnerV2`` say which calls are wrapped and
+where a step's batch lives): a step begins, a call says which CUDA graph its forward replays, the forward runs,
+``sample_tokens`` runs the rejection sampler, and the drafter runs after both; each is timed on the timed steps
+(``timing.StepTimer``). Under sync scheduling the GPU idles from vLLM's sync after sampling until the next forward
+is launched, so whatever a hook does there slows every step: before the launch the hooks only note the step, after
+vLLM's sync they count the host lists of sampled tokens and queue the step. The rest happens once the forward is
+launched, as ``sample_tokens`` begins: what lives on the host is copied (the runner reuses those arrays); what lives
+on the device (routing rows, positions, token ids) is packed into one block that the GPU writes, without blocking,
+on vLLM's stream, into a ring of pinned rows the writer process maps too (``transfer.StepCopier``), so vLLM's own
+sync covers it. Once a later step's forward is launched, steps are handed to the writer process in a batch (one
+pickle, one pipe write), which assembles and encodes their rows: recording adds no host sync to a step, and the
+engine thread never touches the routing rows. docs/capture.md tells the design in full.
 """
 
 from __future__ import annotations
@@ -38,15 +25,7 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any, cast
 
-from moetrace.hooks.capture import (
-    RoutingCapture,
-    logits_entry,
-    router_info,
-    unwrap_logits_entry,
-    unwrap_router,
-    wrap_logits_entry,
-    wrap_router,
-)
+from moetrace.hooks.capture import RoutingCapture, logits_entries, router_info, unwrap_layers, wrap_layers
 from moetrace.hooks.hookset import Guard, HookSet
 from moetrace.hooks.manifest import worker_manifest
 from moetrace.hooks.options import RecordingOptions, UnsupportedRunner
@@ -54,8 +33,8 @@ from moetrace.hooks.partitioning import Partitions, StopAfter
 from moetrace.hooks.planned import PlannedStep
 from moetrace.hooks.requests import RequestBook
 from moetrace.hooks.rerouting import EngineFacts, Rerouting, budget_sizes
-from moetrace.hooks.sampling import StepWindows, sampled_manifest
-from moetrace.hooks.vllm_api import ForwardPlan, RunnerV1, RunnerV2, WorkerApi, require_fields
+from moetrace.hooks.sampling import StepWindows
+from moetrace.hooks.vllm_api import ForwardPlan, RunnerV1, RunnerV2, WorkerApi
 from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import TIMED_STEP_EVERY_ON_CUDA, StepTimer
 from moetrace.hooks.transfer import PackingColumns, PendingStep, StepCopier, copied_event, to_host
@@ -82,17 +61,9 @@ class Recorder:
         self.runners = api.target_moe_runners(runner.model)
         if not self.runners:
             raise UnsupportedRunner("the target model has no MoE layers to record")
-        # Kernels that fuse routing never call the router: their routing is recomputed from the router logits
-        # (the options may ask for that path everywhere, to check it against the wrapped one).
-        force = options.recompute_from_logits
-        self.entries = [logits_entry(r) if r.is_monolithic or force else None for r in self.runners]
-        for entry in self.entries:
-            if entry is not None:
-                require_fields(entry[0], (entry[1],), "MoE layer")
+        self.entries = logits_entries(self.runners, options.recompute_from_logits)
         infos = [router_info(r) for r in self.runners]
-        self.top_k = infos[0].top_k
-        self.candidates = options.candidates
-        self.token_ids = options.token_ids
+        self.top_k, self.candidates, self.token_ids = infos[0].top_k, options.candidates, options.token_ids
         device = self.device = next(runner.model.parameters()).device
         self.capture = RoutingCapture(
             int(runner.max_num_tokens), len(infos), self.top_k, self.candidates, device, graph_key=api.graph_key
@@ -107,12 +78,11 @@ class Recorder:
         self.windows = None if options.sample_steps is None else StepWindows(
             options.sample_steps, float(options.sample_every_seconds or 0.0))
         self._sampled = True  # whether the step under way is in a window
-        self.rerouting = None if options.budget is None and options.replay_routing is None else Rerouting(
-            options, EngineFacts([moe.router for moe in self.runners], infos, int(runner.max_num_tokens),
-                                 int(runner.max_num_reqs), self.model_runner.positions(),
-                                 (int(parallel.data_parallel_size), int(parallel.tensor_parallel_size)),
-                                 any(entry is not None for entry in self.entries), device,
-                                 vllm_config.model_config.dtype))
+        rerouted = options.budget is not None or options.replay_routing is not None
+        self.rerouting = None if not rerouted else Rerouting(options, EngineFacts(
+            [moe.router for moe in self.runners], infos, int(runner.max_num_tokens), int(runner.max_num_reqs),
+            self.model_runner.positions(), (int(parallel.data_parallel_size), int(parallel.tensor_parallel_size)),
+            any(entry is not None for entry in self.entries), device, vllm_config.model_config.dtype))
         self.layout = PackedLayout(len(infos), self.top_k, self.candidates, self.token_ids)
         self.packing = PackingColumns(self.token_ids)
         self.sampled_on_host = self.model_runner.sampled_on_host()
@@ -148,32 +118,20 @@ class Recorder:
         self.ring = SharedRows.create(ring_capacity(self.layout.width, int(self.runner.max_num_tokens)),
                                       self.layout.width)
         self.copier = StepCopier(self.device, self.ring, int(self.runner.max_num_tokens))
-        manifest = worker_manifest(self._vllm_config, self._infos, options, capture={
+        manifest = worker_manifest(self._vllm_config, self._infos, options, sizes, capture={
             "model_runner": self.model_runner.name,
             "recomputed_from_logits": any(entry is not None for entry in self.entries),
             "async_scheduling": not self.sampled_on_host,  # vLLM turns it off for some drafters
             "phases_timed_every": self.timer.every,
-            "host_copy": self.copier.path,
-            "replayed_routing": options.replay_routing,
-            "sampled": sampled_manifest(options),
-            "budget": None if sizes is None else {
-                "scope": options.budget_scope,
-                "per_layer": {str(info.layer): size for info, size in zip(self._infos, sizes)}}})
+            "host_copy": self.copier.path})
         if options.metrics_port is not None and self._metrics_state is None:  # one for every trace it records into
             self._metrics_state = MetricsState.create(len(self._infos), self._infos[0].num_experts,
                                                       int(manifest["spec"]["k"]))
         self.writer = TraceWriter(
-            Path(options.out),
-            manifest,
-            [i.layer for i in self._infos],
-            self.top_k,
-            self.candidates,
-            rotate_seconds=float(options.rotate_seconds),
-            rows=self.ring,
+            Path(options.out), manifest, [i.layer for i in self._infos], self.top_k, self.candidates,
+            rotate_seconds=float(options.rotate_seconds), rows=self.ring, metrics_state=self._metrics_state,
             metrics_port=None if options.metrics_port is None else options.metrics_port + self.dp_rank,
-            metrics_state=self._metrics_state,
-            launch_beside=launch_beside,
-        )
+            launch_beside=launch_beside)
         self.requests.restart()
         self.step = 0
         # under `vllm serve`: close after this many steps or seconds (None: at shutdown)
@@ -191,8 +149,7 @@ class Recorder:
         driver's ``moetrace_next_trace``): the hooks, CUDA graphs and any replay stay as they are, so one engine
         records a sweep of budgets. Returns the closed trace's manifest; ``ValueError`` for options only a new
         engine could take."""
-        fixed = ("candidates", "token_ids", "recompute_from_logits", "replay_routing", "budget_scope")
-        changed = [name for name in fixed if getattr(options, name) != getattr(self.options, name)]
+        changed = self.options.engine_changes(options)
         if changed:
             raise ValueError(f"a new trace keeps the engine's {', '.join(changed)}: only a new engine changes them")
         if options.budget is not None and (self.rerouting is None or self.rerouting.budgets is None):
@@ -209,12 +166,8 @@ class Recorder:
         """Wrap the routers and the runner's step calls; installing twice, or after close, changes nothing."""
         if self._closed is not None:
             return
-        for slot, (moe, entry) in enumerate(zip(self.runners, self.entries)):
-            if entry is None:
-                wrap_router(moe.router, slot, self.capture,
-                            *(self.rerouting.of_layer(slot) if self.rerouting is not None else (None, None)))
-            else:
-                wrap_logits_entry(entry[0], entry[1], moe.router, slot, self.capture)
+        rerouting = self.rerouting
+        wrap_layers(self.runners, self.entries, self.capture, None if rerouting is None else rerouting.of_layer)
         points = self.model_runner.hook_points()
         if self.rerouting is not None:
             points += self.model_runner.plan_points()
@@ -222,10 +175,7 @@ class Recorder:
 
     def uninstall(self) -> None:
         """Restore the runner and routers as they were; the writer stays open until ``close``."""
-        for moe, entry in zip(self.runners, self.entries):
-            unwrap_router(moe.router)
-            if entry is not None:
-                unwrap_logits_entry(entry[0])
+        unwrap_layers(self.runners, self.entries)
         self.hooks.uninstall()
         self.timer.forget_forward()
         self._pending = self._scheduled = self._step_kwargs = self._plan = None
@@ -304,8 +254,8 @@ class Recorder:
         return original(scheduler_output, *args, **kwargs)
 
     def _begin_timed_step(self) -> None:
-        """A timed step begins (``_time_next``): its forward phase is timed from here on, and its drafting hooked, if
-        it is a request's step."""
+        """A timed step begins (``StepTimer.next``): its forward phase is timed from here on, and its drafting
+        hooked, if it is a request's step."""
         timer = self.timer
         timed, timer.next, timer.on = timer.next, False, False
         if timed and self.writer.failed is None and self._is_recorded():
@@ -479,17 +429,10 @@ class Recorder:
         self.step += 1
         requests, sequence_limit, new = self.requests.of_step(inputs.req_ids)
         return PendingStep(
-            step=self.step - 1,
-            t_start=self._t_start,
-            requests=requests,
-            sequence_limit=sequence_limit,
-            new_requests=new,
-            query_start=inputs.query_start,
-            num_prompt_tokens=inputs.num_prompt_tokens,
-            drafts=inputs.drafts,
-            packed=RingRows(where.offset, num_tokens, where.end),  # padding rows, if any, left out
-            layout=self.layout,
-        )
+            step=self.step - 1, t_start=self._t_start, requests=requests, sequence_limit=sequence_limit,
+            new_requests=new, query_start=inputs.query_start, num_prompt_tokens=inputs.num_prompt_tokens,
+            drafts=inputs.drafts, layout=self.layout,
+            packed=RingRows(where.offset, num_tokens, where.end))  # padding rows, if any, left out
 
 
 def _already_read(plan: ForwardPlan) -> ForwardPlan:
