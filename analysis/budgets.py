@@ -19,7 +19,7 @@ from functools import cached_property
 import polars as pl
 
 from moetrace.analysis.counterfactual import CutSequence, Proposals, proposed_drafts
-from moetrace.analysis.predicates import HASH_RANGE, accepted_sequence, not_prefill, step_key
+from moetrace.analysis.predicates import HASH_RANGE, accepted_sequence, in_sequence, not_prefill, step_key
 
 WINDOW = ["layer", "window_major", "window_minor"]
 NEVER_KEPT = 1 << 30  # rank of a picked expert the candidates did not list
@@ -107,16 +107,23 @@ def sample_share(rows: int, max_rows: int = MAX_SAMPLE_ROWS) -> float:
 
 
 def sampled_windows(routing: pl.LazyFrame, share: float, columns: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """The accepted and stepped tables of a ``WindowSample`` at ``share``, one pass over the rows per table;
+    """The accepted and stepped tables of a ``WindowSample`` at ``share``, read in one pass over the rows (each
+    table's rows flagged, then split: a pass decodes every row's experts and weights before any filter);
     ``columns`` besides the keys every window needs. Each row is kept or not by a hash of its own block or step
     key, so the sample of a trace's parts is the sample of the whole."""
     keys = ["layer", "step", "dp_rank", "request", "position", "phase", "draft_pos", "accepted"]
-    accepted = accepted_sequence(routing)
-    stepped = routing.filter(not_prefill()).with_columns(step_key())
-    if share < 1.0:
-        accepted, stepped = accepted.filter(block_sampled(share)), stepped.filter(step_sampled(share))
     chosen = [*keys, *columns]
-    return accepted.select(chosen).collect(), stepped.select(*chosen, "step_key").collect()
+    in_accepted, in_stepped = in_sequence(), pl.lit(True)
+    if share < 1.0:
+        in_accepted, in_stepped = in_accepted & block_sampled(share), step_sampled(share)
+    both = (routing.filter(not_prefill()).with_columns(step_key())
+            .with_columns(in_accepted=in_accepted, in_stepped=in_stepped)
+            .filter(pl.col("in_accepted") | pl.col("in_stepped"))
+            .select(*chosen, "step_key", "in_accepted", "in_stepped").collect())
+    # one chunk each: Polars sorts and gathers a frame of many chunks (one per file and row group) many times slower
+    # (a 3M-row sample: 11 s against 0.6 s)
+    return (both.filter("in_accepted").select(chosen).rechunk(),
+            both.filter("in_stepped").select(*chosen, "step_key").rechunk())
 
 
 def block_sampled(share: float) -> pl.Expr:

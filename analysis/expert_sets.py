@@ -133,6 +133,8 @@ def group_union(masks: Masks, group_starts: npt.NDArray[np.int64]) -> Masks:
     """Union of contiguous row groups; ``group_starts`` are the first row of each group, ascending."""
     if len(group_starts) == 0:
         return np.zeros((0, masks.shape[1]), dtype=np.uint64)
+    if len(group_starts) == len(masks):  # a group per row (plain decoding, one token a request-step): the rows
+        return masks
     return np.bitwise_or.reduceat(masks, group_starts, axis=0)
 
 

@@ -191,7 +191,10 @@ class WindowRows:
         bounds = None if order is None else np.searchsorted(self.layer[order], layers, side="right")
         for i in range(count):
             if order is None or bounds is None:
-                part, layer = self.take(slice(i, None, count)), int(self.layer[i])
+                # copied out of the stride: each layer's rows are read many times, and a strided row is a cache miss
+                layer = int(self.layer[i])
+                part = WindowRows(*(np.ascontiguousarray(getattr(self, f.name)[i::count])
+                                    for f in dataclasses.fields(self)))
             else:
                 part, layer = self.take(order[(bounds[i - 1] if i else 0) : bounds[i]]), int(layers[i])
             if not bool(np.all(np.diff(part.step.astype(np.int64)) >= 0)):
@@ -200,21 +203,26 @@ class WindowRows:
 
 
 def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
-    """The trace's non-prefill rows as ``WindowRows``: one pass over the files; each column moved into numpy and
-    dropped from the Polars frame in turn, so that the peak holds the frame and one column's copy, not two frames."""
-    frame = (
-        routing.filter(not_prefill())
-        .select(
-            "layer",
-            step_key().alias("step"),
-            "request",
-            "draft_pos",
-            (pl.col("phase").cast(pl.String) == "verify").alias("is_verify"),
-            in_sequence().alias("in_sequence"),
-            "experts",
-        )
-        .collect()
+    """The trace's non-prefill rows as ``WindowRows``: one pass over the files."""
+    return window_rows(window_rows_query(routing).collect())
+
+
+def window_rows_query(routing: pl.LazyFrame) -> pl.LazyFrame:
+    """The query ``window_rows`` takes the collected frame of."""
+    return routing.filter(not_prefill()).select(
+        "layer",
+        step_key().alias("step"),
+        "request",
+        "draft_pos",
+        (pl.col("phase").cast(pl.String) == "verify").alias("is_verify"),
+        in_sequence().alias("in_sequence"),
+        "experts",
     )
+
+
+def window_rows(frame: pl.DataFrame) -> WindowRows:
+    """``window_rows_query``'s frame as ``WindowRows``: each column moved into numpy and dropped from the frame in
+    turn, so that the peak holds the frame and one column's copy, not two frames."""
     columns = {}
     for field in dataclasses.fields(WindowRows):
         columns[field.name] = np.ascontiguousarray(frame.drop_in_place(field.name).to_numpy())
@@ -235,8 +243,11 @@ def measured_window_sums(
         masks = expert_masks(part.experts, num_experts)
         for k in range(trace_k + 1):
             capped = part.draft_pos <= k
-            read, step = masks[capped], part.step[capped]
-            unions = group_union(read, group_starts(step, part.request[capped]))
+            if bool(capped.all()):  # no draft past k (plain decoding, or k = the trace's): no copy
+                read, step, request = masks, part.step, part.request
+            else:
+                read, step, request = masks[capped], part.step[capped], part.request[capped]
+            unions = group_union(read, group_starts(step, request))
             found.append(_window_row(layer, k, MEASURED, PER_REQUEST, unions, ranks))
             if whole_steps:
                 found.append(_window_row(layer, k, MEASURED, PER_BATCH, group_union(read, group_starts(step)), ranks))
