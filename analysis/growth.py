@@ -203,26 +203,21 @@ class WindowRows:
 
 
 def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
-    """The trace's non-prefill rows as ``WindowRows``: one pass over the files."""
-    return window_rows(window_rows_query(routing).collect())
-
-
-def window_rows_query(routing: pl.LazyFrame) -> pl.LazyFrame:
-    """The query ``window_rows`` takes the collected frame of."""
-    return routing.filter(not_prefill()).select(
-        "layer",
-        step_key().alias("step"),
-        "request",
-        "draft_pos",
-        (pl.col("phase").cast(pl.String) == "verify").alias("is_verify"),
-        in_sequence().alias("in_sequence"),
-        "experts",
+    """The trace's non-prefill rows as ``WindowRows``: one pass over the files; each column moved into numpy and
+    dropped from the Polars frame in turn, so that the peak holds the frame and one column's copy, not two frames."""
+    frame = (
+        routing.filter(not_prefill())
+        .select(
+            "layer",
+            step_key().alias("step"),
+            "request",
+            "draft_pos",
+            (pl.col("phase").cast(pl.String) == "verify").alias("is_verify"),
+            in_sequence().alias("in_sequence"),
+            "experts",
+        )
+        .collect()
     )
-
-
-def window_rows(frame: pl.DataFrame) -> WindowRows:
-    """``window_rows_query``'s frame as ``WindowRows``: each column moved into numpy and dropped from the frame in
-    turn, so that the peak holds the frame and one column's copy, not two frames."""
     columns = {}
     for field in dataclasses.fields(WindowRows):
         columns[field.name] = np.ascontiguousarray(frame.drop_in_place(field.name).to_numpy())
