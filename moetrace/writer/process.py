@@ -58,7 +58,6 @@ PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = 1031  # Linux fcntl: grow a pipe's buffer
 
 
-
 class TraceWriter:
     """The engine side of one trace directory: steps go down a pipe to the writer process.
 
@@ -68,27 +67,14 @@ class TraceWriter:
     steps whose copies have landed over in one batch (``HAND_OVER_STEPS``, ``SEND_EVERY_SECONDS``, a quarter of the
     ring: their rows stay in the ``rows`` ring, which the writer process maps too, so only where they lie is
     pickled) through a non-blocking pipe, and otherwise returns at once; what the pipe cannot take yet waits in
-    memory. Why recording stopped, if it did, is kept in the
-    shared memory too. Once the engine has gone quiet for ``IDLE_FORWARD_SECONDS``, a
-    thread forwards what is left (an engine stopped while idle, as ``vllm serve`` kills its workers, holds no step
-    back)."""
+    memory. Why recording stopped, if it did, is kept in the shared memory too. Once the engine has gone quiet for
+    ``IDLE_FORWARD_SECONDS``, a thread forwards what is left (an engine stopped while idle, as ``vllm serve`` kills
+    its workers, holds no step back)."""
 
-    def __init__(
-        self,
-        root: Path,
-        manifest: dict[str, Any],
-        moe_layers: list[int],
-        top_k: int,
-        candidates: int = 0,
-        rotate_rows: int = 4_000_000,
-        rotate_seconds: float = 10.0,
-        row_group_rows: int = 262_144,
-        batch_seconds: float = 1.0,
-        rows: SharedRows | None = None,
-        metrics_port: int | None = None,
-        metrics_state: MetricsState | None = None,
-        launch_beside: bool = False,
-    ) -> None:
+    def __init__(self, root: Path, manifest: dict[str, Any], moe_layers: list[int], top_k: int, candidates: int = 0,
+                 rotate_rows: int = 4_000_000, rotate_seconds: float = 10.0, row_group_rows: int = 262_144,
+                 batch_seconds: float = 1.0, rows: SharedRows | None = None, metrics_port: int | None = None,
+                 metrics_state: MetricsState | None = None, launch_beside: bool = False) -> None:
         """``rows``: the ring that steps leave their rows in, shared with the writer process (closed with the
         writer); ``metrics_port``: where the writer process serves the recording's live metrics
         (``moetrace.writer.metrics``), if anywhere, kept in ``metrics_state`` (an always-on recording's, which
@@ -138,12 +124,7 @@ class TraceWriter:
             except BaseException:  # no writer process: nothing may stay open behind the error
                 for fd in (self._to_child, from_child_r):
                     os.close(fd)
-                self._shared.memory.close()
-                self._shared_file.close()
-                if self.rows is not None:
-                    self.rows.close()
-                if self._own_metrics is not None:
-                    self._own_metrics.close()
+                self._release_shared()
                 raise
         os.set_blocking(self._to_child, False)
         self._from_child = os.fdopen(from_child_r, "rb")
@@ -256,6 +237,11 @@ class TraceWriter:
                                          error=self.failed or "the writer process ended unexpectedly")
         if self._final.get("error") and self.failed is None:
             self.failed = str(self._final["error"])
+        self._release_shared()
+        return self._final
+
+    def _release_shared(self) -> None:
+        """Close the memory shared with the writer process (the record, the ring, its own metrics), once."""
         if self._shared is not None:
             self._shared.memory.close()
             self._shared = None
@@ -264,7 +250,6 @@ class TraceWriter:
                 self.rows.close()
             if self._own_metrics is not None:
                 self._own_metrics.close()
-        return self._final
 
     def _forward_when_idle(self) -> None:
         """Thread: forwards what is queued once no step has been forwarded for ``IDLE_FORWARD_SECONDS``; while
