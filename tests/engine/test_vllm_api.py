@@ -68,7 +68,7 @@ def test_the_expert_placement_recorded_is_vllms_own_for_every_rank(monkeypatch: 
     # 10 experts over 4 ranks: vLLM gives each rank 10 // 4 and the first 10 % 4 ranks one more
     assert expert_placement(10, 4, "linear") == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3] == linear_placement(10, 4).tolist()
     assert manifest.placement_facts(10, 1, "linear")["expert_placement"] == "linear"
-    monkeypatch.setattr(vllm_api, "EXPERT_MAP_PATHS", ("vllm.no_such_module.determine_expert_map",))
+    monkeypatch.setattr(vllm_api.resolve, "EXPERT_MAP_PATHS", ("vllm.no_such_module.determine_expert_map",))
     facts = manifest.placement_facts(10, 4, "round_robin")
     assert facts["expert_placement"] == "round_robin" and "no_such_module" in facts["expert_placement_note"]
 

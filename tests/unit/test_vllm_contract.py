@@ -1,4 +1,4 @@
-"""The contract with vLLM, per release: every internal ``hooks/vllm_api.py`` names, checked against the sources of
+"""The contract with vLLM, per release: every internal ``hooks/vllm_api/`` names, checked against the sources of
 each release in ``CHECKED`` (their wheels, cached outside the repo: ``moetrace.hooks.contract``). A release that
 lacks one fails here unless vllm_api tries the path it moved to or refuses that release's runner."""
 
