@@ -130,7 +130,8 @@ def count_experts(masks: Masks) -> npt.NDArray[np.int64]:
 
 
 def group_union(masks: Masks, group_starts: npt.NDArray[np.int64]) -> Masks:
-    """Union of contiguous row groups; ``group_starts`` are the first row of each group, ascending."""
+    """Union of contiguous row groups; ``group_starts`` are the first row of each group, ascending (``masks`` itself
+    where every group is one row)."""
     if len(group_starts) == 0:
         return np.zeros((0, masks.shape[1]), dtype=np.uint64)
     if len(group_starts) == len(masks):  # a group per row (plain decoding, one token a request-step): the rows

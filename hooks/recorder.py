@@ -350,7 +350,8 @@ class Recorder:
         """Runs inside ``sample_tokens``, while the GPU still runs the forward: notes when the step ended, and with
         async scheduling also counts the tokens each request kept (accepted drafts + 1) on the device, copied
         without blocking."""
-        sampled = self.timer.timed("sampling", self._guarded, self.writer.failed is None, original, *args, **kwargs)
+        sampled = original(*args, **kwargs) if not self.timer.on else self.timer.timed(  # (untimed: nothing more)
+            "sampling", self._guarded, self.writer.failed is None, original, *args, **kwargs)
         with self._guarded:
             began = time.perf_counter_ns() if self.timer.on else 0
             pending = self._pending
