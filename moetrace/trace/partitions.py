@@ -12,7 +12,9 @@ and moetrace's own reports of a root are written beside it, not in it.
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -30,12 +32,28 @@ def partition_dir(root: Path, started: float, period: float) -> Path:
 
 
 def partitions(root: Path) -> list[Path]:
-    """Every partition under ``root`` (a folder holding a manifest), oldest first."""
-    return sorted(manifest.parent for manifest in root.glob(f"date=*/hour=*/**/{MANIFEST_NAME}"))
+    """Every partition under ``root`` (a folder ``date=*/hour=*[/...]`` holding a manifest), oldest first. The disk
+    cap deletes partitions while others walk the root (its own threads, a user's report): one gone mid-walk is left
+    out (``os.walk`` skips a folder it cannot list; ``Path.glob`` raises)."""
+    found = []
+    for folder, _, files in os.walk(root):
+        parts = Path(folder).relative_to(root).parts
+        if MANIFEST_NAME in files and len(parts) >= 2 and parts[0].startswith("date=") and parts[1].startswith("hour="):
+            found.append(Path(folder))
+    return sorted(found)
 
 
 def bytes_under(path: Path) -> int:
-    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+    """Bytes of the files under ``path``; one deleted while it is walked counts nothing (as ``partitions``)."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                found = os.stat(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue
+            total += found.st_size if stat.S_ISREG(found.st_mode) else 0
+    return total
 
 
 def partition_bytes(root: Path) -> int:
@@ -63,7 +81,10 @@ def drop_oldest(root: Path, cap: int, keep: Collection[Path]) -> list[Path]:
         shutil.rmtree(partition, ignore_errors=True)
         dropped.append(partition)
         for parent in partition.parents:  # hour=, then date= folders left empty
-            if parent == root or any(parent.iterdir()):
+            try:
+                if parent == root or any(parent.iterdir()):
+                    break
+                parent.rmdir()
+            except OSError:  # gone, or filled again, under another thread's hands
                 break
-            parent.rmdir()
     return dropped

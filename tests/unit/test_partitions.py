@@ -46,3 +46,40 @@ def test_the_cap_counts_and_drops_partitions_only_never_a_file_kept_beside_them_
     assert held == 2004 and not over_cap(tmp_path, held) and over_cap(tmp_path, held - 1)
     assert drop_oldest(tmp_path, held, keep=[newest]) == [] and partitions(tmp_path) == [old, newest]
     assert drop_oldest(tmp_path, held - 1, keep=[newest]) == [old] and report.stat().st_size == 5_000_000
+
+
+def test_partitions_deleted_while_the_root_is_walked_are_left_out_not_an_error(tmp_path: Path) -> None:
+    """The disk cap deletes partitions on a thread of the recording (or in the server, while a user reports on the
+    root): a walk that meets a folder gone under it counts what is still there. Checked by deleting and
+    re-creating partitions as fast as possible while other walks run."""
+    import shutil
+    import threading
+
+    root = tmp_path / "root"
+    folders = [root / "date=2026-12-06" / "hour=15" / f"start=1500{i:02d}" for i in range(40)]
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            for folder in folders:
+                (folder / "routing").mkdir(parents=True, exist_ok=True)
+                (folder / "routing" / "part.parquet").write_bytes(b"x" * 64)
+                (folder / "manifest.json").write_text("{}")
+            for folder in folders:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    walker = threading.Thread(target=churn)
+    walker.start()
+    try:
+        for _ in range(400):
+            found = partitions(root)
+            assert all(path in folders for path in found) and found == sorted(found)
+            assert bytes_under(root) >= 0
+    finally:
+        stop.set()
+        walker.join()
+    for folder in folders[:3]:  # once still, every partition is found and counted
+        (folder / "routing").mkdir(parents=True)
+        (folder / "routing" / "part.parquet").write_bytes(b"x" * 64)
+        (folder / "manifest.json").write_text("{}")
+    assert partitions(root) == folders[:3] and bytes_under(root) == 3 * (64 + 2)
