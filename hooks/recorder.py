@@ -226,6 +226,9 @@ class Recorder:
             self._open_trace(self.partitions.options_for(self.options), launch_beside=True)
             self.partitions.close_beside(writer, sections)
             self.partitions.switch_ms = (time.perf_counter() - began) * 1e3
+            # told now, not at its first forward: a switch on a step without one (nothing scheduled) may open the
+            # last partition, which the writer process closes alone when `vllm serve` kills the engine
+            self.writer.note_sections(self._closing_sections(final=False))
 
     def _stop_beside_the_engine(self) -> None:
         """Unhook now, on the engine thread, and close the trace on a thread of its own: the engine runs on."""

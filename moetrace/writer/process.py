@@ -197,7 +197,7 @@ class TraceWriter:
     def forward_ready(self) -> None:
         """Hand the queued steps that are ready (their copies have landed) over, if it is time (``HAND_OVER_STEPS``);
         never blocks and never raises: while the idle forwarder is handing steps over, it leaves them to it."""
-        if not (self._waiting or self._backlog):
+        if not (self._waiting or self._backlog or self._sections is not None):
             return
         if (len(self._waiting) < HAND_OVER_STEPS and time.monotonic() - self._last_forward < SEND_EVERY_SECONDS
                 and (self.rows is None or 4 * self.rows.in_use() < self.rows.capacity)):
@@ -252,10 +252,12 @@ class TraceWriter:
                 self._own_metrics.close()
 
     def _forward_when_idle(self) -> None:
-        """Thread: forwards what is queued once no step has been forwarded for ``IDLE_FORWARD_SECONDS``; while
-        steps flow it only wakes to find the engine thread has done it."""
+        """Thread: forwards what is queued (steps, sections) once nothing has been forwarded for
+        ``IDLE_FORWARD_SECONDS``; while steps flow it only wakes to find the engine thread has done it. Sections go
+        alone too: a partition whose engine is killed before it records a step still closes with them."""
         while not self._closing.wait(IDLE_FORWARD_SECONDS):
-            if (self._waiting or self._backlog) and time.monotonic() - self._last_forward >= IDLE_FORWARD_SECONDS:
+            if ((self._waiting or self._backlog or self._sections is not None)
+                    and time.monotonic() - self._last_forward >= IDLE_FORWARD_SECONDS):
                 self.forward_ready()
 
     def _forward(self, wait: bool) -> None:

@@ -452,13 +452,14 @@ from moetrace.writer.process import TraceWriter
 writer = TraceWriter(Path({root!r}), manifest(), LAYERS, TOP_K, row_group_rows=10)
 rng = np.random.default_rng(5)
 writer.note_sections({{"partition": {{"switch_ms": 4.25}}, "phases": {{"forward": {{"1": {{"calls": 3}}}}}}}})
-for step in range(4):
+for step in range({steps}):
     writer.submit(verify_step(step, rng))
 if {mid_step}:
     writer.submit(NotReadyYet(verify_step(4, rng), polls=100))  # its copies never land before the kill
 deadline = time.monotonic() + 30
-while writer.steps < 4 and time.monotonic() < deadline:
+while writer.steps < {steps} and time.monotonic() < deadline:
     time.sleep(0.05)
+time.sleep(0.5)  # idle, as `vllm serve` is before it stops
 if {unsent}:  # two more steps queued by the engine thread, not yet time to hand them over
     moetrace.writer.process.SEND_EVERY_SECONDS = 3600
     for step in (5, 6):
@@ -471,10 +472,10 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def kill_engine_and_read_manifest(root: Path, mid_step: bool, unsent: bool = False, stopped: bool = False
-                                  ) -> dict[str, Any]:
+def kill_engine_and_read_manifest(root: Path, mid_step: bool, unsent: bool = False, stopped: bool = False,
+                                  steps: int = 4) -> dict[str, Any]:
     script = ENGINE_THAT_DIES.format(tests=str(Path(__file__).parent), root=str(root), mid_step=mid_step,
-                                     unsent=unsent, stopped=stopped)
+                                     unsent=unsent, stopped=stopped, steps=steps)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == -9, done.stderr[-2000:]
     deadline = time.monotonic() + 30
@@ -482,9 +483,9 @@ def kill_engine_and_read_manifest(root: Path, mid_step: bool, unsent: bool = Fal
         assert time.monotonic() < deadline, "the writer process never finished the manifest"
         time.sleep(0.1)
     assert not list(root.rglob("*.inprogress")), "the writer process closed every file"
-    assert open_trace(root).routing().collect().height == 4 * 6 * len(LAYERS)
+    assert open_trace(root).routing().collect().height == steps * 6 * len(LAYERS)
     final: dict[str, Any] = json.loads((root / "manifest.json").read_text())
-    assert final["counts"]["steps"] == 4
+    assert final["counts"]["steps"] == steps
     return final
 
 
@@ -494,6 +495,15 @@ def test_an_engine_killed_while_idle_leaves_a_complete_trace(tmp_path: Path) -> 
     final = kill_engine_and_read_manifest(tmp_path / "trace", mid_step=False)
     assert final["complete"] is True and "every recorded step handed over" in final["end"]
     # with what the recorder adds at close, as it last told the writer process (a partition's switch, phases)
+    assert final["partition"] == {"switch_ms": 4.25} and final["phases"] == {"forward": {"1": {"calls": 3}}}
+
+
+def test_an_engine_killed_before_its_first_step_leaves_a_complete_trace_with_what_the_recorder_told(
+        tmp_path: Path) -> None:
+    """A partition switch on a step with nothing scheduled may open the last partition of a `vllm serve`; killed
+    before it records a step, its writer process still closes it with the recorder's sections (they went alone)."""
+    final = kill_engine_and_read_manifest(tmp_path / "trace", mid_step=False, steps=0)
+    assert final["complete"] is True
     assert final["partition"] == {"switch_ms": 4.25} and final["phases"] == {"forward": {"1": {"calls": 3}}}
 
 
