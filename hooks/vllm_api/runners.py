@@ -211,13 +211,18 @@ class RunnerV2:
         return [HookPoint("plan", self.runner, "prepare_inputs", planning=True)]
 
     @staticmethod
-    def planned_step(batch: Any) -> PlannedStep:
-        """The step's batch as ``prepare_inputs`` returned it, in its own request order (decodes first)."""
+    def planned_step(batch: Any) -> PlannedStep | None:
+        """The step's batch as ``prepare_inputs`` returned it, in its own request order (decodes first); None for a
+        kernel warm-up's (requests of V2's own: counted, they would shift which trace request a replay gives the
+        first request served)."""
         num_reqs = int(batch.num_reqs)
+        req_ids = list(batch.req_ids[:num_reqs])
+        if req_ids and _is_warmup_request(req_ids[0]):
+            return None
         drafts = batch.num_draft_tokens_per_req
         return PlannedStep(batch.query_start_loc_np[: num_reqs + 1].astype(np.int64),
                            np.zeros(num_reqs, np.int64) if drafts is None else drafts[:num_reqs].astype(np.int64),
-                           list(batch.req_ids[:num_reqs]))
+                           req_ids)
 
     def positions(self) -> torch.Tensor:
         """The runner's device positions [>= T_max], at a fixed address: each forward's tokens' are its first T."""
@@ -230,8 +235,7 @@ class RunnerV2:
     @staticmethod
     def is_warmup(scheduler_output: Any) -> bool:
         """Whether the step is V2's kernel warm-up (its batches hold only requests of its own)."""
-        first = next(iter(scheduler_output.num_scheduled_tokens), "")
-        return isinstance(first, str) and first.startswith(WARMUP_REQUEST_PREFIXES)
+        return _is_warmup_request(next(iter(scheduler_output.num_scheduled_tokens), ""))
 
     def step_inputs(self) -> StepInputs:
         batch = self.runner.execute_model_state.input_batch
@@ -281,3 +285,8 @@ class GraphsNamingCaptures(dict[Any, Any]):
     def __setitem__(self, desc: Any, graph: Any) -> None:
         super().__setitem__(desc, graph)
         self.name_captured(("FULL", desc))
+
+
+def _is_warmup_request(req_id: Any) -> bool:
+    """Whether ``req_id`` is one of V2's kernel warm-up requests (its batches hold only such requests)."""
+    return isinstance(req_id, str) and req_id.startswith(WARMUP_REQUEST_PREFIXES)

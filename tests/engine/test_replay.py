@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -117,6 +118,29 @@ def test_replayed_scores_keep_every_tokens_recorded_order_where_bfloat16_roundin
     steps = (rounded.view(torch.int16).int() - ordered.view(torch.int16).int()).abs()  # same sign: bits count steps
     assert steps.max() <= 2 and (steps[:, 0] == 0).all()
     assert torch.equal(strictly_ordered(scores, torch.float32), scores)  # float32 keeps them all apart already
+
+
+def test_model_runner_v2_warm_up_requests_do_not_shift_which_trace_request_a_served_one_replays() -> None:
+    """V2 warms its kernels up through ``prepare_inputs`` with requests of its own (on an H100, vLLM 0.34, counted,
+    they made every served request replay another trace request's routing from its second token on): the first
+    request served replays the trace's first, token by token, from its position."""
+    from moetrace.hooks.vllm_api import RunnerV2
+
+    def batch(*req_ids: str) -> SimpleNamespace:  # what V2's prepare_inputs returns, as planned_step reads it
+        return SimpleNamespace(num_reqs=len(req_ids), req_ids=list(req_ids), num_draft_tokens_per_req=None,
+                               query_start_loc_np=np.arange(0, 3 * len(req_ids) + 1, 3, dtype=np.int32))
+
+    ids = torch.arange(5 * 8).reshape(5, 1, 8)  # [N=5 rows: the trace's request 0 (2 tokens), request 1 (3)]
+    bank = RoutingBank(ids=ids, scores=strictly_ordered(torch.linspace(1, 0.1, 8).expand(5, 1, 8), torch.float32),
+                       starts=np.array([0, 2]), lengths=np.array([2, 3]))
+    positions = torch.tensor([0, 1, 2, 0, 1, 2])
+    replay = ReplayedRouting(bank, max_tokens=8, positions=positions)
+    for warm_up in (batch("_v2_mixed_warmup_decode_", "_v2_mixed_warmup_prefill_0_"), batch("_warmup_0_")):
+        replay.plan(RunnerV2.planned_step(warm_up), ())
+    replay.plan(RunnerV2.planned_step(batch("cmpl-1", "cmpl-2")), ())
+    top = replay.logits(0, torch.zeros(6, 40)).topk(8, dim=1).indices.sort(dim=1).values
+    # request 1 replays the trace's rows 0, 1, 0 (positions mod 2), request 2 its rows 2, 3, 4
+    assert torch.equal(top, ids[[0, 1, 0, 2, 3, 4], 0])
 
 
 SWEEP_IN_ONE_ENGINE = """
