@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+import numpy.typing as npt
 import polars as pl
 
 from moetrace.analysis.counterfactual import CutSequence, Proposals, proposed_drafts
@@ -106,20 +108,27 @@ def sample_share(rows: int, max_rows: int = MAX_SAMPLE_ROWS) -> float:
     return min(1.0, max_rows / max(rows, 1))
 
 
-def sampled_windows(routing: pl.LazyFrame, share: float, columns: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:
+def sampled_windows(routing: pl.LazyFrame, share: float, columns: list[str],
+                    experts: npt.NDArray[np.integer] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The accepted and stepped tables of a ``WindowSample`` at ``share``, read in one pass over the rows (each
-    table's rows flagged, then split: a pass decodes every row's experts and weights before any filter);
-    ``columns`` besides the keys every window needs. Each row is kept or not by a hash of its own block or step
-    key, so the sample of a trace's parts is the sample of the whole."""
+    table's rows flagged, then split: a pass decodes every row's columns before any filter); ``columns`` besides the
+    keys every window needs; ``experts``: every non-prefill row's, in recording order, where the caller has decoded
+    them already (``growth.decode_and_verify``): not decoded again. Each row is kept or not by a hash of its own
+    block or step key, so the sample of a trace's parts is the sample of the whole."""
     keys = ["layer", "step", "dp_rank", "request", "position", "phase", "draft_pos", "accepted"]
     chosen = [*keys, *columns]
+    read = [name for name in chosen if experts is None or name != "experts"]
     in_accepted, in_stepped = in_sequence(), pl.lit(True)
     if share < 1.0:
         in_accepted, in_stepped = in_accepted & block_sampled(share), step_sampled(share)
     both = (routing.filter(not_prefill()).with_columns(step_key())
             .with_columns(in_accepted=in_accepted, in_stepped=in_stepped)
+            .with_row_index("non_prefill_row")
             .filter(pl.col("in_accepted") | pl.col("in_stepped"))
-            .select(*chosen, "step_key", "in_accepted", "in_stepped").collect())
+            .select(*read, "step_key", "in_accepted", "in_stepped", "non_prefill_row").collect())
+    if experts is not None and "experts" in chosen:
+        taken = experts[both.get_column("non_prefill_row").to_numpy()]
+        both = both.with_columns(pl.Series("experts", taken, routing.collect_schema()["experts"]))
     # one chunk each: Polars sorts and gathers a frame of many chunks (one per file and row group) many times slower
     # (a 3M-row sample: 11 s against 0.6 s)
     return (both.filter("in_accepted").select(chosen).rechunk(),

@@ -27,7 +27,8 @@ from moetrace.analysis.concurrency import uniform_unique_experts
 from moetrace.analysis.counterfactual import Proposals, proposed_drafts, window_spans, window_tokens
 from moetrace.analysis.predicates import accepted_sequence, in_sequence, not_prefill, step_key
 from moetrace.analysis.sources import RANKS, Source
-from moetrace.analysis.streamed_windows import NotTokenMajor, counterfactual_streamed
+from moetrace.analysis import streamed_windows
+from moetrace.analysis.streamed_windows import Columns, NotTokenMajor, counterfactual_streamed, routing_batches
 from moetrace.analysis.expert_sets import (
     Masks,
     count_experts,
@@ -116,18 +117,20 @@ def window_means(sums: pl.DataFrame) -> pl.DataFrame:
 
 def counterfactual_window_sums(
     routing: pl.LazyFrame, num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64], trace_k: int,
-    proposals: pl.DataFrame | None = None,
+    proposals: pl.DataFrame | None = None, rows: WindowRows | None = None,
 ) -> pl.DataFrame:
     """Window sums (``WINDOW_SUMS_SCHEMA``) of unique experts per counterfactual window (``counterfactual``), per
     layer and k, of a trace recorded at ``trace_k``; ``proposals``: its ``counterfactual.proposed_drafts`` where the
-    caller has them.
+    caller has them; ``rows``: its ``decode_and_verify`` where the caller has them (not read again).
 
     Token-major traces (every token's layers on consecutive rows, in one layer order, and each request's positions
     increasing from batch to batch: what the recorder writes) are streamed in batches, without a sort; anything else
     takes the general path, which sorts."""
     found = Proposals.of(proposed_drafts(routing, trace_k) if proposals is None else proposals) if trace_k else None
+    batches = routing_batches(routing, found is not None) if rows is None else rows.batches(
+        streamed_windows.BATCH_ROWS)
     try:
-        return _frame(counterfactual_streamed(routing, num_experts, ks, expert_rank, trace_k, found, COUNTERFACTUAL,
+        return _frame(counterfactual_streamed(batches, num_experts, ks, expert_rank, trace_k, found, COUNTERFACTUAL,
                                               PER_REQUEST))
     except NotTokenMajor:
         return _counterfactual_sorted(routing, num_experts, ks, expert_rank, trace_k, found)
@@ -162,15 +165,22 @@ def _counterfactual_sorted(
 @dataclass(frozen=True)
 class WindowRows:
     """Non-prefill rows in recording order as numpy columns [N] (experts [N, K]), read once and shared by the
-    measured growth, the rejected-only analysis and the expert load."""
+    measured and counterfactual growth, the rejected-only analysis and the expert load."""
 
     layer: npt.NDArray[np.uint16]
     step: npt.NDArray[np.int64]  # the step key (``predicates.step_key``: data-parallel ranks' steps apart)
     request: npt.NDArray[np.uint32]
+    position: npt.NDArray[np.uint32]
     draft_pos: npt.NDArray[np.uint8]
     is_verify: npt.NDArray[np.bool_]
     in_sequence: npt.NDArray[np.bool_]
     experts: npt.NDArray[np.uint16]
+
+    def batches(self, size: int) -> Iterator[Columns]:
+        """The rows in batches of ``size`` (views), named as the routing columns (the step key ``step_key``)."""
+        names = {f.name: "step_key" if f.name == "step" else f.name for f in dataclasses.fields(self)}
+        for start in range(0, len(self.layer), size):
+            yield {name: getattr(self, field)[start : start + size] for field, name in names.items()}
 
     def take(self, index: slice | npt.NDArray[np.int64]) -> WindowRows:
         return WindowRows(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
@@ -211,6 +221,7 @@ def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
             "layer",
             step_key().alias("step"),
             "request",
+            "position",
             "draft_pos",
             (pl.col("phase").cast(pl.String) == "verify").alias("is_verify"),
             in_sequence().alias("in_sequence"),
@@ -300,7 +311,8 @@ def growth_sums(
     ``rows``: ``decode_and_verify`` of ``routing``; ``proposals``: its ``counterfactual.proposed_drafts``;
     ``whole_steps``: as ``measured_window_sums``."""
     measured = measured_window_sums(rows, num_experts, min(trace_k, max(ks, default=0)), expert_rank, whole_steps)
-    return pl.concat([measured, counterfactual_window_sums(routing, num_experts, ks, expert_rank, trace_k, proposals)])
+    return pl.concat([measured, counterfactual_window_sums(routing, num_experts, ks, expert_rank, trace_k, proposals,
+                                                           rows)])
 
 
 def growth(

@@ -52,7 +52,7 @@ def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame,
     """The summary of one trace's rows (or one partition's, numbered as in the whole), and its non-prefill rows
     (``growth.decode_and_verify``: the placement comparison takes them)."""
     rows = decode_and_verify(routing)
-    accepted, stepped = sampled_windows(routing, request.share, list(request.sample_columns))
+    accepted, stepped = sampled_windows(routing, request.share, list(request.sample_columns), rows.experts)
     proposals = proposed_drafts(routing, request.trace_k)
     return RoutingSummary(
         growth=growth_sums(routing, request.num_experts, request.ks, request.trace_k, request.expert_rank, rows,

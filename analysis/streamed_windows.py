@@ -6,6 +6,7 @@ complete, without a sort."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -31,12 +32,21 @@ class NotTokenMajor(Exception):
     """The rows are not laid out as the streamed path needs: take the general path."""
 
 
-def _batches(query: pl.LazyFrame) -> Iterator[pl.DataFrame]:
+# A batch of rows: routing column name -> its values [rows] (experts [rows, top_k])
+Columns = dict[str, npt.NDArray[Any]]
+
+
+def routing_batches(routing: pl.LazyFrame, with_proposals: bool) -> Iterator[Columns]:
+    """The columns ``counterfactual_streamed`` reads, streamed from ``routing`` in batches of ``BATCH_ROWS`` rows
+    (``with_proposals``: the step key and draft position too)."""
+    anchors: list[pl.Expr | str] = [step_key(), "draft_pos"] if with_proposals else []
+    query = routing.select("request", "position", "layer", "experts", in_sequence().alias("in_sequence"), *anchors)
     collect_batches = getattr(query, "collect_batches", None)
-    if collect_batches is None:  # Polars without streamed batches: one collect, sliced
-        yield from query.collect().iter_slices(BATCH_ROWS)
-    else:
-        yield from collect_batches(chunk_size=BATCH_ROWS)
+    # Polars without streamed batches: one collect, sliced
+    frames = query.collect().iter_slices(BATCH_ROWS) if collect_batches is None else collect_batches(
+        chunk_size=BATCH_ROWS)
+    for frame in frames:
+        yield {name: frame.get_column(name).to_numpy() for name in frame.columns}
 
 
 class _TokenMajor:
@@ -45,7 +55,7 @@ class _TokenMajor:
     A token's rows are consecutive and share their keys; the first token fixes the layer order, every token must
     repeat it. Anything else raises ``NotTokenMajor``."""
 
-    def __init__(self, batches: Iterable[pl.DataFrame], keys: Sequence[str], keep: str | None = None) -> None:
+    def __init__(self, batches: Iterable[Columns], keys: Sequence[str], keep: str | None = None) -> None:
         self.batches, self.keys, self.keep = batches, list(keys), keep
         self.layers: npt.NDArray[np.int64] | None = None
 
@@ -53,13 +63,13 @@ class _TokenMajor:
         names = [*self.keys, "layer"]
         left: dict[str, npt.NDArray[np.integer]] = {}
         left_experts: npt.NDArray[np.integer] | None = None
-        for frame in self.batches:
-            columns = {name: frame.get_column(name).to_numpy() for name in names}
-            experts = frame.get_column("experts").to_numpy()
+        for batch in self.batches:
+            columns = {name: batch[name] for name in names}
+            experts = batch["experts"]
             if experts.ndim != 2 or experts.dtype.kind not in "ui":
                 raise NotTokenMajor
             if self.keep is not None:
-                keep = frame.get_column(self.keep).to_numpy()
+                keep = batch[self.keep]
                 if keep.dtype != np.bool_:
                     raise NotTokenMajor
                 if not keep.all():
@@ -274,17 +284,15 @@ class _SequenceWindows:
 
 
 def counterfactual_streamed(
-    routing: pl.LazyFrame, num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64], trace_k: int,
+    batches: Iterable[Columns], num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64], trace_k: int,
     proposals: Proposals | None, source: str, scope: str
 ) -> list[dict[str, object]]:
-    """Counterfactual windows (``counterfactual``) over a token-major trace recorded at ``trace_k``, streamed in
-    batches (``proposals``: what its request-steps proposed; None without drafts): one row of sums per (layer, k)
-    (``growth.WINDOW_SUMS_SCHEMA``, labelled ``source`` and ``scope``); raises ``NotTokenMajor`` for a trace not
-    laid out so."""
+    """Counterfactual windows (``counterfactual``) over a token-major trace recorded at ``trace_k``, read in
+    ``batches`` of its rows in recording order (``routing_batches``, or rows already decoded; ``proposals``: what its
+    request-steps proposed; None without drafts): one row of sums per (layer, k) (``growth.WINDOW_SUMS_SCHEMA``,
+    labelled ``source`` and ``scope``); raises ``NotTokenMajor`` for a trace not laid out so."""
     keys = ("request", "position", "step_key", "draft_pos") if proposals is not None else ("request", "position")
-    anchors: list[pl.Expr | str] = [step_key(), "draft_pos"] if proposals is not None else []
-    query = routing.select("request", "position", "layer", "experts", in_sequence().alias("in_sequence"), *anchors)
-    tokens = _TokenMajor(_batches(query), keys, keep="in_sequence")
+    tokens = _TokenMajor(batches, keys, keep="in_sequence")
     stats = _WindowStats(ks, rank_masks(expert_rank, num_experts))
     windows = _SequenceWindows(ks, trace_k, MaskTable(num_experts), stats)
     for found, experts in tokens:

@@ -8,7 +8,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.analysis.budgets import budget_curves, budget_windows, smallest_budgets, window_share
+from moetrace.analysis.budgets import budget_curves, budget_windows, sampled_windows, smallest_budgets, window_share
+from moetrace.analysis.growth import decode_and_verify
 from trace_builder import Model, routing_frame, verify_tokens
 
 MODEL = Model(num_experts=16, top_k=2, layers=(1, 2))
@@ -117,6 +118,18 @@ def test_window_sample_keeps_whole_windows_and_estimates_the_full_curve() -> Non
     sample_curve = budget_curves(sample.lazy(), EXPERT_BYTES, False)
     joined = full_curve.join(sample_curve, on=["layer", "budget"], suffix="_sample")
     assert (joined["coverage"] - joined["coverage_sample"]).abs().max() < 0.05  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("share", [1.0, 0.3])
+def test_a_sample_given_the_rows_decoded_experts_equals_one_that_decodes_them(share: float) -> None:
+    """The report decodes every non-prefill row's experts once (``decode_and_verify``) and hands them to the sample
+    rather than decoding them again: the rows it keeps, and their experts, are the same."""
+    tokens = verify_tokens(np.random.default_rng(12), MODEL, requests=12, steps=30, k=3, accept_prob=0.6)
+    routing = routing_frame(tokens, MODEL)
+    decoded = decode_and_verify(routing).experts
+    columns = ["experts", "weights"]
+    for given, read in zip(sampled_windows(routing, share, columns, decoded), sampled_windows(routing, share, columns)):
+        assert given.height > 0 and given.equals(read)
 
 
 def test_window_share_targets_max_windows_per_layer() -> None:

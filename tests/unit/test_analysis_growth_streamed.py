@@ -16,7 +16,7 @@ import moetrace.analysis.growth as growth_module
 import moetrace.analysis.streamed_windows as streamed_module
 from moetrace.analysis.counterfactual import Proposals, proposed_drafts
 from moetrace.analysis.expert_sets import MaskTable, expert_masks, window_union
-from moetrace.analysis.growth import counterfactual_window_sums, window_means
+from moetrace.analysis.growth import counterfactual_window_sums, decode_and_verify, window_means
 from moetrace.analysis.placement import linear_placement
 from moetrace.trace.reader import open_trace
 from trace_builder import Model, decode_tokens, routing_frame, verify_tokens, write_trace
@@ -71,14 +71,16 @@ def general_path_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.parametrize("batch_rows", [1, 5, 16, 1 << 17])
 @pytest.mark.parametrize("ep", [1, 4])
+@pytest.mark.parametrize("read", ["scanned", "decoded"])  # streamed from the files, or from rows decoded already
 def test_streamed_matches_brute_force_across_batches(
-    batch_rows: int, ep: int, monkeypatch: pytest.MonkeyPatch, general_path_calls: list[int]
+    batch_rows: int, ep: int, read: str, monkeypatch: pytest.MonkeyPatch, general_path_calls: list[int]
 ) -> None:
     monkeypatch.setattr(streamed_module, "BATCH_ROWS", batch_rows)
     tokens = verify_tokens(np.random.default_rng(7), MODEL, requests=3, steps=25, k=3, accept_prob=0.6,
                            variable_drafts=True)
     routing = routing_frame(tokens, MODEL)
-    result = counterfactual_window_sums(routing, MODEL.num_experts, KS, linear_placement(16, ep), 3)
+    rows = decode_and_verify(routing) if read == "decoded" else None
+    result = counterfactual_window_sums(routing, MODEL.num_experts, KS, linear_placement(16, ep), 3, rows=rows)
     assert not general_path_calls
     assert_brute_force(window_means(result), routing.collect(), ep, 3)
     proposals = Proposals.of(proposed_drafts(routing, 3))
