@@ -264,7 +264,9 @@ def rejected_only_sums(rows: WindowRows, num_experts: int) -> pl.DataFrame:
     """Per layer, over verification windows with drafts: the windows, their unique experts and the experts that
     only rejected drafts pulled in (read for nothing), summed (``rejected_only_experts`` takes the means).
     ``rows``: ``decode_and_verify`` of the trace."""
-    found = []
+    found: list[tuple[int, int, int, int]] = []
+    if not rows.draft_pos.any():  # no window with drafts (plain decoding): nothing to split each layer for
+        return pl.DataFrame(found, schema=REJECTED_SUMS_SCHEMA, orient="row")
     for layer, everything_in_layer in rows.by_layer():
         part = everything_in_layer.take(np.flatnonzero(everything_in_layer.is_verify))
         if len(part.step) == 0:
