@@ -27,8 +27,13 @@ from moetrace.analysis.concurrency import uniform_unique_experts
 from moetrace.analysis.counterfactual import Proposals, proposed_drafts, window_spans, window_tokens
 from moetrace.analysis.predicates import accepted_sequence, in_sequence, not_prefill, step_key
 from moetrace.analysis.sources import RANKS, Source
-from moetrace.analysis import streamed_windows
-from moetrace.analysis.streamed_windows import Columns, NotTokenMajor, counterfactual_streamed, routing_batches
+from moetrace.analysis.streamed_windows import (
+    Columns,
+    NotTokenMajor,
+    array_batches,
+    counterfactual_streamed,
+    routing_batches,
+)
 from moetrace.analysis.expert_sets import (
     Masks,
     count_experts,
@@ -127,8 +132,8 @@ def counterfactual_window_sums(
     increasing from batch to batch: what the recorder writes) are streamed in batches, without a sort; anything else
     takes the general path, which sorts."""
     found = Proposals.of(proposed_drafts(routing, trace_k) if proposals is None else proposals) if trace_k else None
-    batches = routing_batches(routing, found is not None) if rows is None else rows.batches(
-        streamed_windows.BATCH_ROWS)
+    batches = routing_batches(routing, found is not None) if rows is None else array_batches(
+        rows.columns())
     try:
         return _frame(counterfactual_streamed(batches, num_experts, ks, expert_rank, trace_k, found, COUNTERFACTUAL,
                                               PER_REQUEST))
@@ -176,11 +181,9 @@ class WindowRows:
     in_sequence: npt.NDArray[np.bool_]
     experts: npt.NDArray[np.uint16]
 
-    def batches(self, size: int) -> Iterator[Columns]:
-        """The rows in batches of ``size`` (views), named as the routing columns (the step key ``step_key``)."""
-        names = {f.name: "step_key" if f.name == "step" else f.name for f in dataclasses.fields(self)}
-        for start in range(0, len(self.layer), size):
-            yield {name: getattr(self, field)[start : start + size] for field, name in names.items()}
+    def columns(self) -> Columns:
+        """The rows' columns (no copy), named as the routing columns (the step key ``step_key``)."""
+        return {"step_key" if f.name == "step" else f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def take(self, index: slice | npt.NDArray[np.int64]) -> WindowRows:
         return WindowRows(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))

@@ -49,6 +49,13 @@ def routing_batches(routing: pl.LazyFrame, with_proposals: bool) -> Iterator[Col
         yield {name: frame.get_column(name).to_numpy() for name in frame.columns}
 
 
+def array_batches(columns: Columns) -> Iterator[Columns]:
+    """``columns`` (rows decoded already) in batches of ``BATCH_ROWS`` rows, as views."""
+    rows = len(next(iter(columns.values()), ()))
+    for start in range(0, rows, BATCH_ROWS):
+        yield {name: values[start : start + BATCH_ROWS] for name, values in columns.items()}
+
+
 class _TokenMajor:
     """Turns streamed row batches into whole tokens: per-token key columns and experts [tokens, layers, top_k].
 
