@@ -45,6 +45,8 @@ from typing import Any
 
 import polars as pl
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "oracles"))  # run as a script: the run comparison
+
 
 # The compared runs: `moetrace record` options and Model Runner (V1 unless a run says V2).
 RUNS: dict[str, tuple[list[str], str]] = {
@@ -177,7 +179,7 @@ def counters_equal(trace_dir: Path, counters: dict[str, float] | None = None) ->
     """The trace's drafts and accepted tokens equal vLLM's own spec-decode counters for the run (the manifest's,
     unless given: a server's), leaving out the windows vLLM ran for requests already finished (async scheduling),
     which it does not count."""
-    from moetrace.compare import windows_after_finish
+    from run_comparison import windows_after_finish
     from moetrace.trace.reader import open_trace
 
     trace = open_trace(trace_dir)
@@ -209,7 +211,7 @@ def main() -> None:
     if (args.tp > 1) + (args.dp > 1) + args.graphs_only + args.v2 > 1:
         sys.exit("--tp, --dp, --graphs-only and --v2 are separate checks: give one of them")
 
-    from moetrace.compare import compare_runs, reference_check, windows_after_finish
+    from run_comparison import compare_runs, reference_check, windows_after_finish
     from moetrace.hooks.vllm_api import vllm_version
     from moetrace.hooks.host import gpu_inventory
     from moetrace.trace.reader import open_trace

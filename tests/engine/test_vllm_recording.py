@@ -23,7 +23,7 @@ from safetensors import safe_open
 from vllm_fixtures import CANDIDATES, K, assert_same_routing_up_to_divergence, record_like_the_fixture, run_cli
 import moetrace
 from moetrace.cli import main
-from moetrace.compare import load_outputs
+from run_comparison import load_outputs
 from moetrace.default_model import default_model_dir, ensure_default_model
 from moetrace.hooks.host import cpu_model
 from moetrace.analysis.concurrency import request_prompts

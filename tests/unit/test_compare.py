@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrace.compare import compare_runs, windows_after_finish
+from run_comparison import compare_runs, windows_after_finish
 from trace_builder import Model, Tokens, decode_tokens, default_token_ids, verify_tokens, write_trace
 
 MODEL = Model(num_experts=32, top_k=2, layers=(1,))

@@ -71,7 +71,7 @@ def test_the_cycle_finder_finds_a_cycle_and_none_where_there_is_none() -> None:
 # The packages in the order data flows, each importing only packages after it: the commands drive a recording, which
 # spawns the hooks inside vLLM, which hand rows to the writer process, which writes the trace; the report runs the
 # analyses over the trace. (``moetrace`` itself, the package's facade, is left out: every module's parent.)
-PACKAGE_ORDER = ("__main__", "cli", "commands", "compare", "formats", "report", "analysis", "calibrate", "recording",
+PACKAGE_ORDER = ("__main__", "cli", "commands", "formats", "report", "analysis", "calibrate", "recording",
                  "hooks", "writer", "trace", "default_model", "errors")
 
 
