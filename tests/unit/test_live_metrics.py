@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from moetrace.writer.metrics import IMBALANCE_STEPS, LiveMetrics, MetricsState, layer_groups, series_bound
 from moetrace.writer.process import TraceWriter
 from conftest import free_port
-from test_writer_reader import EXPERTS, LAYERS, manifest, submit_and_wait, verify_step
+from writer_steps import EXPERTS, LAYERS, manifest, submit_and_wait, verify_step
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
