@@ -7,36 +7,20 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 import numpy as np
 import polars as pl
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import CliRunner
 
 from moetrace.cli import main
 from moetrace.commands.report import budget, report
 from moetrace.report.summary import RANDOM_WEIGHTS_NOTE
-from trace_builder import Model, decode_tokens, small_k2_trace, verify_tokens, well_sampled_sweep, write_trace
+from cli_results import invoke, one_line_error
+from trace_builder import Model, decode_tokens, verify_tokens, write_trace
 
 HOSTILE = "<script>alert(1)</script>"
-CLI = main
-
-
-def _invoke(*args: str | Path) -> Result:
-    return CliRunner().invoke(CLI, [str(a) for a in args], catch_exceptions=False)
-
-
-def _one_line_error(result: Result, *fragments: str) -> None:
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    for fragment in fragments:
-        assert fragment in result.output.replace("\n", "")
-
-
 @pytest.fixture
 def verify_trace(tmp_path: Path) -> Path:
     model = Model(name=HOSTILE, random_weights=True)
@@ -55,7 +39,7 @@ def sweep(tmp_path: Path) -> Path:
 
 
 def test_report_prints_tables_and_writes_dashboard(verify_trace: Path) -> None:
-    result = _invoke("report", verify_trace, "--k", "3")
+    result = invoke("report", verify_trace, "--k", "3")
     assert result.exit_code == 0, result.output
     for heading in ("Unique experts per layer", "Bytes per verification step", "Acceptance", "Expert budget"):
         assert heading in result.output
@@ -69,14 +53,14 @@ def test_report_prints_tables_and_writes_dashboard(verify_trace: Path) -> None:
 
 
 def test_hostile_model_name_is_escaped(verify_trace: Path) -> None:
-    assert _invoke("report", verify_trace).exit_code == 0
+    assert invoke("report", verify_trace).exit_code == 0
     page = (verify_trace / "report.html").read_text()
     assert HOSTILE not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
 
 
 def test_json_summary(verify_trace: Path) -> None:
-    result = _invoke("report", verify_trace, "--k", "2", "--json", "--ep", "4")
+    result = invoke("report", verify_trace, "--k", "2", "--json", "--ep", "4")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     run = summary["runs"][0]
@@ -104,16 +88,16 @@ def test_json_summary(verify_trace: Path) -> None:
 
 
 def test_the_terminal_shows_the_held_out_placements_under_ep_and_not_without(verify_trace: Path) -> None:
-    under_ep = _invoke("report", verify_trace, "--k", "2", "--ep", "4", "--force")
+    under_ep = invoke("report", verify_trace, "--k", "2", "--ep", "4", "--force")
     assert under_ep.exit_code == 0, under_ep.output
     assert "Placement at EP=4, held out" in under_ep.output and "  held out, " in under_ep.output
     for name in ("linear", "vLLM EPLB", "moetrace"):
         assert name in under_ep.output.split("Placement at EP=4")[1]
-    assert "Placement at EP" not in _invoke("report", verify_trace, "--k", "2", "--force").output
+    assert "Placement at EP" not in invoke("report", verify_trace, "--k", "2", "--force").output
 
 
 def test_k_beyond_the_trace_is_counterfactual_and_labelled(verify_trace: Path) -> None:
-    result = _invoke("report", verify_trace, "--k", "6", "--json")
+    result = invoke("report", verify_trace, "--k", "6", "--json")
     run = json.loads(result.stdout)["runs"][0]
     assert run["source_at_k"] == "counterfactual"
     assert any("counterfactual" in note for note in run["notes"])
@@ -124,11 +108,11 @@ def test_sweep_and_side_by_side(
     tmp_path: Path, verify_trace: Path, sweep: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    result = _invoke("report", verify_trace, sweep, "--k", "2")
+    result = invoke("report", verify_trace, sweep, "--k", "2")
     assert result.exit_code == 0, result.output
     assert "Side by side at k=2" in result.output
     assert (tmp_path / "verify-k3-vs-sweep.report.html").is_file()
-    summary = json.loads(_invoke("report", sweep, "--k", "2", "--json", "-o", tmp_path / "s.html").stdout)
+    summary = json.loads(invoke("report", sweep, "--k", "2", "--json", "-o", tmp_path / "s.html").stdout)
     run = summary["runs"][0]
     assert run["recorded_k"] == [1, 2] and run["primary_k"] == 2
     assert [row["k"] for row in run["acceptance_per_k"]] == [1, 2]
@@ -136,21 +120,21 @@ def test_sweep_and_side_by_side(
 
 def test_a_dashboard_is_rebuilt_but_a_users_file_is_not_overwritten_without_force(verify_trace: Path,
                                                                                    tmp_path: Path) -> None:
-    assert _invoke("report", verify_trace).exit_code == 0
-    assert _invoke("report", verify_trace, "--json").exit_code == 0  # derived from the trace: rebuilt
+    assert invoke("report", verify_trace).exit_code == 0
+    assert invoke("report", verify_trace, "--json").exit_code == 0  # derived from the trace: rebuilt
     mine = tmp_path / "notes.html"
     mine.write_text("<p>my notes</p>")
-    _one_line_error(_invoke("report", verify_trace, "-o", mine), "already exists", "--force")
+    one_line_error(invoke("report", verify_trace, "-o", mine), "already exists", "--force")
     assert mine.read_text() == "<p>my notes</p>"
-    assert _invoke("report", verify_trace, "-o", mine, "--force").exit_code == 0
+    assert invoke("report", verify_trace, "-o", mine, "--force").exit_code == 0
 
 
 def test_shape_preset_prices_at_real_size(tmp_path: Path, verify_trace: Path) -> None:
-    _one_line_error(_invoke("report", verify_trace, "--shape", "kimi-k2"), "kimi-k2", "384 experts")
+    one_line_error(invoke("report", verify_trace, "--shape", "kimi-k2"), "kimi-k2", "384 experts")
     model = Model(num_experts=384, top_k=8, layers=(1, 2, 3))
     trace = write_trace(tmp_path / "kimi-tiny", decode_tokens(np.random.default_rng(1), model, 2, 40), model, k=0)
     run = json.loads(
-        _invoke("report", trace, "--k", "3", "--shape", "kimi-k2", "--tp", "8", "--json").stdout)["runs"][0]
+        invoke("report", trace, "--k", "3", "--shape", "kimi-k2", "--tp", "8", "--json").stdout)["runs"][0]
     unique = run["bytes_at_k"]["unique_experts"]
     expert = 3 * 7168 * 2048 // 2 + 3 * 7168 * 2048 // 32 * 2
     assert run["bytes_at_k"]["expert_weight_bytes"] == pytest.approx((unique + 1) * expert * 60)
@@ -159,24 +143,24 @@ def test_shape_preset_prices_at_real_size(tmp_path: Path, verify_trace: Path) ->
 
 @pytest.mark.parametrize("k", ["-1", "99"])
 def test_bad_k(verify_trace: Path, k: str) -> None:
-    _one_line_error(_invoke("report", verify_trace, "--k", k), "--k")
+    one_line_error(invoke("report", verify_trace, "--k", k), "--k")
 
 
 def test_missing_and_empty_traces(tmp_path: Path, verify_trace: Path) -> None:
-    _one_line_error(_invoke("report", tmp_path / "nope"), "no such trace")
+    one_line_error(invoke("report", tmp_path / "nope"), "no such trace")
     (tmp_path / "empty").mkdir()
-    _one_line_error(_invoke("report", tmp_path / "empty"), "not a moetrace trace")
+    one_line_error(invoke("report", tmp_path / "empty"), "not a moetrace trace")
     for table in ("routing", "steps"):
         for part in (verify_trace / table).iterdir():
             part.unlink()
-    _one_line_error(_invoke("report", verify_trace), "no routing rows")
+    one_line_error(invoke("report", verify_trace), "no routing rows")
 
 
 def test_unknown_schema_version(verify_trace: Path) -> None:
     manifest = json.loads((verify_trace / "manifest.json").read_text())
     manifest["schema"] = "moetrace/99"
     (verify_trace / "manifest.json").write_text(json.dumps(manifest))
-    _one_line_error(_invoke("report", verify_trace), "unknown schema version", "moetrace/99")
+    one_line_error(invoke("report", verify_trace), "unknown schema version", "moetrace/99")
 
 
 def test_corrupt_and_truncated_parquet_are_skipped_and_named_on_stderr_and_in_the_top_level_warnings(
@@ -186,7 +170,7 @@ def test_corrupt_and_truncated_parquet_are_skipped_and_named_on_stderr_and_in_th
     truncated.write_bytes(truncated.read_bytes()[:200])
     (routing / "part-00002.parquet").write_bytes(b"not parquet at all")
     for flags in ((), ("--json",)):
-        result = _invoke("report", verify_trace, *flags)
+        result = invoke("report", verify_trace, *flags)
         assert result.exit_code == 0, result.output
         named = [line for line in result.stderr.splitlines() if line.startswith("warning:") and "skipped" in line]
         assert [name for name in ("part-00001.parquet", "part-00002.parquet") if name in " ".join(named)] == [
@@ -197,18 +181,18 @@ def test_corrupt_and_truncated_parquet_are_skipped_and_named_on_stderr_and_in_th
 
 def test_budget_command(tmp_path: Path, verify_trace: Path) -> None:
     output = tmp_path / "budgets.json"
-    result = _invoke("budget", verify_trace, "--k", "3", "--coverage", "0.9", "-o", output)
+    result = invoke("budget", verify_trace, "--k", "3", "--coverage", "0.9", "-o", output)
     assert result.exit_code == 0, result.output
     payload = json.loads(output.read_text())
     assert payload["source"] == "measured" and payload["coverage_target"] == 0.9
     assert set(payload["budgets"]) == {"1", "2"}
     assert all(row["coverage"] >= 0.9 for row in payload["per_layer"])
-    _one_line_error(_invoke("budget", verify_trace, "-o", output), "already exists")
+    one_line_error(invoke("budget", verify_trace, "-o", output), "already exists")
     counterfactual = json.loads(
-        (_invoke("budget", verify_trace, "--k", "5", "-o", output, "--force"), output.read_text())[1]
+        (invoke("budget", verify_trace, "--k", "5", "-o", output, "--force"), output.read_text())[1]
     )
     assert counterfactual["source"] == "counterfactual"
-    _one_line_error(_invoke("budget", verify_trace, "--coverage", "1.5", "-o", tmp_path / "x.json"), "--coverage")
+    one_line_error(invoke("budget", verify_trace, "--coverage", "1.5", "-o", tmp_path / "x.json"), "--coverage")
 
 
 def test_cli_as_a_subprocess(verify_trace: Path) -> None:
@@ -236,7 +220,7 @@ def test_a_round_robin_placement_in_the_manifest_is_reported_per_rank(tmp_path: 
     root = write_trace(tmp_path / "rr", tokens, model, k=2, ep=2)
 
     def per_rank(*extra: str | Path) -> list[tuple[float, float]]:
-        result = _invoke("report", root, "--k", "2", "--json", "--ep", "2", "--force", *extra)
+        result = invoke("report", root, "--k", "2", "--json", "--ep", "2", "--force", *extra)
         assert result.exit_code == 0, result.output
         rows = json.loads(result.stdout)["runs"][0]["growth"]
         return [(row["busiest_rank_experts"], row["ranks_touched"]) for row in rows]
@@ -259,8 +243,8 @@ def test_corrupt_pages_under_an_intact_footer_fail_in_one_line_naming_the_file(v
     import pyarrow.parquet as pq
 
     pq.read_schema(broken)  # the footer vouches for the file
-    result = CliRunner().invoke(CLI, ["report", str(verify_trace), "--json"])
-    _one_line_error(result, str(broken), "unreadable Parquet data", "--debug")
+    result = CliRunner().invoke(main, ["report", str(verify_trace), "--json"])
+    one_line_error(result, str(broken), "unreadable Parquet data", "--debug")
     for debug in (["--debug"], []):  # the flag, or the environment
         traced = subprocess.run([sys.executable, "-m", "moetrace", *debug, "report", str(verify_trace), "--json",
                                  "--force"], capture_output=True, text=True, timeout=120,
@@ -277,7 +261,7 @@ def test_files_with_float16_and_float32_weights_read_as_one_trace(verify_trace: 
     k = table.schema.field("weights").type.list_size
     weights = table["weights"].cast(pa.list_(pa.float32(), k))
     pq.write_table(table.set_column(table.schema.get_field_index("weights"), "weights", weights), widened)
-    result = _invoke("report", verify_trace, "--json", "--force")
+    result = invoke("report", verify_trace, "--json", "--force")
     assert result.exit_code == 0, result.output
     from moetrace.trace.reader import open_trace
 
@@ -329,82 +313,15 @@ def test_measured_term_columns_show_only_where_the_traces_measured_them() -> Non
     assert "rej" not in rendered(drafting_ms=0.75)
 
 
-def _json_report(path: Path, tmp_path: Path, *extra: str) -> tuple[Result, dict[str, Any]]:
-    result = CliRunner().invoke(CLI, ["report", str(path), "--k", "3", "--batch", "1,4", "--json", "-o",
-                                      str(tmp_path / "r.html"), "--force", *extra], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result, json.loads(result.stdout)
-
-
-def test_the_self_check_passes_on_an_intact_sweep_and_every_recommendation_says_what_it_rests_on(
-        tmp_path: Path) -> None:
-    result, summary = _json_report(well_sampled_sweep(tmp_path / "sweep"), tmp_path)
-    assert summary["warnings"] == [] and summary["runs"][0]["checks"] == [] and "warning" not in result.stderr
-    for row in summary["decision"][0]["per_batch"]:
-        # 160 decoding request-steps at each of k = 0..3 (k = 1, 2 are cut from the k = 3 trace)
-        assert row["status"] == "ok" and row["k"] is not None and row["windows"] == 160
-    # tokens per step at the recorded k = 3: the acceptance table's, by hand from the steps table
-    steps = pl.read_parquet(tmp_path / "sweep" / "k3" / "steps").filter(
-        pl.col("num_tokens") == pl.col("num_drafts") + 1)
-    measured = 1 + steps["num_accepted"].mean()
-    predicted = {row["k"]: row for row in summary["runs"][0]["prediction"]["per_k"]}
-    assert predicted[3]["tokens_per_step"] == pytest.approx(measured)
-
-
-def test_the_self_check_names_both_numbers_when_the_prediction_strays_from_the_measured_tables(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import moetrace.report.summary as summary_module
-
-    original = summary_module.speedup_per_batch
-
-    def conditional_tokens(inputs: pl.DataFrame, *args: Any) -> Any:  # as if the old rates had reached the model
-        return original(inputs.with_columns(pl.col("tokens_per_step") * 1.2), *args)
-
-    monkeypatch.setattr(summary_module, "speedup_per_batch", conditional_tokens)
-    result, summary = _json_report(well_sampled_sweep(tmp_path / "sweep"), tmp_path)
-    checks = " ".join(summary["runs"][0]["checks"])
-    assert "tokens per step at k=3" in checks and "acceptance table measured" in checks and "+20.0%" in checks
-    assert "self-check" in result.stderr
-
-
-@pytest.mark.parametrize("which", [0, 1])
-def test_a_truncated_routing_file_is_flagged_and_no_k_is_recommended(tmp_path: Path, which: int) -> None:
-    sweep = well_sampled_sweep(tmp_path / "sweep")
-    part = sorted((sweep / "k3" / "routing").glob("*.parquet"))[which]
-    data = part.read_bytes()
-    part.write_bytes(data[: len(data) // 2])
-    result, summary = _json_report(sweep, tmp_path)
-    assert "Traceback" not in result.output
-    assert any("k=3: routing and steps disagree" in w and "lack routing rows" in w for w in summary["warnings"])
-    for row in summary["decision"][0]["per_batch"]:
-        assert row["k"] is None and row["speedup"] is None and "disagree at k=3" in row["status"]
-    assert "no recommendation" in result.stderr
-    terminal = CliRunner().invoke(CLI, ["report", str(sweep), "--k", "3", "--batch", "1,4", "-o",
-                                        str(tmp_path / "t.html"), "--force"], catch_exceptions=False)
-    assert "B=1: no recommendation: routing and steps disagree at k=3" in " ".join(terminal.stdout.split())
-
-
-def test_the_record_out_folder_is_enough_when_it_holds_one_run(tmp_path: Path) -> None:
-    # moetrace record --out OUT writes OUT/RUN/k<k>: OUT alone names the run; the dashboard goes into the run
-    small_k2_trace(tmp_path / "out" / "run-a" / "k2")
-    result = _invoke("report", tmp_path / "out", "--k", "2", "--json")
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["runs"][0]["path"] == str(tmp_path / "out" / "run-a")
-    assert (tmp_path / "out" / "run-a" / "report.html").exists() and not (tmp_path / "out" / "report.html").exists()
-    small_k2_trace(tmp_path / "out" / "run-b" / "k2")
-    _one_line_error(_invoke("report", tmp_path / "out", "--k", "2"), "holds 2 runs (run-a, run-b): give one of them")
-    assert _invoke("report", tmp_path / "out" / "run-b", "--k", "2").exit_code == 0
-
-
 def test_the_terminal_report_says_an_extrapolated_all_reduce_once_and_ends_with_the_next_command(
         verify_trace: Path, tmp_path: Path) -> None:
-    result = _invoke("report", verify_trace, "--k", "3", "-o", tmp_path / "r.html")
+    result = invoke("report", verify_trace, "--k", "3", "-o", tmp_path / "r.html")
     assert result.exit_code == 0, result.output
     said = " ".join(result.stdout.split())  # as read, whatever rich wrapped
     assert said.count("EXTRAPOLATED from 2 GPUs") == 1  # the preset's all-reduce curve, measured on 2 H200s
     assert result.stdout.splitlines()[-1] == (f"next: moetrace report {verify_trace} --json > decision.json && "
                                               "moetrace export decision.json --vllm-spec-schedule")
-    budget = _invoke("budget", verify_trace, "--k", "3", "-o", tmp_path / "budgets.json")
+    budget = invoke("budget", verify_trace, "--k", "3", "-o", tmp_path / "budgets.json")
     assert budget.stdout.splitlines()[-1] == (
         f"next: moetrace record MODEL --k 3 --budget {tmp_path / 'budgets.json'},none (what the budget does to "
         "acceptance and output, measured in vLLM)")
@@ -418,36 +335,6 @@ def test_budget_export_and_place_name_a_corrupt_file_on_stderr(verify_trace: Pat
                  ["export", verify_trace, "--sglang-expert-location", "--ep", "2", "-o", tmp_path / "s.json"],
                  ["export", verify_trace, "--eplb", "--ep", "2", "-o", tmp_path / "e.json"],
                  ["place", verify_trace, "--ep", "2", "-o", tmp_path / "p.json"]):
-        result = _invoke(*args)
+        result = invoke(*args)
         assert result.exit_code in (0, 1), result.output
         assert named in " ".join(result.stderr.split()) and named not in result.stdout, (args[0], result.stderr)
-
-
-def test_context_gives_a_decision_per_concurrency_and_context_and_bad_contexts_one_line(tmp_path: Path) -> None:
-    """With the shipped H200 calibration and a trace whose manifest says 70,272 KV bytes a token (Kimi-K2's MLA): at
-    each context every concurrency is decided, the KV read a step adds is B × (L − L₀) × 70,272 bytes at the copy
-    bandwidth (by hand), a longer context never lowers the best speedup, and a cache that cannot fit gets no
-    recommendation. A trace that does not say its KV bytes cannot be decided by context: one line."""
-    path = well_sampled_sweep(tmp_path / "sweep")
-    _one_line_error(_invoke("report", str(path), "--context", "1024"),
-                    "--context: the trace does not say how many KV-cache bytes a token holds")
-    for manifest in path.glob("*/manifest.json"):
-        document = json.loads(manifest.read_text())
-        document["model"].update(kv_bytes_per_token=70_272, max_position_embeddings=262_144)
-        manifest.write_text(json.dumps(document))
-    _, summary = _json_report(path, tmp_path, "--context", "1024,65536,262144", "--batch", "1,16")
-    found = summary["decision"][0]["by_context"]
-    rows = {(row["context"], row["batch"]): row for row in found["per_batch"]}
-    assert set(rows) == {(context, batch) for context in (1024, 65536, 262144) for batch in (1, 16)}
-    bandwidth = json.loads((Path(__file__).parents[2] / "moetrace" / "data" / "calibration-h200.json").read_text())[
-        "copy_bandwidth_gbs"]
-    assert rows[(65536, 16)]["attention_kv_ms"] == pytest.approx(
-        16 * (65536 - found["recorded_context"]) * 70_272 / (bandwidth * 1e6))
-    assert rows[(1024, 1)]["k"] is not None and rows[(65536, 16)]["speedup"] >= rows[(1024, 16)]["speedup"]
-    assert rows[(262144, 16)]["k"] is None and "exceeds the calibrated GPU's" in rows[(262144, 16)]["status"]
-    assert rows[(262144, 1)]["k"] is not None  # one request's 18 GB fits
-    assert [c["context"] for c in found["crossover"]] == [1024, 65536, 262144]
-    _one_line_error(_invoke("report", str(path), "--context", "8k"), "--context 8k: give context lengths")
-    _one_line_error(_invoke("report", str(path), "--context", "0,1024"), "--context 0,1024")
-    _one_line_error(_invoke("report", str(path), "--context", "300000"),
-                    "--context 300000: beyond the model's 262,144 tokens")

@@ -1,0 +1,113 @@
+"""`moetrace report`'s decision end to end on well-sampled built sweeps: the self-check, what each recommendation rests
+on, a damaged trace, the record folder as input, and the decision per context length."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+from click.testing import CliRunner, Result
+
+from cli_results import invoke, one_line_error
+from moetrace.cli import main
+from trace_builder import small_k2_trace, well_sampled_sweep
+
+
+def _json_report(path: Path, tmp_path: Path, *extra: str) -> tuple[Result, dict[str, Any]]:
+    result = CliRunner().invoke(main, ["report", str(path), "--k", "3", "--batch", "1,4", "--json", "-o",
+                                      str(tmp_path / "r.html"), "--force", *extra], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result, json.loads(result.stdout)
+
+
+def test_the_self_check_passes_on_an_intact_sweep_and_every_recommendation_says_what_it_rests_on(
+        tmp_path: Path) -> None:
+    result, summary = _json_report(well_sampled_sweep(tmp_path / "sweep"), tmp_path)
+    assert summary["warnings"] == [] and summary["runs"][0]["checks"] == [] and "warning" not in result.stderr
+    for row in summary["decision"][0]["per_batch"]:
+        # 160 decoding request-steps at each of k = 0..3 (k = 1, 2 are cut from the k = 3 trace)
+        assert row["status"] == "ok" and row["k"] is not None and row["windows"] == 160
+    # tokens per step at the recorded k = 3: the acceptance table's, by hand from the steps table
+    steps = pl.read_parquet(tmp_path / "sweep" / "k3" / "steps").filter(
+        pl.col("num_tokens") == pl.col("num_drafts") + 1)
+    measured = 1 + steps["num_accepted"].mean()
+    predicted = {row["k"]: row for row in summary["runs"][0]["prediction"]["per_k"]}
+    assert predicted[3]["tokens_per_step"] == pytest.approx(measured)
+
+
+def test_the_self_check_names_both_numbers_when_the_prediction_strays_from_the_measured_tables(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import moetrace.report.summary as summary_module
+
+    original = summary_module.speedup_per_batch
+
+    def conditional_tokens(inputs: pl.DataFrame, *args: Any) -> Any:  # as if the old rates had reached the model
+        return original(inputs.with_columns(pl.col("tokens_per_step") * 1.2), *args)
+
+    monkeypatch.setattr(summary_module, "speedup_per_batch", conditional_tokens)
+    result, summary = _json_report(well_sampled_sweep(tmp_path / "sweep"), tmp_path)
+    checks = " ".join(summary["runs"][0]["checks"])
+    assert "tokens per step at k=3" in checks and "acceptance table measured" in checks and "+20.0%" in checks
+    assert "self-check" in result.stderr
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_truncated_routing_file_is_flagged_and_no_k_is_recommended(tmp_path: Path, which: int) -> None:
+    sweep = well_sampled_sweep(tmp_path / "sweep")
+    part = sorted((sweep / "k3" / "routing").glob("*.parquet"))[which]
+    data = part.read_bytes()
+    part.write_bytes(data[: len(data) // 2])
+    result, summary = _json_report(sweep, tmp_path)
+    assert "Traceback" not in result.output
+    assert any("k=3: routing and steps disagree" in w and "lack routing rows" in w for w in summary["warnings"])
+    for row in summary["decision"][0]["per_batch"]:
+        assert row["k"] is None and row["speedup"] is None and "disagree at k=3" in row["status"]
+    assert "no recommendation" in result.stderr
+    terminal = CliRunner().invoke(main, ["report", str(sweep), "--k", "3", "--batch", "1,4", "-o",
+                                        str(tmp_path / "t.html"), "--force"], catch_exceptions=False)
+    assert "B=1: no recommendation: routing and steps disagree at k=3" in " ".join(terminal.stdout.split())
+
+
+def test_the_record_out_folder_is_enough_when_it_holds_one_run(tmp_path: Path) -> None:
+    # moetrace record --out OUT writes OUT/RUN/k<k>: OUT alone names the run; the dashboard goes into the run
+    small_k2_trace(tmp_path / "out" / "run-a" / "k2")
+    result = invoke("report", tmp_path / "out", "--k", "2", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["runs"][0]["path"] == str(tmp_path / "out" / "run-a")
+    assert (tmp_path / "out" / "run-a" / "report.html").exists() and not (tmp_path / "out" / "report.html").exists()
+    small_k2_trace(tmp_path / "out" / "run-b" / "k2")
+    one_line_error(invoke("report", tmp_path / "out", "--k", "2"), "holds 2 runs (run-a, run-b): give one of them")
+    assert invoke("report", tmp_path / "out" / "run-b", "--k", "2").exit_code == 0
+
+
+def test_context_gives_a_decision_per_concurrency_and_context_and_bad_contexts_one_line(tmp_path: Path) -> None:
+    """With the shipped H200 calibration and a trace whose manifest says 70,272 KV bytes a token (Kimi-K2's MLA): at
+    each context every concurrency is decided, the KV read a step adds is B × (L − L₀) × 70,272 bytes at the copy
+    bandwidth (by hand), a longer context never lowers the best speedup, and a cache that cannot fit gets no
+    recommendation. A trace that does not say its KV bytes cannot be decided by context: one line."""
+    path = well_sampled_sweep(tmp_path / "sweep")
+    one_line_error(invoke("report", str(path), "--context", "1024"),
+                    "--context: the trace does not say how many KV-cache bytes a token holds")
+    for manifest in path.glob("*/manifest.json"):
+        document = json.loads(manifest.read_text())
+        document["model"].update(kv_bytes_per_token=70_272, max_position_embeddings=262_144)
+        manifest.write_text(json.dumps(document))
+    _, summary = _json_report(path, tmp_path, "--context", "1024,65536,262144", "--batch", "1,16")
+    found = summary["decision"][0]["by_context"]
+    rows = {(row["context"], row["batch"]): row for row in found["per_batch"]}
+    assert set(rows) == {(context, batch) for context in (1024, 65536, 262144) for batch in (1, 16)}
+    bandwidth = json.loads((Path(__file__).parents[2] / "moetrace" / "data" / "calibration-h200.json").read_text())[
+        "copy_bandwidth_gbs"]
+    assert rows[(65536, 16)]["attention_kv_ms"] == pytest.approx(
+        16 * (65536 - found["recorded_context"]) * 70_272 / (bandwidth * 1e6))
+    assert rows[(1024, 1)]["k"] is not None and rows[(65536, 16)]["speedup"] >= rows[(1024, 16)]["speedup"]
+    assert rows[(262144, 16)]["k"] is None and "exceeds the calibrated GPU's" in rows[(262144, 16)]["status"]
+    assert rows[(262144, 1)]["k"] is not None  # one request's 18 GB fits
+    assert [c["context"] for c in found["crossover"]] == [1024, 65536, 262144]
+    one_line_error(invoke("report", str(path), "--context", "8k"), "--context 8k: give context lengths")
+    one_line_error(invoke("report", str(path), "--context", "0,1024"), "--context 0,1024")
+    one_line_error(invoke("report", str(path), "--context", "300000"),
+                    "--context 300000: beyond the model's 262,144 tokens")
