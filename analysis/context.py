@@ -10,10 +10,15 @@ requests at several contexts: its time is filed under the bucket of its requests
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import polars as pl
 
 from moetrace.analysis.acceptance import mean_ms
+from moetrace.analysis.cost import end_to_end_speedup
 from moetrace.analysis.predicates import decoding
+from moetrace.analysis.sources import Source
 
 # Upper bounds (tokens of context, inclusive) of every bucket but the last, which is open: ≤1K, 1-4K, 4-16K, 16-64K,
 # >64K
@@ -110,3 +115,44 @@ def recorded_context(acceptance: pl.DataFrame | None) -> dict[str, float | int |
     widest = acceptance.sort("request_steps", descending=True).row(0, named=True)
     return {"mean_tokens": float((acceptance["mean_context"] * acceptance["request_steps"]).sum()) / steps,
             "bucket": str(widest["context"]), "request_steps": steps}
+
+
+# ---------------------------------------------------------------- the step at another context
+
+
+def kv_read_ms(batch: int, context: float, kv_bytes_per_token: int, bandwidth_gbs: float) -> float:
+    """One step's read of its ``batch`` requests' KV caches of ``context`` tokens on one rank, at ``bandwidth_gbs``."""
+    return batch * context * kv_bytes_per_token / (bandwidth_gbs * 1e6)
+
+
+def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], recorded_context: float, kv_bytes_per_token: int,
+                bandwidth_gbs: float) -> pl.DataFrame:
+    """``speedups`` (per batch and k: step_ms, tokens_per_step, prefill_ms_per_token, ...) moved from the context
+    the traces ran at, ``recorded_context`` tokens, to each of ``contexts``, with a context column. A verify step
+    reads each request's KV cache once for all its k + 1 queries, so every k's step of B requests grows alike, by
+    ``kv_read_ms`` of B × (L − L₀) tokens (attention_kv_ms): at long context the MoE's growth with k weighs less and
+    speculation pays more. Estimated (``step_source``): the KV bytes the model's config names, read at the
+    calibration's copy bandwidth; the attention's compute over k + 1 queries stays as the step priced it. A step
+    that would shrink to nothing (a context far below the recorded one) gets no speedup."""
+    frames = []
+    for context in contexts:
+        frames.append(speedups.with_columns(
+            context=pl.lit(context, pl.Int64),
+            attention_kv_ms=pl.col("batch").cast(pl.Float64) * kv_read_ms(1, context - recorded_context,
+                                                                           kv_bytes_per_token, bandwidth_gbs)))
+    moved = pl.concat(frames).with_columns(step_ms=pl.col("step_ms") + pl.col("attention_kv_ms"))
+    rows = moved.select("batch", "context", "k", "step_ms", "tokens_per_step", "prefill_ms_per_token").to_dicts()
+    k0 = {(row["batch"], row["context"]): row for row in rows if row["k"] == 0}
+
+    def speedup(row: dict[str, Any]) -> float | None:
+        base = k0[(row["batch"], row["context"])]
+        if min(row["step_ms"], base["step_ms"]) <= 0:
+            return None
+        return end_to_end_speedup(base["step_ms"], base["tokens_per_step"], base["prefill_ms_per_token"],
+                                  row["step_ms"], row["tokens_per_step"], row["prefill_ms_per_token"])
+
+    return moved.with_columns(
+        step_ratio=pl.Series([row["step_ms"] / k0[(row["batch"], row["context"])]["step_ms"] for row in rows]),
+        speedup=pl.Series([speedup(row) for row in rows], dtype=pl.Float64),
+        step_source=pl.lit(Source.ESTIMATED.value),
+    )

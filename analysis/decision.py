@@ -17,7 +17,8 @@ from typing import Any
 
 import polars as pl
 
-from moetrace.analysis.cost import MeasuredSteps, predict
+from moetrace.analysis.cost import predict
+from moetrace.analysis.measured_steps import MeasuredSteps
 from moetrace.analysis.deployment import Deployment
 from moetrace.analysis.profile import Profile
 from moetrace.analysis.sources import Source, least_direct
@@ -90,8 +91,8 @@ def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Pro
     """Per (batch, k): the prediction table of ``analysis.cost.predict`` with the inputs' other columns beside it.
     ``inputs``: batch, k, tokens (what the step moves), unique_experts, busiest_rank_experts (per layer, one step of
     ``batch`` requests), tokens_per_step (per request) and their sources and sample sizes. ``measured``: per
-    concurrency the sweep recorded, what its own steps measured there (``analysis.cost.MeasuredSteps``); a batch
-    it did not record is predicted from ``estimated_steps`` (``step_source`` estimated), its k=0 step from
+    concurrency the sweep recorded, what its own steps measured there (``analysis.measured_steps.MeasuredSteps``); a
+    batch it did not record is predicted from ``estimated_steps`` (``step_source`` estimated), its k=0 step from
     ``passed`` (concurrency → the k=0 trace's decode step there, ms) where the sweep passed through it. ``drafter``:
     the calibration's curve of the model drafter, priced where nothing is measured."""
     passed = passed or {}

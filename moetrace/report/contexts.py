@@ -1,7 +1,7 @@
 """The decision's second axis: the recommended k per (concurrency, context length), ``moetrace report --context``.
 
 The prediction holds at the context the traces ran at (``analysis.context``'s mean over decoding request-steps);
-``analysis.cost.at_contexts`` moves every step to each context asked for by the KV cache it reads there, priced
+``analysis.context.at_contexts`` moves every step to each context asked for by the KV cache it reads there, priced
 from the predicted model's KV bytes per token at the calibration's copy bandwidth (estimated), and each context gets
 its decision, intervals and crossover as the recorded context does."""
 
@@ -13,8 +13,7 @@ from typing import Any
 
 import polars as pl
 
-from moetrace.analysis.context import recorded_context
-from moetrace.analysis.cost import at_contexts
+from moetrace.analysis.context import at_contexts, recorded_context
 from moetrace.analysis.decision import crossover, recommended_k
 from moetrace.analysis.shape import ModelShape
 from moetrace.analysis.uncertainty import HeldOutErrors, with_intervals

@@ -1,5 +1,6 @@
 """``--profile measured``: what a sweep's own recorded steps measured on the machine that recorded it (decode step
-periods, vLLM's timed calls, the ``--k0-sync`` trace), gathered per concurrency as ``analysis.cost.MeasuredSteps``."""
+periods, vLLM's timed calls, the ``--k0-sync`` trace), gathered per concurrency as
+``analysis.measured_steps.MeasuredSteps``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import polars as pl
 
 from moetrace.analysis.acceptance import decode_step_periods
-from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps, per_k_from_nearest
+from moetrace.analysis.measured_steps import MODEL_DRAFTERS, MeasuredSteps, per_k_from_nearest
 from moetrace.analysis.decision import PHASE_COLUMNS, across_batches, growth_over_k0
 from moetrace.errors import UserError
 from moetrace.trace.reader import SWEEP_MODEL_KEYS, Trace, first_difference, open_trace
@@ -144,7 +145,7 @@ def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max
                    scale_with_k: bool) -> dict[int, dict[int, float]] | None:
     """Per concurrency of ``batches``: ``column`` of ``recorded_steps`` (ms per step) at every k up to ``max_k``, from
     what the sweep's k > 0 traces measured at that concurrency, or at the nearest one that has it
-    (``analysis.cost.per_k_from_nearest`` across k); None when no trace measured it."""
+    (``analysis.measured_steps.per_k_from_nearest`` across k); None when no trace measured it."""
     timed = steps.filter(pl.col("k") > 0).drop_nulls(column)
     if timed.is_empty():
         return None
@@ -159,8 +160,8 @@ def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max
 
 def measured_steps(run: Run, steps: pl.DataFrame, max_k: int, sync: Trace | None) -> dict[int, MeasuredSteps]:
     """Per concurrency the sweep's k=0 trace ran at, for k up to ``max_k``: what the sweep's own steps measured
-    there (``analysis.cost.MeasuredSteps``; ``steps``: ``recorded_steps``; ``sync``: the ``--k0-sync`` trace, the
-    k=0 steps run as the k>0 steps were, against which their phases grow)."""
+    there (``analysis.measured_steps.MeasuredSteps``; ``steps``: ``recorded_steps``; ``sync``: the ``--k0-sync``
+    trace, the k=0 steps run as the k>0 steps were, against which their phases grow)."""
     baselines = measured_baselines(run, steps)
     method = str(run.primary.manifest.spec.method)
     grew = growth_over_k0(steps, None if sync is None else recorded_phases([sync]))

@@ -20,7 +20,7 @@ from moetrace.analysis.acceptance import (
     measured_speedup,
     step_times,
 )
-from moetrace.analysis.cost import MODEL_DRAFTERS, MeasuredSteps
+from moetrace.analysis.measured_steps import MODEL_DRAFTERS, MeasuredSteps
 from moetrace.analysis.budgets import WindowSample, budget_curves, sample_share, smallest_budgets, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, request_prompts, union_means, uniform_unions
 from moetrace.analysis.consistency import disagreement, routing_gaps

@@ -9,7 +9,7 @@ import pytest
 
 from moetrace.analysis.calibration import CALIBRATION_SCHEMA
 from moetrace.analysis.deployment import Deployment
-from moetrace.analysis.cost import MeasuredSteps
+from moetrace.analysis.measured_steps import MeasuredSteps
 from moetrace.analysis.decision import (
     across_batches,
     against_trace,

@@ -11,7 +11,9 @@ import pytest
 from moetrace.analysis.acceptance import acceptance_curve, tokens_per_step
 from moetrace.analysis.concurrency import uniform_unions
 from moetrace.analysis.calibration import allreduce_model, drafter_step_ms, expert_fit, ring_model, table_time_us
-from moetrace.analysis.cost import MeasuredSteps, at_contexts, forward_beyond_moe, per_k_from_nearest, predict
+from moetrace.analysis.context import at_contexts
+from moetrace.analysis.cost import predict
+from moetrace.analysis.measured_steps import MeasuredSteps, forward_beyond_moe, per_k_from_nearest
 from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.decision import speedup_per_batch
 from moetrace.analysis.placement import linear_placement
