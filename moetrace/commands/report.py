@@ -26,7 +26,8 @@ from moetrace.trace.reader import is_partition_root, run_path
 from moetrace.trace.schema import check_k
 from moetrace.report.inputs import DEFAULT_PREDICTION, model_shape, open_run
 from moetrace.report.payload import summary_json
-from moetrace.report.summary import Options, analyse_run, budget_curves_per_k, sample_note, trace_windows
+from moetrace.report.analyse import analyse_run
+from moetrace.report.summary import Options, budget_curves_per_k, sample_note, trace_windows
 from moetrace.report.terminal import print_budget_table, print_summary
 
 SHAPE_CHOICE = click.Choice(sorted(SHAPE_PRESETS))

@@ -1,6 +1,7 @@
-"""Runs every analysis over each TRACE argument (``analyse_run``: one ``RunAnalysis`` per TRACE: growth, budgets,
-acceptance, the prediction and the decision, and the self-check); ``report.measured`` gathers what --profile
-measured takes from the sweep, ``report.payload`` shapes the summary JSON the terminal and the dashboard render."""
+"""What the report asks of each TRACE argument (``Options``) and what it found (``RunAnalysis``: growth, budgets,
+acceptance, the prediction and the decision, and the self-check), with the parts ``report.analyse`` runs them
+through; ``report.measured`` gathers what --profile measured takes from the sweep, ``report.payload`` shapes the
+summary JSON the terminal and the dashboard render."""
 
 from __future__ import annotations
 
@@ -14,50 +15,33 @@ import numpy.typing as npt
 import polars as pl
 
 from moetrace.analysis.acceptance import (
-    acceptance_by_position,
     acceptance_per_k,
-    acceptance_summary,
-    measured_speedup,
-    step_times,
 )
 from moetrace.analysis.measured_steps import MODEL_DRAFTERS, MeasuredSteps
-from moetrace.analysis.budgets import WindowSample, budget_curves, sample_share, smallest_budgets, window_sample
+from moetrace.analysis.budgets import WindowSample, budget_curves, sample_share, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, request_prompts, union_means, uniform_unions
-from moetrace.analysis.consistency import disagreement, routing_gaps
-from moetrace.analysis.context import context_tables
 from moetrace.analysis.decision import (
     DEFAULT_BATCHES,
-    against_trace,
-    crossover,
     recommended_k,
     speedup_per_batch,
-    unpredicted,
 )
 from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.growth import (
     COUNTERFACTUAL,
     MEASURED,
-    growth_table,
-    rejected_only_experts,
 )
 from moetrace.analysis.predicates import decoding
 from moetrace.analysis.profile import Profile
-from moetrace.analysis.routing_summary import SummaryRequest, summarise_routing
+from moetrace.analysis.routing_summary import SummaryRequest
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
-from moetrace.analysis.traffic import step_bytes
 from moetrace.analysis.uncertainty import with_intervals
-from moetrace.report.checks import self_check
-from moetrace.report.contexts import ContextDecision, decide_at_contexts
+from moetrace.report.contexts import ContextDecision
 from moetrace.errors import UserError
-from moetrace.report.distributed import partitioned_summary
-from moetrace.report.placements import placement_scores
-from moetrace.report.policies import PolicyReplay, replayed_policies
+from moetrace.report.policies import PolicyReplay
 from moetrace.trace.manifest import Manifest
 from moetrace.trace.reader import Trace
-from moetrace.report.inputs import (PredictionPreset, Run, expert_placement, held_out_errors, model_shape,
-                                    parallel_size)
-from moetrace.report.measured import (engine_slots, measured_steps, passed_baselines, recorded_phases, recorded_steps,
-                                      sync_trace)
+from moetrace.report.inputs import (PredictionPreset, Run, held_out_errors)
+from moetrace.report.measured import (engine_slots)
 
 RANDOM_WEIGHTS_NOTE = "routing of a random-weight model: says nothing about a trained model's routing"
 
@@ -317,110 +301,3 @@ def unpriced_batches(run: Run, batches: Sequence[int]) -> dict[int, str]:
     return {batch: f"the sweep's engines ran at most {slots} requests at once (max_num_seqs): --profile measured has "
                    f"no step of {batch} to start from (record with --batch-size {batch} or more)"
             for batch in batches if slots is not None and batch > slots}
-
-
-def analyse_run(run: Run, options: Options) -> RunAnalysis:
-    trace = run.primary
-    shape = model_shape(trace, options.shape_preset)
-    tp = parallel_size(trace.manifest.parallel.tp, "tp", options.tp)
-    ep = parallel_size(trace.manifest.parallel.ep, "ep", options.ep)
-    placement = expert_placement(trace, ep, options.placement_file)
-    request = summary_request(trace, shape.num_experts, options.max_k, placement, run.routing_rows[trace.k])
-    if options.ray is not None and trace.parts:
-        summary, rows = partitioned_summary(trace, request, options.ray), None
-    else:
-        summary, rows = summarise_routing(trace.routing(), trace.steps(), request)
-    growth = growth_table(summary.growth, summary.proposals, shape.num_experts, shape.top_k, request.ks, trace.k)
-    by_position = pl.concat(
-        [acceptance_by_position(t.steps(), t.k).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
-    )
-    per_k = measured_speedup(pl.concat(
-        [pl.concat([acceptance_summary(t.steps()), step_times(t.steps())], how="horizontal")
-         .with_columns(k=pl.lit(t.k, pl.Int32))
-         .with_columns(step_ms=pl.lit(None, pl.Float64) if t.lacks("step_timing") else pl.col("step_ms"))
-         for t in run.traces]
-    ).select("k", pl.exclude("k")).lazy())
-    gaps = {t.k: summary.gaps if t is trace else routing_gaps(t.routing(), t.steps(),
-                                                             t.manifest.capture.one_request_in > 1)
-            for t in run.traces}
-    disagreements = {k: found for k, table in gaps.items() if (found := disagreement(table)) is not None}
-    sample = WindowSample(summary.accepted, summary.stepped, request.share, trace.k, summary.proposals)
-    curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape)
-    if trace.lacks("router_weights"):  # budgets are by routing-weight coverage
-        curves = curves.clear()
-    at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
-    steps = recorded_steps(run) if options.measured_baseline else None
-    sync = sync_trace(run, options.k0_sync) if steps is not None and options.k0_sync else None
-    measured = measured_steps(run, steps, options.max_k, sync) if steps is not None and options.predicts else None
-    passed = {} if steps is None or measured is None else passed_baselines(steps, measured)
-    unpriced = unpriced_batches(run, options.batches) if measured is not None else {}
-    batches = sorted({1, *options.batches, *(measured or {})} - set(unpriced))
-    inputs = step_inputs(run, sample, shape, placement, options, batches)
-    one_token = inputs.filter((pl.col("batch") == 1) & (pl.col("k") == 0))["ranks_touched"]
-    bytes_table = step_bytes(inputs.filter(pl.col("batch") == 1), deployment_for(shape, tp, ep),
-                             float(one_token.item()) if len(one_token) else 1.0)
-    speedups = prediction = decision = basis = None
-    prediction_note = shape.unpriced_note()
-    if prediction_note is not None:
-        decision = unpredicted(options.batches, prediction_note) if options.predicts else None
-    elif options.predicts:
-        _, _, pred_ep, _ = prediction_deployment(shape, tp, ep, options)
-        pred_inputs = inputs if pred_ep == ep else step_inputs(
-            run, sample, shape, expert_placement(trace, pred_ep, options.placement_file), options, batches)
-        try:
-            speedups, prediction, decision, basis = run_prediction(run, pred_inputs, shape, tp, ep, options, measured,
-                                                                   passed, unpriced, disagreements)
-        except UserError as exc:
-            if options.preset is None:  # the user asked for this prediction
-                raise
-            prediction_note = f"no prediction: {exc} (give --calibration or --profile for this deployment)"
-            decision = unpredicted(options.batches, prediction_note)
-    placements, placement_note = placement_scores(trace, rows, ep)
-    checked = (against_trace(speedups, steps, None if sync is None else recorded_phases([sync]))
-               if steps is not None and speedups is not None else None)
-    analysis = RunAnalysis(
-        run=run,
-        shape=shape,
-        tp=tp,
-        ep=ep,
-        growth=growth,
-        rejected_only=rejected_only_experts(summary.rejected_only),
-        unions=inputs,
-        step_bytes=bytes_table,
-        acceptance_by_position=by_position,
-        acceptance_per_k=per_k,
-        disagreements=disagreements,
-        budget_source=MEASURED if trace.k == max(options.k, 1) else COUNTERFACTUAL,
-        budget_curves=curves,
-        budget_share=budget_share,
-        budgets=smallest_budgets(at_k.lazy(), options.coverage),
-        load=summary.load,
-        k=options.k,
-        prediction=prediction,
-        prediction_basis=basis,
-        speedups=speedups,
-        against_trace=checked,
-        decision=decision,
-        prediction_note=prediction_note,
-        placements=placements,
-        placement_note=placement_note,
-    )
-    analysis.checks = self_check(speedups, basis, per_k, inputs, bytes_table)
-    analysis.by_context = context_tables(sample.stepped.lazy(), trace.steps(), trace.k,
-                                         trace.manifest.model.moe_layers[0])
-    analysis.by_context_share = request.share
-    if options.contexts and speedups is not None:
-        analysis.context_decision = decide_at_contexts(
-            speedups, options.contexts, prediction_deployment(shape, tp, ep, options)[0], options.calibration,
-            analysis.by_context.get("acceptance"), options.batches, disagreements, unpriced)
-    if speedups is not None:
-        measured_speedups = (None if checked is None or checked.is_empty() else
-                             checked.select("batch", "k", speedup="measured_speedup"))
-        analysis.crossovers = {
-            "predicted": crossover(speedups, [b for b in options.batches if b not in unpriced], "predicted"),
-            "measured": None if measured_speedups is None else crossover(
-                measured_speedups, sorted(set(measured_speedups["batch"].to_list())), "measured")}
-        analysis.policies = replayed_policies(run, speedups, decision, options.max_k)
-    return analysis
-
-

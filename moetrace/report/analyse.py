@@ -1,0 +1,204 @@
+"""One ``RunAnalysis`` per TRACE argument (``analyse_run``), section by section in the order the report shows them:
+the routing summary, acceptance, the routing's agreement with the steps table, budgets, what one step reads, the
+prediction and its decision, placements, the self-check, the decision by context, crossovers and replayed
+policies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary, measured_speedup, step_times
+from moetrace.analysis.budgets import WindowSample, smallest_budgets
+from moetrace.analysis.consistency import disagreement, routing_gaps
+from moetrace.analysis.context import context_tables
+from moetrace.analysis.decision import against_trace, crossover, unpredicted
+from moetrace.analysis.deployment import deployment_for
+from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, WindowRows, growth_table, rejected_only_experts
+from moetrace.analysis.measured_steps import MeasuredSteps
+from moetrace.analysis.routing_summary import RoutingSummary, SummaryRequest, summarise_routing
+from moetrace.analysis.shape import ModelShape
+from moetrace.analysis.traffic import step_bytes
+from moetrace.errors import UserError
+from moetrace.report.checks import self_check
+from moetrace.report.contexts import decide_at_contexts
+from moetrace.report.distributed import partitioned_summary
+from moetrace.report.inputs import Run, expert_placement, model_shape, parallel_size
+from moetrace.report.measured import measured_steps, passed_baselines, recorded_phases, recorded_steps, sync_trace
+from moetrace.report.placements import placement_scores
+from moetrace.report.policies import replayed_policies
+from moetrace.report.summary import (
+    Options,
+    RunAnalysis,
+    budget_curves_per_k,
+    prediction_deployment,
+    run_prediction,
+    step_inputs,
+    summary_request,
+    unpriced_batches,
+)
+from moetrace.trace.reader import Trace
+
+
+def analyse_run(run: Run, options: Options) -> RunAnalysis:
+    trace = run.primary
+    shape = model_shape(trace, options.shape_preset)
+    tp = parallel_size(trace.manifest.parallel.tp, "tp", options.tp)
+    ep = parallel_size(trace.manifest.parallel.ep, "ep", options.ep)
+    placement = expert_placement(trace, ep, options.placement_file)
+    request = summary_request(trace, shape.num_experts, options.max_k, placement, run.routing_rows[trace.k])
+    summary, rows = _routing(trace, request, options)
+    growth = growth_table(summary.growth, summary.proposals, shape.num_experts, shape.top_k, request.ks, trace.k)
+    by_position, per_k = _acceptance(run)
+    disagreements = _disagreements(run, summary)
+    sample = WindowSample(summary.accepted, summary.stepped, request.share, trace.k, summary.proposals)
+    curves, budget_share = budget_curves_per_k(run, sample, range(1, options.max_k + 1), shape)
+    if trace.lacks("router_weights"):  # budgets are by routing-weight coverage
+        curves = curves.clear()
+    at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
+    timing = _timing(run, options)
+    batches = sorted({1, *options.batches, *(timing.measured or {})} - set(timing.unpriced))
+    inputs = step_inputs(run, sample, shape, placement, options, batches)
+    one_token = inputs.filter((pl.col("batch") == 1) & (pl.col("k") == 0))["ranks_touched"]
+    bytes_table = step_bytes(inputs.filter(pl.col("batch") == 1), deployment_for(shape, tp, ep),
+                             float(one_token.item()) if len(one_token) else 1.0)
+    forecast = _forecast(run, sample, inputs, shape, tp, ep, options, batches, timing, disagreements)
+    placements, placement_note = placement_scores(trace, rows, ep)
+    checked = (against_trace(forecast.speedups, timing.steps, None if timing.sync is None else
+                             recorded_phases([timing.sync]))
+               if timing.steps is not None and forecast.speedups is not None else None)
+    analysis = RunAnalysis(
+        run=run, shape=shape, tp=tp, ep=ep, growth=growth,
+        rejected_only=rejected_only_experts(summary.rejected_only), unions=inputs, step_bytes=bytes_table,
+        acceptance_by_position=by_position, acceptance_per_k=per_k, disagreements=disagreements,
+        budget_source=MEASURED if trace.k == max(options.k, 1) else COUNTERFACTUAL, budget_curves=curves,
+        budget_share=budget_share, budgets=smallest_budgets(at_k.lazy(), options.coverage), load=summary.load,
+        k=options.k, prediction=forecast.prediction, prediction_basis=forecast.basis, speedups=forecast.speedups,
+        against_trace=checked, decision=forecast.decision, prediction_note=forecast.note, placements=placements,
+        placement_note=placement_note,
+    )
+    analysis.checks = self_check(forecast.speedups, forecast.basis, per_k, inputs, bytes_table)
+    _by_context(analysis, sample, trace, request, options, timing, disagreements)
+    _crossovers_and_policies(analysis, checked, options, timing)
+    return analysis
+
+
+def _routing(trace: Trace, request: SummaryRequest, options: Options) -> tuple[RoutingSummary, WindowRows | None]:
+    """The routing summary (``analysis.routing_summary``): one pass over the rows, or each partition as a Ray task
+    (``--ray``: then no rows come back for the placements)."""
+    if options.ray is not None and trace.parts:
+        return partitioned_summary(trace, request, options.ray), None
+    return summarise_routing(trace.routing(), trace.steps(), request)
+
+
+def _acceptance(run: Run) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Acceptance by draft position and per k (with each k's step time, where its trace timed steps)."""
+    by_position = pl.concat(
+        [acceptance_by_position(t.steps(), t.k).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
+    )
+    per_k = measured_speedup(pl.concat(
+        [pl.concat([acceptance_summary(t.steps()), step_times(t.steps())], how="horizontal")
+         .with_columns(k=pl.lit(t.k, pl.Int32))
+         .with_columns(step_ms=pl.lit(None, pl.Float64) if t.lacks("step_timing") else pl.col("step_ms"))
+         for t in run.traces]
+    ).select("k", pl.exclude("k")).lazy())
+    return by_position, per_k
+
+
+def _disagreements(run: Run, summary: RoutingSummary) -> dict[int, str]:
+    """Per k, how that trace's routing rows disagree with its steps table (where they do)."""
+    trace = run.primary
+    gaps = {t.k: summary.gaps if t is trace else routing_gaps(t.routing(), t.steps(),
+                                                             t.manifest.capture.one_request_in > 1)
+            for t in run.traces}
+    return {k: found for k, table in gaps.items() if (found := disagreement(table)) is not None}
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """What the sweep's own steps measured (``--profile measured``; all None, empty otherwise): its steps, the
+    ``--k0-sync`` trace, per concurrency the steps as the cost model takes them and the k=0 trace's step where it
+    passed through one, and the concurrencies no prediction can price (with why)."""
+
+    steps: pl.DataFrame | None
+    sync: Trace | None
+    measured: dict[int, MeasuredSteps] | None
+    passed: dict[int, float]
+    unpriced: dict[int, str]
+
+
+def _timing(run: Run, options: Options) -> _Timing:
+    steps = recorded_steps(run) if options.measured_baseline else None
+    sync = sync_trace(run, options.k0_sync) if steps is not None and options.k0_sync else None
+    measured = measured_steps(run, steps, options.max_k, sync) if steps is not None and options.predicts else None
+    passed = {} if steps is None or measured is None else passed_baselines(steps, measured)
+    unpriced = unpriced_batches(run, options.batches) if measured is not None else {}
+    return _Timing(steps, sync, measured, passed, unpriced)
+
+
+@dataclass(frozen=True)
+class _Forecast:
+    """The prediction (at one request), the predicted steps per (batch, k), the decision and the prediction's
+    basis; ``note``: why there is none, where there is not."""
+
+    speedups: pl.DataFrame | None = None
+    prediction: pl.DataFrame | None = None
+    decision: pl.DataFrame | None = None
+    basis: dict[str, Any] | None = None
+    note: str | None = None
+
+
+def _forecast(run: Run, sample: WindowSample, inputs: pl.DataFrame, shape: ModelShape, tp: int, ep: int,
+              options: Options, batches: list[int], timing: _Timing, disagreements: dict[int, str]) -> _Forecast:
+    """The prediction and its decision, where one is asked for and the format can be priced; a preset that cannot
+    price this deployment leaves a note, a prediction the user asked for that cannot be made raises."""
+    note = shape.unpriced_note()
+    if note is not None:
+        return _Forecast(decision=unpredicted(options.batches, note) if options.predicts else None, note=note)
+    if not options.predicts:
+        return _Forecast()
+    trace = run.primary
+    _, _, pred_ep, _ = prediction_deployment(shape, tp, ep, options)
+    pred_inputs = inputs if pred_ep == ep else step_inputs(
+        run, sample, shape, expert_placement(trace, pred_ep, options.placement_file), options, batches)
+    try:
+        speedups, prediction, decision, basis = run_prediction(run, pred_inputs, shape, tp, ep, options,
+                                                               timing.measured, timing.passed, timing.unpriced,
+                                                               disagreements)
+    except UserError as exc:
+        if options.preset is None:  # the user asked for this prediction
+            raise
+        note = f"no prediction: {exc} (give --calibration or --profile for this deployment)"
+        return _Forecast(decision=unpredicted(options.batches, note), note=note)
+    return _Forecast(speedups, prediction, decision, basis)
+
+
+def _by_context(analysis: RunAnalysis, sample: WindowSample, trace: Trace, request: SummaryRequest, options: Options,
+                timing: _Timing, disagreements: dict[int, str]) -> None:
+    """The primary trace's measurements per context bucket, and, with ``--context``, the decision at each context."""
+    analysis.by_context = context_tables(sample.stepped.lazy(), trace.steps(), trace.k,
+                                         trace.manifest.model.moe_layers[0])
+    analysis.by_context_share = request.share
+    if options.contexts and analysis.speedups is not None:
+        analysis.context_decision = decide_at_contexts(
+            analysis.speedups, options.contexts,
+            prediction_deployment(analysis.shape, analysis.tp, analysis.ep, options)[0], options.calibration,
+            analysis.by_context.get("acceptance"), options.batches, disagreements, timing.unpriced)
+
+
+def _crossovers_and_policies(analysis: RunAnalysis, checked: pl.DataFrame | None, options: Options,
+                             timing: _Timing) -> None:
+    """The concurrency above which no k pays, predicted and (``--profile measured``) measured, and the k-choosing
+    policies replayed on the sweep."""
+    speedups = analysis.speedups
+    if speedups is None:
+        return
+    measured_speedups = (None if checked is None or checked.is_empty() else
+                         checked.select("batch", "k", speedup="measured_speedup"))
+    analysis.crossovers = {
+        "predicted": crossover(speedups, [b for b in options.batches if b not in timing.unpriced], "predicted"),
+        "measured": None if measured_speedups is None else crossover(
+            measured_speedups, sorted(set(measured_speedups["batch"].to_list())), "measured")}
+    analysis.policies = replayed_policies(analysis.run, speedups, analysis.decision, options.max_k)
