@@ -41,15 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from kimi_slice import kimi_k2_slice
-from bench_speedup_validation import (
-    EngineStartHung,
-    build_llm_within,
-    distinct_prompts,
-    model_settings,
-    output_lengths,
-    ratio_ci95,
-    report_json,
-)
+from bench_speedup_validation import ratio_ci95, report_json
+from speedup_measure import EngineStartHung, build_llm_within, distinct_prompts, model_settings, output_lengths
 
 CONCURRENCIES = (1, 16)
 REQUESTS = {1: 4, 16: 48}
