@@ -7,9 +7,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-MODEL_DRAFTERS = ("mtp", "eagle", "eagle3", "draft_model")  # drafters that run a model forward per draft
-
-
 def per_k_from_nearest(measured: Mapping[int, float], ks: Sequence[int], scale_with_k: bool) -> dict[int, float]:
     """A time per step (ms) at every k > 0 of ``ks``: measured where recorded; elsewhere from the nearest recorded k,
     scaled by k when ``scale_with_k``, else held."""

@@ -12,14 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from moetrace.errors import UserError
+from moetrace.trace.drafters import CHECKPOINT_METHODS
 
 # An EAGLE-3 head for the embedded default model, trained by scripts/train_eagle3.py on the default model's own
 # auxiliary hidden states over the corpus the model was trained on (MLA attention: on the CPU a head's attention
 # shares the target's KV cache group, and only the MLA backend serves the target).
 DEFAULT_EAGLE3_HEAD = Path(__file__).parents[1] / "data" / "eagle3-head"
-
-MODEL_DRAFTER_METHODS = ("eagle3", "draft_model")
-
 
 def resolve_drafter(method: str, drafter: str | None, target: Path, embedded_target: bool) -> str | None:
     """The drafter checkpoint ``method`` runs against the model at ``target``: ``drafter`` as given, after
@@ -32,13 +30,13 @@ def resolve_drafter(method: str, drafter: str | None, target: Path, embedded_tar
             from moetrace.default_model import ensure_default_draft_model
 
             return str(ensure_default_draft_model())
-        if method in MODEL_DRAFTER_METHODS:
+        if method in CHECKPOINT_METHODS:
             raise UserError(f"--method {method} needs --drafter PATH (drafters come with the embedded default model "
                             f"only)")
         return None
-    if method not in MODEL_DRAFTER_METHODS:
+    if method not in CHECKPOINT_METHODS:
         raise UserError(f"--drafter {drafter}: --method {method} drafts without a checkpoint (--drafter goes with "
-                        f"{' or '.join(MODEL_DRAFTER_METHODS)})")
+                        f"{' or '.join(CHECKPOINT_METHODS)})")
     path = Path(drafter).expanduser()
     if not path.is_dir():
         raise UserError(f"drafter not found: {drafter}")

@@ -17,9 +17,6 @@ from moetrace.hooks.plugin import ENV_VAR, WORKER_EXTENSION
 from moetrace.trace.manifest import amend_manifest
 from moetrace.trace.schema import ENGINE_ROUTED_EXPERTS_NAME
 
-SPEC_METHODS = ("ngram", "eagle3", "mtp", "draft_model")
-
-
 def speculative_config(method: str, k: int, drafter: str | None, spec_args: dict[str, Any]) -> dict[str, Any] | None:
     if k == 0:
         return None

@@ -24,11 +24,11 @@ from moetrace.hooks.options import RecordingOptions, replay_refusal
 from moetrace.trace.model_config import config_expert_count, config_value
 from moetrace.default_model import BOS_ID, CONFIG, DEFAULT_MODEL_NAME, encode_text, ensure_default_model
 from moetrace.recording.drafters import check_drafter_batch, drafter_checkpoint, resolve_drafter
-from moetrace.recording.engine import SPEC_METHODS
 from moetrace.errors import UserError, refuse_existing
 from moetrace.hooks.host import gpu_inventory
 from moetrace.recording.prompts import load_prompts, repeated_in_a_step
 from moetrace.recording.telemetry import TelemetrySampler
+from moetrace.trace.drafters import RECORDABLE_METHODS
 from moetrace.trace.manifest import amend_manifest
 from moetrace.trace.reader import read_manifest
 from moetrace.trace.schema import check_k
@@ -355,8 +355,8 @@ def record(request: RecordRequest, progress: ProgressFn,
            warn: Callable[[str], None] = lambda _: None) -> tuple[Path, list[RecordedRun]]:
     """Record every k of the request; returns the run directory (a trace, or the parent of a sweep). ``warn``: told,
     before any engine starts, what in the request will make the trace measure less than it could."""
-    if request.method not in SPEC_METHODS:
-        raise UserError(f"--method: unknown method {request.method!r} (choose from {', '.join(SPEC_METHODS)})")
+    if request.method not in RECORDABLE_METHODS:
+        raise UserError(f"--method: unknown method {request.method!r} (choose from {', '.join(RECORDABLE_METHODS)})")
     ngram_only = sorted(key for key in request.spec_args if key.startswith("prompt_lookup_"))
     if request.method != "ngram" and ngram_only:
         raise UserError(f"--spec-arg {ngram_only[0]}: n-gram's setting; --method {request.method} has no prompt "

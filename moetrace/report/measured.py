@@ -11,7 +11,8 @@ from typing import Any
 import polars as pl
 
 from moetrace.analysis.acceptance import decode_step_periods
-from moetrace.analysis.measured_steps import MODEL_DRAFTERS, MeasuredSteps, per_k_from_nearest
+from moetrace.analysis.measured_steps import MeasuredSteps, per_k_from_nearest
+from moetrace.trace.drafters import MODEL_DRAFTERS
 from moetrace.analysis.decision import PHASE_COLUMNS, across_batches, growth_over_k0
 from moetrace.errors import UserError
 from moetrace.trace.reader import SWEEP_MODEL_KEYS, Trace, first_difference, open_trace

@@ -17,7 +17,8 @@ import polars as pl
 from moetrace.analysis.acceptance import (
     acceptance_per_k,
 )
-from moetrace.analysis.measured_steps import MODEL_DRAFTERS, MeasuredSteps
+from moetrace.analysis.measured_steps import MeasuredSteps
+from moetrace.trace.drafters import MODEL_DRAFTERS
 from moetrace.analysis.budgets import WindowSample, budget_curves, sample_share, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, request_prompts, union_means, uniform_unions
 from moetrace.analysis.decision import (

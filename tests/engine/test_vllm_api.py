@@ -164,3 +164,14 @@ def test_v2_graph_hooks_name_a_full_graph_by_its_descriptor_and_a_piecewise_one_
     assert full is not None and piecewise is not None
     assert full("hidden states", "desc-4") == (("FULL", "desc-4"), None)  # (result, desc) as run_fullgraph(desc)
     assert piecewise("hidden states", "model", {}) == (None, None)  # no forward context here: no graph
+
+
+def test_every_drafter_moetrace_knows_is_a_speculative_method_vllm_names() -> None:
+    """The drafter table (``trace.drafters``) against vLLM's own list of speculative methods."""
+    import typing
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    from moetrace.trace.drafters import DRAFTERS
+
+    assert set(DRAFTERS) <= set(typing.get_args(SpeculativeMethod))
