@@ -11,117 +11,24 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.calibrate import SCHEMA
 from moetrace.calibrate.fit import fit_allreduce, fit_expert_time
+from moetrace.calibrate.settings import (
+    ExpertConfig,
+    Progress,
+    Settings,
+    allreduce_sizes,
+    allreduce_world_sizes,
+    expert_configs,
+)
 
 if TYPE_CHECKING:
     from moetrace.calibrate.drafter import DrafterShape
     from moetrace.calibrate.experts import ExpertPool
-
-Progress = Callable[[str, int, int], None]  # (stage label, done, total)
-
-DECODE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-BANDWIDTH_BYTES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
-# a drafter's passes: B tokens (the later passes) and B·(k+1) (the first), k ≤ 7 at up to 64 requests
-DRAFTER_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What to measure. The defaults are Kimi-K2's shape and the per-rank slices of TP=8 and EP=8."""
-
-    device: str = "cuda"
-    hidden: int = 7168
-    expert_width: int = 2048
-    num_experts: int = 384
-    top_k: int = 8
-    tp: int = 8
-    ep: int = 8
-    formats: tuple[str, ...] = ("bf16", "fp8")
-    int4_group_size: int = 32
-    vllm_kernel: bool = False  # also time vLLM's own fused_experts (TP configs, bf16), kept as a table
-    allreduce: bool = True
-    max_gpus: int | None = None
-    quick: bool = False
-    reps: int = 8
-    replays: int = 7
-    tokens: tuple[int, ...] = DECODE_TOKENS  # every decode size to 6 (k ≤ 5 at one request): vLLM's kernel steps
-    ep_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-    allreduce_tokens: tuple[int, ...] = DECODE_TOKENS
-    allreduce_bandwidth_bytes: tuple[int, ...] = BANDWIDTH_BYTES
-    allreduce_iters: int = 50
-    allreduce_replays: int = 5
-    drafter: str | None = None  # a drafter checkpoint's folder: its forward passes are timed too
-    drafter_tokens: tuple[int, ...] = DRAFTER_TOKENS
-    command: str = field(default="", compare=False)
-
-    @classmethod
-    def quick_settings(cls, device: str, **overrides: Any) -> Settings:
-        """A smoke run in seconds: a small model shape, a small grid, few repetitions."""
-        base = cls(device=device, hidden=256, expert_width=256, num_experts=32, top_k=4, tp=2, ep=2, quick=True,
-                   reps=2, replays=2, tokens=(1, 2, 4), ep_rows=(1, 2, 4, 8), allreduce_tokens=(1, 2, 4),
-                   drafter_tokens=(1, 2, 4, 8),
-                   allreduce_bandwidth_bytes=(), allreduce_iters=5, allreduce_replays=2)
-        return replace(base, **overrides)
-
-    def check(self) -> None:
-        if self.expert_width % self.tp:
-            raise ValueError(f"expert width {self.expert_width} does not split over tp={self.tp}")
-        if self.num_experts % self.ep:
-            raise ValueError(f"{self.num_experts} experts do not split over ep={self.ep}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top-k {self.top_k} exceeds {self.num_experts} experts")
-        unknown = set(self.formats) - {"bf16", "fp8"}
-        if unknown:
-            raise ValueError(f"unknown weight format(s) {', '.join(sorted(unknown))} (known: bf16, fp8)")
-
-
-@dataclass(frozen=True)
-class ExpertConfig:
-    name: str  # "tp8": experts split by tensor parallelism; "ep8": whole experts, split by expert parallelism
-    tp: int
-    ep: int
-    width: int  # per-rank expert width
-    pool: int  # experts one rank holds
-    grid: tuple[tuple[int, int], ...]  # (unique experts, routed rows) points
-
-
-def expert_configs(s: Settings) -> list[ExpertConfig]:
-    """TP: every rank holds a 1/tp slice of every expert and computes all unique experts of the step (at least
-    top_k, at most top_k·tokens). EP: a rank holds num_experts/ep whole experts and computes those routed to it."""
-    choices = sorted({s.top_k * m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)} | {s.num_experts})
-    tp_grid = [
-        (experts, s.top_k * tokens)
-        for tokens in s.tokens
-        for experts in choices
-        if experts <= min(s.num_experts, s.top_k * tokens)
-    ]
-    per_rank = s.num_experts // s.ep
-    ep_choices = sorted({1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128} & set(range(1, per_rank + 1)) | {per_rank})
-    ep_grid = [(experts, rows) for rows in s.ep_rows for experts in ep_choices if experts <= rows]
-    configs = [ExpertConfig(f"tp{s.tp}", s.tp, 1, s.expert_width // s.tp, s.num_experts, tuple(tp_grid))]
-    if s.ep > 1:
-        configs.append(ExpertConfig(f"ep{s.ep}", 1, s.ep, s.expert_width, per_rank, tuple(ep_grid)))
-    return configs
-
-
-def allreduce_sizes(s: Settings) -> list[tuple[int | None, int]]:
-    """(tokens or None, bytes): bf16 hidden states of each decode size, then larger messages for the bandwidth."""
-    return [(t, t * s.hidden * 2) for t in s.allreduce_tokens] + [(None, b) for b in s.allreduce_bandwidth_bytes]
-
-
-def allreduce_world_sizes(gpus: int) -> list[int]:
-    """2, 4, 8, … up to the devices present, and the device count itself."""
-    sizes = {n for n in (2, 4, 8, 16, 32) if n <= gpus}
-    if gpus >= 2:
-        sizes.add(gpus)
-    return sorted(sizes)
-
 
 def _versions(torch: Any) -> dict[str, Any]:
     try:
@@ -229,8 +136,7 @@ def calibrate(s: Settings, progress: Progress) -> dict[str, Any]:
     drafter = _drafter(s)
     import torch
 
-    from moetrace.calibrate.allreduce import measure_allreduce
-    from moetrace.calibrate.experts import ExpertPool, copy_bandwidth_gbs, weight_bytes_per_expert
+    from moetrace.calibrate.experts import copy_bandwidth_gbs
 
     if s.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device visible (use --device cpu for a smoke run)")
@@ -251,6 +157,22 @@ def calibrate(s: Settings, progress: Progress) -> dict[str, Any]:
     progress("copy bandwidth", 0, 1)
     doc["copy_bandwidth_gbs"] = copy_bandwidth_gbs(device, (1 << 20) if s.quick else (2 << 30))
     progress("copy bandwidth", 1, 1)
+    curves = _expert_curves(s, device, progress, notes)
+    doc["experts"] = curves
+    doc["int4_estimate"] = _int4_estimate([c for c in curves if "fit" in c], s)
+    doc["allreduce"] = _allreduce(s, device, progress, notes)
+    if drafter is not None:
+        doc["drafter"] = _drafter_curve(s, drafter, device, progress)
+    doc["notes"] = notes
+    return doc
+
+
+def _expert_curves(s: Settings, device: Any, progress: Progress, notes: list[str]) -> list[dict[str, Any]]:
+    """Each expert configuration's curve per weight format (``_expert_curve``); one that fails is kept as skipped,
+    with why, and the others are measured."""
+    import torch
+
+    from moetrace.calibrate.experts import ExpertPool, weight_bytes_per_expert
 
     curves: list[dict[str, Any]] = []
     for config in expert_configs(s):
@@ -277,8 +199,15 @@ def calibrate(s: Settings, progress: Progress) -> dict[str, Any]:
                 del pool
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    doc["experts"] = curves
-    doc["int4_estimate"] = _int4_estimate([c for c in curves if "fit" in c], s)
+    return curves
+
+
+def _allreduce(s: Settings, device: Any, progress: Progress, notes: list[str]) -> dict[str, Any]:
+    """The all-reduce's curve per world size (NCCL across GPUs; gloo across 2 CPU processes as a smoke test), each
+    fitted per timing method; a world size that fails is kept as skipped, with why."""
+    import torch
+
+    from moetrace.calibrate.allreduce import measure_allreduce
 
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if s.max_gpus is not None:
@@ -311,39 +240,46 @@ def calibrate(s: Settings, progress: Progress) -> dict[str, Any]:
                 allreduce["measured"].append({"world_size": world, "backend": backend, "skipped": str(exc)[:300]})
                 notes.append(f"{label}: {exc}")
                 continue
-            for point, (tokens, _) in zip(result["points"], sizes):
-                point["tokens"] = tokens
-            decode = [p for p in result["points"] if p["tokens"] is not None]
-            # one fit per timing method that covers every decode size; "fit" is the GPU-side one (CUDA graph,
-            # else calls queued ahead of the GPU, else the host-issued loop)
-            result["fits"] = {
-                method: fit_allreduce([{"bytes": p["bytes"], "time_us": p[f"{method}_us"]} for p in decode], world)
-                for method in ("eager", "queued", "graph")
-                if decode and all(f"{method}_us" in p for p in decode)
-            }
-            preferred = next(m for m in ("graph", "queued", "eager") if m in result["fits"])
-            result["fit"] = {**result["fits"][preferred], "timing": preferred}
-            if result.get("graph_note"):
-                notes.append(f"{label}: {result['graph_note']}")
-            large = [p for p in result["points"] if p["tokens"] is None]
-            if large:
-                biggest = max(large, key=lambda p: p["bytes"])
-                result["large_message_bus_bandwidth_gbs"] = (2 * (world - 1) / world * biggest["bytes"]
-                                                             / (biggest["time_us"] * 1e3))
-            allreduce["measured"].append(result)
+            allreduce["measured"].append(_fitted_allreduce(result, sizes, world, label, notes))
     allreduce["world_sizes_measured"] = [m["world_size"] for m in allreduce["measured"] if "fit" in m]
-    doc["allreduce"] = allreduce
-    if drafter is not None:
-        from moetrace.calibrate.drafter import measure_drafter
+    return allreduce
 
-        method, shape = drafter
-        label = f"drafter {Path(str(s.drafter)).name} (tp{s.tp})"
-        progress(label, 0, len(s.drafter_tokens))
-        curve = measure_drafter(shape, device, s.drafter_tokens, s.reps, s.replays,
-                                lambda done, total: progress(label, done, total))
-        doc["drafter"] = {"method": method, "checkpoint": str(Path(str(s.drafter)).resolve()), "tp": s.tp, **curve}
-    doc["notes"] = notes
-    return doc
+
+def _fitted_allreduce(result: dict[str, Any], sizes: list[tuple[int | None, int]], world: int, label: str,
+                      notes: list[str]) -> dict[str, Any]:
+    """One world size's measurement with its points' token counts, a fit per timing method that covers every
+    decode size, the GPU-side one as ``fit`` (CUDA graph, else calls queued ahead of the GPU, else the host-issued
+    loop), and the bus bandwidth of its largest message."""
+    for point, (tokens, _) in zip(result["points"], sizes):
+        point["tokens"] = tokens
+    decode = [p for p in result["points"] if p["tokens"] is not None]
+    result["fits"] = {
+        method: fit_allreduce([{"bytes": p["bytes"], "time_us": p[f"{method}_us"]} for p in decode], world)
+        for method in ("eager", "queued", "graph")
+        if decode and all(f"{method}_us" in p for p in decode)
+    }
+    preferred = next(m for m in ("graph", "queued", "eager") if m in result["fits"])
+    result["fit"] = {**result["fits"][preferred], "timing": preferred}
+    if result.get("graph_note"):
+        notes.append(f"{label}: {result['graph_note']}")
+    large = [p for p in result["points"] if p["tokens"] is None]
+    if large:
+        biggest = max(large, key=lambda p: p["bytes"])
+        result["large_message_bus_bandwidth_gbs"] = (2 * (world - 1) / world * biggest["bytes"]
+                                                     / (biggest["time_us"] * 1e3))
+    return result
+
+
+def _drafter_curve(s: Settings, drafter: tuple[str, DrafterShape], device: Any, progress: Progress) -> dict[str, Any]:
+    """The drafter checkpoint's forward passes timed over ``s.drafter_tokens`` tokens."""
+    from moetrace.calibrate.drafter import measure_drafter
+
+    method, shape = drafter
+    label = f"drafter {Path(str(s.drafter)).name} (tp{s.tp})"
+    progress(label, 0, len(s.drafter_tokens))
+    curve = measure_drafter(shape, device, s.drafter_tokens, s.reps, s.replays,
+                            lambda done, total: progress(label, done, total))
+    return {"method": method, "checkpoint": str(Path(str(s.drafter)).resolve()), "tp": s.tp, **curve}
 
 
 def _drafter(s: Settings) -> tuple[str, DrafterShape] | None:

@@ -79,7 +79,8 @@ def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp
     at the model's per-rank TP and EP shapes, with the weight bandwidth that INT4 is estimated from), NCCL
     all-reduce time against message size for 2, 4, 8... GPUs and, with --drafter, a model drafter's passes
     against tokens; write the curves as a calibration JSON for `moetrace report --calibration`."""
-    from moetrace.calibrate.run import Settings, calibrate as run_calibrate, summary_lines, write_json
+    from moetrace.calibrate.run import calibrate as run_calibrate, summary_lines, write_json
+    from moetrace.calibrate.settings import Settings
 
     path = output or default_output(device, quick)
     refuse_existing(path, force)

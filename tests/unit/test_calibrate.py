@@ -16,7 +16,7 @@ from moetrace.calibrate import SCHEMA
 from moetrace.calibrate.allreduce import measure_allreduce
 from moetrace.calibrate.experts import ExpertPool, group_offsets, measure_curve, weight_bytes_per_expert
 from moetrace.calibrate.fit import fit_allreduce, fit_expert_time, least_squares
-from moetrace.calibrate.run import Settings, allreduce_world_sizes, expert_configs
+from moetrace.calibrate.settings import Settings, allreduce_world_sizes, expert_configs
 
 CPU = torch.device("cpu")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
