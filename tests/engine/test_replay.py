@@ -121,9 +121,8 @@ def test_replayed_scores_keep_every_tokens_recorded_order_where_bfloat16_roundin
 
 
 def test_model_runner_v2_warm_up_requests_do_not_shift_which_trace_request_a_served_one_replays() -> None:
-    """V2 warms its kernels up through ``prepare_inputs`` with requests of its own (on an H100, vLLM 0.34, counted,
-    they made every served request replay another trace request's routing from its second token on): the first
-    request served replays the trace's first, token by token, from its position."""
+    """V2 warms its kernels up through ``prepare_inputs`` with requests of its own, which no trace holds: they take
+    no trace request, so the first request served replays the trace's first, token by token, from its position."""
     from moetrace.hooks.vllm_api import RunnerV2
 
     def batch(*req_ids: str) -> SimpleNamespace:  # what V2's prepare_inputs returns, as planned_step reads it
