@@ -173,6 +173,44 @@ def allreduce_model(doc: Mapping[str, Any], world_size: int) -> AllReduceModel |
         byte_scale=ring_n / ring_m)
 
 
+@dataclass(frozen=True)
+class AttentionCurve:
+    """One MLA layer's decode on one rank (``moetrace calibrate``'s ``attention``): µs for B requests × Q query tokens
+    over L tokens of context, fitted per timed Q as c0 + per request · B + per cached token · B·L."""
+
+    fits: tuple[tuple[int, float, float, float], ...]  # (queries, c0_us, per_request_us, per_kv_token_us), by Q
+    kv_bytes_per_token_layer: int  # the latent one token caches in one layer: the model's it prices
+    max_context: int  # the longest context timed
+    max_cached_tokens: int  # the most B·L timed
+    kernel: str
+
+    def layer_us(self, batch: float, queries: float, context: float) -> float:
+        """µs of one layer: each timed Q's line at (B, L), piecewise linear in Q between them, the end segments
+        carried on past them."""
+        return _interpolate([(float(q), c0 + per_request * batch + per_token * batch * context)
+                             for q, c0, per_request, per_token in self.fits], queries, extend=True)
+
+    def extrapolated(self, batch: float, queries: float, context: float) -> bool:
+        """Whether (B, Q, L) lies past what was timed: a longer context, more cached tokens or more queries."""
+        return (context > self.max_context or batch * context > self.max_cached_tokens
+                or queries > self.fits[-1][0])
+
+
+def attention_curve(doc: Mapping[str, Any]) -> AttentionCurve | None:
+    """The calibration's attention curve; None where it timed none (older calibrations, the shipped preset)."""
+    section = doc.get("attention") or {}
+    if not section.get("fit"):
+        return None
+    points = section["points"]
+    return AttentionCurve(
+        fits=tuple(sorted((int(q), float(f["c0_us"]), float(f["per_request_us"]), float(f["per_kv_token_us"]))
+                          for q, f in section["fit"].items())),
+        kv_bytes_per_token_layer=int(section["kv_bytes_per_token_layer"]),
+        max_context=max(int(p["context"]) for p in points),
+        max_cached_tokens=max(int(p["batch"]) * int(p["context"]) for p in points),
+        kernel=str(section["kernel"]))
+
+
 def drafter_step_ms(curve: Mapping[str, Any], k: int, batch: int) -> float:
     """ms one speculative step spends in the calibrated model drafter (``moetrace calibrate --drafter``) at ``k``
     drafts per request and ``batch`` requests, passes as vLLM's EAGLE-style proposer runs them: the layers (and

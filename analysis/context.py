@@ -16,6 +16,7 @@ from typing import Any
 import polars as pl
 
 from moetrace.analysis.acceptance import mean_ms
+from moetrace.analysis.calibration import AttentionCurve
 from moetrace.analysis.cost import end_to_end_speedup
 from moetrace.analysis.predicates import decoding
 from moetrace.analysis.sources import Source
@@ -126,20 +127,32 @@ def kv_read_ms(batch: int, context: float, kv_bytes_per_token: int, bandwidth_gb
 
 
 def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], recorded_context: float, kv_bytes_per_token: int,
-                bandwidth_gbs: float) -> pl.DataFrame:
+                bandwidth_gbs: float, attention: AttentionCurve | None = None, layers: int = 0) -> pl.DataFrame:
     """``speedups`` (per batch and k: step_ms, tokens_per_step, prefill_ms_per_token, ...) moved from the context
-    the traces ran at, ``recorded_context`` tokens, to each of ``contexts``, with a context column. A verify step
-    reads each request's KV cache once for all its k + 1 queries, so every k's step of B requests grows alike, by
-    ``kv_read_ms`` of B × (L − L₀) tokens (attention_kv_ms): at long context the MoE's growth with k weighs less and
-    speculation pays more. Estimated (``step_source``): the KV bytes the model's config names, read at the
-    calibration's copy bandwidth; the attention's compute over k + 1 queries stays as the step priced it. A step
-    that would shrink to nothing (a context far below the recorded one) gets no speedup."""
+    the traces ran at, ``recorded_context`` tokens, to each of ``contexts``, with a context column; what a step of B
+    requests gains there is ``attention_kv_ms``. With a calibrated ``attention`` curve (one MLA layer's decode, of
+    the model's latent width), it is ``layers`` × the curve's growth from L₀ to L at B requests × (k + 1) queries:
+    the cache is read once for all k + 1 queries, their work grows with k. Without one, every k's step grows alike
+    by ``kv_read_ms`` of B × (L − L₀) tokens: the KV bytes the model's config names at the calibration's copy
+    bandwidth. Either is estimated (``step_source``), extrapolated where the curve was not timed that far. At long
+    context the MoE's growth with k weighs less and speculation pays more. A step that would shrink to nothing (a
+    context far below the recorded one) gets no speedup."""
     frames = []
     for context in contexts:
-        frames.append(speedups.with_columns(
-            context=pl.lit(context, pl.Int64),
-            attention_kv_ms=pl.col("batch").cast(pl.Float64) * kv_read_ms(1, context - recorded_context,
-                                                                           kv_bytes_per_token, bandwidth_gbs)))
+        at = speedups.with_columns(context=pl.lit(context, pl.Int64))
+        if attention is None:
+            frames.append(at.with_columns(
+                attention_kv_ms=pl.col("batch").cast(pl.Float64) * kv_read_ms(1, context - recorded_context,
+                                                                               kv_bytes_per_token, bandwidth_gbs),
+                beyond_timed=pl.lit(False)))
+            continue
+        pairs = at.select("batch", "k").rows()
+        frames.append(at.with_columns(
+            attention_kv_ms=pl.Series([layers * (attention.layer_us(b, k + 1, context)
+                                                 - attention.layer_us(b, k + 1, recorded_context)) / 1e3
+                                       for b, k in pairs], dtype=pl.Float64),
+            beyond_timed=pl.Series([attention.extrapolated(b, k + 1, context) for b, k in pairs],
+                                   dtype=pl.Boolean)))
     moved = pl.concat(frames).with_columns(step_ms=pl.col("step_ms") + pl.col("attention_kv_ms"))
     rows = moved.select("batch", "context", "k", "step_ms", "tokens_per_step", "prefill_ms_per_token").to_dicts()
     k0 = {(row["batch"], row["context"]): row for row in rows if row["k"] == 0}
@@ -151,8 +164,14 @@ def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], recorded_contex
         return end_to_end_speedup(base["step_ms"], base["tokens_per_step"], base["prefill_ms_per_token"],
                                   row["step_ms"], row["tokens_per_step"], row["prefill_ms_per_token"])
 
+    beyond = {(b, c, k) for b, c, k, past in moved.select("batch", "context", "k", "beyond_timed").rows() if past}
+
+    def source(row: dict[str, Any]) -> str:  # a speedup rests on its own step and on k = 0's
+        past = {(row["batch"], row["context"], row["k"]), (row["batch"], row["context"], 0)} & beyond
+        return str((Source.EXTRAPOLATED if past else Source.ESTIMATED).value)
+
     return moved.with_columns(
         step_ratio=pl.Series([row["step_ms"] / k0[(row["batch"], row["context"])]["step_ms"] for row in rows]),
         speedup=pl.Series([speedup(row) for row in rows], dtype=pl.Float64),
-        step_source=pl.lit(Source.ESTIMATED.value),
-    )
+        step_source=pl.Series([source(row) for row in rows]),
+    ).drop("beyond_timed")

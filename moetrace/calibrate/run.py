@@ -163,6 +163,8 @@ def calibrate(s: Settings, progress: Progress) -> dict[str, Any]:
     doc["allreduce"] = _allreduce(s, device, progress, notes)
     if drafter is not None:
         doc["drafter"] = _drafter_curve(s, drafter, device, progress)
+    if s.attention:
+        doc["attention"] = _attention_curve(s, device, progress, notes)
     doc["notes"] = notes
     return doc
 
@@ -282,6 +284,28 @@ def _drafter_curve(s: Settings, drafter: tuple[str, DrafterShape], device: Any, 
     return {"method": method, "checkpoint": str(Path(str(s.drafter)).resolve()), "tp": s.tp, **curve}
 
 
+def _attention_curve(s: Settings, device: Any, progress: Progress, notes: list[str]) -> dict[str, Any]:
+    """MLA decode of one layer on one rank over ``s``'s (requests, query tokens, context) grid, the points whose
+    latent cache fits 40% of the device's memory; kept as skipped, with why, where it fails."""
+    import torch
+
+    from moetrace.calibrate.attention import attention_grid, measure_attention
+
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 1 << 30
+    grid = attention_grid(s.attention_batches, s.attention_queries, s.attention_contexts,
+                          s.kv_lora_rank + s.rope_dim, 0.4 * memory)
+    label = f"attention MLA ({s.heads_per_rank} heads a rank)"
+    progress(label, 0, len(grid))
+    try:
+        return measure_attention(s.heads_per_rank, s.kv_lora_rank, s.rope_dim, grid, device, s.reps,
+                                 s.replays, lambda done, total: progress(label, done, total))
+    except Exception as exc:  # a kernel or memory failure must not lose the other curves
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        notes.append(f"{label}: {reason}")
+        progress(label, len(grid), len(grid))
+        return {"skipped": reason}
+
+
 def _drafter(s: Settings) -> tuple[str, DrafterShape] | None:
     """The drafter ``s`` names (its checkpoint folder): the method vLLM runs it with and its shape on one rank of
     TP ``s.tp``; ValueError in one line where it cannot be timed, before anything is measured."""
@@ -329,6 +353,15 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
                      f"{drafter['parameters_per_rank'] / 1e6:.1f}M parameters per rank at tp{drafter['tp']}): "
                      + ", ".join(f"{t} token(s) {p['layers_us'] + p['head_us'] + p.get('fc_us', 0.0):.0f} us"
                                  for t, p in points.items() if t in (1, 8, 64, 512)))
+    attention = doc.get("attention", {})
+    if "fit" in attention:
+        widest = max(attention["points"], key=lambda p: p["batch"] * p["context"])
+        lines.append(f"attention MLA ({attention['heads_per_rank']} heads a rank, {attention['kernel']}): "
+                     f"{len(attention['points'])} points, {widest['batch']} x {widest['context']:,} tokens "
+                     f"x {widest['queries']} queries {widest['time_us']:.0f} us; fit misses at most "
+                     f"{max(f['max_relative_miss'] for f in attention['fit'].values()):.0%}")
+    elif attention:
+        lines.append(f"attention skipped: {attention['skipped']}")
     ar = doc["allreduce"]
     if ar.get("skipped"):
         lines.append(f"all-reduce skipped: {ar['skipped']}")
@@ -358,10 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-gpus", type=int, default=None)
     parser.add_argument("--no-allreduce", action="store_true")
     parser.add_argument("--vllm-kernel", action="store_true")
+    parser.add_argument("--no-attention", action="store_true")
     args = parser.parse_args(argv)
     command = "python -m moetrace.calibrate.run " + " ".join(sys.argv[1:] if argv is None else argv)
     common: dict[str, Any] = {"formats": tuple(args.formats.split(",")), "allreduce": not args.no_allreduce,
-                              "max_gpus": args.max_gpus, "vllm_kernel": args.vllm_kernel, "command": command}
+                              "max_gpus": args.max_gpus, "vllm_kernel": args.vllm_kernel,
+                              "attention": not args.no_attention, "command": command}
     if args.quick:
         settings = Settings.quick_settings(args.device, **common)
     else:

@@ -14,6 +14,10 @@ DECODE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 BANDWIDTH_BYTES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
 # a drafter's passes: B tokens (the later passes) and B·(k+1) (the first), k ≤ 7 at up to 64 requests
 DRAFTER_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# attention: requests, query tokens a request (k + 1 for k = 0, 1, 2, 4) and contexts up to Kimi-K2.5's 256K
+ATTENTION_BATCHES = (1, 4, 16, 64)
+ATTENTION_QUERIES = (1, 2, 3, 5)
+ATTENTION_CONTEXTS = (512, 2048, 8192, 32768, 131072, 262144)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,13 @@ class Settings:
     allreduce_replays: int = 5
     drafter: str | None = None  # a drafter checkpoint's folder: its forward passes are timed too
     drafter_tokens: tuple[int, ...] = DRAFTER_TOKENS
+    attention: bool = True  # MLA decode over (requests, query tokens, context); Kimi-K2's attention by default
+    attention_heads: int = 64  # all ranks': each rank runs attention_heads / tp (at least one)
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    attention_batches: tuple[int, ...] = ATTENTION_BATCHES
+    attention_queries: tuple[int, ...] = ATTENTION_QUERIES
+    attention_contexts: tuple[int, ...] = ATTENTION_CONTEXTS
     command: str = field(default="", compare=False)
 
     @classmethod
@@ -50,9 +61,14 @@ class Settings:
         """A smoke run in seconds: a small model shape, a small grid, few repetitions."""
         base = cls(device=device, hidden=256, expert_width=256, num_experts=32, top_k=4, tp=2, ep=2, quick=True,
                    reps=2, replays=2, tokens=(1, 2, 4), ep_rows=(1, 2, 4, 8), allreduce_tokens=(1, 2, 4),
-                   drafter_tokens=(1, 2, 4, 8),
+                   drafter_tokens=(1, 2, 4, 8), attention_heads=4, kv_lora_rank=32, rope_dim=16,
+                   attention_batches=(1, 2), attention_queries=(1, 3), attention_contexts=(64, 256),
                    allreduce_bandwidth_bytes=(), allreduce_iters=5, allreduce_replays=2)
         return replace(base, **overrides)
+
+    @property
+    def heads_per_rank(self) -> int:
+        return max(1, self.attention_heads // self.tp)
 
     def check(self) -> None:
         if self.expert_width % self.tp:

@@ -14,6 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape, shape_from_config
+from moetrace.calibrate.settings import ATTENTION_CONTEXTS
+from moetrace.trace.model_config import config_value
 from moetrace.recording.drafters import DEFAULT_EAGLE3_HEAD
 from moetrace.errors import UserError, refuse_existing
 
@@ -32,20 +34,41 @@ def default_output(device: str, quick: bool) -> Path:
     return Path(f"calibration-{name}{'-quick' if quick else ''}.json")
 
 
-def model_shape(model: str) -> ModelShape:
-    """The expert shape of a model directory's config.json, or of the embedded default model."""
+def model_config(model: str) -> dict[str, Any]:
+    """A model directory's config.json, or the embedded default model's."""
     if model == "default":
         from moetrace.default_model import CONFIG
 
-        return shape_from_config(CONFIG)
+        return dict(CONFIG)
     config_path = Path(model).expanduser() / "config.json"
     try:
-        return shape_from_config(json.loads(config_path.read_text()))
+        config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"--model {model}: cannot read {config_path} "
                         f"({getattr(exc, 'strerror', None) or exc})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"--model {model}: {config_path} is not a JSON object")
+    return config
+
+
+def model_shape(config: dict[str, Any], model: str) -> ModelShape:
+    """The expert shape a model's config describes."""
+    try:
+        return shape_from_config(config)
     except ValueError as exc:
         raise UserError(f"--model {model}: {exc}") from None
+
+
+def attention_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The MLA shape a model's config names (heads, latent and rope widths) and the contexts it holds; no attention
+    timing where it names no latent (not MLA: the calibration times MLA only)."""
+    rank = config_value(config, "kv_lora_rank")
+    if not rank:
+        return {"attention": False}
+    longest = int(config_value(config, "max_position_embeddings") or ATTENTION_CONTEXTS[-1])
+    return {"attention_heads": int(config_value(config, "num_attention_heads") or 1), "kv_lora_rank": int(rank),
+            "rope_dim": int(config_value(config, "qk_rope_head_dim") or 0),
+            "attention_contexts": tuple(c for c in ATTENTION_CONTEXTS if c < longest) + (longest,)}
 
 
 @click.command()
@@ -69,22 +92,25 @@ def model_shape(model: str) -> ModelShape:
               help="Also time this model drafter's forward passes at its shape on one rank of --tp: an EAGLE-3 head or "
                    "draft model's checkpoint folder (its config.json; weights are not read), or 'default' for the "
                    "EAGLE-3 head shipped for the embedded model.")
+@click.option("--no-attention", is_flag=True, help="Skip timing attention (MLA decode) against context length.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Calibration file [default: calibration-<gpu>x<count>.json].")
 @click.option("--force", is_flag=True, help="Overwrite an existing calibration file.")
 def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp: int, ep: int, formats: str,
-              max_gpus: int | None, no_allreduce: bool, vllm_kernel: bool, drafter: str | None, output: Path | None,
-              force: bool) -> None:
+              max_gpus: int | None, no_allreduce: bool, vllm_kernel: bool, drafter: str | None, no_attention: bool,
+              output: Path | None, force: bool) -> None:
     """Measure, on the GPUs present, MoE expert time against unique experts and rows (bf16 and fp8 grouped GEMMs
     at the model's per-rank TP and EP shapes, with the weight bandwidth that INT4 is estimated from), NCCL
-    all-reduce time against message size for 2, 4, 8... GPUs and, with --drafter, a model drafter's passes
-    against tokens; write the curves as a calibration JSON for `moetrace report --calibration`."""
+    all-reduce time against message size for 2, 4, 8... GPUs, attention (MLA decode) against requests, query
+    tokens and context length and, with --drafter, a model drafter's passes against tokens; write the curves as a
+    calibration JSON for `moetrace report --calibration`."""
     from moetrace.calibrate.run import calibrate as run_calibrate, summary_lines, write_json
     from moetrace.calibrate.settings import Settings
 
     path = output or default_output(device, quick)
     refuse_existing(path, force)
-    shape = SHAPE_PRESETS[shape_preset] if model is None else model_shape(model)
+    config = None if model is None else model_config(model)
+    shape = SHAPE_PRESETS[shape_preset] if config is None else model_shape(config, str(model))
     common: dict[str, Any] = {
         "formats": tuple(f.strip() for f in formats.split(",") if f.strip()),
         "allreduce": not no_allreduce,
@@ -92,12 +118,14 @@ def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp
         "vllm_kernel": vllm_kernel,
         "drafter": None if drafter is None else str(DEFAULT_EAGLE3_HEAD if drafter == "default" else drafter),
         "command": " ".join(["moetrace", *sys.argv[1:]]),
+        "attention": not no_attention,
     }
     if quick:
         settings = Settings.quick_settings(device, **common)
     else:
+        mla = {} if config is None or no_attention else attention_settings(config)
         settings = Settings(device=device, hidden=shape.hidden_size, expert_width=shape.expert_width,
-                            num_experts=shape.num_experts, top_k=shape.top_k, tp=tp, ep=ep, **common)
+                            num_experts=shape.num_experts, top_k=shape.top_k, tp=tp, ep=ep, **{**common, **mla})
     err_console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:

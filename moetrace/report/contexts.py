@@ -1,9 +1,10 @@
 """The decision's second axis: the recommended k per (concurrency, context length), ``moetrace report --context``.
 
 The prediction holds at the context the traces ran at (``analysis.context``'s mean over decoding request-steps);
-``analysis.context.at_contexts`` moves every step to each context asked for by the KV cache it reads there, priced
-from the predicted model's KV bytes per token at the calibration's copy bandwidth (estimated), and each context gets
-its decision, intervals and crossover as the recorded context does."""
+``analysis.context.at_contexts`` moves every step to each context asked for by what its attention costs there: the
+calibration's MLA curve where it timed one of the model's latent width, else the model's KV bytes per token at the
+calibration's copy bandwidth (both estimated), and each context gets its decision, intervals and crossover as the
+recorded context does."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import polars as pl
 
+from moetrace.analysis.calibration import AttentionCurve, attention_curve
 from moetrace.analysis.context import at_contexts, recorded_context
 from moetrace.analysis.decision import crossover, recommended_k
 from moetrace.analysis.shape import ModelShape
@@ -30,6 +32,7 @@ class ContextDecision:
     recorded_context: float
     rows: pl.DataFrame
     crossovers: dict[int, dict[str, Any]]
+    attention_basis: str  # how a step's attention was moved to each context
 
 
 def context_refusal(contexts: Sequence[int], shape: ModelShape, calibration: Mapping[str, Any] | None) -> str | None:
@@ -52,7 +55,9 @@ def context_decision(speedups: pl.DataFrame, contexts: Sequence[int], recorded_c
     whose KV cache alone would not fit the calibrated GPU's memory at a context gets no recommendation there."""
     kv = shape.kv_bytes_per_token
     assert kv is not None
-    moved = at_contexts(speedups, contexts, recorded_context, kv, float(calibration["copy_bandwidth_gbs"]))
+    curve, basis = attention_pricing(calibration, shape)
+    moved = at_contexts(speedups, contexts, recorded_context, kv, float(calibration["copy_bandwidth_gbs"]), curve,
+                        shape.num_layers)
     memory = float(calibration.get("device", {}).get("memory_gib") or 0) * 2**30
     frames, crossovers = [], {}
     for context in contexts:
@@ -68,7 +73,23 @@ def context_decision(speedups: pl.DataFrame, contexts: Sequence[int], recorded_c
         crossovers[context] = crossover(at, [b for b in batches if b not in unpriced and b not in unfit],
                                         "predicted")
     return ContextDecision(recorded_context, pl.concat(frames, how="diagonal_relaxed").select(
-        "context", pl.exclude("context")), crossovers)
+        "context", pl.exclude("context")), crossovers, basis)
+
+
+def attention_pricing(calibration: Mapping[str, Any], shape: ModelShape) -> tuple[AttentionCurve | None, str]:
+    """The calibration's attention curve where it timed the model's latent width, and what the report says of how
+    each step's attention moved to another context."""
+    curve = attention_curve(calibration)
+    kv = shape.kv_bytes_per_token
+    if curve is not None and kv is not None and curve.kv_bytes_per_token_layer * shape.num_layers == kv:
+        return curve, (f"each step's attention moved from the recorded context by the calibration's MLA curve "
+                       f"({curve.kernel}) over {shape.num_layers} layers: estimated, extrapolated past "
+                       f"{curve.max_context:,} tokens or {curve.max_cached_tokens:,} cached tokens a layer")
+    why = ("the calibration timed no attention" if curve is None else
+           f"the calibration's attention caches {curve.kv_bytes_per_token_layer} bytes a token and layer, this model "
+           f"{(kv or 0) // max(1, shape.num_layers)}")
+    return None, (f"each step moved from the recorded context by the KV cache it reads there (the model's KV bytes "
+                  f"per token at the calibration's copy bandwidth: estimated; {why})")
 
 
 def decide_at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], shape: ModelShape,

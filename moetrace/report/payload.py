@@ -161,6 +161,7 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
         "context": recorded_context(analysis.by_context.get("acceptance")),
         "by_context": None if analysis.context_decision is None else {  # --context (report.contexts)
             "recorded_context": analysis.context_decision.recorded_context,
+            "attention_basis": analysis.context_decision.attention_basis,
             "per_batch": analysis.context_decision.rows.to_dicts(),
             "crossover": [{"context": context, **found, "says": crossover_sentence(found)}
                           for context, found in analysis.context_decision.crossovers.items()]},

@@ -356,9 +356,8 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
                                style="dim"))
         if decision.get("by_context") is not None:
             console.print(_decision_by_context(decision))
-            console.print(Text("  context: tokens before a request's next token; each step moved from the recorded "
-                               "context by the KV cache it reads there (the model's KV bytes per token at the "
-                               "calibration's copy bandwidth: estimated)", style="dim"))
+            console.print(Text("  context: tokens before a request's next token; "
+                               f"{decision['by_context']['attention_basis']}", style="dim"))
             for row in decision["by_context"]["per_batch"]:
                 if row["k"] is None:
                     console.print(Text(f"  B={row['batch']}, context {row['context']:,}: no recommendation: "

@@ -14,7 +14,14 @@ from click.testing import CliRunner
 from moetrace.analysis.shape import shape_from_config
 from moetrace.calibrate import SCHEMA
 from moetrace.calibrate.allreduce import measure_allreduce
-from moetrace.calibrate.experts import ExpertPool, group_offsets, measure_curve, weight_bytes_per_expert
+from moetrace.calibrate.attention import MlaDecode, fit_attention
+from moetrace.calibrate.experts import (
+    ExpertPool,
+    group_offsets,
+    measure_curve,
+    time_calls,
+    weight_bytes_per_expert,
+)
 from moetrace.calibrate.fit import fit_allreduce, fit_expert_time, least_squares
 from moetrace.calibrate.settings import Settings, allreduce_world_sizes, expert_configs
 
@@ -180,6 +187,49 @@ def test_vllm_fused_experts_matches_a_float32_expert_layer_and_times() -> None:
     with vllm_kernel_context():
         points = measure_curve(pool, [(4, 4), (8, 8)], reps=4, replays=2, tick=lambda: None, fused_moe_top_k=4)
     assert [p["rows_computed"] for p in points] == [4, 8] and all(p["time_us"] > 0 for p in points)
+
+
+def test_the_mla_reference_is_attention_of_every_query_over_the_shared_latent_cache() -> None:
+    """The absorbed MLA the calibration times on the CPU equals torch's scaled_dot_product_attention with the latent
+    as keys and its first kv_lora_rank values as values, for 2 requests × 3 queries × 4 heads."""
+    decode = MlaDecode(heads=4, latent=32, rope=16, device=CPU)
+    query, cache = torch.randn(2, 12, 48), torch.randn(2, 100, 48)
+    theirs = torch.nn.functional.scaled_dot_product_attention(query, cache, cache[..., :32], scale=decode.scale)
+    assert torch.allclose(decode.reference(query, cache), theirs, atol=1e-5)
+
+
+def test_the_attention_fit_recovers_each_query_counts_line_and_a_quick_calibration_times_the_grid(
+        tmp_path: Path) -> None:
+    """Points drawn from 3 + 0.5·B + 0.001·B·L (Q = 1) and 5 + 1·B + 0.002·B·L (Q = 3) give those coefficients
+    back; `moetrace calibrate --quick` times every (B, Q, L) of its grid and names its kernel."""
+    points = [{"batch": b, "queries": q, "context": c,
+               "time_us": (3 + 0.5 * b + 0.001 * b * c) if q == 1 else (5 + b + 0.002 * b * c)}
+              for b in (1, 4, 16) for q in (1, 3) for c in (512, 4096, 32768)]
+    fits = fit_attention(points)
+    assert [fits["1"][key] for key in ("c0_us", "per_request_us", "per_kv_token_us")] == pytest.approx(
+        [3, 0.5, 0.001], rel=1e-6)
+    assert fits["3"]["per_kv_token_us"] == pytest.approx(0.002, rel=1e-6) and fits["3"]["max_relative_miss"] < 1e-9
+    from moetrace.cli import main
+
+    out = tmp_path / "c.json"
+    args = ["calibrate", "--device", "cpu", "--quick", "--formats", "bf16", "--no-allreduce", "-o", str(out)]
+    assert CliRunner().invoke(main, args, catch_exceptions=False).exit_code == 0
+    attention = json.loads(out.read_text())["attention"]
+    quick = Settings.quick_settings("cpu")
+    assert sorted((p["batch"], p["queries"], p["context"]) for p in attention["points"]) == sorted(
+        (b, q, c) for b in quick.attention_batches for q in quick.attention_queries for c in quick.attention_contexts)
+    assert attention["kernel"].startswith("reference") and attention["kv_bytes_per_token_layer"] == (32 + 16) * 2
+    assert all(p["time_us"] > 0 for p in attention["points"]) and set(attention["fit"]) == {"1", "3"}
+
+
+@needs_gpu
+def test_vllms_mla_decode_kernel_matches_the_reference_and_times() -> None:
+    pytest.importorskip("vllm.v1.attention.ops.triton_decode_attention")
+    decode = MlaDecode(heads=8, latent=512, rope=64, device=torch.device("cuda", 0))
+    error = decode.vllm_error()
+    assert error is not None and error < 2e-2
+    time_us, mode = time_calls(decode.vllm_call(4, 3, 4096), torch.device("cuda", 0), reps=4, replays=2)
+    assert time_us > 0 and mode == "cuda-graph"
 
 
 @needs_two_gpus

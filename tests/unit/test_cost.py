@@ -11,6 +11,7 @@ import pytest
 from moetrace.analysis.acceptance import acceptance_curve, tokens_per_step
 from moetrace.analysis.concurrency import uniform_unions
 from moetrace.analysis.calibration import allreduce_model, drafter_step_ms, expert_fit, ring_model, table_time_us
+from moetrace.analysis.calibration import AttentionCurve
 from moetrace.analysis.context import at_contexts
 from moetrace.analysis.cost import predict
 from moetrace.analysis.measured_steps import MeasuredSteps, forward_beyond_moe, per_k_from_nearest
@@ -339,3 +340,23 @@ def test_a_longer_context_adds_the_same_kv_read_to_every_k_and_speculation_pays_
     assert rows[(10_100, 4, 2)]["speedup"] == pytest.approx((10.04 / 1 + 0.5) / (12.04 / 2 + 0.5))
     assert rows[(10_100, 4, 2)]["speedup"] > rows[(100, 4, 2)]["speedup"]
     assert {r["step_source"] for r in rows.values()} == {"estimated"}
+
+
+def test_a_calibrated_attention_curve_moves_each_k_by_its_own_queries_and_marks_what_it_did_not_time() -> None:
+    """A curve of one layer timed at Q = 1 (2 + 0.001·B·L µs) and Q = 3 (2 + 0.002·B·L µs), up to 8,100 tokens and
+    16,200 cached tokens; 10 layers. From 100 to 8,100 tokens a step of B requests at k = 0 grows 10 × 0.001 × B ×
+    8,000 µs = 0.08·B ms, at k = 2 twice that (three queries over the same cache). By hand; past 8,100 tokens, or at
+    4 requests × 8,100, the curve was not timed: extrapolated."""
+    curve = AttentionCurve(fits=((1, 2.0, 0.0, 0.001), (3, 2.0, 0.0, 0.002)), kv_bytes_per_token_layer=1152,
+                           max_context=8_100, max_cached_tokens=16_200, kernel="by hand")
+    speedups = pl.DataFrame({"batch": [1, 1, 4, 4], "k": [0, 2, 0, 2], "step_ms": [10.0, 12.0, 10.0, 12.0],
+                             "tokens_per_step": [1.0, 2.0, 1.0, 2.0], "prefill_ms_per_token": [0.0, 0.0, 0.0, 0.0]})
+    moved = at_contexts(speedups, [8_100, 20_100], 100.0, 11_520, 1_000.0, curve, 10)
+    rows = {(r["context"], r["batch"], r["k"]): r for r in moved.to_dicts()}
+    assert rows[(8_100, 1, 0)]["attention_kv_ms"] == pytest.approx(0.08)
+    assert rows[(8_100, 1, 2)]["attention_kv_ms"] == pytest.approx(0.16)
+    assert rows[(8_100, 4, 2)]["attention_kv_ms"] == pytest.approx(0.64)
+    assert rows[(8_100, 1, 2)]["speedup"] == pytest.approx(10.08 / (12.16 / 2))
+    assert rows[(8_100, 1, 2)]["step_source"] == "estimated" and rows[(8_100, 4, 2)]["step_source"] == "extrapolated"
+    assert rows[(20_100, 1, 2)]["step_source"] == "extrapolated"
+    assert curve.layer_us(1, 2, 1_000) == pytest.approx(2 + 0.0015 * 1_000)  # Q between the timed ones: linear

@@ -111,3 +111,32 @@ def test_context_gives_a_decision_per_concurrency_and_context_and_bad_contexts_o
     one_line_error(invoke("report", str(path), "--context", "0,1024"), "--context 0,1024")
     one_line_error(invoke("report", str(path), "--context", "300000"),
                     "--context 300000: beyond the model's 262,144 tokens")
+
+
+def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_and_says_so(tmp_path: Path) -> None:
+    """The shipped calibration with an MLA curve added (one layer: 1 + 0.001·B·L µs at one query, twice the per-token
+    cost at four, the model's 1,152 latent bytes a token and layer), predicting at TP=8: at 65,536 tokens a step's
+    attention grows by layers × the curve's growth from the recorded context at B requests × (k + 1) queries (by
+    hand); past the longest context timed the row is extrapolated; the report says which pricing it used."""
+    path = well_sampled_sweep(tmp_path / "sweep")
+    layers = json.loads(next(path.glob("*/manifest.json")).read_text())["model"]["num_layers"]
+    for manifest in path.glob("*/manifest.json"):
+        document = json.loads(manifest.read_text())
+        document["model"].update(kv_bytes_per_token=1152 * layers, max_position_embeddings=262_144)
+        manifest.write_text(json.dumps(document))
+    calibration = json.loads((Path(__file__).parents[2] / "moetrace" / "data" / "calibration-h200.json").read_text())
+    points = [{"batch": b, "queries": q, "context": c, "time_us": 1 + 0.001 * (1 if q == 1 else 2) * b * c}
+              for b in (1, 4) for q in (1, 4) for c in (1024, 65536)]
+    calibration["attention"] = {"kernel": "by hand", "kv_bytes_per_token_layer": 1152, "points": points,
+                                "fit": {"1": {"c0_us": 1.0, "per_request_us": 0.0, "per_kv_token_us": 0.001},
+                                        "4": {"c0_us": 1.0, "per_request_us": 0.0, "per_kv_token_us": 0.002}}}
+    (tmp_path / "calibration.json").write_text(json.dumps(calibration))
+    _, summary = _json_report(path, tmp_path, "--context", "65536,131072", "--calibration",
+                              str(tmp_path / "calibration.json"), "--tp", "8", "--profile", "kimi-k2-tp8")
+    found = summary["decision"][0]["by_context"]
+    assert "MLA curve (by hand)" in found["attention_basis"]
+    recorded = found["recorded_context"]
+    rows = {(row["context"], row["batch"]): row for row in found["per_batch"]}
+    assert rows[(65536, 4)]["attention_kv_ms"] == pytest.approx(layers * 0.001 * 4 * (65536 - recorded) / 1e3)
+    assert rows[(65536, 4)]["speedup_source"] != "extrapolated"
+    assert rows[(131072, 1)]["speedup_source"] == "extrapolated"

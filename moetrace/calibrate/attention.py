@@ -1,0 +1,151 @@
+"""Attention time against context: one layer's MLA decode on one rank for B requests × Q query tokens (a verify step's
+k + 1) over a context of L tokens each, the cost that grows with context where the experts' does not.
+
+MLA (Kimi, DeepSeek) caches one latent of ``kv_lora_rank + rope_dim`` values per token and layer, shared by every
+head, so a decode step reads each request's latent cache once for all its query heads. A verify step's k + 1 queries
+are folded into the heads, as vLLM's MLA decode kernels take them (FlashMLA's ``s_q × h_q``): the cache is still read
+once per request, and the work per byte grows with the queries. On CUDA with vLLM installed the kernel is vLLM's own
+Triton MLA decode (``decode_attention_fwd``, the TRITON_MLA backend's), checked against the reference below at the
+first point; elsewhere (the CPU, a smoke run) the reference: the absorbed attention as two batched matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from moetrace.calibrate.experts import time_calls
+
+# T = B·Q query rows, H heads per rank, D = latent + rope width, C = latent width, L context tokens, P pages
+PAGE_TOKENS = 64  # vLLM's MLA block size on Hopper (FlashMLA's)
+DISTINCT_BYTES = 256 << 20  # small caches are timed over enough copies that L2 does not hold them
+Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (query, cache) → the attention's output
+
+
+def fit_attention(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Least squares per query count: ``time_us = c0_us + per_request_us · B + per_kv_token_us · B·L`` (a memory-bound
+    read of B·L cached tokens beside a fixed and a per-request cost), with its largest relative miss."""
+    fits: dict[str, Any] = {}
+    for queries in sorted({int(p["queries"]) for p in points}):
+        mine = [p for p in points if p["queries"] == queries]
+        a = torch.tensor([[1.0, p["batch"], p["batch"] * p["context"]] for p in mine], dtype=torch.float64)
+        y = torch.tensor([p["time_us"] for p in mine], dtype=torch.float64)
+        # rows weighted by 1/y: relative misses, so the small points count as much as the large
+        coef = torch.linalg.lstsq(a / y[:, None], torch.ones_like(y)).solution
+        predicted = a @ coef
+        fits[str(queries)] = {"c0_us": float(coef[0]), "per_request_us": float(coef[1]),
+                              "per_kv_token_us": float(coef[2]),
+                              "max_relative_miss": float(((predicted - y).abs() / y).max())}
+    return fits
+
+
+class MlaDecode:
+    """One MLA layer's decode on ``device``: a latent cache of ``batch`` requests × ``context`` tokens and a query of
+    ``queries`` tokens × ``heads`` heads per request."""
+
+    def __init__(self, heads: int, latent: int, rope: int, device: torch.device) -> None:
+        self.heads, self.latent, self.width, self.device = heads, latent, latent + rope, device
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.scale = 1.0 / math.sqrt(192)  # DeepSeek-V3's q/k head width (nope 128 + rope 64), as the engine scales
+        self.generator = torch.Generator(device=device).manual_seed(0)
+
+    def _random(self, *dims: int) -> torch.Tensor:
+        return torch.randn(dims, generator=self.generator, device=self.device).to(self.dtype)
+
+    def copies(self, batch: int, context: int) -> int:
+        cache_bytes = batch * context * self.width * (2 if self.dtype == torch.bfloat16 else 4)
+        return max(1, min(4, DISTINCT_BYTES // max(1, cache_bytes)))
+
+    def reference(self, query: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """The absorbed attention in two batched matmuls: scores of the B × (Q·H) queries over each request's
+        cache, softmax, then the weighted latents."""
+        scores = torch.bmm(query, cache.transpose(1, 2)).float() * self.scale  # B × Q·H × L
+        return torch.bmm(scores.softmax(-1).to(cache.dtype), cache[..., : self.latent])  # B × Q·H × C
+
+    def reference_call(self, batch: int, queries: int, context: int) -> Callable[[int], torch.Tensor]:
+        caches = [self._random(batch, context, self.width) for _ in range(self.copies(batch, context))]  # B × L × D
+        query = self._random(batch, queries * self.heads, self.width)  # B × Q·H × D
+        return lambda i: self.reference(query, caches[i % len(caches)])
+
+    def vllm_kernel(self, batch: int, queries: int, context: int) -> Kernel:
+        """vLLM's Triton MLA decode of a B × Q·H × D query over a paged cache (P × page × 1 × D, ``PAGE_TOKENS`` a
+        page, each request's pages in a row), with the kv splits the TRITON_MLA backend picks for this context."""
+        from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+
+        pages = -(-context // PAGE_TOKENS)
+        block_table = torch.arange(batch * pages, dtype=torch.int32, device=self.device).view(batch, pages)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=self.device)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        splits = min(1 << max(0, (max(1, context // 512) - 1).bit_length()), 2 * sms)
+        rows = queries * self.heads
+        logits = torch.empty(batch, rows, splits, self.latent + 1, dtype=torch.float32, device=self.device)
+        out = torch.empty(batch, rows, self.latent, dtype=self.dtype, device=self.device)
+        lse = torch.empty(batch, rows, dtype=self.dtype, device=self.device)
+        unit = torch.ones((), dtype=torch.float32, device=self.device)  # no host copy inside a captured graph
+
+        def kernel(query: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+            decode_attention_fwd(  # type: ignore[no-untyped-call]
+                query, cache, cache[..., : self.latent], out, lse, block_table, seq_lens, logits, splits, self.scale,
+                PAGE_TOKENS, k_scale=unit, v_scale=unit, is_mla=True)
+            return out
+
+        return kernel
+
+    def pages(self, batch: int, context: int) -> torch.Tensor:
+        return self._random(batch * -(-context // PAGE_TOKENS), PAGE_TOKENS, 1, self.width)
+
+    def vllm_call(self, batch: int, queries: int, context: int) -> Callable[[int], torch.Tensor]:
+        kernel = self.vllm_kernel(batch, queries, context)
+        caches = [self.pages(batch, context) for _ in range(self.copies(batch, context))]
+        query = self._random(batch, queries * self.heads, self.width)
+        return lambda i: kernel(query, caches[i % len(caches)])
+
+    def vllm_error(self) -> float | None:
+        """vLLM's kernel against the reference on one small case (largest absolute difference); None without vLLM."""
+        if self.device.type != "cuda":
+            return None
+        try:
+            import vllm.v1.attention.ops.triton_decode_attention  # noqa: F401
+        except ImportError:
+            return None
+        batch, queries, context = 2, 3, 4 * PAGE_TOKENS
+        cache = self.pages(batch, context)
+        query = self._random(batch, queries * self.heads, self.width)
+        theirs = self.vllm_kernel(batch, queries, context)(query, cache).float()
+        ours = self.reference(query.float(), cache.float().view(batch, context, self.width))
+        return float((theirs - ours).abs().max())
+
+
+def attention_grid(batches: Sequence[int], queries: Sequence[int], contexts: Sequence[int], width: int,
+                   max_cache_bytes: float) -> list[tuple[int, int, int]]:
+    """(batch, queries, context) points whose bf16 latent cache fits ``max_cache_bytes``, contexts outermost."""
+    return [(b, q, c) for c in contexts for b in batches for q in queries if b * c * width * 2 <= max_cache_bytes]
+
+
+def measure_attention(heads: int, latent: int, rope: int, grid: Sequence[tuple[int, int, int]],
+                      device: torch.device, reps: int, replays: int,
+                      progress: Callable[[int, int], None]) -> dict[str, Any]:
+    """The calibration's ``attention`` section: every point's µs, the fit per query count, the kernel timed and, for
+    vLLM's kernel, its largest difference from the reference."""
+    decode = MlaDecode(heads, latent, rope, device)
+    error = decode.vllm_error()
+    call = decode.vllm_call if error is not None else decode.reference_call
+    points, modes = [], set()
+    for done, (batch, queries, context) in enumerate(grid):
+        time_us, mode = time_calls(call(batch, queries, context), device, reps, replays)
+        modes.add(mode)
+        points.append({"batch": batch, "queries": queries, "context": context, "time_us": time_us})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        progress(done + 1, len(grid))
+    return {
+        "kernel": ("vLLM Triton MLA decode (decode_attention_fwd), queries folded into the heads" if error is not None
+                   else "reference: absorbed MLA as two batched matmuls (torch)"),
+        "kernel_max_abs_difference_from_reference": error,
+        "heads_per_rank": heads, "kv_lora_rank": latent, "rope_dim": rope,
+        "kv_bytes_per_token_layer": (latent + rope) * 2, "dtype": str(decode.dtype).removeprefix("torch."),
+        "page_tokens": PAGE_TOKENS, "timing": sorted(modes), "points": points, "fit": fit_attention(points),
+    }
