@@ -1,0 +1,142 @@
+"""Does the calibrated attention curve predict how a served step grows with context? On a GPU, decided before it ran
+(issue 58, item 2):
+
+    python benchmarks/lab/attention_by_context.py model-dir DIR        # DIR/kimi-k2-tp8-long
+    python benchmarks/lab/attention_by_context.py prompts FILE --tokens N --count C
+    moetrace calibrate --model DIR/kimi-k2-tp8-long --tp 1 --ep 1 --formats '' --no-allreduce -o CAL
+    moetrace record DIR/kimi-k2-tp8-long --k 0,2 --prompts SHORT ... ; the same with --prompts LONG
+    python benchmarks/lab/attention_by_context.py check --short RUN --long RUN --calibration CAL [--json FILE]
+
+``model-dir`` writes the Kimi-K2 TP=8 slice (``kimi_slice.py``, bf16, dummy weights, no tokenizer: a prompt's bytes
+are its tokens) with room for 32K tokens of context. ``prompts`` writes C distinct prompts of N bytes each.
+``check`` takes the engine steps of each recording where every request decoded and the batch was full, and compares
+how much longer such a step ran at the long prompts than at the short ones (per k) with what the report adds to
+that step when it moves it between the two contexts: the slice's layers times the calibration's MLA curve at
+B requests x (k + 1) queries (``analysis.context.at_contexts``), and, beside it, the KV bytes at the copy bandwidth
+(the pricing without a curve). Held out, decided before the run: the curve's growth within 25% of the measured
+growth at k = 0 and k = 2; the ratio of k = 2's growth to k = 0's, measured and predicted, both printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import string
+import sys
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.kimi_slice import kimi_k2_slice  # noqa: E402
+
+LONGEST = 32768
+
+
+def model_dir(out: Path) -> Path:
+    folder = out / "kimi-k2-tp8-long"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**kimi_k2_slice(8), "max_position_embeddings": LONGEST}, indent=1))
+    return folder
+
+
+def prompts(path: Path, tokens: int, count: int) -> None:
+    """``count`` prompts of ``tokens`` printable bytes, each its own (a counter and a rotated alphabet), so the
+    prefix cache shares none of them."""
+    letters = string.ascii_letters + string.digits + " "
+    with path.open("w") as out:
+        for index in range(count):
+            rotated = letters[index % len(letters):] + letters[: index % len(letters)]
+            text = f"{index:04d} " + (rotated * (tokens // len(rotated) + 1))
+            out.write(json.dumps({"prompt": text[:tokens]}) + "\n")
+
+
+def full_decode_steps(trace_dir: Path) -> dict[str, Any]:
+    """The engine steps of a trace where every request decoded and the batch was the largest seen: how many, their
+    mean time in ms, the batch and their requests' mean context (tokens before the step's first token)."""
+    from moetrace.analysis.context import request_step_contexts
+    from moetrace.analysis.predicates import decoding
+    from moetrace.trace.reader import open_trace
+
+    trace = open_trace(trace_dir)
+    steps = trace.steps()
+    contexts = request_step_contexts(trace.routing(), trace.manifest.model.moe_layers[0])
+    per_step = steps.join(contexts, on=["dp_rank", "step", "request"]).group_by("dp_rank", "step").agg(
+        all_decoding=decoding().all(), batch=pl.len(), context=pl.col("context").mean(),
+        ms=((pl.col("t_end_ns").first() - pl.col("t_start_ns").first()) / 1e6)).collect()
+    batch = int(per_step["batch"].max())
+    full = per_step.filter(pl.col("all_decoding") & (pl.col("batch") == batch))
+    return {"trace": str(trace_dir), "k": trace.k, "batch": batch, "steps": full.height,
+            "step_ms": float(full["ms"].mean()), "step_ms_median": float(full["ms"].median()),
+            "context": float(full["context"].mean()), "num_layers": trace.manifest.model.num_layers,
+            "kv_bytes_per_token": trace.manifest.model.fields.get("kv_bytes_per_token")}
+
+
+def traces(run: Path) -> dict[int, Path]:
+    """A recording's trace per k (``RUN/k<k>`` or RUN/*/k<k>)."""
+    from moetrace.trace.reader import open_trace
+
+    return {open_trace(manifest.parent).k: manifest.parent for manifest in sorted(run.glob("**/manifest.json"))}
+
+
+def check(short: Path, long: Path, calibration_path: Path) -> dict[str, Any]:
+    from moetrace.analysis.calibration import attention_curve
+    from moetrace.analysis.context import kv_read_ms
+
+    calibration = json.loads(calibration_path.read_text())
+    curve = attention_curve(calibration)
+    assert curve is not None, f"{calibration_path} has no attention curve"
+    rows = []
+    short_traces, long_traces = traces(short), traces(long)
+    for k in sorted(set(short_traces) & set(long_traces)):
+        at_short, at_long = full_decode_steps(short_traces[k]), full_decode_steps(long_traces[k])
+        batch, layers = at_short["batch"], at_short["num_layers"]
+        measured = at_long["step_ms"] - at_short["step_ms"]
+        predicted = layers * (curve.layer_us(batch, k + 1, at_long["context"])
+                              - curve.layer_us(batch, k + 1, at_short["context"])) / 1e3
+        kv_bytes = kv_read_ms(batch, at_long["context"] - at_short["context"], int(at_short["kv_bytes_per_token"]),
+                              float(calibration["copy_bandwidth_gbs"]))
+        rows.append({"k": k, "batch": batch, "short": at_short, "long": at_long, "measured_growth_ms": measured,
+                     "curve_growth_ms": predicted, "curve_over_measured": predicted / measured,
+                     "kv_bytes_growth_ms": kv_bytes, "kv_bytes_over_measured": kv_bytes / measured,
+                     "within_25_percent": abs(predicted / measured - 1) <= 0.25})
+    by_k = {row["k"]: row for row in rows}
+    ratios = None
+    if 0 in by_k and 2 in by_k:
+        ratios = {"measured_k2_over_k0": by_k[2]["measured_growth_ms"] / by_k[0]["measured_growth_ms"],
+                  "curve_k2_over_k0": by_k[2]["curve_growth_ms"] / by_k[0]["curve_growth_ms"]}
+    return {"calibration": str(calibration_path), "kernel": curve.kernel, "rows": rows, "k2_over_k0": ratios,
+            "ok": bool(rows) and all(row["within_25_percent"] for row in rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("model-dir").add_argument("out", type=Path)
+    written = commands.add_parser("prompts")
+    written.add_argument("path", type=Path)
+    written.add_argument("--tokens", type=int, required=True)
+    written.add_argument("--count", type=int, required=True)
+    checked = commands.add_parser("check")
+    checked.add_argument("--short", type=Path, required=True)
+    checked.add_argument("--long", type=Path, required=True)
+    checked.add_argument("--calibration", type=Path, required=True)
+    checked.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.command == "model-dir":
+        print(model_dir(args.out))
+        return
+    if args.command == "prompts":
+        prompts(args.path, args.tokens, args.count)
+        return
+    result = check(args.short, args.long, args.calibration)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    sys.exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
