@@ -14,7 +14,7 @@
 #             with CUDA graphs) into $OUT/replay.log;
 #   attention: how a served step grows with context against the calibrated MLA curve (issue 58): `moetrace calibrate`
 #             times attention on the bf16 slice (dummy weights), then the slice recorded at 256 and 8,192-token
-#             prompts, n-gram k = 0 and 2, 32 prompts, batch 16, 64 tokens, and `attention_by_context.py check`
+#             prompts, n-gram k = 0 and 2, 16 prompts, batch 16, 64 tokens, and `attention_by_context.py check`
 #             (held out: the curve's growth within 25% of the measured growth, k = 0 and 2) into
 #             $OUT/attention-check.json. Runs under either kit (vLLM 0.26's Triton MLA kernel is enough);
 #   overhead: recording overhead on the INT4 slice, n-gram k = 3, batches 1 and 64, 6 rounds of 128 tokens
@@ -65,13 +65,13 @@ fi
 if [[ "$parts" == *" attention "* ]]; then
   L="$R/benchmarks/lab/attention_by_context.py"
   mkdir -p "$T" && slice=$(python3 "$L" model-dir "$M")
-  python3 "$L" prompts "$T/short.jsonl" --tokens 256 --count 32
-  python3 "$L" prompts "$T/long.jsonl" --tokens 8192 --count 32
+  python3 "$L" prompts "$T/short.jsonl" --tokens 256 --count 16
+  python3 "$L" prompts "$T/long.jsonl" --tokens 8192 --count 16
   timeout 200 python3 -m moetrace calibrate --model "$slice" --tp 1 --ep 1 --formats '' --no-allreduce \
     -o "$OUT/attention-calibration.json" --force 2>&1 | tee "$OUT/attention-calibrate.log"
   for length in short long; do
     left=$(( end - $(date +%s) - 30 ))
-    timeout "$left" python3 -m moetrace record "$slice" --k 0,2 --prompts "$T/$length.jsonl" --num-prompts 32 \
+    timeout "$left" python3 -m moetrace record "$slice" --k 0,2 --prompts "$T/$length.jsonl" --num-prompts 16 \
       --batch-size 16 --max-tokens 64 --compiled "${dummy[@]/max_model_len=1024/max_model_len=8448}" \
       --out "$T/context-$length" --force 2>&1 | tee "$OUT/attention-$length.log"
   done
