@@ -343,6 +343,9 @@ def test_the_context_heatmap_shows_the_recommended_k_per_concurrency_and_context
         page.wait_for_selector("#fig-context-decision-0 svg.main-svg", timeout=15_000)
         plotted = page.evaluate("(() => { const t = document.getElementById('fig-context-decision-0').data[0];"
                                 " return {x: t.x, y: t.y, z: t.z}; })()")
+        basis = page.inner_text("#fig-context-decision-0 + p")
+    assert basis == json.loads(result.stdout)["decision"][0]["by_context"]["attention_basis"]
+    assert "the calibration timed no attention" in basis  # the shipped H200 preset: KV bytes at copy bandwidth
     assert plotted["x"] == ["1,024", "131,072"] and plotted["y"] == ["1", "8", "32"]
     want = {(str(row["batch"]), f"{row['context']:,}"): row["k"] for row in rows}
     assert {(y, x): plotted["z"][i][j] for i, y in enumerate(plotted["y"]) for j, x in enumerate(plotted["x"])} == want
