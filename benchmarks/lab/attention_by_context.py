@@ -29,6 +29,7 @@ from typing import Any
 import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.checked import finish  # noqa: E402
 from lab.kimi_slice import kimi_k2_slice  # noqa: E402
 
 LONGEST = 32768
@@ -130,12 +131,7 @@ def main() -> None:
     if args.command == "prompts":
         prompts(args.path, args.tokens, args.count)
         return
-    result = check(args.short, args.long, args.calibration)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
-    sys.exit(0 if result["ok"] else 1)
+    finish(check(args.short, args.long, args.calibration), args.json)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import numpy as np
 import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.checked import finish  # noqa: E402
 from lab.kimi_slice import KIMI_K2_FP8, KIMI_K25_INT4, kimi_k2_slice  # noqa: E402
 
 # Bytes per expert counted from the config alone: (bits per weight, weights per scale, bits per scale)
@@ -157,12 +158,7 @@ def main() -> None:
     if args.command == "model-dirs":
         model_dirs(args.out)
         return
-    result = check(args.trace)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
-    sys.exit(0 if result["ok"] else 1)
+    finish(check(args.trace), args.json)
 
 
 if __name__ == "__main__":
