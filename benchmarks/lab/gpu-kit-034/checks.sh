@@ -13,7 +13,7 @@
 #   replay:   tests/engine/test_replay.py and test_budget.py (replayed routing under a budget, budgets eager and
 #             with CUDA graphs) into $OUT/replay.log;
 #   attention: how a served step grows with context against the calibrated MLA curve (issue 58): `moetrace calibrate`
-#             times attention on the bf16 slice (dummy weights), then the slice recorded at 256 and 8,192-token
+#             times Kimi-K2's attention on one TP=8 rank, then the bf16 slice (dummy weights) recorded at 256 and 8,192-token
 #             prompts, n-gram k = 0 and 2, 16 prompts, batch 16, 64 tokens, and `attention_by_context.py check`
 #             (held out: the curve's growth within 25% of the measured growth, k = 0 and 2) into
 #             $OUT/attention-check.json. Runs under either kit (vLLM 0.26's Triton MLA kernel is enough);
@@ -67,7 +67,8 @@ if [[ "$parts" == *" attention "* ]]; then
   mkdir -p "$T" && slice=$(python3 "$L" model-dir "$M")
   python3 "$L" prompts "$T/short.jsonl" --tokens 256 --count 16
   python3 "$L" prompts "$T/long.jsonl" --tokens 8192 --count 16
-  timeout 200 python3 -m moetrace calibrate --model "$slice" --tp 1 --ep 1 --formats '' --no-allreduce \
+  # Kimi-K2's attention on one rank of TP=8 (8 heads, latent 512 + rope 64: the slice's own) to 256K tokens
+  timeout 200 python3 -m moetrace calibrate --shape kimi-k2 --tp 8 --ep 8 --formats '' --no-allreduce \
     -o "$OUT/attention-calibration.json" --force 2>&1 | tee "$OUT/attention-calibrate.log"
   for length in short long; do
     left=$(( end - $(date +%s) - 30 ))
