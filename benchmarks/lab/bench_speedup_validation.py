@@ -401,6 +401,9 @@ def main() -> None:
                      help="concurrencies recorded (hooks resumed) after the timed rounds")
     run.add_argument("--rounds", type=int, default=3, help="timed rounds, and as many recorded ones")
     run.add_argument("--max-tokens", type=int, default=256)
+    run.add_argument("--prompt-tokens", type=int, default=None,
+                     help="every prompt this many characters (a Kimi-K2 slice's tokens), the built-in ones repeated: "
+                          "the context the requests decode at [default: the built-in prompts as they are]")
     run.add_argument("--sync-baseline", action="store_true",
                      help="also k = 0 with async scheduling off (as vLLM runs n-gram drafting)")
     run.add_argument("--hooks-ab", action="store_true",

@@ -63,19 +63,26 @@ def requests_per_round(concurrency: int) -> int:
     return max(8, 3 * concurrency)
 
 
-def distinct_prompts() -> list[str]:
+def distinct_prompts(length: int | None = None) -> list[str]:
     """The built-in prompts and shorter cuts of them (at a space), all distinct, so no two requests of a step route
-    alike because they are the same text."""
+    alike because they are the same text; with ``length``, each repeated to ``length`` characters (a Kimi-K2
+    slice's tokens: it reads bytes), so the context a request decodes at is the prompt length asked for."""
     from moetrace.recording.prompts import BUILTIN_PROMPTS
 
     out: list[str] = []
     for cut in PROMPT_CUTS:
         for prompt in BUILTIN_PROMPTS:
             end = len(prompt) if cut == 1.0 else prompt.rfind(" ", 0, int(len(prompt) * cut))
-            out.append(prompt[: max(end, 1)])
+            text = prompt[: max(end, 1)]
+            out.append(text if length is None else ((text + "\n") * (length // (len(text) + 1) + 1))[:length])
     if len(set(out)) != len(out):
         raise RuntimeError("prompt cuts are not distinct")
     return out
+
+
+def model_len(prompt_tokens: int | None, max_tokens: int) -> int:
+    """The engine's max_model_len for a slice: 1,024, or room for ``prompt_tokens`` and the output."""
+    return max(1024, (prompt_tokens or 0) + max_tokens + 16)
 
 
 def output_lengths(count: int, max_tokens: int, lengths: tuple[float, ...] = LENGTHS) -> list[int]:
@@ -152,10 +159,10 @@ def run_rounds(llm: Any, prompts: list[Any], rounds: int, concurrencies: list[in
     return out
 
 
-def slice_model_dir(model: str, out: Path) -> Path:
+def slice_model_dir(model: str, out: Path, positions: int = 4096) -> Path:
     """``<out>/<model>-model``: the config of a Kimi-K2 slice (``kimi-k2-tp8``, ``kimi-k2-tp4``), dummy weights, or
     of a Kimi-K2 EAGLE-3 head (``kimi-k2-eagle3``, for ``moetrace calibrate --drafter``; ``kimi-k2-tp8-eagle3``,
-    the drafter of the TP=8 slice)."""
+    the drafter of the TP=8 slice); a slice holds at least ``positions`` tokens."""
     model_dir = out / f"{model}-model"
     model_dir.mkdir(parents=True, exist_ok=True)
     if model.endswith("eagle3"):
@@ -163,25 +170,29 @@ def slice_model_dir(model: str, out: Path) -> Path:
         config = kimi_k2_eagle3_head(int(tp))
     else:
         config = kimi_k2_slice(int(model.removeprefix("kimi-k2-tp")))
+        config["max_position_embeddings"] = max(config["max_position_embeddings"], positions)
     (model_dir / "config.json").write_text(json.dumps(config))
     return model_dir
 
 
 def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, trace_dir: Path,
-                   max_tokens: int, eager: bool, tp: int, max_num_seqs: int) -> dict[str, Any]:
+                   max_tokens: int, eager: bool, tp: int, max_num_seqs: int,
+                   prompt_tokens: int | None = None) -> dict[str, Any]:
     """Engine settings of one recorded engine (``moetrace.recording.record.engine_settings``) for the default model or a
     Kimi-K2 slice (``kimi-k2-tp8``: one rank of TP=8 on one GPU; ``kimi-k2-tp4`` at ``tp`` 2: the same per-GPU
-    shape with real all-reduces; dummy weights, bytes as token ids), running at most ``max_num_seqs`` requests."""
+    shape with real all-reduces; dummy weights, bytes as token ids), running at most ``max_num_seqs`` requests, on
+    prompts of ``prompt_tokens`` characters where given (``distinct_prompts``)."""
     from moetrace.default_model import encode_text
     from moetrace.recording.drafters import resolve_drafter
     from moetrace.recording.record import RecordRequest, engine_settings, resolve_model
 
-    prompts = distinct_prompts()
+    prompts = distinct_prompts(prompt_tokens)
     engine_args: dict[str, Any] = {}
     model_path: str | None = None
+    length = model_len(prompt_tokens, max_tokens)
     if model.startswith("kimi-k2-tp"):
-        model_path = str(slice_model_dir(model, out))
-        engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": 1024}
+        model_path = str(slice_model_dir(model, out, length))
+        engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": length}
     # Every round does the same work: no prefix cache hits on prompts an earlier round sent.
     engine_args["enable_prefix_caching"] = False
     drafter = None
@@ -196,7 +207,7 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
     settings["token_prompts"] = [encode_text(p) for p in prompts]  # bytes: inside both models' vocabularies
     if model_path is not None:
         settings["dtype"] = "bfloat16"
-        settings["max_model_len"] = 1024
+        settings["max_model_len"] = length
     return settings
 
 
@@ -356,7 +367,8 @@ def measure(args: argparse.Namespace) -> None:
     workload = {"load": LOAD, "timed": timed, "recorded": recorded, "max_num_seqs": max_num_seqs,
                 "max_tokens": args.max_tokens, "lengths": list(LENGTHS), "rounds": args.rounds,
                 "requests": {str(c): requests_per_round(c) for c in sorted(set(timed + recorded))},
-                "gpu_memory_utilization": args.gpu_memory_utilization, **({"hooks_ab": True} if args.hooks_ab else {})}
+                "gpu_memory_utilization": args.gpu_memory_utilization, **({"hooks_ab": True} if args.hooks_ab else {}),
+                **({"prompt_tokens": args.prompt_tokens} if args.prompt_tokens else {})}
     doc: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {
         "model": args.model, "tp": args.tp, "vllm_version": vllm_version(),
         "device": (gpu_inventory()["gpus"] or ["cpu"])[0], "cuda_graphs": not args.eager, **workload,
@@ -385,7 +397,7 @@ def measure(args: argparse.Namespace) -> None:
             return
         trace_dir = sweep / f"k{k}"
         settings = model_settings(args.model, out, "ngram" if method == "sync" else method, ks, k, trace_dir,
-                                  args.max_tokens, args.eager, args.tp, max_num_seqs)
+                                  args.max_tokens, args.eager, args.tp, max_num_seqs, args.prompt_tokens)
         if method == "sync":
             settings["engine_args"]["async_scheduling"] = False
         if args.gpu_memory_utilization is not None:
