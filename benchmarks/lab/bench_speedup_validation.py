@@ -425,9 +425,11 @@ def main() -> None:
     slice_dir.add_argument("--model", choices=("kimi-k2-tp8", "kimi-k2-tp4", "kimi-k2-eagle3", "kimi-k2-tp8-eagle3"),
                            required=True)
     slice_dir.add_argument("--out", type=Path, default=Path("speedup-runs"))
+    slice_dir.add_argument("--positions", type=int, default=4096,
+                           help="tokens a slice holds (max_position_embeddings; calibrate times attention to it)")
     args = parser.parse_args()
     if args.command == "model-dir":
-        print(slice_model_dir(args.model, args.out))
+        print(slice_model_dir(args.model, args.out, args.positions))
     else:
         measure(args) if args.command == "measure" else compare(args)
 

@@ -11,6 +11,13 @@
 #   eagle3:     EAGLE-3 k = 0..4 on the slice, 5 rounds of 256 tokens at 1 and 16 (H100s ran k = 0..3 of it on
 #               2026-12-05: docs/validation.md);
 #   eagle3-k4:  EAGLE-3 k = 0 and 4 only, as eagle3 (the k the H100 rows lack), when time is short;
+#   context-256-ngram, context-8192-ngram, context-256-eagle3, context-8192-eagle3: issue 58's validation by context,
+#               decided 2026-12-06 before any ran: the slice on prompts of 256 and of 8,192 tokens (--prompt-tokens),
+#               k = 0, 2, 4, 3 rounds, recorded at 1 and 16, timed (hooks paused) at the held-out 2, 8 and 24;
+#               predicted by `compare` from each context's own traces with the card's calibration (which times
+#               attention to 8,464 tokens), and the 8,192 cells also from the 256 traces moved by `--context 8192`;
+#               held out: within 10% of measured. One part (3 engines of 190-330 s) fits a 10-minute call, two a
+#               session: run them over sessions, in this order;
 #   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
@@ -32,10 +39,11 @@ memory=()
 CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)}
 echo "card: $CARD"
 if [[ "$CARD" != *H200* ]]; then memory=(--gpu-memory-utilization 0.95); fi
-if [[ "$CARD" != *H200* || "$parts" == *" calibrate "* ]]; then
+if [[ "$CARD" != *H200* || "$parts" == *" calibrate "* || "$parts" == *" context-"* ]]; then  # context: attention timed
   cal=/root/calibration-kimi-k2-tp8.json
   if [ ! -f "$cal" ]; then
-    model=$(python "$R/benchmarks/lab/bench_speedup_validation.py" model-dir --model kimi-k2-tp8 --out /root/cal) &&
+    model=$(python "$R/benchmarks/lab/bench_speedup_validation.py" model-dir --model kimi-k2-tp8 --out /root/cal \
+      --positions 8464) &&
       timeout $(( end - $(date +%s) )) python -m moetrace calibrate --model "$model" --tp 1 --ep 1 --formats bf16 \
         --no-allreduce --vllm-kernel -o /root/cal/partial.json --force && mv /root/cal/partial.json "$cal"
   fi
@@ -62,6 +70,13 @@ bench() {
   bench --methods eagle3 --ks 0,1,2,3,4 --rounds 5 --timed 1,16 --recorded 1,16 --max-tokens 256 --out /root/eagle3
 [[ "$parts" == *" eagle3-k4 "* ]] &&
   bench --methods eagle3 --ks 0,4 --rounds 5 --timed 1,16 --recorded 1,16 --max-tokens 256 --out /root/eagle3-k4
+for context in 256 8192; do
+  for method in ngram eagle3; do
+    [[ "$parts" == *" context-$context-$method "* ]] &&
+      bench --methods "$method" --ks 0,2,4 --rounds 3 --timed 2,8,24 --recorded 1,16 --prompt-tokens "$context" \
+        --out "/root/context-$context-$method"
+  done
+done
 for run in ${parts/ calibrate / }; do  # the measurements and calibration, then each engine's trace apart
   [ -d "/root/$run" ] || continue
   tar -C /root --exclude='*-model' --exclude="$run/*/k*" -czf "$OUT/$run.tar.gz" "$run"
