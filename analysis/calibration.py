@@ -182,6 +182,8 @@ class AttentionCurve:
     kv_bytes_per_token_layer: int  # the latent one token caches in one layer: the model's it prices
     max_context: int  # the longest context timed
     max_cached_tokens: int  # the most B·L timed
+    max_batch: int  # the most requests timed
+    heads_per_rank: int
     kernel: str
 
     def layer_us(self, batch: float, queries: float, context: float) -> float:
@@ -191,8 +193,8 @@ class AttentionCurve:
                              for q, c0, per_request, per_token in self.fits], queries, extend=True)
 
     def extrapolated(self, batch: float, queries: float, context: float) -> bool:
-        """Whether (B, Q, L) lies past what was timed: a longer context, more cached tokens or more queries."""
-        return (context > self.max_context or batch * context > self.max_cached_tokens
+        """Whether (B, Q, L) lies past what was timed: a longer context, more cached tokens, requests or queries."""
+        return (context > self.max_context or batch * context > self.max_cached_tokens or batch > self.max_batch
                 or queries > self.fits[-1][0])
 
 
@@ -208,6 +210,7 @@ def attention_curve(doc: Mapping[str, Any]) -> AttentionCurve | None:
         kv_bytes_per_token_layer=int(section["kv_bytes_per_token_layer"]),
         max_context=max(int(p["context"]) for p in points),
         max_cached_tokens=max(int(p["batch"]) * int(p["context"]) for p in points),
+        max_batch=max(int(p["batch"]) for p in points), heads_per_rank=int(section.get("heads_per_rank") or 0),
         kernel=str(section["kernel"]))
 
 

@@ -22,6 +22,7 @@ from moetrace.calibrate.experts import time_calls
 # T = B·Q query rows, H heads per rank, D = latent + rope width, C = latent width, L context tokens, P pages
 PAGE_TOKENS = 64  # vLLM's MLA block size on Hopper (FlashMLA's)
 DISTINCT_BYTES = 256 << 20  # small caches are timed over enough copies that L2 does not hold them
+KERNEL_TOLERANCE = 0.05  # bf16 outputs of order 1: vLLM's kernel is used only within this of the reference
 Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (query, cache) → the attention's output
 
 
@@ -42,6 +43,12 @@ def fit_attention(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return fits
 
 
+def kv_splits(context: int, sms: int) -> int:
+    """The kv splits vLLM's TRITON_MLA backend runs a context in: a power of two, 512 tokens or more a split, at most
+    two per multiprocessor."""
+    return min(1 << max(0, (max(1, context // 512) - 1).bit_length()), 2 * sms)
+
+
 class MlaDecode:
     """One MLA layer's decode on ``device``: a latent cache of ``batch`` requests × ``context`` tokens and a query of
     ``queries`` tokens × ``heads`` heads per request."""
@@ -53,7 +60,8 @@ class MlaDecode:
         self.generator = torch.Generator(device=device).manual_seed(0)
 
     def _random(self, *dims: int) -> torch.Tensor:
-        return torch.randn(dims, generator=self.generator, device=self.device).to(self.dtype)
+        # drawn in the timed dtype: a float32 draw then cast would need three times a bf16 cache's memory
+        return torch.randn(dims, generator=self.generator, device=self.device, dtype=self.dtype)
 
     def copies(self, batch: int, context: int) -> int:
         cache_bytes = batch * context * self.width * (2 if self.dtype == torch.bfloat16 else 4)
@@ -78,8 +86,7 @@ class MlaDecode:
         pages = -(-context // PAGE_TOKENS)
         block_table = torch.arange(batch * pages, dtype=torch.int32, device=self.device).view(batch, pages)
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=self.device)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        splits = min(1 << max(0, (max(1, context // 512) - 1).bit_length()), 2 * sms)
+        splits = kv_splits(context, torch.cuda.get_device_properties(self.device).multi_processor_count)
         rows = queries * self.heads
         logits = torch.empty(batch, rows, splits, self.latent + 1, dtype=torch.float32, device=self.device)
         out = torch.empty(batch, rows, self.latent, dtype=self.dtype, device=self.device)
@@ -119,10 +126,14 @@ class MlaDecode:
         return float((theirs - ours).abs().max())
 
 
-def attention_grid(batches: Sequence[int], queries: Sequence[int], contexts: Sequence[int], width: int,
-                   max_cache_bytes: float) -> list[tuple[int, int, int]]:
-    """(batch, queries, context) points whose bf16 latent cache fits ``max_cache_bytes``, contexts outermost."""
-    return [(b, q, c) for c in contexts for b in batches for q in queries if b * c * width * 2 <= max_cache_bytes]
+def attention_grid(batches: Sequence[int], queries: Sequence[int], contexts: Sequence[int], heads: int, latent: int,
+                   rope: int, sms: int, max_bytes: float) -> list[tuple[int, int, int]]:
+    """(batch, queries, context) points whose bf16 latent cache and the kernel's float32 partial results (one per kv
+    split, at most 2 per multiprocessor, ``sms``) fit ``max_bytes``, contexts outermost."""
+    def needs(b: int, q: int, c: int) -> int:
+        return b * c * (latent + rope) * 2 + b * q * heads * kv_splits(c, sms) * (latent + 1) * 4
+
+    return [(b, q, c) for c in contexts for b in batches for q in queries if needs(b, q, c) <= max_bytes]
 
 
 def measure_attention(heads: int, latent: int, rope: int, grid: Sequence[tuple[int, int, int]],
@@ -132,19 +143,27 @@ def measure_attention(heads: int, latent: int, rope: int, grid: Sequence[tuple[i
     vLLM's kernel, its largest difference from the reference."""
     decode = MlaDecode(heads, latent, rope, device)
     error = decode.vllm_error()
-    call = decode.vllm_call if error is not None else decode.reference_call
-    points, modes = [], set()
+    vllm = error is not None and error <= KERNEL_TOLERANCE
+    call = decode.vllm_call if vllm else decode.reference_call
+    points, modes, skipped = [], set(), []
     for done, (batch, queries, context) in enumerate(grid):
-        time_us, mode = time_calls(call(batch, queries, context), device, reps, replays)
-        modes.add(mode)
-        points.append({"batch": batch, "queries": queries, "context": context, "time_us": time_us})
+        try:
+            time_us, mode = time_calls(call(batch, queries, context), device, reps, replays)
+        except torch.OutOfMemoryError:  # one point past the memory left must not lose the others
+            skipped.append({"batch": batch, "queries": queries, "context": context, "why": "out of memory"})
+        else:
+            modes.add(mode)
+            points.append({"batch": batch, "queries": queries, "context": context, "time_us": time_us})
         if device.type == "cuda":
             torch.cuda.empty_cache()
         progress(done + 1, len(grid))
     return {
-        "kernel": ("vLLM Triton MLA decode (decode_attention_fwd), queries folded into the heads" if error is not None
-                   else "reference: absorbed MLA as two batched matmuls (torch)"),
-        "kernel_max_abs_difference_from_reference": error,
+        # vLLM serves a verify step's k + 1 queries through FlashMLA or FlashAttention-MLA on Hopper (TRITON_MLA
+        # takes one query a request): this kernel is a stand-in for theirs, reading the same cache once per request
+        "kernel": ("vLLM Triton MLA decode (decode_attention_fwd), queries folded into the heads" if vllm
+                   else "reference: absorbed MLA as two batched matmuls (torch)"
+                   + ("" if error is None else f"; vLLM's Triton MLA decode differed by {error:.3g}")),
+        "kernel_max_abs_difference_from_reference": error, "skipped_points": skipped,
         "heads_per_rank": heads, "kv_lora_rank": latent, "rope_dim": rope,
         "kv_bytes_per_token_layer": (latent + rope) * 2, "dtype": str(decode.dtype).removeprefix("torch."),
         "page_tokens": PAGE_TOKENS, "timing": sorted(modes), "points": points, "fit": fit_attention(points),

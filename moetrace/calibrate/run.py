@@ -291,10 +291,15 @@ def _attention_curve(s: Settings, device: Any, progress: Progress, notes: list[s
 
     from moetrace.calibrate.attention import attention_grid, measure_attention
 
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 1 << 30
-    grid = attention_grid(s.attention_batches, s.attention_queries, s.attention_contexts,
-                          s.kv_lora_rank + s.rope_dim, 0.4 * memory)
+    cuda = device.type == "cuda"
+    memory = torch.cuda.get_device_properties(device).total_memory if cuda else 1 << 30
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+    grid = attention_grid(s.attention_batches, s.attention_queries, s.attention_contexts, s.heads_per_rank,
+                          s.kv_lora_rank, s.rope_dim, sms, 0.4 * memory)
     label = f"attention MLA ({s.heads_per_rank} heads a rank)"
+    if not grid:
+        notes.append(f"{label}: no point of the grid fits 40% of the device's memory")
+        return {"skipped": "no point of the grid fits 40% of the device's memory"}
     progress(label, 0, len(grid))
     try:
         return measure_attention(s.heads_per_rank, s.kv_lora_rank, s.rope_dim, grid, device, s.reps,
@@ -354,7 +359,7 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
                      + ", ".join(f"{t} token(s) {p['layers_us'] + p['head_us'] + p.get('fc_us', 0.0):.0f} us"
                                  for t, p in points.items() if t in (1, 8, 64, 512)))
     attention = doc.get("attention", {})
-    if "fit" in attention:
+    if attention.get("points"):
         widest = max(attention["points"], key=lambda p: p["batch"] * p["context"])
         lines.append(f"attention MLA ({attention['heads_per_rank']} heads a rank, {attention['kernel']}): "
                      f"{len(attention['points'])} points, {widest['batch']} x {widest['context']:,} tokens "

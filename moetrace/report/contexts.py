@@ -83,8 +83,9 @@ def attention_pricing(calibration: Mapping[str, Any], shape: ModelShape) -> tupl
     kv = shape.kv_bytes_per_token
     if curve is not None and kv is not None and curve.kv_bytes_per_token_layer * shape.num_layers == kv:
         return curve, (f"each step's attention moved from the recorded context by the calibration's MLA curve "
-                       f"({curve.kernel}) over {shape.num_layers} layers: estimated, extrapolated past "
-                       f"{curve.max_context:,} tokens or {curve.max_cached_tokens:,} cached tokens a layer")
+                       f"({curve.kernel}, {curve.heads_per_rank} heads a rank) over {shape.num_layers} layers: "
+                       f"estimated, extrapolated past {curve.max_context:,} tokens, {curve.max_batch} requests or "
+                       f"{curve.max_cached_tokens:,} cached tokens a layer")
     why = ("the calibration timed no attention" if curve is None else
            f"the calibration's attention caches {curve.kv_bytes_per_token_layer} bytes a token and layer, this model "
            f"{(kv or 0) // max(1, shape.num_layers)}")

@@ -348,7 +348,8 @@ def test_a_calibrated_attention_curve_moves_each_k_by_its_own_queries_and_marks_
     8,000 µs = 0.08·B ms, at k = 2 twice that (three queries over the same cache). By hand; past 8,100 tokens, or at
     4 requests × 8,100, the curve was not timed: extrapolated."""
     curve = AttentionCurve(fits=((1, 2.0, 0.0, 0.001), (3, 2.0, 0.0, 0.002)), kv_bytes_per_token_layer=1152,
-                           max_context=8_100, max_cached_tokens=16_200, kernel="by hand")
+                           max_context=8_100, max_cached_tokens=16_200, max_batch=4, heads_per_rank=8,
+                           kernel="by hand")
     speedups = pl.DataFrame({"batch": [1, 1, 4, 4], "k": [0, 2, 0, 2], "step_ms": [10.0, 12.0, 10.0, 12.0],
                              "tokens_per_step": [1.0, 2.0, 1.0, 2.0], "prefill_ms_per_token": [0.0, 0.0, 0.0, 0.0]})
     moved = at_contexts(speedups, [8_100, 20_100], 100.0, 11_520, 1_000.0, curve, 10)
@@ -360,3 +361,4 @@ def test_a_calibrated_attention_curve_moves_each_k_by_its_own_queries_and_marks_
     assert rows[(8_100, 1, 2)]["step_source"] == "estimated" and rows[(8_100, 4, 2)]["step_source"] == "extrapolated"
     assert rows[(20_100, 1, 2)]["step_source"] == "extrapolated"
     assert curve.layer_us(1, 2, 1_000) == pytest.approx(2 + 0.0015 * 1_000)  # Q between the timed ones: linear
+    assert curve.extrapolated(8, 1, 100) and not curve.extrapolated(4, 3, 100)  # more requests than timed

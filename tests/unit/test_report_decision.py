@@ -127,14 +127,15 @@ def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_
     calibration = json.loads((Path(__file__).parents[2] / "moetrace" / "data" / "calibration-h200.json").read_text())
     points = [{"batch": b, "queries": q, "context": c, "time_us": 1 + 0.001 * (1 if q == 1 else 2) * b * c}
               for b in (1, 4) for q in (1, 4) for c in (1024, 65536)]
-    calibration["attention"] = {"kernel": "by hand", "kv_bytes_per_token_layer": 1152, "points": points,
+    calibration["attention"] = {"kernel": "by hand", "heads_per_rank": 8, "kv_bytes_per_token_layer": 1152,
+                                "points": points,
                                 "fit": {"1": {"c0_us": 1.0, "per_request_us": 0.0, "per_kv_token_us": 0.001},
                                         "4": {"c0_us": 1.0, "per_request_us": 0.0, "per_kv_token_us": 0.002}}}
     (tmp_path / "calibration.json").write_text(json.dumps(calibration))
     _, summary = _json_report(path, tmp_path, "--context", "65536,131072", "--calibration",
                               str(tmp_path / "calibration.json"), "--tp", "8", "--profile", "kimi-k2-tp8")
     found = summary["decision"][0]["by_context"]
-    assert "MLA curve (by hand)" in found["attention_basis"]
+    assert "MLA curve (by hand, 8 heads a rank)" in found["attention_basis"]
     recorded = found["recorded_context"]
     rows = {(row["context"], row["batch"]): row for row in found["per_batch"]}
     assert rows[(65536, 4)]["attention_kv_ms"] == pytest.approx(layers * 0.001 * 4 * (65536 - recorded) / 1e3)

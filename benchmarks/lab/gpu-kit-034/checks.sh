@@ -68,7 +68,7 @@ if [[ "$parts" == *" attention "* ]]; then
   python3 "$L" prompts "$T/short.jsonl" --tokens 256 --count 16
   python3 "$L" prompts "$T/long.jsonl" --tokens 8192 --count 16
   # Kimi-K2's attention on one rank of TP=8 (8 heads, latent 512 + rope 64: the slice's own) to 256K tokens
-  timeout 200 python3 -m moetrace calibrate --shape kimi-k2 --tp 8 --ep 8 --formats '' --no-allreduce \
+  timeout 300 python3 -m moetrace calibrate --shape kimi-k2 --tp 8 --ep 8 --formats '' --no-allreduce \
     -o "$OUT/attention-calibration.json" --force 2>&1 | tee "$OUT/attention-calibrate.log"
   for length in short long; do
     left=$(( end - $(date +%s) - 30 ))
