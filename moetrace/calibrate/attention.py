@@ -21,7 +21,7 @@ from moetrace.calibrate.experts import time_calls
 
 # T = B·Q query rows, H heads per rank, D = latent + rope width, C = latent width, L context tokens, P pages
 PAGE_TOKENS = 64  # vLLM's MLA block size on Hopper (FlashMLA's)
-DISTINCT_BYTES = 256 << 20  # small caches are timed over enough copies that L2 does not hold them
+DISTINCT_BYTES = 256 << 20  # small caches are timed over up to 4 copies (the smallest still fit L2: a lower bound)
 KERNEL_TOLERANCE = 0.05  # bf16 outputs of order 1: vLLM's kernel is used only within this of the reference
 Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (query, cache) → the attention's output
 
