@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -222,6 +223,25 @@ def test_the_attention_fit_recovers_each_query_counts_line_and_a_quick_calibrati
     assert all(p["time_us"] > 0 for p in attention["points"]) and set(attention["fit"]) == {"1", "3"}
 
 
+def test_an_attention_point_past_the_memory_left_is_skipped_with_why_and_the_others_timed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The largest point running out of GPU memory (raised where the CPU cannot run out) costs that point alone."""
+    from moetrace.calibrate import attention
+
+    real = attention.time_calls
+
+    def out_of_memory_at_the_largest(call: Any, device: torch.device, reps: int, replays: int) -> tuple[float, str]:
+        if call(0).shape[0] == 2 and call(0).shape[1] == 6:  # 2 requests × 3 queries × 2 heads
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(call, device, reps, replays)
+
+    monkeypatch.setattr(attention, "time_calls", out_of_memory_at_the_largest)
+    grid = [(1, 1, 64), (2, 3, 64)]
+    section = attention.measure_attention(2, 32, 16, grid, CPU, reps=2, replays=2, progress=lambda done, total: None)
+    assert [(p["batch"], p["queries"]) for p in section["points"]] == [(1, 1)]
+    assert section["skipped_points"] == [{"batch": 2, "queries": 3, "context": 64, "why": "out of memory"}]
+
+
 @needs_gpu
 def test_vllms_mla_decode_kernel_matches_the_reference_and_times() -> None:
     pytest.importorskip("vllm.v1.attention.ops.triton_decode_attention")
@@ -274,6 +294,17 @@ def test_calibrate_measures_the_shape_of_a_model_directory(tmp_path: Path) -> No
         failed = CliRunner().invoke(main, ["calibrate", "--device", "cpu", "--model", str(path), "-o",
                                            str(tmp_path / "x.json")], catch_exceptions=False)
         assert failed.exit_code == 1 and fragment in failed.output and "Traceback" not in failed.output
+
+
+def test_a_models_mla_shape_and_longest_context_are_what_its_attention_is_timed_at() -> None:
+    """The embedded model's config (2 heads, latent 512 + rope 64, 4,096 positions) sets the attention grid; a model
+    without an MLA latent times none."""
+    from moetrace.commands.calibrate import attention_settings
+    from moetrace.default_model import CONFIG
+
+    assert attention_settings(dict(CONFIG)) == {"attention_heads": 2, "kv_lora_rank": 512, "rope_dim": 64,
+                                                "attention_contexts": (512, 2048, 4096)}
+    assert attention_settings({"num_attention_heads": 32, "max_position_embeddings": 8192}) == {"attention": False}
 
 
 def _shipped_head_weights() -> dict[str, list[int]]:
