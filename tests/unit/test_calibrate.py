@@ -243,13 +243,18 @@ def test_an_attention_point_past_the_memory_left_is_skipped_with_why_and_the_oth
 
 
 @needs_gpu
-def test_vllms_mla_decode_kernel_matches_the_reference_and_times() -> None:
+def test_vllms_mla_decode_kernels_match_the_reference_and_time_in_a_cuda_graph() -> None:
+    """Every vLLM MLA decode kernel that runs here (FlashMLA on Hopper, the Triton decode) within 2e-2 of the
+    reference at Kimi-K2's shape on one TP=8 rank, and timed from a captured graph."""
     pytest.importorskip("vllm.v1.attention.ops.triton_decode_attention")
-    decode = MlaDecode(heads=8, latent=512, rope=64, device=torch.device("cuda", 0))
-    error = decode.vllm_error()
-    assert error is not None and error < 2e-2
-    time_us, mode = time_calls(decode.vllm_call(4, 3, 4096), torch.device("cuda", 0), reps=4, replays=2)
-    assert time_us > 0 and mode == "cuda-graph"
+    device = torch.device("cuda", 0)
+    decode = MlaDecode(heads=8, latent=512, rope=64, device=device)
+    kernels = decode.engine_kernels()
+    assert kernels
+    for name, make in kernels.items():
+        assert decode.error(make) < 2e-2, name
+        time_us, mode = time_calls(decode.paged_call(make, 4, 3, 4096), device, reps=4, replays=2)
+        assert time_us > 0 and mode == "cuda-graph", name
 
 
 @needs_two_gpus
