@@ -91,9 +91,7 @@ class MlaDecode:
         no effect)."""
         from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
 
-        pages = -(-context // PAGE_TOKENS)
-        block_table = torch.arange(batch * pages, dtype=torch.int32, device=self.device).view(batch, pages)
-        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=self.device)
+        block_table, seq_lens = self.paging(batch, context)
         splits = kv_splits(context, torch.cuda.get_device_properties(self.device).multi_processor_count)
         rows = queries * self.heads
         logits = torch.empty(batch, rows, splits, self.latent + 1, dtype=torch.float32, device=self.device)
@@ -111,13 +109,11 @@ class MlaDecode:
 
     def flashmla_kernel(self, batch: int, queries: int, context: int, causal: bool = True) -> Kernel:
         """vLLM's FlashMLA decode (its FLASHMLA backend on Hopper), which takes a verify step's queries as they come:
-        B × Q × H × D, causal among the Q, over the same paged cache as ``vllm_kernel``."""
+        B × Q × H × D, causal among the Q, over the same paged cache as ``triton_kernel``."""
         # exported where vLLM was built with FlashMLA
         from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache, get_mla_metadata  # type: ignore[attr-defined]
 
-        pages = -(-context // PAGE_TOKENS)
-        block_table = torch.arange(batch * pages, dtype=torch.int32, device=self.device).view(batch, pages)
-        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=self.device)
+        block_table, seq_lens = self.paging(batch, context)
         schedule, _ = get_mla_metadata(seq_lens, queries * self.heads, 1, is_fp8_kvcache=False)
 
         def kernel(query: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -128,6 +124,12 @@ class MlaDecode:
             return torch.as_tensor(out).reshape(batch, queries * self.heads, self.latent)
 
         return kernel
+
+    def paging(self, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block table (each request's pages in a row) and the context lengths of a paged cache."""
+        pages = -(-context // PAGE_TOKENS)
+        block_table = torch.arange(batch * pages, dtype=torch.int32, device=self.device).view(batch, pages)
+        return block_table, torch.full((batch,), context, dtype=torch.int32, device=self.device)
 
     def pages(self, batch: int, context: int) -> torch.Tensor:
         return self._random(batch * -(-context // PAGE_TOKENS), PAGE_TOKENS, 1, self.width)
@@ -182,8 +184,8 @@ def attention_grid(batches: Sequence[int], queries: Sequence[int], contexts: Seq
 def measure_attention(heads: int, latent: int, rope: int, grid: Sequence[tuple[int, int, int]],
                       device: torch.device, reps: int, replays: int,
                       progress: Callable[[int, int], None]) -> dict[str, Any]:
-    """The calibration's ``attention`` section: every point's µs, the fit per query count, the kernel timed and, for
-    vLLM's kernel, its largest difference from the reference."""
+    """The calibration's ``attention`` section: every point's µs (a point out of memory skipped), the fit per query
+    count, the kernel timed and how each of vLLM's kernels tried compared with the reference."""
     decode = MlaDecode(heads, latent, rope, device)
     kernel = "reference: absorbed MLA as two batched matmuls (torch)"
     checked: dict[str, float | str] = {}  # each engine kernel tried: its difference from the reference, or why not
