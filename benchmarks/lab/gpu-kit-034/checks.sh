@@ -16,7 +16,8 @@
 #             times Kimi-K2's attention on one TP=8 rank, then the bf16 slice (dummy weights) recorded at 256 and 8,192-token
 #             prompts, n-gram k = 0 and 2, 16 prompts, batch 16, 64 tokens, and `attention_by_context.py check`
 #             (held out: the curve's growth within 25% of the measured growth, k = 0 and 2) into
-#             $OUT/attention-check.json. Runs under either kit (vLLM 0.26's Triton MLA kernel is enough);
+#             $OUT/attention-check.json; first the GPU test of vLLM's MLA kernels against the reference. Runs under
+#             either kit (vLLM 0.26's kernels are enough); resumable: run it again on the same host to go on;
 #   overhead: recording overhead on the INT4 slice, n-gram k = 3, batches 1 and 64, 6 rounds of 128 tokens
 #             (benchmarks/bench_recording_overhead.py) into $OUT/overhead-int4.json.
 set -o pipefail
@@ -62,23 +63,31 @@ if [[ "$parts" == *" overhead "* ]]; then
   timeout "$left" python3 "$R/benchmarks/bench_recording_overhead.py" --model kimi-k2-tp8-int4 --compiled \
     --batches 1,64 --rounds 6 --max-tokens 128 --json "$OUT/overhead-int4.json" 2>&1 | tee "$OUT/overhead.log"
 fi
-if [[ "$parts" == *" attention "* ]]; then
+if [[ "$parts" == *" attention "* ]]; then  # resumable: run it again on the same host until the check prints
   L="$R/benchmarks/lab/attention_by_context.py"
   mkdir -p "$T" && slice=$(python3 "$L" model-dir "$M")
   python3 "$L" prompts "$T/short.jsonl" --tokens 256 --count 16
   python3 "$L" prompts "$T/long.jsonl" --tokens 8192 --count 16
+  timeout 120 python3 -m pytest --rootdir="$R" -c "$R/pyproject.toml" -p no:cacheprovider -rA \
+    "$R/tests/unit/test_calibrate.py::test_vllms_mla_decode_kernels_match_the_reference_and_time_in_a_cuda_graph" \
+    2>&1 | tee "$OUT/attention-kernels.log"
   # Kimi-K2's attention on one rank of TP=8 (8 heads, latent 512 + rope 64: the slice's own) to 256K tokens
-  timeout 300 python3 -m moetrace calibrate --shape kimi-k2 --tp 8 --ep 8 --formats '' --no-allreduce \
-    -o "$OUT/attention-calibration.json" --force 2>&1 | tee "$OUT/attention-calibrate.log"
+  cal="$T/attention-calibration.json"
+  [ -f "$cal" ] || timeout 300 python3 -m moetrace calibrate --shape kimi-k2 --tp 8 --ep 8 --formats '' \
+    --no-allreduce -o "$T/attention-partial.json" --force 2>&1 | tee "$OUT/attention-calibrate.log" &&
+    mv "$T/attention-partial.json" "$cal"
+  [ -f "$cal" ] && cp "$cal" "$OUT/attention-calibration.json"
   for length in short long; do
+    [ "$(ls "$T/context-$length"/*/manifest.json 2>/dev/null | wc -l)" = 2 ] && continue
     left=$(( end - $(date +%s) - 30 ))
+    if [ "$left" -lt 240 ]; then echo "not run now ($left s left): context-$length"; continue; fi
     timeout "$left" python3 -m moetrace record "$slice" --k 0,2 --prompts "$T/$length.jsonl" --num-prompts 16 \
       --batch-size 16 --max-tokens 64 --compiled "${dummy[@]/max_model_len=1024/max_model_len=8448}" \
       --out "$T/context-$length" --force 2>&1 | tee "$OUT/attention-$length.log"
   done
   (cd "$T" && find context-short context-long -name engine.log | tar -czf "$OUT/attention-engine-logs.tgz" -T -)
-  python3 "$L" check --short "$T/context-short" --long "$T/context-long" \
-    --calibration "$OUT/attention-calibration.json" --json "$OUT/attention-check.json" 2>&1 | tee -a "$OUT/attention-check.log"
+  [ -f "$cal" ] && python3 "$L" check --short "$T/context-short" --long "$T/context-long" --calibration "$cal" \
+    --json "$OUT/attention-check.json" 2>&1 | tee -a "$OUT/attention-check.log"
 fi
 if [[ "$parts" == *" replay "* ]]; then
   left=$(( end - $(date +%s) - 10 ))
