@@ -3,7 +3,7 @@
 
     python benchmarks/lab/attention_by_context.py model-dir DIR        # DIR/kimi-k2-tp8-long
     python benchmarks/lab/attention_by_context.py prompts FILE --tokens N --count C
-    moetrace calibrate --shape kimi-k2 --tp 8 --formats '' --no-allreduce -o CAL   # the slice's attention: 8 heads
+    moetrace calibrate --model DIR/kimi-k2-tp8-long --tp 1 --ep 1 --formats '' --no-allreduce -o CAL   # 8 heads
     moetrace record DIR/kimi-k2-tp8-long --k 0,2 --prompts SHORT ... ; the same with --prompts LONG
     python benchmarks/lab/attention_by_context.py check --short RUN --long RUN --calibration CAL [--json FILE]
 

@@ -13,8 +13,8 @@
 #   replay:   tests/engine/test_replay.py and test_budget.py (replayed routing under a budget, budgets eager and
 #             with CUDA graphs) into $OUT/replay.log;
 #   attention: how a served step grows with context against the calibrated MLA curve (issue 58): `moetrace calibrate`
-#             times Kimi-K2's attention on one TP=8 rank, then the bf16 slice (dummy weights) recorded at 256 and 8,192-token
-#             prompts, n-gram k = 0 and 2, 16 prompts, batch 16, 64 tokens, and `attention_by_context.py check`
+#             times the slice's attention (Kimi-K2's on one TP=8 rank) to 32K tokens, then the bf16 slice (dummy
+#             weights) recorded at 256 and 8,192-token prompts, n-gram k = 0 and 2, 16 prompts, batch 16, 64 tokens, and `attention_by_context.py check`
 #             (held out: the curve's growth within 25% of the measured growth, k = 0 and 2) into
 #             $OUT/attention-check.json; first the GPU test of vLLM's MLA kernels against the reference. Runs under
 #             either kit (vLLM 0.26's kernels are enough); resumable: run it again on the same host to go on;
@@ -71,9 +71,9 @@ if [[ "$parts" == *" attention "* ]]; then  # resumable: run it again on the sam
   timeout 120 python3 -m pytest --rootdir="$R" -c "$R/pyproject.toml" -p no:cacheprovider -rA \
     "$R/tests/unit/test_calibrate.py::test_vllms_mla_decode_kernels_match_the_reference_and_time_in_a_cuda_graph" \
     2>&1 | tee "$OUT/attention-kernels.log"
-  # Kimi-K2's attention on one rank of TP=8 (8 heads, latent 512 + rope 64: the slice's own) to 256K tokens
+  # the slice's attention (Kimi-K2's on one rank of TP=8: 8 heads, latent 512 + rope 64) to its 32K tokens
   cal="$T/attention-calibration.json"
-  [ -f "$cal" ] || timeout 300 python3 -m moetrace calibrate --shape kimi-k2 --tp 8 --ep 8 --formats '' \
+  [ -f "$cal" ] || timeout 300 python3 -m moetrace calibrate --model "$slice" --tp 1 --ep 1 --formats '' \
     --no-allreduce -o "$T/attention-partial.json" --force 2>&1 | tee "$OUT/attention-calibrate.log" &&
     mv "$T/attention-partial.json" "$cal"
   [ -f "$cal" ] && cp "$cal" "$OUT/attention-calibration.json"
