@@ -105,7 +105,7 @@ def step_times(steps: pl.LazyFrame) -> pl.DataFrame:
     ).collect()
 
 
-def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
+def decode_step_periods(steps: pl.LazyFrame, only: pl.LazyFrame | None = None) -> pl.DataFrame:
     """Per concurrency (``batch``: requests per step): the mean time from one decode step's start to the next's on
     the same data-parallel rank, host scheduling between them included, over consecutive steps of one rank with the
     same requests count in which every request was decoding; how many such pairs there were; and the tokens each
@@ -119,7 +119,10 @@ def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
     request waits outside decode steps for each token it gets (0 where no step held a prefill). A prefill step
     serves the concurrency of the decode steps it leads to: its own requests or, where more, those of the rank's
     next decoding step (requests that end together are replaced over steps of fewer requests, and a round starts
-    with its prompts prefilled over steps of growing batches; both are paid by the batch that then decodes)."""
+    with its prompts prefilled over steps of growing batches; both are paid by the batch that then decodes).
+
+    ``only`` (``dp_rank, step``): the decode steps to measure ``period_ms`` and ``tokens_per_step`` at (those of one
+    context bucket, say); prefill is still paid over every step."""
     following = [pl.col(name).shift(-1).over("dp_rank").alias(f"next_{name}")
                  for name in ("step", "decoding", "requests", "t_start_ns")]
     # on a prefill step (null here), the requests of the rank's next decoding step
@@ -135,10 +138,12 @@ def decode_step_periods(steps: pl.LazyFrame) -> pl.DataFrame:
         prefill_ms=pl.col("period_ns").filter(~pl.col("decoding")).sum() / 1e6,
         gained=pl.col("kept").sum())
     excess = pl.max_horizontal(pl.col("prefill_ms") - pl.col("prefill_steps") * pl.col("period_ms"), pl.lit(0.0))
+    pairs = per_step.filter(pl.col("decoding") & pl.col("next_decoding") & (pl.col("next_step") == pl.col("step") + 1)
+                            & (pl.col("next_requests") == pl.col("requests")))
+    if only is not None:
+        pairs = pairs.join(only.select("dp_rank", "step"), on=["dp_rank", "step"], how="semi")
     return (
-        per_step
-        .filter(pl.col("decoding") & pl.col("next_decoding") & (pl.col("next_step") == pl.col("step") + 1)
-                & (pl.col("next_requests") == pl.col("requests")))
+        pairs
         .group_by(batch=pl.col("requests").cast(pl.Int32))
         .agg(decode_steps=pl.len().cast(pl.Int64),
              period_ms=mean_ms(pl.col("period_ns")),

@@ -36,6 +36,11 @@ def bucket_of(context: pl.Expr) -> pl.Expr:
     return bucket
 
 
+def bucket_index(context: int) -> int:
+    """The bucket of one context length in tokens."""
+    return int(pl.select(bucket_of(pl.lit(context))).item())
+
+
 def labelled(frame: pl.DataFrame) -> pl.DataFrame:
     """``frame`` with its ``bucket`` index named (``context``) first."""
     names = dict(enumerate(BUCKET_LABELS))
@@ -81,6 +86,13 @@ def experts_by_context(routing: pl.LazyFrame, contexts: pl.LazyFrame) -> pl.Data
     return labelled(table)
 
 
+def step_contexts(steps: pl.LazyFrame, contexts: pl.LazyFrame) -> pl.LazyFrame:
+    """``(dp_rank, step)`` → ``context``, the mean context of the step's requests (``request_step_contexts``), and
+    its ``bucket``: the bucket a step is filed under."""
+    return steps.join(contexts, on=list(KEYS)).group_by("dp_rank", "step").agg(
+        context=pl.col("context").mean()).with_columns(bucket=bucket_of(pl.col("context")))
+
+
 def step_time_by_context(steps: pl.LazyFrame, contexts: pl.LazyFrame) -> pl.DataFrame:
     """Per context bucket (of a step's requests' mean context) and batch (requests in the step): the steps in which
     every request was decoding, and their mean time in ms (from vLLM's ``execute_model`` to its sync after
@@ -88,9 +100,7 @@ def step_time_by_context(steps: pl.LazyFrame, contexts: pl.LazyFrame) -> pl.Data
     per_step = steps.group_by("dp_rank", "step").agg(
         decoding=decoding().all(), batch=pl.len().cast(pl.Int64),
         t_start_ns=pl.col("t_start_ns").first(), t_end_ns=pl.col("t_end_ns").first())
-    step_context = steps.join(contexts, on=list(KEYS)).group_by("dp_rank", "step").agg(context=pl.col("context").mean())
-    table = per_step.filter(pl.col("decoding")).join(step_context, on=["dp_rank", "step"]).with_columns(
-        bucket=bucket_of(pl.col("context"))).group_by(
+    table = per_step.filter(pl.col("decoding")).join(step_contexts(steps, contexts), on=["dp_rank", "step"]).group_by(
         "bucket", "batch").agg(steps=pl.len().cast(pl.Int64),
                                step_ms=mean_ms(pl.col("t_end_ns") - pl.col("t_start_ns"))
                                ).sort("bucket", "batch").collect()
@@ -127,7 +137,8 @@ def kv_read_ms(batch: int, context: float, kv_bytes_per_token: int, bandwidth_gb
 
 
 def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], recorded_context: float, kv_bytes_per_token: int,
-                bandwidth_gbs: float, attention: AttentionCurve | None = None, layers: int = 0) -> pl.DataFrame:
+                bandwidth_gbs: float, attention: AttentionCurve | None = None, layers: int = 0,
+                measured_there: bool = False) -> pl.DataFrame:
     """``speedups`` (per batch and k: step_ms, tokens_per_step, prefill_ms_per_token, ...) moved from the context
     the traces ran at, ``recorded_context`` tokens, to each of ``contexts``, with a context column; what a step of B
     requests gains there is ``attention_kv_ms``. With a calibrated ``attention`` curve (one MLA layer's decode, of
@@ -136,7 +147,9 @@ def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], recorded_contex
     by ``kv_read_ms`` of B × (L − L₀) tokens: the KV bytes the model's config names at the calibration's copy
     bandwidth. Either is estimated (``step_source``), extrapolated where the curve was not timed that far. At long
     context the MoE's growth with k weighs less and speculation pays more. A step that would shrink to nothing (a
-    context far below the recorded one) gets no speedup."""
+    context far below the recorded one) gets no speedup. ``measured_there``: ``speedups`` rest on steps the sweep
+    ran in the bucket of every one of ``contexts`` (``--profile measured``): each row keeps its own step source,
+    moved within that bucket, unless the curve was not timed that far."""
     frames = []
     for context in contexts:
         at = speedups.with_columns(context=pl.lit(context, pl.Int64))
@@ -154,7 +167,8 @@ def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], recorded_contex
             beyond_timed=pl.Series([attention.extrapolated(b, k + 1, context) for b, k in pairs],
                                    dtype=pl.Boolean)))
     moved = pl.concat(frames).with_columns(step_ms=pl.col("step_ms") + pl.col("attention_kv_ms"))
-    rows = moved.select("batch", "context", "k", "step_ms", "tokens_per_step", "prefill_ms_per_token").to_dicts()
+    rows = moved.select("batch", "context", "k", "step_ms", "tokens_per_step", "prefill_ms_per_token",
+                        "step_source").to_dicts()
     k0 = {(row["batch"], row["context"]): row for row in rows if row["k"] == 0}
 
     def speedup(row: dict[str, Any]) -> float | None:
@@ -168,7 +182,9 @@ def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], recorded_contex
 
     def source(row: dict[str, Any]) -> str:  # a speedup rests on its own step and on k = 0's
         past = {(row["batch"], row["context"], row["k"]), (row["batch"], row["context"], 0)} & beyond
-        return str((Source.EXTRAPOLATED if past else Source.ESTIMATED).value)
+        if past:
+            return str(Source.EXTRAPOLATED.value)
+        return str(row["step_source"] if measured_there and row["step_source"] else Source.ESTIMATED.value)
 
     return moved.with_columns(
         step_ratio=pl.Series([row["step_ms"] / k0[(row["batch"], row["context"])]["step_ms"] for row in rows]),

@@ -5,6 +5,7 @@ policies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ import polars as pl
 from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary, measured_speedup, step_times
 from moetrace.analysis.budgets import WindowSample, smallest_budgets
 from moetrace.analysis.consistency import disagreement, routing_gaps
-from moetrace.analysis.context import context_tables
+from moetrace.analysis.context import BUCKET_LABELS, bucket_index, context_tables
 from moetrace.analysis.decision import against_trace, crossover, unpredicted
 from moetrace.analysis.deployment import deployment_for
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, WindowRows, growth_table, rejected_only_experts
@@ -23,10 +24,17 @@ from moetrace.analysis.shape import ModelShape
 from moetrace.analysis.traffic import step_bytes
 from moetrace.errors import UserError
 from moetrace.report.checks import self_check
-from moetrace.report.contexts import decide_at_contexts
+from moetrace.report.contexts import StepsAt, decide_at_contexts
 from moetrace.report.distributed import partitioned_summary
 from moetrace.report.inputs import Run, expert_placement, model_shape, parallel_size
-from moetrace.report.measured import measured_steps, passed_baselines, recorded_phases, recorded_steps, sync_trace
+from moetrace.report.measured import (
+    bucket_steps,
+    measured_steps,
+    passed_baselines,
+    recorded_phases,
+    recorded_steps,
+    sync_trace,
+)
 from moetrace.report.placements import placement_scores
 from moetrace.report.policies import replayed_policies
 from moetrace.report.summary import (
@@ -80,7 +88,11 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         placement_note=placement_note,
     )
     analysis.checks = self_check(forecast.speedups, forecast.basis, per_k, inputs, bytes_table)
-    _by_context(analysis, sample, trace, request, options, timing, disagreements)
+
+    def speedups_from(steps: _Timing) -> pl.DataFrame | None:  # the prediction from another set of measured steps
+        return _forecast(run, sample, inputs, shape, tp, ep, options, batches, steps, disagreements).speedups
+
+    _by_context(analysis, sample, trace, request, options, timing, disagreements, speedups_from)
     _crossovers_and_policies(analysis, checked, options, timing)
     return analysis
 
@@ -129,8 +141,9 @@ class _Timing:
     unpriced: dict[int, str]
 
 
-def _timing(run: Run, options: Options) -> _Timing:
-    steps = recorded_steps(run) if options.measured_baseline else None
+def _timing(run: Run, options: Options, only: list[pl.DataFrame] | None = None) -> _Timing:
+    """What the sweep's steps measured (``only``: per trace, the steps of one context bucket)."""
+    steps = recorded_steps(run, only) if options.measured_baseline else None
     sync = sync_trace(run, options.k0_sync) if steps is not None and options.k0_sync else None
     measured = measured_steps(run, steps, options.max_k, sync) if steps is not None and options.predicts else None
     passed = {} if steps is None or measured is None else passed_baselines(steps, measured)
@@ -176,16 +189,37 @@ def _forecast(run: Run, sample: WindowSample, inputs: pl.DataFrame, shape: Model
 
 
 def _by_context(analysis: RunAnalysis, sample: WindowSample, trace: Trace, request: SummaryRequest, options: Options,
-                timing: _Timing, disagreements: dict[int, str]) -> None:
-    """The primary trace's measurements per context bucket, and, with ``--context``, the decision at each context."""
+                timing: _Timing, disagreements: dict[int, str],
+                speedups_from: Callable[[_Timing], pl.DataFrame | None]) -> None:
+    """The primary trace's measurements per context bucket, and, with ``--context``, the decision at each context:
+    with ``--profile measured``, from the sweep's own steps in that context's bucket where it ran there."""
     analysis.by_context = context_tables(sample.stepped.lazy(), trace.steps(), trace.k,
                                          trace.manifest.model.moe_layers[0])
     analysis.by_context_share = request.share
     if options.contexts and analysis.speedups is not None:
+        measured = _measured_at(analysis.run, options, speedups_from) if options.measured_baseline else {}
         analysis.context_decision = decide_at_contexts(
             analysis.speedups, options.contexts,
             prediction_deployment(analysis.shape, analysis.tp, analysis.ep, options)[0], options.calibration,
-            analysis.by_context.get("acceptance"), options.batches, disagreements, timing.unpriced)
+            analysis.by_context.get("acceptance"), options.batches, disagreements, timing.unpriced, measured)
+
+
+def _measured_at(run: Run, options: Options, speedups_from: Callable[[_Timing], pl.DataFrame | None]
+                 ) -> dict[int, StepsAt]:
+    """Per ``--context`` whose bucket the sweep ran decode steps in, enough to measure its k=0 step at some
+    concurrency: the prediction from those steps alone, and their mean context."""
+    found: dict[int, StepsAt | None] = {}
+    for bucket in sorted({bucket_index(context) for context in options.contexts}):
+        only = bucket_steps(run, bucket)
+        held = pl.concat(only)
+        try:
+            speedups = speedups_from(_timing(run, options, only)) if held.height else None
+        except UserError:  # too few of its steps at k=0 to measure a step from: moved from the whole sweep's
+            speedups = None
+        found[bucket] = None if speedups is None else StepsAt(
+            speedups, float(held["context"].mean()), BUCKET_LABELS[bucket], held.height)  # type: ignore[arg-type]
+    return {context: origin for context in options.contexts
+            if (origin := found[bucket_index(context)]) is not None}
 
 
 def _crossovers_and_policies(analysis: RunAnalysis, checked: pl.DataFrame | None, options: Options,

@@ -24,15 +24,29 @@ from moetrace.report.inputs import held_out_errors
 
 
 @dataclass(frozen=True)
+class StepsAt:
+    """What the decision at a context is moved from: the ``speedups`` predicted from steps that ran at a mean of
+    ``context`` tokens; where those are the sweep's own decode steps in that context's bucket (``--profile
+    measured`` of a sweep that holds it), the bucket's label and how many steps of all its traces."""
+
+    speedups: pl.DataFrame
+    context: float
+    bucket: str | None = None
+    decode_steps: int = 0
+
+
+@dataclass(frozen=True)
 class ContextDecision:
     """Per (context, batch): the decision rows (``analysis.decision.recommended_k`` with a context column and
-    ``attention_kv_ms``, what the KV read adds to a step there over the recorded context), and per context the
-    crossover (``analysis.decision.crossover``)."""
+    ``attention_kv_ms``, what the KV read adds to a step there over the context it was moved from), per context the
+    crossover (``analysis.decision.crossover``), and the contexts decided from the sweep's own steps in their bucket
+    (``measured_at``: bucket, mean_tokens, decode_steps)."""
 
     recorded_context: float
     rows: pl.DataFrame
     crossovers: dict[int, dict[str, Any]]
     attention_basis: str  # how a step's attention was moved to each context
+    measured_at: dict[int, dict[str, Any]]
 
 
 def context_refusal(contexts: Sequence[int], shape: ModelShape, calibration: Mapping[str, Any] | None) -> str | None:
@@ -48,20 +62,20 @@ def context_refusal(contexts: Sequence[int], shape: ModelShape, calibration: Map
     return None
 
 
-def context_decision(speedups: pl.DataFrame, contexts: Sequence[int], recorded_context: float, shape: ModelShape,
+def context_decision(origins: Mapping[int, StepsAt], recorded_context: float, shape: ModelShape,
                      calibration: Mapping[str, Any], batches: Sequence[int], errors: HeldOutErrors,
                      disagreements: Mapping[int, str], unpriced: Mapping[int, str]) -> ContextDecision:
-    """The decision at each of ``contexts`` from the ``speedups`` predicted at ``recorded_context``; a concurrency
-    whose KV cache alone would not fit the calibrated GPU's memory at a context gets no recommendation there."""
+    """The decision at each context of ``origins`` from the speedups it is moved from (the traces' recorded context
+    is ``recorded_context``); a concurrency whose KV cache alone would not fit the calibrated GPU's memory at a
+    context gets no recommendation there."""
     kv = shape.kv_bytes_per_token
     assert kv is not None
     curve, basis = attention_pricing(calibration, shape)
-    moved = at_contexts(speedups, contexts, recorded_context, kv, float(calibration["copy_bandwidth_gbs"]), curve,
-                        shape.num_layers)
     memory = float(calibration.get("device", {}).get("memory_gib") or 0) * 2**30
     frames, crossovers = [], {}
-    for context in contexts:
-        at = moved.filter(pl.col("context") == context).drop("context")
+    for context, origin in origins.items():
+        at = at_contexts(origin.speedups, [context], origin.context, kv, float(calibration["copy_bandwidth_gbs"]),
+                         curve, shape.num_layers, measured_there=origin.bucket is not None).drop("context")
         unfit = {batch: (f"the KV cache of {batch} requests of {context:,} tokens "
                          f"({batch * context * kv / 1e9:,.0f} GB a rank) exceeds the calibrated GPU's "
                          f"{memory / 2**30:,.0f} GiB")
@@ -72,8 +86,18 @@ def context_decision(speedups: pl.DataFrame, contexts: Sequence[int], recorded_c
         frames.append(decided.join(kv_ms, on="batch", how="left").with_columns(context=pl.lit(context, pl.Int64)))
         crossovers[context] = crossover(at, [b for b in batches if b not in unpriced and b not in unfit],
                                         "predicted")
+    measured_at = {context: {"bucket": origin.bucket, "mean_tokens": origin.context,
+                             "decode_steps": origin.decode_steps}
+                   for context, origin in origins.items() if origin.bucket is not None}
     return ContextDecision(recorded_context, pl.concat(frames, how="diagonal_relaxed").select(
-        "context", pl.exclude("context")), crossovers, basis)
+        "context", pl.exclude("context")), crossovers, basis, measured_at)
+
+
+def measured_sentence(context: int, found: Mapping[str, Any]) -> str:
+    """How the decision at ``context`` rests on the sweep's own steps (``ContextDecision.measured_at``)."""
+    return (f"at {context:,} tokens: from the sweep's own {found['decode_steps']:,} decoding steps at "
+            f"{found['bucket']} tokens (a mean {found['mean_tokens']:,.0f}), measured at the concurrencies they ran "
+            f"and moved within that bucket")
 
 
 def attention_pricing(calibration: Mapping[str, Any], shape: ModelShape) -> tuple[AttentionCurve | None, str]:
@@ -95,11 +119,12 @@ def attention_pricing(calibration: Mapping[str, Any], shape: ModelShape) -> tupl
 
 def decide_at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], shape: ModelShape,
                        calibration: Mapping[str, Any] | None, acceptance_by_context: pl.DataFrame | None,
-                       batches: Sequence[int], disagreements: Mapping[int, str],
-                       unpriced: Mapping[int, str]) -> ContextDecision:
+                       batches: Sequence[int], disagreements: Mapping[int, str], unpriced: Mapping[int, str],
+                       measured: Mapping[int, StepsAt] | None = None) -> ContextDecision:
     """``context_decision`` of the ``speedups`` predicted for the model ``shape`` at ``contexts``, from the context
-    the traces ran at (``analysis.context.recorded_context`` of their ``acceptance_by_context``); a ``UserError`` in
-    one line where they cannot be priced."""
+    the traces ran at (``analysis.context.recorded_context`` of their ``acceptance_by_context``), or, at a context
+    of ``measured``, from the sweep's own steps in its bucket; a ``UserError`` in one line where they cannot be
+    priced."""
     refused = context_refusal(contexts, shape, calibration)
     recorded = recorded_context(acceptance_by_context)
     if refused is None and recorded is None:
@@ -107,5 +132,7 @@ def decide_at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], shape: M
     if refused is not None:
         raise UserError(refused)
     assert recorded is not None and calibration is not None
-    return context_decision(speedups, contexts, float(recorded["mean_tokens"]), shape, calibration, batches,
-                            held_out_errors(), disagreements, unpriced)
+    whole = StepsAt(speedups, float(recorded["mean_tokens"]))
+    origins = {context: (measured or {}).get(context, whole) for context in contexts}
+    return context_decision(origins, whole.context, shape, calibration, batches, held_out_errors(), disagreements,
+                            unpriced)

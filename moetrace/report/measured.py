@@ -11,6 +11,8 @@ from typing import Any
 import polars as pl
 
 from moetrace.analysis.acceptance import decode_step_periods
+from moetrace.analysis.context import request_step_contexts, step_contexts
+from moetrace.analysis.predicates import decoding
 from moetrace.analysis.measured_steps import MeasuredSteps, per_k_from_nearest
 from moetrace.trace.drafters import MODEL_DRAFTERS
 from moetrace.analysis.decision import PHASE_COLUMNS, across_batches, growth_over_k0
@@ -31,22 +33,39 @@ MIN_PHASE_CALLS = 3  # timed calls a phase's median rests on
 MIN_PASSED_STEPS = 20
 
 
-def recorded_steps(run: Run) -> pl.DataFrame:
+def recorded_steps(run: Run, only: Sequence[pl.DataFrame] | None = None) -> pl.DataFrame:
     """Every trace's decode steps per concurrency (``analysis.acceptance.decode_step_periods``, with k), where at
     least ``MIN_BASELINE_STEPS`` step pairs measured them, with what those steps spent in vLLM's calls
-    (``recorded_phases``): the baseline and the check of --profile measured."""
+    (``recorded_phases``): the baseline and the check of --profile measured. With ``only`` (per trace of
+    ``run.traces``, its steps of one context bucket: ``bucket_steps``), those decode steps alone (the calls' times
+    stay the whole trace's: vLLM's timed calls are not kept per step)."""
     untimed = [str(t.path) for t in run.traces if t.lacks("step_timing")]
     if untimed:
         raise UserError(f"{untimed[0]}: imported without step timing: nothing measured to predict from (give "
                         f"--calibration or --profile instead of --profile measured)")
-    per_trace = [decode_periods(t).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
+    per_trace = [decode_periods(t, None if only is None else only[index].lazy()).with_columns(k=pl.lit(t.k, pl.Int32))
+                 for index, t in enumerate(run.traces)]
     return pl.concat(per_trace).join(recorded_phases(run.traces), on=["k", "batch"], how="left")
 
 
-def decode_periods(trace: Trace) -> pl.DataFrame:
-    """``analysis.acceptance.decode_step_periods`` of ``trace`` at the concurrencies with at least
-    ``MIN_BASELINE_STEPS`` step pairs (fewer measure no step time worth predicting from)."""
-    return decode_step_periods(trace.steps()).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
+def decode_periods(trace: Trace, only: pl.LazyFrame | None = None) -> pl.DataFrame:
+    """``analysis.acceptance.decode_step_periods`` of ``trace`` (of its steps ``only``, where given) at the
+    concurrencies with at least ``MIN_BASELINE_STEPS`` step pairs (fewer measure no step time worth predicting
+    from)."""
+    return decode_step_periods(trace.steps(), only).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
+
+
+def bucket_steps(run: Run, bucket: int) -> list[pl.DataFrame]:
+    """Per trace of ``run.traces``: its steps (``dp_rank, step, context``) in which every request decoded and whose
+    requests' mean context falls in ``bucket`` (``analysis.context.step_contexts``)."""
+    out = []
+    for trace in run.traces:
+        steps = trace.steps()
+        contexts = request_step_contexts(trace.routing(), trace.manifest.model.moe_layers[0])
+        decoding_steps = steps.group_by("dp_rank", "step").agg(all_decoding=decoding().all()).filter("all_decoding")
+        out.append(step_contexts(steps, contexts).filter(pl.col("bucket") == bucket).join(
+            decoding_steps, on=["dp_rank", "step"], how="semi").select("dp_rank", "step", "context").collect())
+    return out
 
 
 def phase_ms(trace: Trace, phase: str, timing: dict[str, Any]) -> float:

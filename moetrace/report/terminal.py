@@ -358,6 +358,8 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
             console.print(_decision_by_context(decision))
             console.print(Text("  context: tokens before a request's next token; "
                                f"{decision['by_context']['attention_basis']}", style="dim"))
+            for found in decision["by_context"]["measured_at"]:
+                console.print(Text(f"  {found['says']}", style="dim"))
             for row in decision["by_context"]["per_batch"]:
                 if row["k"] is None:
                     console.print(Text(f"  B={row['batch']}, context {row['context']:,}: no recommendation: "

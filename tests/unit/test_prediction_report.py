@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
+from statistics import mean
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 import polars as pl
@@ -19,7 +22,7 @@ from moetrace.cli import main
 from moetrace.report.inputs import open_run
 from moetrace.trace.reader import open_trace
 from moetrace.report.measured import measured_baselines, recorded_phases
-from trace_builder import Model, decode_tokens, small_k2_trace, verify_tokens, write_trace
+from trace_builder import Model, Tokens, decode_tokens, small_k2_trace, verify_tokens, write_trace
 from calibrations import DRAFTER, small_calibration
 
 @pytest.fixture
@@ -315,3 +318,108 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
                                             "--json").stdout)["runs"][0]["prediction"]["per_batch"]
            if row["batch"] == 2]
     assert [row["forward_beyond_moe_ms"] for row in few] == [None] * len(few)
+
+
+def only_steps(tokens: Tokens, keep: npt.NDArray[np.bool_]) -> Tokens:
+    """``tokens`` where ``keep``."""
+    return dataclasses.replace(
+        tokens, step=tokens.step[keep], request=tokens.request[keep], position=tokens.position[keep],
+        phase=[p for p, kept in zip(tokens.phase, keep) if kept], draft_pos=tokens.draft_pos[keep],
+        accepted=[a for a, kept in zip(tokens.accepted, keep) if kept], experts=tokens.experts[keep],
+        weights=tokens.weights[keep])
+
+
+def long_from(tokens: Tokens, first: int, extra: int) -> Tokens:
+    """``tokens`` whose steps from ``first`` on run ``extra`` tokens further into their requests."""
+    return dataclasses.replace(tokens, position=tokens.position + (tokens.step >= first) * np.uint32(extra))
+
+
+def slower_from(trace: Path, first: int, period_ms: float) -> None:
+    """The trace's steps from ``first`` on start ``period_ms`` apart (1 ms before: the builder's)."""
+    table = pq.read_table(trace / "steps")
+    rows = table.to_pylist()
+    for row in rows:
+        start = min(row["step"], first) * 1e6 + max(row["step"] - first, 0) * period_ms * 1e6
+        row["t_start_ns"], row["t_end_ns"] = int(start), int(start + 5e5)
+    for part in (trace / "steps").iterdir():
+        part.unlink()
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), trace / "steps" / "part-00000.parquet")
+
+
+def test_profile_measured_decides_a_context_from_the_sweeps_own_steps_at_that_context(tmp_path: Path) -> None:
+    """A sweep (k = 0 and 2, two requests a step) whose later steps run 5,000 tokens further into their requests and
+    2 ms apart (1 ms before): with --profile measured, --context 700 is decided from its short steps and 5,500 from
+    its long ones, each as a sweep of only those steps decides it (acceptance given and routing uniform, so the
+    steps alone differ), moved from their own mean context (brute force over the rows); a context whose bucket the
+    sweep never ran at is moved from the whole sweep, estimated."""
+    model = Model(extra={"kv_bytes_per_token": 70_272})
+    k0 = decode_tokens(np.random.default_rng(0), model, requests=2, steps=24)
+    k2 = verify_tokens(np.random.default_rng(1), model, requests=2, steps=22, k=2, accept_prob=0.7)
+    firsts = {0: 12, 2: 12}
+    sweeps = {"mixed": lambda t, k: long_from(t, firsts[k], 5_000),
+              "long": lambda t, k: only_steps(long_from(t, firsts[k], 5_000), t.step >= firsts[k]),
+              "short": lambda t, k: only_steps(t, t.step < firsts[k])}
+    for name, cut in sweeps.items():
+        for k, tokens in ((0, k0), (2, k2)):
+            trace = write_trace(tmp_path / name / f"k{k}", cut(tokens, k), model, k=k)
+            if name != "short":
+                slower_from(trace, firsts[k], 2.0)
+    calibration = {**small_calibration(), "copy_bandwidth_gbs": 2_000.0}
+    (tmp_path / "calib.json").write_text(json.dumps(calibration))
+
+    def by_context(sweep: str, contexts: str) -> dict[str, Any]:
+        result = CliRunner().invoke(main, [
+            "report", str(tmp_path / sweep), "--k", "2", "--tp", "2", "--force", "--json", "--batch", "2",
+            "--calibration", str(tmp_path / "calib.json"), "--profile", "measured", "--acceptance", "0.7",
+            "--routing", "uniform", "--context", contexts], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        found: dict[str, Any] = json.loads(result.stdout)["decision"][0]["by_context"]
+        return found
+
+    mixed = by_context("mixed", "700,5500,20000")
+    # brute force: the steps in which both requests decoded, by their mean anchor position, over both traces
+    per_bucket: dict[str, list[float]] = {"≤1K": [], "4-16K": []}
+    for k in (0, 2):
+        routing = pq.read_table(tmp_path / "mixed" / f"k{k}" / "routing").to_pylist()
+        anchors: dict[tuple[int, int], int] = {}
+        decoding_steps = {row["step"] for row in routing if row["phase"] != "prefill"}
+        for row in routing:
+            if row["layer"] == model.layers[0] and row["step"] in decoding_steps:
+                key = (row["step"], row["request"])
+                anchors[key] = min(anchors.get(key, row["position"]), row["position"])
+        for step in decoding_steps:
+            context = mean(position for (s, _), position in anchors.items() if s == step)
+            per_bucket["≤1K" if context <= 1024 else "4-16K"].append(context)
+    assert [(m["context"], m["bucket"], m["decode_steps"]) for m in mixed["measured_at"]] == [
+        (700, "≤1K", len(per_bucket["≤1K"])), (5500, "4-16K", len(per_bucket["4-16K"]))]
+    for found, contexts in zip(mixed["measured_at"], per_bucket.values()):
+        assert found["mean_tokens"] == pytest.approx(mean(contexts))
+    rows = {(row["context"], row["batch"]): row for row in mixed["per_batch"]}
+    assert rows[(5500, 2)]["attention_kv_ms"] == pytest.approx(
+        2 * (5500 - mean(per_bucket["4-16K"])) * 70_272 / (2_000.0 * 1e6))
+
+    def decided(found: dict[str, Any], context: int) -> tuple[Any, ...]:
+        """The best k at two requests, its step over k = 0's and speedup, the KV read added, the step's source."""
+        (row,) = [row for row in found["per_batch"] if row["context"] == context]
+        (best,) = next(c for c in found["crossover"] if c["context"] == context)["best"]
+        return (row["best_k"], best["k"], pytest.approx(row["step_ratio"]), pytest.approx(best["speedup"]),
+                pytest.approx(row["attention_kv_ms"]), row["step_source"])
+
+    long_only, short_only = by_context("long", "5500"), by_context("short", "700")
+    assert decided(mixed, 5500) == decided(long_only, 5500) and decided(mixed, 5500)[-1] == "measured"
+    assert decided(mixed, 700) == decided(short_only, 700) and decided(mixed, 700)[-1] == "measured"
+    # steps twice as long at 5,500 tokens: the drafts' growth weighs less there
+    assert decided(mixed, 5500)[2] != decided(mixed, 700)[2]
+    # no step of the sweep ran at 16-64K tokens: moved from the whole sweep's, estimated
+    assert decided(mixed, 20000)[-1] == "estimated"
+    # the terminal and the dashboard say which contexts rest on the sweep's own steps
+    shown = CliRunner().invoke(main, [
+        "report", str(tmp_path / "mixed"), "--k", "2", "--tp", "2", "--force", "--batch", "2", "--calibration",
+        str(tmp_path / "calib.json"), "--profile", "measured", "--context", "700,5500,20000"], catch_exceptions=False)
+    says = [found["says"] for found in mixed["measured_at"]]
+    assert says[1].startswith(f"at 5,500 tokens: from the sweep's own {len(per_bucket['4-16K'])} decoding steps at "
+                              "4-16K tokens")
+    assert all(line in " ".join(shown.output.split()) for line in says)
+    page = (tmp_path / "mixed" / "report.html").read_text()
+    assert all(line.replace("'", "&#39;") in page for line in says)
+    assert [m["context"] for m in mixed["measured_at"]] == [700, 5500]
