@@ -15,6 +15,12 @@ that step when it moves it between the two contexts: the slice's layers times th
 B requests x (k + 1) queries (``analysis.context.at_contexts``), and, beside it, the KV bytes at the copy bandwidth
 (the pricing without a curve). Held out, decided before the run: the curve's growth within 25% of the measured
 growth at k = 0 and k = 2; the ratio of k = 2's growth to k = 0's, measured and predicted, both printed.
+
+A step's time is from its start to the next step's start (``period_ms``, as ``--profile measured`` takes it). The
+first H100 run compared start-to-end times instead (``duration_growth_ms``, still printed): at k = 0 vLLM schedules
+the next step while the device computes this one (async scheduling), so a step's recorded bounds hold the host's
+work alone and did not grow with context at all (-0.02 ms), while at k = 2 (n-gram: async scheduling off) they
+grew by what the device did (+0.79 ms against the curve's +0.87).
 """
 
 from __future__ import annotations
@@ -55,7 +61,11 @@ def prompts(path: Path, tokens: int, count: int) -> None:
 
 def full_decode_steps(trace_dir: Path) -> dict[str, Any]:
     """The engine steps of a trace where every request decoded and the batch was the largest seen: how many, their
-    mean time in ms, the batch and their requests' mean context (tokens before the step's first token)."""
+    mean time from start to the next step's start (``period_ms``, ``analysis.acceptance.decode_step_periods``: the
+    device's time where vLLM schedules the next step while this one computes, as it does at k = 0) and from start to
+    end (``step_ms``: the host's bounds), the batch and their requests' mean context (tokens before the step's first
+    token)."""
+    from moetrace.analysis.acceptance import decode_step_periods
     from moetrace.analysis.context import request_step_contexts
     from moetrace.analysis.predicates import decoding
     from moetrace.trace.reader import open_trace
@@ -69,7 +79,10 @@ def full_decode_steps(trace_dir: Path) -> dict[str, Any]:
         ms=((pl.col("t_end_ns").first() - pl.col("t_start_ns").first()) / 1e6)).collect()
     batch = int(per_step["batch"].max())
     full = per_step.filter(pl.col("all_decoding") & (pl.col("batch") == batch))
+    (periods,) = decode_step_periods(steps, full.lazy()).filter(pl.col("batch") == batch).to_dicts()
     return {"trace": str(trace_dir), "k": trace.k, "batch": batch, "steps": full.height,
+            "async_scheduling": trace.manifest.capture.async_scheduling,
+            "period_ms": periods["period_ms"], "step_pairs": periods["decode_steps"],
             "step_ms": float(full["ms"].mean()), "step_ms_median": float(full["ms"].median()),
             "context": float(full["context"].mean()), "queries": float(full["queries"].mean()),
             "num_layers": trace.manifest.model.num_layers,
@@ -98,13 +111,14 @@ def check(short: Path, long: Path, calibration_path: Path) -> dict[str, Any]:
         if at_long["batch"] != batch or not at_short["steps"] or not at_long["steps"]:
             raise SystemExit(f"k={k}: full-batch steps {at_short['steps']} at {at_short['batch']} requests (short), "
                              f"{at_long['steps']} at {at_long['batch']} (long): nothing to compare")
-        measured = at_long["step_ms"] - at_short["step_ms"]
+        measured = at_long["period_ms"] - at_short["period_ms"]
         # each run at its own mean queries a request (k + 1 where every request drafted k)
         predicted = layers * (curve.layer_us(batch, at_long["queries"], at_long["context"])
                               - curve.layer_us(batch, at_short["queries"], at_short["context"])) / 1e3
         kv_bytes = kv_read_ms(batch, at_long["context"] - at_short["context"], int(at_short["kv_bytes_per_token"]),
                               float(calibration["copy_bandwidth_gbs"]))
         rows.append({"k": k, "batch": batch, "short": at_short, "long": at_long, "measured_growth_ms": measured,
+                     "duration_growth_ms": at_long["step_ms"] - at_short["step_ms"],
                      "curve_growth_ms": predicted, "kv_bytes_growth_ms": kv_bytes,
                      "curve_over_measured": predicted / measured if measured else None,
                      "kv_bytes_over_measured": kv_bytes / measured if measured else None,
