@@ -176,9 +176,9 @@ def allreduce_model(doc: Mapping[str, Any], world_size: int) -> AllReduceModel |
 @dataclass(frozen=True)
 class AttentionCurve:
     """One MLA layer's decode on one rank (``moetrace calibrate``'s ``attention``): µs for B requests × Q query tokens
-    over L tokens of context, fitted per timed Q as c0 + per request · B + per cached token · B·L."""
+    over L tokens of context, a line over L per timed (Q, B)."""
 
-    fits: tuple[tuple[int, float, float, float], ...]  # (queries, c0_us, per_request_us, per_kv_token_us), by Q
+    lines: tuple[tuple[int, int, float, float], ...]  # (queries, batch, c0_us, per_context_token_us), sorted
     kv_bytes_per_token_layer: int  # the latent one token caches in one layer: the model's it prices
     max_context: int  # the longest context timed
     max_cached_tokens: int  # the most B·L timed
@@ -187,15 +187,18 @@ class AttentionCurve:
     kernel: str
 
     def layer_us(self, batch: float, queries: float, context: float) -> float:
-        """µs of one layer: each timed Q's line at (B, L), piecewise linear in Q between them, the end segments
-        carried on past them."""
-        return _interpolate([(float(q), c0 + per_request * batch + per_token * batch * context)
-                             for q, c0, per_request, per_token in self.fits], queries, extend=True)
+        """µs of one layer: each timed (Q, B)'s line at L, piecewise linear in B between the timed batches and in Q
+        between the timed query counts, the end segments carried on past them."""
+        per_queries = []
+        for q in sorted({line[0] for line in self.lines}):
+            at_batches = [(float(b), c0 + per_token * context) for lq, b, c0, per_token in self.lines if lq == q]
+            per_queries.append((float(q), _interpolate(at_batches, batch, extend=True)))
+        return _interpolate(per_queries, queries, extend=True)
 
     def extrapolated(self, batch: float, queries: float, context: float) -> bool:
         """Whether (B, Q, L) lies past what was timed: a longer context, more cached tokens, requests or queries."""
         return (context > self.max_context or batch * context > self.max_cached_tokens or batch > self.max_batch
-                or queries > self.fits[-1][0])
+                or queries > max(line[0] for line in self.lines))
 
 
 def attention_curve(doc: Mapping[str, Any]) -> AttentionCurve | None:
@@ -205,8 +208,8 @@ def attention_curve(doc: Mapping[str, Any]) -> AttentionCurve | None:
         return None
     points = section["points"]
     return AttentionCurve(
-        fits=tuple(sorted((int(q), float(f["c0_us"]), float(f["per_request_us"]), float(f["per_kv_token_us"]))
-                          for q, f in section["fit"].items())),
+        lines=tuple(sorted((int(f["queries"]), int(f["batch"]), float(f["c0_us"]), float(f["per_context_token_us"]))
+                           for f in section["fit"])),
         kv_bytes_per_token_layer=int(section["kv_bytes_per_token_layer"]),
         max_context=max(int(p["context"]) for p in points),
         max_cached_tokens=max(int(p["batch"]) * int(p["context"]) for p in points),

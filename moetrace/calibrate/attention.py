@@ -32,20 +32,22 @@ class KernelMaker(Protocol):  # a kernel for (batch, queries, context), its quer
     def __call__(self, batch: int, queries: int, context: int, causal: bool = True) -> Kernel: ...
 
 
-def fit_attention(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Least squares per query count: ``time_us = c0_us + per_request_us · B + per_kv_token_us · B·L`` (a memory-bound
-    read of B·L cached tokens beside a fixed and a per-request cost), with its largest relative miss."""
-    fits: dict[str, Any] = {}
-    for queries in sorted({int(p["queries"]) for p in points}):
-        mine = [p for p in points if p["queries"] == queries]
-        a = torch.tensor([[1.0, p["batch"], p["batch"] * p["context"]] for p in mine], dtype=torch.float64)
+def fit_attention(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Least squares per (query count, requests): ``time_us = c0_us + per_context_token_us · L``, with its largest
+    relative miss. Per requests, not one plane over B·L: a decode of one request cannot spread its cache read over
+    the device as 64 can (on an H100, FlashMLA reads a token of one request's cache at a third of the rate it reads
+    64 requests' tokens)."""
+    fits = []
+    for queries, batch in sorted({(int(p["queries"]), int(p["batch"])) for p in points}):
+        mine = [p for p in points if (p["queries"], p["batch"]) == (queries, batch)]
+        a = torch.tensor([[1.0, p["context"]] for p in mine], dtype=torch.float64)
         y = torch.tensor([p["time_us"] for p in mine], dtype=torch.float64)
-        # rows weighted by 1/y: relative misses, so the small points count as much as the large
+        # rows weighted by 1/y: relative misses, so the short contexts count as much as the long
         coef = torch.linalg.lstsq(a / y[:, None], torch.ones_like(y)).solution
         predicted = a @ coef
-        fits[str(queries)] = {"c0_us": float(coef[0]), "per_request_us": float(coef[1]),
-                              "per_kv_token_us": float(coef[2]),
-                              "max_relative_miss": float(((predicted - y).abs() / y).max())}
+        fits.append({"queries": queries, "batch": batch, "c0_us": float(coef[0]),
+                     "per_context_token_us": float(coef[1]),
+                     "max_relative_miss": float(((predicted - y).abs() / y).max())})
     return fits
 
 

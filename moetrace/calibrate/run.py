@@ -364,7 +364,7 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(f"attention MLA ({attention['heads_per_rank']} heads a rank, {attention['kernel']}): "
                      f"{len(attention['points'])} points, {widest['batch']} x {widest['context']:,} tokens "
                      f"x {widest['queries']} queries {widest['time_us']:.0f} us; fit misses at most "
-                     f"{max(f['max_relative_miss'] for f in attention['fit'].values()):.0%}")
+                     f"{max(f['max_relative_miss'] for f in attention['fit']):.0%}")
     elif attention:
         lines.append(f"attention skipped: {attention['skipped']}")
     ar = doc["allreduce"]

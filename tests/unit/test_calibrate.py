@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from moetrace.analysis.shape import shape_from_config
 from moetrace.calibrate import SCHEMA
 from moetrace.calibrate.allreduce import measure_allreduce
+from moetrace.analysis.calibration import attention_curve
 from moetrace.calibrate.attention import MlaDecode, fit_attention
 from moetrace.calibrate.experts import (
     ExpertPool,
@@ -201,15 +202,22 @@ def test_the_mla_reference_is_attention_of_every_query_over_the_shared_latent_ca
 
 def test_the_attention_fit_recovers_each_query_counts_line_and_a_quick_calibration_times_the_grid(
         tmp_path: Path) -> None:
-    """Points drawn from 3 + 0.5·B + 0.001·B·L (Q = 1) and 5 + 1·B + 0.002·B·L (Q = 3) give those coefficients
-    back; `moetrace calibrate --quick` times every (B, Q, L) of its grid and names its kernel."""
+    """Points drawn from 3 + 0.5·B + 0.001·B·L (Q = 1) and 5 + 1·B + 0.002·B·L (Q = 3) give back each (Q, B)'s line
+    over L (c0 = 3 + 0.5·B, 0.001·B a token at Q = 1); `moetrace calibrate --quick` times every (B, Q, L) of its grid
+    and names its kernel."""
     points = [{"batch": b, "queries": q, "context": c,
                "time_us": (3 + 0.5 * b + 0.001 * b * c) if q == 1 else (5 + b + 0.002 * b * c)}
               for b in (1, 4, 16) for q in (1, 3) for c in (512, 4096, 32768)]
-    fits = fit_attention(points)
-    assert [fits["1"][key] for key in ("c0_us", "per_request_us", "per_kv_token_us")] == pytest.approx(
-        [3, 0.5, 0.001], rel=1e-6)
-    assert fits["3"]["per_kv_token_us"] == pytest.approx(0.002, rel=1e-6) and fits["3"]["max_relative_miss"] < 1e-9
+    fits = {(f["queries"], f["batch"]): f for f in fit_attention(points)}
+    assert sorted(fits) == [(q, b) for q in (1, 3) for b in (1, 4, 16)]
+    assert [fits[(1, 4)][key] for key in ("c0_us", "per_context_token_us")] == pytest.approx([5, 0.004], rel=1e-6)
+    assert fits[(3, 16)]["per_context_token_us"] == pytest.approx(0.032, rel=1e-6)
+    assert max(f["max_relative_miss"] for f in fits.values()) < 1e-9
+    # the report's curve: linear in requests between the timed ones (2 between 1 and 4), in queries between 1 and 3
+    curve = attention_curve({"attention": {"points": points, "fit": list(fits.values()), "kernel": "by hand",
+                                           "kv_bytes_per_token_layer": 1152}})
+    assert curve is not None and curve.layer_us(2, 1, 4096) == pytest.approx(3 + 0.5 * 2 + 0.001 * 2 * 4096)
+    assert curve.layer_us(2, 2, 4096) == pytest.approx((3 + 1 + 0.002 * 4096 + 5 + 2 + 0.004 * 4096) / 2)
     from moetrace.cli import main
 
     out = tmp_path / "c.json"
@@ -220,7 +228,9 @@ def test_the_attention_fit_recovers_each_query_counts_line_and_a_quick_calibrati
     assert sorted((p["batch"], p["queries"], p["context"]) for p in attention["points"]) == sorted(
         (b, q, c) for b in quick.attention_batches for q in quick.attention_queries for c in quick.attention_contexts)
     assert attention["kernel"].startswith("reference") and attention["kv_bytes_per_token_layer"] == (32 + 16) * 2
-    assert all(p["time_us"] > 0 for p in attention["points"]) and set(attention["fit"]) == {"1", "3"}
+    assert all(p["time_us"] > 0 for p in attention["points"]) and sorted(
+        (f["queries"], f["batch"]) for f in attention["fit"]) == sorted(
+        (q, b) for q in quick.attention_queries for b in quick.attention_batches)
 
 
 def test_an_attention_point_past_the_memory_left_is_skipped_with_why_and_the_others_timed(

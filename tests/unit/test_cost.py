@@ -352,7 +352,8 @@ def test_a_calibrated_attention_curve_moves_each_k_by_its_own_queries_and_marks_
     16,200 cached tokens; 10 layers. From 100 to 8,100 tokens a step of B requests at k = 0 grows 10 × 0.001 × B ×
     8,000 µs = 0.08·B ms, at k = 2 twice that (three queries over the same cache). By hand; past 8,100 tokens, or at
     4 requests × 8,100, the curve was not timed: extrapolated."""
-    curve = AttentionCurve(fits=((1, 2.0, 0.0, 0.001), (3, 2.0, 0.0, 0.002)), kv_bytes_per_token_layer=1152,
+    curve = AttentionCurve(lines=((1, 1, 2.0, 0.001), (1, 4, 2.0, 0.004), (3, 1, 2.0, 0.002), (3, 4, 2.0, 0.008)),
+                           kv_bytes_per_token_layer=1152,
                            max_context=8_100, max_cached_tokens=16_200, max_batch=4, heads_per_rank=8,
                            kernel="by hand")
     speedups = pl.DataFrame({"batch": [1, 1, 4, 4], "k": [0, 2, 0, 2], "step_ms": [10.0, 12.0, 10.0, 12.0],

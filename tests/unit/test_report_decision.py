@@ -129,8 +129,9 @@ def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_
               for b in (1, 4) for q in (1, 4) for c in (1024, 65536)]
     calibration["attention"] = {"kernel": "by hand", "heads_per_rank": 8, "kv_bytes_per_token_layer": 1152,
                                 "points": points,
-                                "fit": {"1": {"c0_us": 1.0, "per_request_us": 0.0, "per_kv_token_us": 0.001},
-                                        "4": {"c0_us": 1.0, "per_request_us": 0.0, "per_kv_token_us": 0.002}}}
+                                "fit": [{"queries": q, "batch": b, "c0_us": 1.0,
+                                         "per_context_token_us": 0.001 * (1 if q == 1 else 2) * b}
+                                        for q in (1, 4) for b in (1, 4)]}
     (tmp_path / "calibration.json").write_text(json.dumps(calibration))
     _, summary = _json_report(path, tmp_path, "--context", "65536,131072", "--calibration",
                               str(tmp_path / "calibration.json"), "--tp", "8", "--profile", "kimi-k2-tp8")
