@@ -21,6 +21,8 @@ def check_calibration(doc: Mapping[str, Any]) -> None:
     for key in ("experts", "int4_estimate", "allreduce", "device"):
         if key not in doc:
             raise ValueError(f"missing {key!r}")
+    if not isinstance((doc.get("attention") or {}).get("fit", []), list):
+        raise ValueError("its attention was fitted by an earlier moetrace, one plane per query count: calibrate again")
 
 
 def expert_fit(doc: Mapping[str, Any], config: str, fmt: str,

@@ -36,10 +36,13 @@ def fit_attention(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Least squares per (query count, requests): ``time_us = c0_us + per_context_token_us · L``, with its largest
     relative miss. Per requests, not one plane over B·L: a decode of one request cannot spread its cache read over
     the device as 64 can (on an H100, FlashMLA reads a token of one request's cache at a third of the rate it reads
-    64 requests' tokens)."""
+    64 requests' tokens). A (queries, requests) timed at one context alone (the others out of memory) gets no line:
+    the report reads it between the request counts that have one."""
     fits = []
     for queries, batch in sorted({(int(p["queries"]), int(p["batch"])) for p in points}):
         mine = [p for p in points if (p["queries"], p["batch"]) == (queries, batch)]
+        if len({p["context"] for p in mine}) < 2:
+            continue
         a = torch.tensor([[1.0, p["context"]] for p in mine], dtype=torch.float64)
         y = torch.tensor([p["time_us"] for p in mine], dtype=torch.float64)
         # rows weighted by 1/y: relative misses, so the short contexts count as much as the long
@@ -186,8 +189,9 @@ def attention_grid(batches: Sequence[int], queries: Sequence[int], contexts: Seq
 def measure_attention(heads: int, latent: int, rope: int, grid: Sequence[tuple[int, int, int]],
                       device: torch.device, reps: int, replays: int,
                       progress: Callable[[int, int], None]) -> dict[str, Any]:
-    """The calibration's ``attention`` section: every point's µs (a point out of memory skipped), the fit per query
-    count, the kernel timed and how each of vLLM's kernels tried compared with the reference."""
+    """The calibration's ``attention`` section: every point's µs (a point out of memory skipped), the line over
+    context per (queries, requests), the kernel timed and how each of vLLM's kernels tried compared with the
+    reference."""
     decode = MlaDecode(heads, latent, rope, device)
     kernel = "reference: absorbed MLA as two batched matmuls (torch)"
     checked: dict[str, float | str] = {}  # each engine kernel tried: its difference from the reference, or why not

@@ -200,7 +200,7 @@ def test_the_mla_reference_is_attention_of_every_query_over_the_shared_latent_ca
     assert torch.allclose(decode.reference(query, cache), theirs, atol=1e-5)
 
 
-def test_the_attention_fit_recovers_each_query_counts_line_and_a_quick_calibration_times_the_grid(
+def test_the_attention_fit_recovers_each_query_and_request_counts_line_and_a_quick_calibration_times_it(
         tmp_path: Path) -> None:
     """Points drawn from 3 + 0.5·B + 0.001·B·L (Q = 1) and 5 + 1·B + 0.002·B·L (Q = 3) give back each (Q, B)'s line
     over L (c0 = 3 + 0.5·B, 0.001·B a token at Q = 1); `moetrace calibrate --quick` times every (B, Q, L) of its grid
@@ -213,6 +213,10 @@ def test_the_attention_fit_recovers_each_query_counts_line_and_a_quick_calibrati
     assert [fits[(1, 4)][key] for key in ("c0_us", "per_context_token_us")] == pytest.approx([5, 0.004], rel=1e-6)
     assert fits[(3, 16)]["per_context_token_us"] == pytest.approx(0.032, rel=1e-6)
     assert max(f["max_relative_miss"] for f in fits.values()) < 1e-9
+    # 16 requests at one context only (the longer ones out of memory): no line, read between 4 and 64 requests
+    alone = [p for p in points if p["batch"] != 16 or p["context"] == 512] + [
+        {**p, "batch": 64, "time_us": p["time_us"] * 4} for p in points if p["batch"] == 16]
+    assert sorted({f["batch"] for f in fit_attention(alone)}) == [1, 4, 64]
     # the report's curve: linear in requests between the timed ones (2 between 1 and 4), in queries between 1 and 3
     curve = attention_curve({"attention": {"points": points, "fit": list(fits.values()), "kernel": "by hand",
                                            "kv_bytes_per_token_layer": 1152}})

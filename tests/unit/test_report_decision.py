@@ -142,3 +142,7 @@ def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_
     assert rows[(65536, 4)]["attention_kv_ms"] == pytest.approx(layers * 0.001 * 4 * (65536 - recorded) / 1e3)
     assert rows[(65536, 4)]["speedup_source"] != "extrapolated"
     assert rows[(131072, 1)]["speedup_source"] == "extrapolated"
+    calibration["attention"]["fit"] = {"1": {"c0_us": 1.0, "per_request_us": 0.0, "per_kv_token_us": 0.001}}
+    (tmp_path / "earlier.json").write_text(json.dumps(calibration))  # fitted by an earlier moetrace: one line
+    one_line_error(invoke("report", str(path), "--context", "65536", "--calibration", str(tmp_path / "earlier.json")),
+                   "its attention was fitted by an earlier moetrace")
