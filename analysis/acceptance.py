@@ -121,8 +121,9 @@ def decode_step_periods(steps: pl.LazyFrame, only: pl.LazyFrame | None = None) -
     next decoding step (requests that end together are replaced over steps of fewer requests, and a round starts
     with its prompts prefilled over steps of growing batches; both are paid by the batch that then decodes).
 
-    ``only`` (``dp_rank, step``): the decode steps to measure ``period_ms`` and ``tokens_per_step`` at (those of one
-    context bucket, say); prefill is still paid over every step."""
+    ``only`` (``dp_rank, step``): the decode steps to measure ``period_ms`` and ``tokens_per_step`` over (those of
+    one context bucket, say); ``prefill_ms_per_token`` is then null (prefill is paid over every step, not a
+    subset's)."""
     following = [pl.col(name).shift(-1).over("dp_rank").alias(f"next_{name}")
                  for name in ("step", "decoding", "requests", "t_start_ns")]
     # on a prefill step (null here), the requests of the rank's next decoding step
@@ -142,6 +143,8 @@ def decode_step_periods(steps: pl.LazyFrame, only: pl.LazyFrame | None = None) -
                             & (pl.col("next_requests") == pl.col("requests")))
     if only is not None:
         pairs = pairs.join(only.select("dp_rank", "step"), on=["dp_rank", "step"], how="semi")
+    prefill = (pl.lit(None, pl.Float64) if only is not None
+               else (excess * pl.col("batch") / pl.col("gained")).cast(pl.Float64))
     return (
         pairs
         .group_by(batch=pl.col("requests").cast(pl.Int32))
@@ -149,7 +152,7 @@ def decode_step_periods(steps: pl.LazyFrame, only: pl.LazyFrame | None = None) -
              period_ms=mean_ms(pl.col("period_ns")),
              tokens_per_step=(pl.col("kept").sum() / pl.col("requests").sum()).cast(pl.Float64))
         .join(outside, on="batch", how="left")
-        .with_columns(prefill_ms_per_token=(excess * pl.col("batch") / pl.col("gained")).cast(pl.Float64))
+        .with_columns(prefill_ms_per_token=prefill)
         .drop("prefill_steps", "prefill_ms", "gained")
         .sort("batch")
         .collect()

@@ -136,39 +136,36 @@ def kv_read_ms(batch: int, context: float, kv_bytes_per_token: int, bandwidth_gb
     return batch * context * kv_bytes_per_token / (bandwidth_gbs * 1e6)
 
 
-def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], recorded_context: float, kv_bytes_per_token: int,
-                bandwidth_gbs: float, attention: AttentionCurve | None = None, layers: int = 0,
-                measured_there: bool = False) -> pl.DataFrame:
+def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], from_context: float, kv_bytes_per_token: int,
+                bandwidth_gbs: float, attention: AttentionCurve | None = None, layers: int = 0) -> pl.DataFrame:
     """``speedups`` (per batch and k: step_ms, tokens_per_step, prefill_ms_per_token, ...) moved from the context
-    the traces ran at, ``recorded_context`` tokens, to each of ``contexts``, with a context column; what a step of B
+    they hold at, ``from_context`` tokens (the traces' own, or where ``--profile measured`` measured the k=0 step), to
+    each of ``contexts``, with a context column; what a step of B
     requests gains there is ``attention_kv_ms``. With a calibrated ``attention`` curve (one MLA layer's decode, of
     the model's latent width), it is ``layers`` × the curve's growth from L₀ to L at B requests × (k + 1) queries:
     the cache is read once for all k + 1 queries, their work grows with k. Without one, every k's step grows alike
     by ``kv_read_ms`` of B × (L − L₀) tokens: the KV bytes the model's config names at the calibration's copy
     bandwidth. Either is estimated (``step_source``), extrapolated where the curve was not timed that far. At long
     context the MoE's growth with k weighs less and speculation pays more. A step that would shrink to nothing (a
-    context far below the recorded one) gets no speedup. ``measured_there``: ``speedups`` rest on steps the sweep
-    ran in the bucket of every one of ``contexts`` (``--profile measured``): each row keeps its own step source,
-    moved within that bucket, unless the curve was not timed that far."""
+    context far below the one it is moved from) gets no speedup."""
     frames = []
     for context in contexts:
         at = speedups.with_columns(context=pl.lit(context, pl.Int64))
         if attention is None:
             frames.append(at.with_columns(
-                attention_kv_ms=pl.col("batch").cast(pl.Float64) * kv_read_ms(1, context - recorded_context,
+                attention_kv_ms=pl.col("batch").cast(pl.Float64) * kv_read_ms(1, context - from_context,
                                                                                kv_bytes_per_token, bandwidth_gbs),
                 beyond_timed=pl.lit(False)))
             continue
         pairs = at.select("batch", "k").rows()
         frames.append(at.with_columns(
             attention_kv_ms=pl.Series([layers * (attention.layer_us(b, k + 1, context)
-                                                 - attention.layer_us(b, k + 1, recorded_context)) / 1e3
+                                                 - attention.layer_us(b, k + 1, from_context)) / 1e3
                                        for b, k in pairs], dtype=pl.Float64),
             beyond_timed=pl.Series([attention.extrapolated(b, k + 1, context) for b, k in pairs],
                                    dtype=pl.Boolean)))
     moved = pl.concat(frames).with_columns(step_ms=pl.col("step_ms") + pl.col("attention_kv_ms"))
-    rows = moved.select("batch", "context", "k", "step_ms", "tokens_per_step", "prefill_ms_per_token",
-                        "step_source").to_dicts()
+    rows = moved.select("batch", "context", "k", "step_ms", "tokens_per_step", "prefill_ms_per_token").to_dicts()
     k0 = {(row["batch"], row["context"]): row for row in rows if row["k"] == 0}
 
     def speedup(row: dict[str, Any]) -> float | None:
@@ -182,9 +179,7 @@ def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], recorded_contex
 
     def source(row: dict[str, Any]) -> str:  # a speedup rests on its own step and on k = 0's
         past = {(row["batch"], row["context"], row["k"]), (row["batch"], row["context"], 0)} & beyond
-        if past:
-            return str(Source.EXTRAPOLATED.value)
-        return str(row["step_source"] if measured_there and row["step_source"] else Source.ESTIMATED.value)
+        return str((Source.EXTRAPOLATED if past else Source.ESTIMATED).value)
 
     return moved.with_columns(
         step_ratio=pl.Series([row["step_ms"] / k0[(row["batch"], row["context"])]["step_ms"] for row in rows]),

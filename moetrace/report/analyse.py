@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -28,7 +29,9 @@ from moetrace.report.contexts import StepsAt, decide_at_contexts
 from moetrace.report.distributed import partitioned_summary
 from moetrace.report.inputs import Run, expert_placement, model_shape, parallel_size
 from moetrace.report.measured import (
-    bucket_steps,
+    MIN_BASELINE_STEPS,
+    decode_periods,
+    decoding_step_contexts,
     measured_steps,
     passed_baselines,
     recorded_phases,
@@ -141,11 +144,16 @@ class _Timing:
     unpriced: dict[int, str]
 
 
-def _timing(run: Run, options: Options, only: list[pl.DataFrame] | None = None) -> _Timing:
-    """What the sweep's steps measured (``only``: per trace, the steps of one context bucket)."""
-    steps = recorded_steps(run, only) if options.measured_baseline else None
+def _timing(run: Run, options: Options, steps_in: Callable[[Trace], pl.DataFrame] | None = None) -> _Timing:
+    """What the sweep's steps measured; with ``steps_in`` (a trace's decoding steps of one context bucket), the k=0
+    step (and the ``--k0-sync`` trace's) measured over those steps alone."""
+    k0 = next((t for t in run.traces if t.k == 0), None)
+    steps = (recorded_steps(run, None if steps_in is None or k0 is None else steps_in(k0))
+             if options.measured_baseline else None)
     sync = sync_trace(run, options.k0_sync) if steps is not None and options.k0_sync else None
-    measured = measured_steps(run, steps, options.max_k, sync) if steps is not None and options.predicts else None
+    measured = (measured_steps(run, steps, options.max_k, sync,
+                               None if steps_in is None or sync is None else steps_in(sync))
+                if steps is not None and options.predicts else None)
     passed = {} if steps is None or measured is None else passed_baselines(steps, measured)
     unpriced = unpriced_batches(run, options.batches) if measured is not None else {}
     return _Timing(steps, sync, measured, passed, unpriced)
@@ -206,20 +214,35 @@ def _by_context(analysis: RunAnalysis, sample: WindowSample, trace: Trace, reque
 
 def _measured_at(run: Run, options: Options, speedups_from: Callable[[_Timing], pl.DataFrame | None]
                  ) -> dict[int, StepsAt]:
-    """Per ``--context`` whose bucket the sweep ran decode steps in, enough to measure its k=0 step at some
-    concurrency: the prediction from those steps alone, and their mean context."""
-    found: dict[int, StepsAt | None] = {}
+    """Per ``--context``: where the sweep's k=0 trace (and the ``--k0-sync`` trace) ran ``MIN_BASELINE_STEPS`` or
+    more decode step pairs at a concurrency in that context's bucket, the prediction with the k=0 step measured
+    there, moved from those steps' mean context; else why not (it is moved from the whole sweep's)."""
+    k0 = next(t for t in run.traces if t.k == 0)
+    sync = sync_trace(run, options.k0_sync) if options.k0_sync else None
+    by_trace: dict[Path, pl.DataFrame] = {}
+
+    def decoding_steps(trace: Trace) -> pl.DataFrame:  # one pass over each trace's routing for every bucket
+        if trace.path not in by_trace:
+            by_trace[trace.path] = decoding_step_contexts(trace)
+        return by_trace[trace.path]
+
+    found: dict[int, StepsAt] = {}
     for bucket in sorted({bucket_index(context) for context in options.contexts}):
-        only = bucket_steps(run, bucket)
-        held = pl.concat(only)
-        try:
-            speedups = speedups_from(_timing(run, options, only)) if held.height else None
-        except UserError:  # too few of its steps at k=0 to measure a step from: moved from the whole sweep's
-            speedups = None
-        found[bucket] = None if speedups is None else StepsAt(
-            speedups, float(held["context"].mean()), BUCKET_LABELS[bucket], held.height)  # type: ignore[arg-type]
-    return {context: origin for context in options.contexts
-            if (origin := found[bucket_index(context)]) is not None}
+        def steps_in(trace: Trace, bucket: int = bucket) -> pl.DataFrame:
+            return decoding_steps(trace).filter(pl.col("bucket") == bucket)
+
+        label, baseline = BUCKET_LABELS[bucket], steps_in(k0)
+        pairs = int(decode_periods(k0, baseline.lazy())["decode_steps"].sum())
+        if not pairs:
+            found[bucket] = StepsAt(label, why=f"its k=0 trace ran {baseline.height:,} decoding steps at {label} "
+                                                f"tokens, no {MIN_BASELINE_STEPS} step pairs at one concurrency")
+        elif sync is not None and decode_periods(sync, steps_in(sync).lazy()).is_empty():
+            found[bucket] = StepsAt(label, why=f"the --k0-sync trace ran no {MIN_BASELINE_STEPS} step pairs at "
+                                                f"{label} tokens")
+        else:
+            found[bucket] = StepsAt(label, speedups_from(_timing(run, options, steps_in)),
+                                    float(baseline["context"].mean()), pairs)  # type: ignore[arg-type]
+    return {context: found[bucket_index(context)] for context in options.contexts}
 
 
 def _crossovers_and_policies(analysis: RunAnalysis, checked: pl.DataFrame | None, options: Options,

@@ -25,28 +25,29 @@ from moetrace.report.inputs import held_out_errors
 
 @dataclass(frozen=True)
 class StepsAt:
-    """What the decision at a context is moved from: the ``speedups`` predicted from steps that ran at a mean of
-    ``context`` tokens; where those are the sweep's own decode steps in that context's bucket (``--profile
-    measured`` of a sweep that holds it), the bucket's label and how many steps of all its traces."""
+    """``--profile measured`` at a context: the ``speedups`` predicted with the k=0 step measured over the sweep's
+    own ``step_pairs`` k=0 step pairs in that context's ``bucket``, whose mean context is ``context``; or, where it
+    ran too few there, why (``speedups`` None: the decision there is moved from the whole sweep's)."""
 
-    speedups: pl.DataFrame
-    context: float
-    bucket: str | None = None
-    decode_steps: int = 0
+    bucket: str
+    speedups: pl.DataFrame | None = None
+    context: float = 0.0
+    step_pairs: int = 0
+    why: str | None = None
 
 
 @dataclass(frozen=True)
 class ContextDecision:
     """Per (context, batch): the decision rows (``analysis.decision.recommended_k`` with a context column and
     ``attention_kv_ms``, what the KV read adds to a step there over the context it was moved from), per context the
-    crossover (``analysis.decision.crossover``), and the contexts decided from the sweep's own steps in their bucket
-    (``measured_at``: bucket, mean_tokens, decode_steps)."""
+    crossover (``analysis.decision.crossover``), and with ``--profile measured`` per context whether its k=0 step
+    was measured in its bucket (``from_steps``: bucket, measured, mean_tokens, step_pairs, why)."""
 
     recorded_context: float
     rows: pl.DataFrame
     crossovers: dict[int, dict[str, Any]]
     attention_basis: str  # how a step's attention was moved to each context
-    measured_at: dict[int, dict[str, Any]]
+    from_steps: dict[int, dict[str, Any]]
 
 
 def context_refusal(contexts: Sequence[int], shape: ModelShape, calibration: Mapping[str, Any] | None) -> str | None:
@@ -62,42 +63,46 @@ def context_refusal(contexts: Sequence[int], shape: ModelShape, calibration: Map
     return None
 
 
-def context_decision(origins: Mapping[int, StepsAt], recorded_context: float, shape: ModelShape,
+def context_decision(origins: Mapping[int, tuple[pl.DataFrame, float]], recorded_context: float, shape: ModelShape,
                      calibration: Mapping[str, Any], batches: Sequence[int], errors: HeldOutErrors,
-                     disagreements: Mapping[int, str], unpriced: Mapping[int, str]) -> ContextDecision:
-    """The decision at each context of ``origins`` from the speedups it is moved from (the traces' recorded context
-    is ``recorded_context``); a concurrency whose KV cache alone would not fit the calibrated GPU's memory at a
-    context gets no recommendation there."""
+                     disagreements: Mapping[int, str], unpriced: Mapping[int, str],
+                     from_steps: Mapping[int, StepsAt]) -> ContextDecision:
+    """The decision at each context of ``origins`` from the speedups it is moved from and the context those hold at
+    (the traces' own: ``recorded_context``); a concurrency whose KV cache alone would not fit the calibrated GPU's
+    memory at a context gets no recommendation there."""
     kv = shape.kv_bytes_per_token
     assert kv is not None
     curve, basis = attention_pricing(calibration, shape)
     memory = float(calibration.get("device", {}).get("memory_gib") or 0) * 2**30
     frames, crossovers = [], {}
-    for context, origin in origins.items():
-        at = at_contexts(origin.speedups, [context], origin.context, kv, float(calibration["copy_bandwidth_gbs"]),
-                         curve, shape.num_layers, measured_there=origin.bucket is not None).drop("context")
+    for context, (speedups, from_context) in origins.items():
+        at = at_contexts(speedups, [context], from_context, kv, float(calibration["copy_bandwidth_gbs"]), curve,
+                         shape.num_layers).drop("context")
         unfit = {batch: (f"the KV cache of {batch} requests of {context:,} tokens "
                          f"({batch * context * kv / 1e9:,.0f} GB a rank) exceeds the calibrated GPU's "
                          f"{memory / 2**30:,.0f} GiB")
                  for batch in batches if memory and batch * context * kv > memory}
         at = at.filter(~pl.col("batch").is_in(list(unfit)))
         decided = with_intervals(recommended_k(at, batches, disagreements, {**unpriced, **unfit}), at, errors)
-        kv_ms = at.filter(pl.col("k") == 0).select("batch", "attention_kv_ms")
-        frames.append(decided.join(kv_ms, on="batch", how="left").with_columns(context=pl.lit(context, pl.Int64)))
+        k0 = at.filter(pl.col("k") == 0).select("batch", "attention_kv_ms", k0_step_ms="step_ms")
+        frames.append(decided.join(k0, on="batch", how="left").with_columns(context=pl.lit(context, pl.Int64)))
         crossovers[context] = crossover(at, [b for b in batches if b not in unpriced and b not in unfit],
                                         "predicted")
-    measured_at = {context: {"bucket": origin.bucket, "mean_tokens": origin.context,
-                             "decode_steps": origin.decode_steps}
-                   for context, origin in origins.items() if origin.bucket is not None}
     return ContextDecision(recorded_context, pl.concat(frames, how="diagonal_relaxed").select(
-        "context", pl.exclude("context")), crossovers, basis, measured_at)
+        "context", pl.exclude("context")), crossovers, basis,
+        {context: {"bucket": found.bucket, "measured": found.speedups is not None, "mean_tokens": found.context,
+                   "step_pairs": found.step_pairs, "why": found.why}
+         for context, found in from_steps.items()})
 
 
-def measured_sentence(context: int, found: Mapping[str, Any]) -> str:
-    """How the decision at ``context`` rests on the sweep's own steps (``ContextDecision.measured_at``)."""
-    return (f"at {context:,} tokens: from the sweep's own {found['decode_steps']:,} decoding steps at "
-            f"{found['bucket']} tokens (a mean {found['mean_tokens']:,.0f}), measured at the concurrencies they ran "
-            f"and moved within that bucket")
+def from_steps_sentence(context: int, found: Mapping[str, Any]) -> str:
+    """Whether the decision at ``context`` rests on the sweep's own k=0 steps there
+    (``ContextDecision.from_steps``)."""
+    if not found["measured"]:
+        return f"at {context:,} tokens: moved from the whole sweep ({found['why']})"
+    return (f"at {context:,} tokens: the k=0 step from the sweep's own {found['step_pairs']:,} k=0 step pairs at "
+            f"{found['bucket']} tokens (a mean {found['mean_tokens']:,.0f}), moved from there; its growth with k, "
+            f"acceptance and routing the whole sweep's")
 
 
 def attention_pricing(calibration: Mapping[str, Any], shape: ModelShape) -> tuple[AttentionCurve | None, str]:
@@ -106,14 +111,14 @@ def attention_pricing(calibration: Mapping[str, Any], shape: ModelShape) -> tupl
     curve = attention_curve(calibration)
     kv = shape.kv_bytes_per_token
     if curve is not None and kv is not None and curve.kv_bytes_per_token_layer * shape.num_layers == kv:
-        return curve, (f"each step's attention moved from the recorded context by the calibration's MLA curve "
+        return curve, (f"each step's attention moved from the context it holds at by the calibration's MLA curve "
                        f"({curve.kernel}, {curve.heads_per_rank} heads a rank) over {shape.num_layers} layers: "
                        f"estimated, extrapolated past {curve.max_context:,} tokens, {curve.max_batch} requests or "
                        f"{curve.max_cached_tokens:,} cached tokens a layer")
     why = ("the calibration timed no attention" if curve is None else
            f"the calibration's attention caches {curve.kv_bytes_per_token_layer} bytes a token and layer, this model "
            f"{(kv or 0) // max(1, shape.num_layers)}")
-    return None, (f"each step moved from the recorded context by the KV cache it reads there (the model's KV bytes "
+    return None, (f"each step moved from the context it holds at by the KV cache it reads there (the model's KV bytes "
                   f"per token at the calibration's copy bandwidth: estimated; {why})")
 
 
@@ -132,7 +137,9 @@ def decide_at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], shape: M
     if refused is not None:
         raise UserError(refused)
     assert recorded is not None and calibration is not None
-    whole = StepsAt(speedups, float(recorded["mean_tokens"]))
-    origins = {context: (measured or {}).get(context, whole) for context in contexts}
-    return context_decision(origins, whole.context, shape, calibration, batches, held_out_errors(), disagreements,
-                            unpriced)
+    whole = (speedups, float(recorded["mean_tokens"]))
+    from_steps = measured or {}
+    origins = {context: whole if (found := from_steps.get(context)) is None or found.speedups is None
+               else (found.speedups, found.context) for context in contexts}
+    return context_decision(origins, whole[1], shape, calibration, batches, held_out_errors(), disagreements,
+                            unpriced, from_steps)

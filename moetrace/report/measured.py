@@ -10,9 +10,8 @@ from typing import Any
 
 import polars as pl
 
-from moetrace.analysis.acceptance import decode_step_periods
+from moetrace.analysis.acceptance import decode_step_periods, decode_steps
 from moetrace.analysis.context import request_step_contexts, step_contexts
-from moetrace.analysis.predicates import decoding
 from moetrace.analysis.measured_steps import MeasuredSteps, per_k_from_nearest
 from moetrace.trace.drafters import MODEL_DRAFTERS
 from moetrace.analysis.decision import PHASE_COLUMNS, across_batches, growth_over_k0
@@ -33,39 +32,44 @@ MIN_PHASE_CALLS = 3  # timed calls a phase's median rests on
 MIN_PASSED_STEPS = 20
 
 
-def recorded_steps(run: Run, only: Sequence[pl.DataFrame] | None = None) -> pl.DataFrame:
+def recorded_steps(run: Run, baseline_steps: pl.DataFrame | None = None) -> pl.DataFrame:
     """Every trace's decode steps per concurrency (``analysis.acceptance.decode_step_periods``, with k), where at
     least ``MIN_BASELINE_STEPS`` step pairs measured them, with what those steps spent in vLLM's calls
-    (``recorded_phases``): the baseline and the check of --profile measured. With ``only`` (per trace of
-    ``run.traces``, its steps of one context bucket: ``bucket_steps``), those decode steps alone (the calls' times
-    stay the whole trace's: vLLM's timed calls are not kept per step)."""
+    (``recorded_phases``): the baseline and the check of --profile measured. With ``baseline_steps`` (the k=0
+    trace's steps of one context bucket, ``decoding_step_contexts``), the k=0 rows' step periods, pairs and tokens
+    are those steps' alone, at the concurrencies they measured: the k=0 step at that context. Everything else stays
+    the whole trace's (vLLM's timed calls are not kept per step; prefill is paid over every step)."""
     untimed = [str(t.path) for t in run.traces if t.lacks("step_timing")]
     if untimed:
         raise UserError(f"{untimed[0]}: imported without step timing: nothing measured to predict from (give "
                         f"--calibration or --profile instead of --profile measured)")
-    per_trace = [decode_periods(t, None if only is None else only[index].lazy()).with_columns(k=pl.lit(t.k, pl.Int32))
-                 for index, t in enumerate(run.traces)]
-    return pl.concat(per_trace).join(recorded_phases(run.traces), on=["k", "batch"], how="left")
+    whole = pl.concat([decode_periods(t).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]).join(
+        recorded_phases(run.traces), on=["k", "batch"], how="left")
+    if baseline_steps is None:
+        return whole
+    k0 = next(t for t in run.traces if t.k == 0)
+    measured_there = decode_periods(k0, baseline_steps.lazy()).select("batch", "decode_steps", "period_ms",
+                                                                       "tokens_per_step")
+    at_k0 = whole.filter(pl.col("k") == 0).drop("decode_steps", "period_ms", "tokens_per_step").join(
+        measured_there, on="batch")
+    return pl.concat([at_k0.select(whole.columns), whole.filter(pl.col("k") != 0)])
 
 
 def decode_periods(trace: Trace, only: pl.LazyFrame | None = None) -> pl.DataFrame:
-    """``analysis.acceptance.decode_step_periods`` of ``trace`` (of its steps ``only``, where given) at the
+    """``analysis.acceptance.decode_step_periods`` of ``trace`` (its decode steps ``only``, where given) at the
     concurrencies with at least ``MIN_BASELINE_STEPS`` step pairs (fewer measure no step time worth predicting
     from)."""
     return decode_step_periods(trace.steps(), only).filter(pl.col("decode_steps") >= MIN_BASELINE_STEPS)
 
 
-def bucket_steps(run: Run, bucket: int) -> list[pl.DataFrame]:
-    """Per trace of ``run.traces``: its steps (``dp_rank, step, context``) in which every request decoded and whose
-    requests' mean context falls in ``bucket`` (``analysis.context.step_contexts``)."""
-    out = []
-    for trace in run.traces:
-        steps = trace.steps()
-        contexts = request_step_contexts(trace.routing(), trace.manifest.model.moe_layers[0])
-        decoding_steps = steps.group_by("dp_rank", "step").agg(all_decoding=decoding().all()).filter("all_decoding")
-        out.append(step_contexts(steps, contexts).filter(pl.col("bucket") == bucket).join(
-            decoding_steps, on=["dp_rank", "step"], how="semi").select("dp_rank", "step", "context").collect())
-    return out
+def decoding_step_contexts(trace: Trace) -> pl.DataFrame:
+    """The steps of ``trace`` in which every request decoded (``dp_rank, step``), with their requests' mean
+    ``context`` and its ``bucket`` (``analysis.context.step_contexts``); a step none of whose requests the routing
+    sampled (``one_request_in``) has none."""
+    steps = trace.steps()
+    contexts = request_step_contexts(trace.routing(), trace.manifest.model.moe_layers[0])
+    return step_contexts(steps, contexts).join(decode_steps(steps).filter("decoding"), on=["dp_rank", "step"],
+                                               how="semi").collect()
 
 
 def phase_ms(trace: Trace, phase: str, timing: dict[str, Any]) -> float:
@@ -147,12 +151,14 @@ def sync_trace(run: Run, path: Path) -> Trace:
     return trace
 
 
-def scheduling_costs(trace: Trace, baselines: dict[int, float]) -> dict[int, float]:
+def scheduling_costs(trace: Trace, baselines: dict[int, float], only: pl.DataFrame | None = None
+                     ) -> dict[int, float]:
     """Per concurrency of ``baselines`` (the sweep's k=0 step, ms): how much longer a k=0 decode step took in
     ``sync_trace``, recorded with async scheduling off, which vLLM switches off to draft with n-gram: what every
     k>0 step pays for that switch; at a concurrency the sync trace did not run, ``across_batches`` of the ones both
     ran."""
-    found = {int(row["batch"]): float(row["period_ms"]) for row in decode_periods(trace).to_dicts()}
+    found = {int(row["batch"]): float(row["period_ms"])
+             for row in decode_periods(trace, None if only is None else only.lazy()).to_dicts()}
     both = {batch: found[batch] - baseline for batch, baseline in baselines.items() if batch in found}
     if not both:
         raise UserError(f"{trace.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at a concurrency the sweep's k=0 "
@@ -178,16 +184,18 @@ def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max
     return out
 
 
-def measured_steps(run: Run, steps: pl.DataFrame, max_k: int, sync: Trace | None) -> dict[int, MeasuredSteps]:
+def measured_steps(run: Run, steps: pl.DataFrame, max_k: int, sync: Trace | None,
+                   sync_only: pl.DataFrame | None = None) -> dict[int, MeasuredSteps]:
     """Per concurrency the sweep's k=0 trace ran at, for k up to ``max_k``: what the sweep's own steps measured
     there (``analysis.measured_steps.MeasuredSteps``; ``steps``: ``recorded_steps``; ``sync``: the ``--k0-sync``
-    trace, the k=0 steps run as the k>0 steps were, against which their phases grow)."""
+    trace, the k=0 steps run as the k>0 steps were, against which their phases grow; ``sync_only``: its steps of
+    the context bucket ``steps`` measured the k=0 step in)."""
     baselines = measured_baselines(run, steps)
     method = str(run.primary.manifest.spec.method)
     grew = growth_over_k0(steps, None if sync is None else recorded_phases([sync]))
     drafting = measured_per_k(steps, "drafting_ms", list(baselines), max_k, method in MODEL_DRAFTERS)
     sampling = measured_per_k(grew, "sampling_growth_ms", list(baselines), max_k, scale_with_k=False)
-    scheduling = None if sync is None else scheduling_costs(sync, baselines)
+    scheduling = None if sync is None else scheduling_costs(sync, baselines, sync_only)
     out = {}
     prefill: dict[int, dict[int, float]] = {}
     for row in steps.drop_nulls("prefill_ms_per_token").to_dicts():

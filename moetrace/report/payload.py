@@ -12,7 +12,7 @@ from moetrace.analysis.budgets import smallest_budgets
 from moetrace.analysis.context import recorded_context
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, PER_BATCH, PER_REQUEST, best_window_estimate
 from moetrace.analysis.sources import least_direct_expr
-from moetrace.report.contexts import measured_sentence
+from moetrace.report.contexts import from_steps_sentence
 from moetrace.report.summary import RANDOM_WEIGHTS_NOTE, Options, RunAnalysis, sample_note
 
 
@@ -164,8 +164,8 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
             "recorded_context": analysis.context_decision.recorded_context,
             "attention_basis": analysis.context_decision.attention_basis,
             "per_batch": analysis.context_decision.rows.to_dicts(),
-            "measured_at": [{"context": context, **found, "says": measured_sentence(context, found)}
-                            for context, found in analysis.context_decision.measured_at.items()],
+            "from_steps": [{"context": context, **found, "says": from_steps_sentence(context, found)}
+                           for context, found in analysis.context_decision.from_steps.items()],
             "crossover": [{"context": context, **found, "says": crossover_sentence(found)}
                           for context, found in analysis.context_decision.crossovers.items()]},
         "held_out_cells": basis.get("held_out_cells"),  # behind each speedup's interval (analysis.uncertainty)

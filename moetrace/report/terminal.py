@@ -358,7 +358,7 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
             console.print(_decision_by_context(decision))
             console.print(Text("  context: tokens before a request's next token; "
                                f"{decision['by_context']['attention_basis']}", style="dim"))
-            for found in decision["by_context"]["measured_at"]:
+            for found in decision["by_context"]["from_steps"]:
                 console.print(Text(f"  {found['says']}", style="dim"))
             for row in decision["by_context"]["per_batch"]:
                 if row["k"] is None:

@@ -10,7 +10,6 @@ from statistics import mean
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 import polars as pl
@@ -21,7 +20,7 @@ from moetrace.analysis.calibration import drafter_step_ms
 from moetrace.cli import main
 from moetrace.report.inputs import open_run
 from moetrace.trace.reader import open_trace
-from moetrace.report.measured import measured_baselines, recorded_phases
+from moetrace.report.measured import decoding_step_contexts, measured_baselines, recorded_phases, recorded_steps
 from trace_builder import Model, Tokens, decode_tokens, small_k2_trace, verify_tokens, write_trace
 from calibrations import DRAFTER, small_calibration
 
@@ -320,15 +319,6 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     assert [row["forward_beyond_moe_ms"] for row in few] == [None] * len(few)
 
 
-def only_steps(tokens: Tokens, keep: npt.NDArray[np.bool_]) -> Tokens:
-    """``tokens`` where ``keep``."""
-    return dataclasses.replace(
-        tokens, step=tokens.step[keep], request=tokens.request[keep], position=tokens.position[keep],
-        phase=[p for p, kept in zip(tokens.phase, keep) if kept], draft_pos=tokens.draft_pos[keep],
-        accepted=[a for a, kept in zip(tokens.accepted, keep) if kept], experts=tokens.experts[keep],
-        weights=tokens.weights[keep])
-
-
 def long_from(tokens: Tokens, first: int, extra: int) -> Tokens:
     """``tokens`` whose steps from ``first`` on run ``extra`` tokens further into their requests."""
     return dataclasses.replace(tokens, position=tokens.position + (tokens.step >= first) * np.uint32(extra))
@@ -346,80 +336,83 @@ def slower_from(trace: Path, first: int, period_ms: float) -> None:
     pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), trace / "steps" / "part-00000.parquet")
 
 
-def test_profile_measured_decides_a_context_from_the_sweeps_own_steps_at_that_context(tmp_path: Path) -> None:
-    """A sweep (k = 0 and 2, two requests a step) whose later steps run 5,000 tokens further into their requests and
-    2 ms apart (1 ms before): with --profile measured, --context 700 is decided from its short steps and 5,500 from
-    its long ones, each as a sweep of only those steps decides it (acceptance given and routing uniform, so the
-    steps alone differ), moved from their own mean context (brute force over the rows); a context whose bucket the
-    sweep never ran at is moved from the whole sweep, estimated."""
+def test_profile_measured_takes_a_contexts_k0_step_from_the_sweeps_own_steps_there(tmp_path: Path) -> None:
+    """A sweep (k = 0 and 2, two requests a step, vLLM's calls timed, a slow prefill at k = 2) whose later steps run
+    5,000 tokens further into their requests and 2 ms apart (1 ms before). With --profile measured, the k=0 step at
+    --context 700 is the short steps' and at 5,500 the long ones' (brute force over the rows), moved from their own
+    mean context; what grows with k (vLLM's calls, prefill) stays the whole sweep's; a context whose bucket the
+    sweep never ran in is moved from the whole sweep, and the report says which is which."""
     model = Model(extra={"kv_bytes_per_token": 70_272})
-    k0 = decode_tokens(np.random.default_rng(0), model, requests=2, steps=24)
-    k2 = verify_tokens(np.random.default_rng(1), model, requests=2, steps=22, k=2, accept_prob=0.7)
-    firsts = {0: 12, 2: 12}
-    sweeps = {"mixed": lambda t, k: long_from(t, firsts[k], 5_000),
-              "long": lambda t, k: only_steps(long_from(t, firsts[k], 5_000), t.step >= firsts[k]),
-              "short": lambda t, k: only_steps(t, t.step < firsts[k])}
-    for name, cut in sweeps.items():
-        for k, tokens in ((0, k0), (2, k2)):
-            trace = write_trace(tmp_path / name / f"k{k}", cut(tokens, k), model, k=k)
-            if name != "short":
-                slower_from(trace, firsts[k], 2.0)
-    calibration = {**small_calibration(), "copy_bandwidth_gbs": 2_000.0}
-    (tmp_path / "calib.json").write_text(json.dumps(calibration))
+    first = 12
+    sweep = tmp_path / "sweep"
+    k0 = write_trace(sweep / "k0", long_from(decode_tokens(np.random.default_rng(0), model, requests=2, steps=24),
+                                             first, 5_000), model, k=0)
+    k2 = write_trace(sweep / "k2", long_from(verify_tokens(np.random.default_rng(1), model, requests=2, steps=22,
+                                                           k=2, accept_prob=0.7), first, 5_000), model, k=2)
+    for trace in (k0, k2):
+        slower_from(trace, first, 2.0)
+    delay_after_prefill(k2, 3.0)
 
-    def by_context(sweep: str, contexts: str) -> dict[str, Any]:
-        result = CliRunner().invoke(main, [
-            "report", str(tmp_path / sweep), "--k", "2", "--tp", "2", "--force", "--json", "--batch", "2",
-            "--calibration", str(tmp_path / "calib.json"), "--profile", "measured", "--acceptance", "0.7",
-            "--routing", "uniform", "--context", contexts], catch_exceptions=False)
-        assert result.exit_code == 0, result.output
-        found: dict[str, Any] = json.loads(result.stdout)["decision"][0]["by_context"]
-        return found
+    def timed(host: float) -> dict[str, Any]:
+        return {"calls": 10, "host_ms_median": host, "device_ms_median": None}
 
-    mixed = by_context("mixed", "700,5500,20000")
-    # brute force: the steps in which both requests decoded, by their mean anchor position, over both traces
-    per_bucket: dict[str, list[float]] = {"≤1K": [], "4-16K": []}
-    for k in (0, 2):
-        routing = pq.read_table(tmp_path / "mixed" / f"k{k}" / "routing").to_pylist()
-        anchors: dict[tuple[int, int], int] = {}
-        decoding_steps = {row["step"] for row in routing if row["phase"] != "prefill"}
-        for row in routing:
-            if row["layer"] == model.layers[0] and row["step"] in decoding_steps:
-                key = (row["step"], row["request"])
-                anchors[key] = min(anchors.get(key, row["position"]), row["position"])
-        for step in decoding_steps:
-            context = mean(position for (s, _), position in anchors.items() if s == step)
-            per_bucket["≤1K" if context <= 1024 else "4-16K"].append(context)
-    assert [(m["context"], m["bucket"], m["decode_steps"]) for m in mixed["measured_at"]] == [
-        (700, "≤1K", len(per_bucket["≤1K"])), (5500, "4-16K", len(per_bucket["4-16K"]))]
-    for found, contexts in zip(mixed["measured_at"], per_bucket.values()):
-        assert found["mean_tokens"] == pytest.approx(mean(contexts))
-    rows = {(row["context"], row["batch"]): row for row in mixed["per_batch"]}
-    assert rows[(5500, 2)]["attention_kv_ms"] == pytest.approx(
-        2 * (5500 - mean(per_bucket["4-16K"])) * 70_272 / (2_000.0 * 1e6))
+    with_phases(k0, {"forward": {"2": timed(0.6)}, "sampling": {"2": timed(0.1)}})
+    with_phases(k2, {"forward": {"2": timed(0.8)}, "sampling": {"2": timed(0.2)}, "drafting": {"2": timed(0.3)}})
+    (tmp_path / "calib.json").write_text(json.dumps({**small_calibration(), "copy_bandwidth_gbs": 2_000.0}))
 
-    def decided(found: dict[str, Any], context: int) -> tuple[Any, ...]:
-        """The best k at two requests, its step over k = 0's and speedup, the KV read added, the step's source."""
-        (row,) = [row for row in found["per_batch"] if row["context"] == context]
-        (best,) = next(c for c in found["crossover"] if c["context"] == context)["best"]
-        return (row["best_k"], best["k"], pytest.approx(row["step_ratio"]), pytest.approx(best["speedup"]),
-                pytest.approx(row["attention_kv_ms"]), row["step_source"])
+    # brute force over the k=0 trace: each decoding step's mean anchor position and its start to the next's
+    routing = pq.read_table(k0 / "routing").to_pylist()
+    anchors: dict[int, list[int]] = {}
+    for row in routing:
+        if row["layer"] == model.layers[0]:
+            anchors.setdefault(row["step"], []).append(row["position"])
+    starts = {row["step"]: row["t_start_ns"] / 1e6 for row in pq.read_table(k0 / "steps").to_pylist()}
+    periods = {step: starts[step + 1] - starts[step] for step in starts if step + 1 in starts}
+    by_bucket = {"≤1K": [s for s in starts if mean(anchors[s]) <= 1024],
+                 "4-16K": [s for s in starts if 4096 < mean(anchors[s]) <= 16384]}
+    assert sorted(by_bucket["≤1K"] + by_bucket["4-16K"]) == sorted(starts)
 
-    long_only, short_only = by_context("long", "5500"), by_context("short", "700")
-    assert decided(mixed, 5500) == decided(long_only, 5500) and decided(mixed, 5500)[-1] == "measured"
-    assert decided(mixed, 700) == decided(short_only, 700) and decided(mixed, 700)[-1] == "measured"
-    # steps twice as long at 5,500 tokens: the drafts' growth weighs less there
-    assert decided(mixed, 5500)[2] != decided(mixed, 700)[2]
-    # no step of the sweep ran at 16-64K tokens: moved from the whole sweep's, estimated
-    assert decided(mixed, 20000)[-1] == "estimated"
+    # what the report takes: the k=0 rows' periods from the bucket, every other figure the whole trace's
+    run = open_run(sweep, 2)
+    whole = recorded_steps(run)
+    long_steps = decoding_step_contexts(run.traces[0]).filter(pl.col("bucket") == 2)
+    in_bucket = recorded_steps(run, long_steps)
+    assert in_bucket.filter(pl.col("k") == 2).equals(whole.filter(pl.col("k") == 2))
+    (k0_long,), (k0_whole,) = in_bucket.filter(pl.col("k") == 0).to_dicts(), whole.filter(pl.col("k") == 0).to_dicts()
+    assert k0_long["period_ms"] == pytest.approx(mean(periods[s] for s in by_bucket["4-16K"] if s in periods))
+    assert k0_long["decode_steps"] == sum(s in periods for s in by_bucket["4-16K"])
+    assert {key: k0_long[key] for key in ("prefill_ms_per_token", "forward_ms", "sampling_ms")} == {
+        key: k0_whole[key] for key in ("prefill_ms_per_token", "forward_ms", "sampling_ms")}
+
+    def report(*args: str) -> Any:
+        return CliRunner().invoke(main, [
+            "report", str(sweep), "--k", "2", "--tp", "2", "--force", "--batch", "2", "--calibration",
+            str(tmp_path / "calib.json"), "--profile", "measured", "--context", "700,5500,20000", *args],
+            catch_exceptions=False)
+
+    result = report("--json")
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)["decision"][0]["by_context"]
+    steps_at = {entry["context"]: entry for entry in found["from_steps"]}
+    rows = {row["context"]: row for row in found["per_batch"]}
+    for context, label in ((700, "≤1K"), (5500, "4-16K")):
+        pairs = [s for s in by_bucket[label] if s in periods]
+        assert (steps_at[context]["measured"], steps_at[context]["bucket"], steps_at[context]["step_pairs"]) == (
+            True, label, len(pairs))
+        origin = mean(mean(anchors[s]) for s in by_bucket[label])
+        assert steps_at[context]["mean_tokens"] == pytest.approx(origin)
+        assert rows[context]["attention_kv_ms"] == pytest.approx(2 * (context - origin) * 70_272 / (2_000.0 * 1e6))
+        assert rows[context]["k0_step_ms"] - rows[context]["attention_kv_ms"] == pytest.approx(
+            mean(periods[s] for s in pairs))
+    # 16-64K: nothing ran there; the whole k=0 trace's step, moved
+    assert not steps_at[20000]["measured"] and "no 5 step pairs" in steps_at[20000]["why"]
+    assert rows[20000]["k0_step_ms"] - rows[20000]["attention_kv_ms"] == pytest.approx(mean(periods.values()))
+    assert {row["speedup_source"] for row in rows.values()} <= {"estimated", "extrapolated", None}
     # the terminal and the dashboard say which contexts rest on the sweep's own steps
-    shown = CliRunner().invoke(main, [
-        "report", str(tmp_path / "mixed"), "--k", "2", "--tp", "2", "--force", "--batch", "2", "--calibration",
-        str(tmp_path / "calib.json"), "--profile", "measured", "--context", "700,5500,20000"], catch_exceptions=False)
-    says = [found["says"] for found in mixed["measured_at"]]
-    assert says[1].startswith(f"at 5,500 tokens: from the sweep's own {len(per_bucket['4-16K'])} decoding steps at "
-                              "4-16K tokens")
-    assert all(line in " ".join(shown.output.split()) for line in says)
-    page = (tmp_path / "mixed" / "report.html").read_text()
+    says = [entry["says"] for entry in found["from_steps"]]
+    assert says[1].startswith(f"at 5,500 tokens: the k=0 step from the sweep's own {steps_at[5500]['step_pairs']} k=0 "
+                              "step pairs at 4-16K tokens")
+    shown = report()
+    assert shown.exit_code == 0 and all(line in " ".join(shown.output.split()) for line in says)
+    page = (sweep / "report.html").read_text()
     assert all(line.replace("'", "&#39;") in page for line in says)
-    assert [m["context"] for m in mixed["measured_at"]] == [700, 5500]
