@@ -144,7 +144,7 @@ def speedup_per_batch(inputs: pl.DataFrame, deployment: Deployment, profile: Pro
                 f"server's spread): {', '.join(f'{passed[size]:.3f} ms at {size}' for size in passed_through)}; "
                 "the k>0 steps stay estimated as above, not grown from it (the estimate's k=0 error there is the "
                 "calibrated MoE's at those few tokens, which its k>0 steps do not share)")
-    return pl.concat(frames).select("batch", pl.exclude("batch")), basis
+    return pl.concat(frames, how="vertical_relaxed").select("batch", pl.exclude("batch")), basis
 
 
 DECISION_SCHEMA: dict[str, pl.DataType] = {

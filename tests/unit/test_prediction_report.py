@@ -416,3 +416,30 @@ def test_profile_measured_takes_a_contexts_k0_step_from_the_sweeps_own_steps_the
     assert shown.exit_code == 0 and all(line in " ".join(shown.output.split()) for line in says)
     page = (sweep / "report.html").read_text()
     assert all(line.replace("'", "&#39;") in page for line in says)
+
+
+def test_profile_measured_predicts_a_concurrency_whose_forward_growth_no_trace_timed(tmp_path: Path) -> None:
+    """The k=0 trace ran at two requests a step and then at one (9 step pairs, a tenth of its 39 at two: a
+    concurrency it ran at); vLLM's calls were timed at two requests only. One request's prediction has no measured
+    growth beyond the calibrated MoE: it is predicted without it, beside two requests' with it (once one frame of
+    null growth and one of numbers could not be stacked)."""
+    model = Model()
+    decoded = decode_tokens(np.random.default_rng(0), model, requests=2, steps=50)
+    kept = ~((decoded.request == 1) & (decoded.step >= 40))
+    k0 = write_trace(tmp_path / "sweep" / "k0", dataclasses.replace(
+        decoded, step=decoded.step[kept], request=decoded.request[kept], position=decoded.position[kept],
+        phase=[p for p, k in zip(decoded.phase, kept) if k], draft_pos=decoded.draft_pos[kept],
+        accepted=[a for a, k in zip(decoded.accepted, kept) if k], experts=decoded.experts[kept],
+        weights=decoded.weights[kept]), model, k=0)
+    k2 = write_trace(tmp_path / "sweep" / "k2", verify_tokens(np.random.default_rng(1), model, requests=2, steps=20,
+                                                              k=2, accept_prob=0.7), model, k=2)
+    with_phases(k0, {"forward": {"2": {"calls": 10, "host_ms_median": 0.6, "device_ms_median": None}}})
+    with_phases(k2, {"forward": {"2": {"calls": 10, "host_ms_median": 0.8, "device_ms_median": None}}})
+    (tmp_path / "calib.json").write_text(json.dumps(small_calibration()))
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "sweep"), "--k", "2", "--tp", "2", "--force", "--json",
+                                       "--calibration", str(tmp_path / "calib.json"), "--profile", "measured",
+                                       "--batch", "1,2"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["runs"][0]["prediction"]["per_batch"]
+    beyond = {row["batch"]: row["forward_beyond_moe_ms"] for row in rows if row["k"] == 2}
+    assert beyond[1] is None and beyond[2] is not None and {r["step_source"] for r in rows} == {"measured"}
