@@ -5,7 +5,7 @@ policies."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,6 @@ from moetrace.report.contexts import StepsAt, decide_at_contexts
 from moetrace.report.distributed import partitioned_summary
 from moetrace.report.inputs import Run, expert_placement, model_shape, parallel_size
 from moetrace.report.measured import (
-    MIN_BASELINE_STEPS,
-    decode_periods,
     decoding_step_contexts,
     measured_steps,
     passed_baselines,
@@ -144,15 +142,17 @@ class _Timing:
     unpriced: dict[int, str]
 
 
-def _timing(run: Run, options: Options, steps_in: Callable[[Trace], pl.DataFrame] | None = None) -> _Timing:
+def _timing(run: Run, options: Options, steps_in: Callable[[Trace], pl.DataFrame] | None = None,
+            ran_at: Collection[int] | None = None) -> _Timing:
     """What the sweep's steps measured; with ``steps_in`` (a trace's decoding steps of one context bucket), the k=0
-    step (and the ``--k0-sync`` trace's) measured over those steps alone."""
+    step (and the ``--k0-sync`` trace's) measured over those steps alone, at the concurrencies of ``ran_at`` (the
+    whole sweep's) it ran there."""
     k0 = next((t for t in run.traces if t.k == 0), None)
     steps = (recorded_steps(run, None if steps_in is None or k0 is None else steps_in(k0))
              if options.measured_baseline else None)
     sync = sync_trace(run, options.k0_sync) if steps is not None and options.k0_sync else None
     measured = (measured_steps(run, steps, options.max_k, sync,
-                               None if steps_in is None or sync is None else steps_in(sync))
+                               None if steps_in is None or sync is None else steps_in(sync), ran_at)
                 if steps is not None and options.predicts else None)
     passed = {} if steps is None or measured is None else passed_baselines(steps, measured)
     unpriced = unpriced_batches(run, options.batches) if measured is not None else {}
@@ -200,25 +200,29 @@ def _by_context(analysis: RunAnalysis, sample: WindowSample, trace: Trace, reque
                 timing: _Timing, disagreements: dict[int, str],
                 speedups_from: Callable[[_Timing], pl.DataFrame | None]) -> None:
     """The primary trace's measurements per context bucket, and, with ``--context``, the decision at each context:
-    with ``--profile measured``, from the sweep's own steps in that context's bucket where it ran there."""
+    with ``--profile measured``, its k=0 step from the sweep's own steps in that context's bucket where it ran
+    there."""
     analysis.by_context = context_tables(sample.stepped.lazy(), trace.steps(), trace.k,
                                          trace.manifest.model.moe_layers[0])
     analysis.by_context_share = request.share
     if options.contexts and analysis.speedups is not None:
-        measured = _measured_at(analysis.run, options, speedups_from) if options.measured_baseline else {}
+        measured = _measured_at(analysis.run, options, timing, speedups_from) if options.measured_baseline else {}
         analysis.context_decision = decide_at_contexts(
             analysis.speedups, options.contexts,
             prediction_deployment(analysis.shape, analysis.tp, analysis.ep, options)[0], options.calibration,
             analysis.by_context.get("acceptance"), options.batches, disagreements, timing.unpriced, measured)
 
 
-def _measured_at(run: Run, options: Options, speedups_from: Callable[[_Timing], pl.DataFrame | None]
-                 ) -> dict[int, StepsAt]:
-    """Per ``--context``: where the sweep's k=0 trace (and the ``--k0-sync`` trace) ran ``MIN_BASELINE_STEPS`` or
-    more decode step pairs at a concurrency in that context's bucket, the prediction with the k=0 step measured
-    there, moved from those steps' mean context; else why not (it is moved from the whole sweep's)."""
-    k0 = next(t for t in run.traces if t.k == 0)
-    sync = sync_trace(run, options.k0_sync) if options.k0_sync else None
+def _measured_at(run: Run, options: Options, timing: _Timing,
+                 speedups_from: Callable[[_Timing], pl.DataFrame | None]) -> dict[int, StepsAt]:
+    """Per ``--context``: where the sweep's k=0 trace ran ``MIN_BASELINE_STEPS`` or more decode step pairs in that
+    context's bucket at a concurrency the whole sweep ran at (and the ``--k0-sync`` trace at one of those, when
+    given), the prediction with the k=0 step measured there, moved from those steps' mean context; else why not (it
+    is moved from the whole sweep's)."""
+    k0 = next((t for t in run.traces if t.k == 0), None)
+    if k0 is None or not timing.measured:
+        return {}
+    ran_at = set(timing.measured)
     by_trace: dict[Path, pl.DataFrame] = {}
 
     def decoding_steps(trace: Trace) -> pl.DataFrame:  # one pass over each trace's routing for every bucket
@@ -231,17 +235,18 @@ def _measured_at(run: Run, options: Options, speedups_from: Callable[[_Timing], 
         def steps_in(trace: Trace, bucket: int = bucket) -> pl.DataFrame:
             return decoding_steps(trace).filter(pl.col("bucket") == bucket)
 
-        label, baseline = BUCKET_LABELS[bucket], steps_in(k0)
-        pairs = int(decode_periods(k0, baseline.lazy())["decode_steps"].sum())
-        if not pairs:
-            found[bucket] = StepsAt(label, why=f"its k=0 trace ran {baseline.height:,} decoding steps at {label} "
-                                                f"tokens, no {MIN_BASELINE_STEPS} step pairs at one concurrency")
-        elif sync is not None and decode_periods(sync, steps_in(sync).lazy()).is_empty():
-            found[bucket] = StepsAt(label, why=f"the --k0-sync trace ran no {MIN_BASELINE_STEPS} step pairs at "
-                                                f"{label} tokens")
-        else:
-            found[bucket] = StepsAt(label, speedups_from(_timing(run, options, steps_in)),
-                                    float(baseline["context"].mean()), pairs)  # type: ignore[arg-type]
+        label = BUCKET_LABELS[bucket]
+        try:
+            bucket_timing = _timing(run, options, steps_in, ran_at)
+            speedups = speedups_from(bucket_timing)
+        except UserError as exc:  # too few of its steps there to measure from: moved from the whole sweep's
+            found[bucket] = StepsAt(label, why=f"at {label} tokens: {exc}")
+            continue
+        assert bucket_timing.steps is not None and bucket_timing.measured is not None
+        used = steps_in(k0).filter(pl.col("requests").is_in(list(bucket_timing.measured)))
+        pairs = bucket_timing.steps.filter((pl.col("k") == 0) & pl.col("batch").is_in(list(bucket_timing.measured)))
+        found[bucket] = StepsAt(label, speedups, float(used["context"].mean()),  # type: ignore[arg-type]
+                                int(pairs["decode_steps"].sum()))
     return {context: found[bucket_index(context)] for context in options.contexts}
 
 

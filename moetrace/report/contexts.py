@@ -90,7 +90,8 @@ def context_decision(origins: Mapping[int, tuple[pl.DataFrame, float]], recorded
                                         "predicted")
     return ContextDecision(recorded_context, pl.concat(frames, how="diagonal_relaxed").select(
         "context", pl.exclude("context")), crossovers, basis,
-        {context: {"bucket": found.bucket, "measured": found.speedups is not None, "mean_tokens": found.context,
+        {context: {"bucket": found.bucket, "measured": found.speedups is not None,
+                   "mean_tokens": found.context if found.speedups is not None else None,
                    "step_pairs": found.step_pairs, "why": found.why}
          for context, found in from_steps.items()})
 
@@ -128,8 +129,8 @@ def decide_at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], shape: M
                        measured: Mapping[int, StepsAt] | None = None) -> ContextDecision:
     """``context_decision`` of the ``speedups`` predicted for the model ``shape`` at ``contexts``, from the context
     the traces ran at (``analysis.context.recorded_context`` of their ``acceptance_by_context``), or, at a context
-    of ``measured``, from the sweep's own steps in its bucket; a ``UserError`` in one line where they cannot be
-    priced."""
+    of ``measured`` whose k=0 step was measured in its bucket, from the speedups predicted with it; a ``UserError``
+    in one line where they cannot be priced."""
     refused = context_refusal(contexts, shape, calibration)
     recorded = recorded_context(acceptance_by_context)
     if refused is None and recorded is None:

@@ -50,8 +50,10 @@ def recorded_steps(run: Run, baseline_steps: pl.DataFrame | None = None) -> pl.D
     k0 = next(t for t in run.traces if t.k == 0)
     measured_there = decode_periods(k0, baseline_steps.lazy()).select("batch", "decode_steps", "period_ms",
                                                                        "tokens_per_step")
+    # every concurrency keeps its row (its phases are what the k > 0 steps grow against); one the bucket did not
+    # measure has no step there
     at_k0 = whole.filter(pl.col("k") == 0).drop("decode_steps", "period_ms", "tokens_per_step").join(
-        measured_there, on="batch")
+        measured_there, on="batch", how="left").with_columns(pl.col("decode_steps").fill_null(0))
     return pl.concat([at_k0.select(whole.columns), whole.filter(pl.col("k") != 0)])
 
 
@@ -63,13 +65,13 @@ def decode_periods(trace: Trace, only: pl.LazyFrame | None = None) -> pl.DataFra
 
 
 def decoding_step_contexts(trace: Trace) -> pl.DataFrame:
-    """The steps of ``trace`` in which every request decoded (``dp_rank, step``), with their requests' mean
-    ``context`` and its ``bucket`` (``analysis.context.step_contexts``); a step none of whose requests the routing
-    sampled (``one_request_in``) has none."""
+    """The steps of ``trace`` in which every request decoded (``dp_rank, step``, ``requests``), with their requests'
+    mean ``context`` and its ``bucket`` (``analysis.context.step_contexts``); a step none of whose requests the
+    routing sampled (``one_request_in``) has none."""
     steps = trace.steps()
     contexts = request_step_contexts(trace.routing(), trace.manifest.model.moe_layers[0])
-    return step_contexts(steps, contexts).join(decode_steps(steps).filter("decoding"), on=["dp_rank", "step"],
-                                               how="semi").collect()
+    decoding = decode_steps(steps).filter("decoding").select("dp_rank", "step", pl.col("requests").cast(pl.Int32))
+    return step_contexts(steps, contexts).join(decoding, on=["dp_rank", "step"]).collect()
 
 
 def phase_ms(trace: Trace, phase: str, timing: dict[str, Any]) -> float:
@@ -99,16 +101,17 @@ def recorded_phases(traces: Sequence[Trace]) -> pl.DataFrame:
                              if name not in wide.columns).select(pl.col(name).cast(t) for name, t in schema.items())
 
 
-def measured_baselines(run: Run, steps: pl.DataFrame) -> dict[int, float]:
+def measured_baselines(run: Run, steps: pl.DataFrame, ran_at: Collection[int] | None = None) -> dict[int, float]:
     """The k=0 trace's decode step (start to start, ms) at each concurrency the sweep ran at (``RAN_AT_SHARE``;
-    ``steps``: ``recorded_steps``)."""
+    ``steps``: ``recorded_steps``); with ``ran_at`` (the whole sweep's, where ``steps`` hold one context bucket's
+    k=0 steps), of those only: a concurrency a round drains through at long context is not one it ran at."""
     baseline = next((trace for trace in run.traces if trace.k == 0), None)
     if baseline is None:
         raise UserError(f"{run.path}: --profile measured needs a k=0 trace in the sweep (its steps are the baseline)")
     k0 = steps.filter(pl.col("k") == 0)
     most = int(k0["decode_steps"].max() or 0)  # type: ignore[arg-type]
     found = {int(row["batch"]): float(row["period_ms"]) for row in k0.to_dicts()
-             if row["decode_steps"] >= RAN_AT_SHARE * most}
+             if row["decode_steps"] >= max(RAN_AT_SHARE * most, 1) and (ran_at is None or row["batch"] in ran_at)}
     if not found:
         raise UserError(f"{baseline.path}: no run of {MIN_BASELINE_STEPS}+ decode steps at any concurrency to "
                         f"measure the k=0 step at")
@@ -136,6 +139,8 @@ def sync_trace(run: Run, path: Path) -> Trace:
     trace = open_trace(path)
     if trace.k != 0:
         raise UserError(f"{path}: --k0-sync needs one trace recorded at k=0")
+    if trace.lacks("step_timing"):
+        raise UserError(f"{path}: imported without step timing: --k0-sync needs its steps timed")
     if trace.manifest.capture.async_scheduling is True:
         raise UserError(f"{path}: recorded with async scheduling on; --k0-sync needs it off")
     k0 = next(t for t in run.traces if t.k == 0)
@@ -156,7 +161,7 @@ def scheduling_costs(trace: Trace, baselines: dict[int, float], only: pl.DataFra
     """Per concurrency of ``baselines`` (the sweep's k=0 step, ms): how much longer a k=0 decode step took in
     ``sync_trace``, recorded with async scheduling off, which vLLM switches off to draft with n-gram: what every
     k>0 step pays for that switch; at a concurrency the sync trace did not run, ``across_batches`` of the ones both
-    ran."""
+    ran. ``only``: the sync trace's steps of the context bucket ``baselines`` were measured in."""
     found = {int(row["batch"]): float(row["period_ms"])
              for row in decode_periods(trace, None if only is None else only.lazy()).to_dicts()}
     both = {batch: found[batch] - baseline for batch, baseline in baselines.items() if batch in found}
@@ -185,12 +190,13 @@ def measured_per_k(steps: pl.DataFrame, column: str, batches: Sequence[int], max
 
 
 def measured_steps(run: Run, steps: pl.DataFrame, max_k: int, sync: Trace | None,
-                   sync_only: pl.DataFrame | None = None) -> dict[int, MeasuredSteps]:
+                   sync_only: pl.DataFrame | None = None, ran_at: Collection[int] | None = None
+                   ) -> dict[int, MeasuredSteps]:
     """Per concurrency the sweep's k=0 trace ran at, for k up to ``max_k``: what the sweep's own steps measured
     there (``analysis.measured_steps.MeasuredSteps``; ``steps``: ``recorded_steps``; ``sync``: the ``--k0-sync``
     trace, the k=0 steps run as the k>0 steps were, against which their phases grow; ``sync_only``: its steps of
-    the context bucket ``steps`` measured the k=0 step in)."""
-    baselines = measured_baselines(run, steps)
+    the context bucket ``steps`` measured the k=0 step in; ``ran_at``: ``measured_baselines``')."""
+    baselines = measured_baselines(run, steps, ran_at)
     method = str(run.primary.manifest.spec.method)
     grew = growth_over_k0(steps, None if sync is None else recorded_phases([sync]))
     drafting = measured_per_k(steps, "drafting_ms", list(baselines), max_k, method in MODEL_DRAFTERS)

@@ -338,19 +338,24 @@ def slower_from(trace: Path, first: int, period_ms: float) -> None:
 
 def test_profile_measured_takes_a_contexts_k0_step_from_the_sweeps_own_steps_there(tmp_path: Path) -> None:
     """A sweep (k = 0 and 2, two requests a step, vLLM's calls timed, a slow prefill at k = 2) whose later steps run
-    5,000 tokens further into their requests and 2 ms apart (1 ms before). With --profile measured, the k=0 step at
-    --context 700 is the short steps' and at 5,500 the long ones' (brute force over the rows), moved from their own
-    mean context; what grows with k (vLLM's calls, prefill) stays the whole sweep's; a context whose bucket the
-    sweep never ran in is moved from the whole sweep, and the report says which is which."""
+    5,000 tokens further into their requests and 2 ms apart (1 ms before), the k=0 trace draining to one request at
+    the end. With --profile measured, the k=0 step at --context 700 is the short steps' and at 5,500 the long ones'
+    at two requests (brute force over the rows; one request, drained through, is not a concurrency the sweep ran
+    at), moved from their own mean context; what grows with k (vLLM's calls, prefill) stays the whole sweep's; a
+    context whose bucket the sweep never ran in is moved from the whole sweep, and the report says which is which."""
     model = Model(extra={"kv_bytes_per_token": 70_272})
-    first = 12
     sweep = tmp_path / "sweep"
-    k0 = write_trace(sweep / "k0", long_from(decode_tokens(np.random.default_rng(0), model, requests=2, steps=24),
-                                             first, 5_000), model, k=0)
+    decoded = long_from(decode_tokens(np.random.default_rng(0), model, requests=2, steps=100), 84, 5_000)
+    drained = ~((decoded.request == 1) & (decoded.step >= 92))  # one request from step 92 on: 7 step pairs
+    k0 = write_trace(sweep / "k0", dataclasses.replace(
+        decoded, step=decoded.step[drained], request=decoded.request[drained], position=decoded.position[drained],
+        phase=[p for p, kept in zip(decoded.phase, drained) if kept], draft_pos=decoded.draft_pos[drained],
+        accepted=[a for a, kept in zip(decoded.accepted, drained) if kept], experts=decoded.experts[drained],
+        weights=decoded.weights[drained]), model, k=0)
     k2 = write_trace(sweep / "k2", long_from(verify_tokens(np.random.default_rng(1), model, requests=2, steps=22,
-                                                           k=2, accept_prob=0.7), first, 5_000), model, k=2)
-    for trace in (k0, k2):
-        slower_from(trace, first, 2.0)
+                                                           k=2, accept_prob=0.7), 12, 5_000), model, k=2)
+    slower_from(k0, 84, 2.0)
+    slower_from(k2, 12, 2.0)
     delay_after_prefill(k2, 3.0)
 
     def timed(host: float) -> dict[str, Any]:
@@ -360,17 +365,19 @@ def test_profile_measured_takes_a_contexts_k0_step_from_the_sweeps_own_steps_the
     with_phases(k2, {"forward": {"2": timed(0.8)}, "sampling": {"2": timed(0.2)}, "drafting": {"2": timed(0.3)}})
     (tmp_path / "calib.json").write_text(json.dumps({**small_calibration(), "copy_bandwidth_gbs": 2_000.0}))
 
-    # brute force over the k=0 trace: each decoding step's mean anchor position and its start to the next's
+    # brute force over the k=0 trace: each step's requests, mean anchor position and start to the next's, at two
+    # requests a step (the concurrency it ran at)
     routing = pq.read_table(k0 / "routing").to_pylist()
     anchors: dict[int, list[int]] = {}
     for row in routing:
         if row["layer"] == model.layers[0]:
             anchors.setdefault(row["step"], []).append(row["position"])
     starts = {row["step"]: row["t_start_ns"] / 1e6 for row in pq.read_table(k0 / "steps").to_pylist()}
-    periods = {step: starts[step + 1] - starts[step] for step in starts if step + 1 in starts}
-    by_bucket = {"≤1K": [s for s in starts if mean(anchors[s]) <= 1024],
-                 "4-16K": [s for s in starts if 4096 < mean(anchors[s]) <= 16384]}
-    assert sorted(by_bucket["≤1K"] + by_bucket["4-16K"]) == sorted(starts)
+    periods = {step: starts[step + 1] - starts[step] for step in starts
+               if step + 1 in starts and len(anchors[step]) == len(anchors[step + 1]) == 2}
+    by_bucket = {"≤1K": [s for s in starts if mean(anchors[s]) <= 1024 and len(anchors[s]) == 2],
+                 "4-16K": [s for s in starts if 4096 < mean(anchors[s]) <= 16384 and len(anchors[s]) == 2]}
+    assert len([s for s in starts if len(anchors[s]) == 1]) == 8  # drained through: 7 pairs at one request
 
     # what the report takes: the k=0 rows' periods from the bucket, every other figure the whole trace's
     run = open_run(sweep, 2)
@@ -378,7 +385,8 @@ def test_profile_measured_takes_a_contexts_k0_step_from_the_sweeps_own_steps_the
     long_steps = decoding_step_contexts(run.traces[0]).filter(pl.col("bucket") == 2)
     in_bucket = recorded_steps(run, long_steps)
     assert in_bucket.filter(pl.col("k") == 2).equals(whole.filter(pl.col("k") == 2))
-    (k0_long,), (k0_whole,) = in_bucket.filter(pl.col("k") == 0).to_dicts(), whole.filter(pl.col("k") == 0).to_dicts()
+    k0_long, k0_whole = (next(row for row in table.filter(pl.col("k") == 0).to_dicts() if row["batch"] == 2)
+                         for table in (in_bucket, whole))
     assert k0_long["period_ms"] == pytest.approx(mean(periods[s] for s in by_bucket["4-16K"] if s in periods))
     assert k0_long["decode_steps"] == sum(s in periods for s in by_bucket["4-16K"])
     assert {key: k0_long[key] for key in ("prefill_ms_per_token", "forward_ms", "sampling_ms")} == {
@@ -405,9 +413,14 @@ def test_profile_measured_takes_a_contexts_k0_step_from_the_sweeps_own_steps_the
         assert rows[context]["k0_step_ms"] - rows[context]["attention_kv_ms"] == pytest.approx(
             mean(periods[s] for s in pairs))
     # 16-64K: nothing ran there; the whole k=0 trace's step, moved
-    assert not steps_at[20000]["measured"] and "no 5 step pairs" in steps_at[20000]["why"]
+    assert not steps_at[20000]["measured"] and steps_at[20000]["why"].startswith("at 16-64K tokens: ")
+    assert "no run of 5+ decode steps" in steps_at[20000]["why"] and steps_at[20000]["mean_tokens"] is None
     assert rows[20000]["k0_step_ms"] - rows[20000]["attention_kv_ms"] == pytest.approx(mean(periods.values()))
     assert {row["speedup_source"] for row in rows.values()} <= {"estimated", "extrapolated", None}
+    # what a k > 0 step adds to k=0's is the whole sweep's at every context (the KV read adds alike to every k)
+    assert len({row["best_k"] for row in rows.values()}) == 1
+    added = [(row["step_ratio"] - 1) * row["k0_step_ms"] for row in rows.values()]
+    assert added == pytest.approx([added[0]] * 3) and added[0] > 0
     # the terminal and the dashboard say which contexts rest on the sweep's own steps
     says = [entry["says"] for entry in found["from_steps"]]
     assert says[1].startswith(f"at 5,500 tokens: the k=0 step from the sweep's own {steps_at[5500]['step_pairs']} k=0 "
