@@ -208,10 +208,12 @@ def attention_curve(doc: Mapping[str, Any]) -> AttentionCurve | None:
     section = doc.get("attention") or {}
     if not section.get("fit"):
         return None
-    points = section["points"]
+    lines = tuple(sorted((int(f["queries"]), int(f["batch"]), float(f["c0_us"]), float(f["per_context_token_us"]))
+                         for f in section["fit"]))
+    fitted = {(q, b) for q, b, _, _ in lines}  # what was timed counts where a line came of it
+    points = [p for p in section["points"] if (int(p["queries"]), int(p["batch"])) in fitted]
     return AttentionCurve(
-        lines=tuple(sorted((int(f["queries"]), int(f["batch"]), float(f["c0_us"]), float(f["per_context_token_us"]))
-                           for f in section["fit"])),
+        lines=lines,
         kv_bytes_per_token_layer=int(section["kv_bytes_per_token_layer"]),
         max_context=max(int(p["context"]) for p in points),
         max_cached_tokens=max(int(p["batch"]) * int(p["context"]) for p in points),

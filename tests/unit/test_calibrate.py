@@ -217,6 +217,11 @@ def test_the_attention_fit_recovers_each_query_and_request_counts_line_and_a_qui
     alone = [p for p in points if p["batch"] != 16 or p["context"] == 512] + [
         {**p, "batch": 64, "time_us": p["time_us"] * 4} for p in points if p["batch"] == 16]
     assert sorted({f["batch"] for f in fit_attention(alone)}) == [1, 4, 64]
+    # without 64: 16 requests were timed (at one context) but got no line, so 16 is past what the curve holds
+    short = [p for p in points if p["batch"] != 16 or p["context"] == 512]
+    lines_of = {"points": short, "fit": fit_attention(short), "kernel": "by hand", "kv_bytes_per_token_layer": 1152}
+    held = attention_curve({"attention": lines_of})
+    assert held is not None and held.max_batch == 4 and held.extrapolated(16, 1, 512)
     # the report's curve: linear in requests between the timed ones (2 between 1 and 4), in queries between 1 and 3
     curve = attention_curve({"attention": {"points": points, "fit": list(fits.values()), "kernel": "by hand",
                                            "kv_bytes_per_token_layer": 1152}})
