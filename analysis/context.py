@@ -10,7 +10,7 @@ requests at several contexts: its time is filed under the bucket of its requests
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import polars as pl
@@ -137,7 +137,8 @@ def kv_read_ms(batch: int, context: float, kv_bytes_per_token: int, bandwidth_gb
 
 
 def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], from_context: float, kv_bytes_per_token: int,
-                bandwidth_gbs: float, attention: AttentionCurve | None = None, layers: int = 0) -> pl.DataFrame:
+                bandwidth_gbs: float, attention: AttentionCurve | None = None, layers: int = 0,
+                from_contexts: Mapping[int, float] | None = None) -> pl.DataFrame:
     """``speedups`` (per batch and k: step_ms, tokens_per_step, prefill_ms_per_token, ...) moved from the context
     they hold at, ``from_context`` tokens (the traces' own, or where ``--profile measured`` measured the k=0 step), to
     each of ``contexts``, with a context column; what a step of B
@@ -147,20 +148,22 @@ def at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], from_context: f
     by ``kv_read_ms`` of B × (L − L₀) tokens: the KV bytes the model's config names at the calibration's copy
     bandwidth. Either is estimated (``step_source``), extrapolated where the curve was not timed that far. At long
     context the MoE's growth with k weighs less and speculation pays more. A step that would shrink to nothing (a
-    context far below the one it is moved from) gets no speedup."""
+    context far below the one it is moved from) gets no speedup. ``from_contexts``: per batch, where its step was
+    measured at another context than ``from_context`` (``--profile measured``'s steps of one bucket)."""
+    origin = dict(from_contexts or {})
     frames = []
     for context in contexts:
         at = speedups.with_columns(context=pl.lit(context, pl.Int64))
+        pairs = at.select("batch", "k").rows()
         if attention is None:
             frames.append(at.with_columns(
-                attention_kv_ms=pl.col("batch").cast(pl.Float64) * kv_read_ms(1, context - from_context,
-                                                                               kv_bytes_per_token, bandwidth_gbs),
+                attention_kv_ms=pl.Series([kv_read_ms(b, context - origin.get(b, from_context), kv_bytes_per_token,
+                                                      bandwidth_gbs) for b, _ in pairs], dtype=pl.Float64),
                 beyond_timed=pl.lit(False)))
             continue
-        pairs = at.select("batch", "k").rows()
         frames.append(at.with_columns(
             attention_kv_ms=pl.Series([layers * (attention.layer_us(b, k + 1, context)
-                                                 - attention.layer_us(b, k + 1, from_context)) / 1e3
+                                                 - attention.layer_us(b, k + 1, origin.get(b, from_context))) / 1e3
                                        for b, k in pairs], dtype=pl.Float64),
             beyond_timed=pl.Series([attention.extrapolated(b, k + 1, context) for b, k in pairs],
                                    dtype=pl.Boolean)))

@@ -245,8 +245,9 @@ def _measured_at(run: Run, options: Options, timing: _Timing,
         assert bucket_timing.steps is not None and bucket_timing.measured is not None
         used = steps_in(k0).filter(pl.col("requests").is_in(list(bucket_timing.measured)))
         pairs = bucket_timing.steps.filter((pl.col("k") == 0) & pl.col("batch").is_in(list(bucket_timing.measured)))
+        by_batch = dict(used.group_by("requests").agg(pl.col("context").mean()).iter_rows())
         found[bucket] = StepsAt(label, speedups, float(used["context"].mean()),  # type: ignore[arg-type]
-                                int(pairs["decode_steps"].sum()))
+                                int(pairs["decode_steps"].sum()), by_batch=by_batch)
     return {context: found[bucket_index(context)] for context in options.contexts}
 
 

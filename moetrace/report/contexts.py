@@ -9,7 +9,7 @@ recorded context does."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
@@ -26,14 +26,16 @@ from moetrace.report.inputs import held_out_errors
 @dataclass(frozen=True)
 class StepsAt:
     """``--profile measured`` at a context: the ``speedups`` predicted with the k=0 step measured over the sweep's
-    own ``step_pairs`` k=0 step pairs in that context's ``bucket``, whose mean context is ``context``; or, where it
-    ran too few there, why (``speedups`` None: the decision there is moved from the whole sweep's)."""
+    own ``step_pairs`` k=0 step pairs in that context's ``bucket``, whose mean context is ``context`` (per
+    concurrency measured: ``by_batch``, where each is moved from); or, where it ran too few there, why (``speedups``
+    None: the decision there is moved from the whole sweep's)."""
 
     bucket: str
     speedups: pl.DataFrame | None = None
     context: float = 0.0
     step_pairs: int = 0
     why: str | None = None
+    by_batch: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -63,21 +65,21 @@ def context_refusal(contexts: Sequence[int], shape: ModelShape, calibration: Map
     return None
 
 
-def context_decision(origins: Mapping[int, tuple[pl.DataFrame, float]], recorded_context: float, shape: ModelShape,
-                     calibration: Mapping[str, Any], batches: Sequence[int], errors: HeldOutErrors,
+def context_decision(origins: Mapping[int, tuple[pl.DataFrame, float, Mapping[int, float]]], recorded_context: float,
+                     shape: ModelShape, calibration: Mapping[str, Any], batches: Sequence[int], errors: HeldOutErrors,
                      disagreements: Mapping[int, str], unpriced: Mapping[int, str],
                      from_steps: Mapping[int, StepsAt]) -> ContextDecision:
-    """The decision at each context of ``origins`` from the speedups it is moved from and the context those hold at
-    (the traces' own: ``recorded_context``); a concurrency whose KV cache alone would not fit the calibrated GPU's
-    memory at a context gets no recommendation there."""
+    """The decision at each context of ``origins`` from the speedups it is moved from and the context those hold at,
+    overall and per batch (the traces' own: ``recorded_context``); a concurrency whose KV cache alone would not fit
+    the calibrated GPU's memory at a context gets no recommendation there."""
     kv = shape.kv_bytes_per_token
     assert kv is not None
     curve, basis = attention_pricing(calibration, shape)
     memory = float(calibration.get("device", {}).get("memory_gib") or 0) * 2**30
     frames, crossovers = [], {}
-    for context, (speedups, from_context) in origins.items():
+    for context, (speedups, from_context, by_batch) in origins.items():
         at = at_contexts(speedups, [context], from_context, kv, float(calibration["copy_bandwidth_gbs"]), curve,
-                         shape.num_layers).drop("context")
+                         shape.num_layers, by_batch).drop("context")
         unfit = {batch: (f"the KV cache of {batch} requests of {context:,} tokens "
                          f"({batch * context * kv / 1e9:,.0f} GB a rank) exceeds the calibrated GPU's "
                          f"{memory / 2**30:,.0f} GiB")
@@ -92,6 +94,7 @@ def context_decision(origins: Mapping[int, tuple[pl.DataFrame, float]], recorded
         "context", pl.exclude("context")), crossovers, basis,
         {context: {"bucket": found.bucket, "measured": found.speedups is not None,
                    "mean_tokens": found.context if found.speedups is not None else None,
+                   "mean_tokens_by_batch": {str(batch): tokens for batch, tokens in found.by_batch.items()},
                    "step_pairs": found.step_pairs, "why": found.why}
          for context, found in from_steps.items()})
 
@@ -138,9 +141,9 @@ def decide_at_contexts(speedups: pl.DataFrame, contexts: Sequence[int], shape: M
     if refused is not None:
         raise UserError(refused)
     assert recorded is not None and calibration is not None
-    whole = (speedups, float(recorded["mean_tokens"]))
+    whole: tuple[pl.DataFrame, float, Mapping[int, float]] = (speedups, float(recorded["mean_tokens"]), {})
     from_steps = measured or {}
     origins = {context: whole if (found := from_steps.get(context)) is None or found.speedups is None
-               else (found.speedups, found.context) for context in contexts}
+               else (found.speedups, found.context, found.by_batch) for context in contexts}
     return context_decision(origins, whole[1], shape, calibration, batches, held_out_errors(), disagreements,
                             unpriced, from_steps)

@@ -340,6 +340,9 @@ def test_a_longer_context_adds_the_same_kv_read_to_every_k_and_speculation_pays_
     assert rows[(10_100, 4, 2)]["speedup"] == pytest.approx((10.04 / 1 + 0.5) / (12.04 / 2 + 0.5))
     assert rows[(10_100, 4, 2)]["speedup"] > rows[(100, 4, 2)]["speedup"]
     assert {r["step_source"] for r in rows.values()} == {"estimated"}
+    # four requests' step measured at 5,100 tokens (one request's at 100): moved 5,000 tokens, 4 × 0.005 ms
+    per_batch = at_contexts(speedups, [10_100], 100.0, 1_000, 1_000.0, from_contexts={4: 5_100.0})
+    assert per_batch.filter(pl.col("k") == 0)["attention_kv_ms"].to_list() == pytest.approx([0.01, 0.02])
 
 
 def test_a_calibrated_attention_curve_moves_each_k_by_its_own_queries_and_marks_what_it_did_not_time() -> None:

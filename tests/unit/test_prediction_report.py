@@ -409,6 +409,7 @@ def test_profile_measured_takes_a_contexts_k0_step_from_the_sweeps_own_steps_the
             True, label, len(pairs))
         origin = mean(mean(anchors[s]) for s in by_bucket[label])
         assert steps_at[context]["mean_tokens"] == pytest.approx(origin)
+        assert steps_at[context]["mean_tokens_by_batch"] == {"2": pytest.approx(origin)}  # one request: drained
         assert rows[context]["attention_kv_ms"] == pytest.approx(2 * (context - origin) * 70_272 / (2_000.0 * 1e6))
         assert rows[context]["k0_step_ms"] - rows[context]["attention_kv_ms"] == pytest.approx(
             mean(periods[s] for s in pairs))
@@ -457,3 +458,41 @@ def test_profile_measured_predicts_a_concurrency_whose_forward_growth_no_trace_t
     rows = json.loads(result.stdout)["runs"][0]["prediction"]["per_batch"]
     beyond = {row["batch"]: row["forward_beyond_moe_ms"] for row in rows if row["k"] == 2}
     assert beyond[1] is None and beyond[2] is not None and {r["step_source"] for r in rows} == {"measured"}
+
+
+def test_a_measured_contexts_concurrencies_move_each_from_its_own_steps_context(tmp_path: Path) -> None:
+    """Every step of the sweep ran at 4-16K tokens: the k=0 trace's first 30 at two requests about 5,000 tokens in,
+    its last 30 at one request about 9,000 in (both concurrencies it ran at). At --context 6000 each concurrency's
+    k=0 step moves from its own steps' mean context (brute force over the rows), one request's down."""
+    model = Model(extra={"kv_bytes_per_token": 70_272})
+    decoded = long_from(long_from(decode_tokens(np.random.default_rng(0), model, requests=2, steps=60), 0, 5_000),
+                        30, 4_000)
+    kept = ~((decoded.request == 1) & (decoded.step >= 30))
+    write_trace(tmp_path / "sweep" / "k0", dataclasses.replace(
+        decoded, step=decoded.step[kept], request=decoded.request[kept], position=decoded.position[kept],
+        phase=[p for p, k in zip(decoded.phase, kept) if k], draft_pos=decoded.draft_pos[kept],
+        accepted=[a for a, k in zip(decoded.accepted, kept) if k], experts=decoded.experts[kept],
+        weights=decoded.weights[kept]), model, k=0)
+    write_trace(tmp_path / "sweep" / "k2", long_from(verify_tokens(np.random.default_rng(1), model, requests=2,
+                                                                   steps=20, k=2, accept_prob=0.7), 0, 5_000),
+                model, k=2)
+    (tmp_path / "calib.json").write_text(json.dumps({**small_calibration(), "copy_bandwidth_gbs": 2_000.0}))
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "sweep"), "--k", "2", "--tp", "2", "--force",
+                                       "--json", "--calibration", str(tmp_path / "calib.json"), "--profile",
+                                       "measured", "--batch", "1,2", "--context", "6000"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)["decision"][0]["by_context"]
+    anchors: dict[int, list[int]] = {}
+    for row in pq.read_table(tmp_path / "sweep" / "k0" / "routing").to_pylist():
+        if row["layer"] == model.layers[0]:
+            anchors.setdefault(row["step"], []).append(row["position"])
+    origin = {batch: mean(mean(a) for a in anchors.values() if len(a) == batch) for batch in (1, 2)}
+    assert origin[1] > 8_000 and 5_000 < origin[2] < 6_000
+    (steps_at,) = found["from_steps"]
+    assert steps_at["measured"] and steps_at["mean_tokens_by_batch"] == {
+        str(batch): pytest.approx(tokens) for batch, tokens in origin.items()}
+    rows = {row["batch"]: row for row in found["per_batch"]}
+    for batch in (1, 2):
+        assert rows[batch]["attention_kv_ms"] == pytest.approx(
+            batch * (6000 - origin[batch]) * 70_272 / (2_000.0 * 1e6))
+    assert rows[1]["attention_kv_ms"] < 0 < rows[2]["attention_kv_ms"]
