@@ -21,7 +21,7 @@ from moetrace.cli import main
 from moetrace.report.inputs import open_run
 from moetrace.trace.reader import open_trace
 from moetrace.report.measured import decoding_step_contexts, measured_baselines, recorded_phases, recorded_steps
-from trace_builder import Model, Tokens, decode_tokens, small_k2_trace, verify_tokens, write_trace
+from trace_builder import Model, Tokens, decode_tokens, kept_tokens, small_k2_trace, verify_tokens, write_trace
 from calibrations import DRAFTER, small_calibration
 
 @pytest.fixture
@@ -347,11 +347,7 @@ def test_profile_measured_takes_a_contexts_k0_step_from_the_sweeps_own_steps_the
     sweep = tmp_path / "sweep"
     decoded = long_from(decode_tokens(np.random.default_rng(0), model, requests=2, steps=100), 84, 5_000)
     drained = ~((decoded.request == 1) & (decoded.step >= 92))  # one request from step 92 on: 7 step pairs
-    k0 = write_trace(sweep / "k0", dataclasses.replace(
-        decoded, step=decoded.step[drained], request=decoded.request[drained], position=decoded.position[drained],
-        phase=[p for p, kept in zip(decoded.phase, drained) if kept], draft_pos=decoded.draft_pos[drained],
-        accepted=[a for a, kept in zip(decoded.accepted, drained) if kept], experts=decoded.experts[drained],
-        weights=decoded.weights[drained]), model, k=0)
+    k0 = write_trace(sweep / "k0", kept_tokens(decoded, drained), model, k=0)
     k2 = write_trace(sweep / "k2", long_from(verify_tokens(np.random.default_rng(1), model, requests=2, steps=22,
                                                            k=2, accept_prob=0.7), 12, 5_000), model, k=2)
     slower_from(k0, 84, 2.0)
@@ -441,11 +437,7 @@ def test_profile_measured_predicts_a_concurrency_whose_forward_growth_no_trace_t
     model = Model()
     decoded = decode_tokens(np.random.default_rng(0), model, requests=2, steps=50)
     kept = ~((decoded.request == 1) & (decoded.step >= 40))
-    k0 = write_trace(tmp_path / "sweep" / "k0", dataclasses.replace(
-        decoded, step=decoded.step[kept], request=decoded.request[kept], position=decoded.position[kept],
-        phase=[p for p, k in zip(decoded.phase, kept) if k], draft_pos=decoded.draft_pos[kept],
-        accepted=[a for a, k in zip(decoded.accepted, kept) if k], experts=decoded.experts[kept],
-        weights=decoded.weights[kept]), model, k=0)
+    k0 = write_trace(tmp_path / "sweep" / "k0", kept_tokens(decoded, kept), model, k=0)
     k2 = write_trace(tmp_path / "sweep" / "k2", verify_tokens(np.random.default_rng(1), model, requests=2, steps=20,
                                                               k=2, accept_prob=0.7), model, k=2)
     with_phases(k0, {"forward": {"2": {"calls": 10, "host_ms_median": 0.6, "device_ms_median": None}}})
@@ -468,11 +460,7 @@ def test_a_measured_contexts_concurrencies_move_each_from_its_own_steps_context(
     decoded = long_from(long_from(decode_tokens(np.random.default_rng(0), model, requests=2, steps=60), 0, 5_000),
                         30, 4_000)
     kept = ~((decoded.request == 1) & (decoded.step >= 30))
-    write_trace(tmp_path / "sweep" / "k0", dataclasses.replace(
-        decoded, step=decoded.step[kept], request=decoded.request[kept], position=decoded.position[kept],
-        phase=[p for p, k in zip(decoded.phase, kept) if k], draft_pos=decoded.draft_pos[kept],
-        accepted=[a for a, k in zip(decoded.accepted, kept) if k], experts=decoded.experts[kept],
-        weights=decoded.weights[kept]), model, k=0)
+    write_trace(tmp_path / "sweep" / "k0", kept_tokens(decoded, kept), model, k=0)
     write_trace(tmp_path / "sweep" / "k2", long_from(verify_tokens(np.random.default_rng(1), model, requests=2,
                                                                    steps=20, k=2, accept_prob=0.7), 0, 5_000),
                 model, k=2)
