@@ -5,7 +5,7 @@ policies."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from moetrace.report.measured import (
     recorded_phases,
     recorded_steps,
     sync_trace,
+    with_k0_steps_of,
 )
 from moetrace.report.placements import placement_scores
 from moetrace.report.policies import replayed_policies
@@ -143,14 +144,18 @@ class _Timing:
 
 
 def _timing(run: Run, options: Options, steps_in: Callable[[Trace], pl.DataFrame] | None = None,
-            ran_at: Collection[int] | None = None) -> _Timing:
-    """What the sweep's steps measured; with ``steps_in`` (a trace's decoding steps of one context bucket), the k=0
-    step (and the ``--k0-sync`` trace's) measured over those steps alone, at the concurrencies of ``ran_at`` (the
-    whole sweep's) it ran there."""
-    k0 = next((t for t in run.traces if t.k == 0), None)
-    steps = (recorded_steps(run, None if steps_in is None or k0 is None else steps_in(k0))
-             if options.measured_baseline else None)
-    sync = sync_trace(run, options.k0_sync) if steps is not None and options.k0_sync else None
+            whole: _Timing | None = None) -> _Timing:
+    """What the sweep's steps measured; with ``steps_in`` (a trace's decoding steps of one context bucket) and the
+    ``whole`` sweep's timing, the k=0 step (and the ``--k0-sync`` trace's) measured over those steps alone, at the
+    concurrencies the whole sweep ran at."""
+    if steps_in is None or whole is None:
+        steps = recorded_steps(run) if options.measured_baseline else None
+        sync = sync_trace(run, options.k0_sync) if steps is not None and options.k0_sync else None
+        ran_at = None
+    else:
+        assert whole.steps is not None and whole.measured is not None
+        k0 = next(t for t in run.traces if t.k == 0)
+        steps, sync, ran_at = with_k0_steps_of(whole.steps, k0, steps_in(k0)), whole.sync, set(whole.measured)
     measured = (measured_steps(run, steps, options.max_k, sync,
                                None if steps_in is None or sync is None else steps_in(sync), ran_at)
                 if steps is not None and options.predicts else None)
@@ -222,7 +227,6 @@ def _measured_at(run: Run, options: Options, timing: _Timing,
     k0 = next((t for t in run.traces if t.k == 0), None)
     if k0 is None or not timing.measured:
         return {}
-    ran_at = set(timing.measured)
     by_trace: dict[Path, pl.DataFrame] = {}
 
     def decoding_steps(trace: Trace) -> pl.DataFrame:  # one pass over each trace's routing for every bucket
@@ -237,7 +241,7 @@ def _measured_at(run: Run, options: Options, timing: _Timing,
 
         label = BUCKET_LABELS[bucket]
         try:
-            bucket_timing = _timing(run, options, steps_in, ran_at)
+            bucket_timing = _timing(run, options, steps_in, timing)
             speedups = speedups_from(bucket_timing)
         except UserError as exc:  # too few of its steps there to measure from: moved from the whole sweep's
             found[bucket] = StepsAt(label, why=f"at {label} tokens: {exc}")

@@ -32,29 +32,29 @@ MIN_PHASE_CALLS = 3  # timed calls a phase's median rests on
 MIN_PASSED_STEPS = 20
 
 
-def recorded_steps(run: Run, baseline_steps: pl.DataFrame | None = None) -> pl.DataFrame:
+def recorded_steps(run: Run) -> pl.DataFrame:
     """Every trace's decode steps per concurrency (``analysis.acceptance.decode_step_periods``, with k), where at
     least ``MIN_BASELINE_STEPS`` step pairs measured them, with what those steps spent in vLLM's calls
-    (``recorded_phases``): the baseline and the check of --profile measured. With ``baseline_steps`` (the k=0
-    trace's steps of one context bucket, ``decoding_step_contexts``), the k=0 rows' step periods, pairs and tokens
-    are those steps' alone, at the concurrencies they measured: the k=0 step at that context. Everything else stays
-    the whole trace's (vLLM's timed calls are not kept per step; prefill is paid over every step)."""
+    (``recorded_phases``): the baseline and the check of --profile measured."""
     untimed = [str(t.path) for t in run.traces if t.lacks("step_timing")]
     if untimed:
         raise UserError(f"{untimed[0]}: imported without step timing: nothing measured to predict from (give "
                         f"--calibration or --profile instead of --profile measured)")
-    whole = pl.concat([decode_periods(t).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]).join(
-        recorded_phases(run.traces), on=["k", "batch"], how="left")
-    if baseline_steps is None:
-        return whole
-    k0 = next(t for t in run.traces if t.k == 0)
+    per_trace = [decode_periods(t).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
+    return pl.concat(per_trace).join(recorded_phases(run.traces), on=["k", "batch"], how="left")
+
+
+def with_k0_steps_of(steps: pl.DataFrame, k0: Trace, baseline_steps: pl.DataFrame) -> pl.DataFrame:
+    """``steps`` (``recorded_steps``) whose k=0 rows' step periods, pairs and tokens are those of the k=0 trace
+    ``k0``'s steps ``baseline_steps`` alone (one context bucket's, ``decoding_step_contexts``): the k=0 step at that
+    context. Everything else stays the whole trace's (vLLM's timed calls are not kept per step; prefill is paid
+    over every step); a concurrency those steps did not measure keeps its row (its phases are what the k > 0 steps
+    grow against) with no step."""
     measured_there = decode_periods(k0, baseline_steps.lazy()).select("batch", "decode_steps", "period_ms",
                                                                        "tokens_per_step")
-    # every concurrency keeps its row (its phases are what the k > 0 steps grow against); one the bucket did not
-    # measure has no step there
-    at_k0 = whole.filter(pl.col("k") == 0).drop("decode_steps", "period_ms", "tokens_per_step").join(
+    at_k0 = steps.filter(pl.col("k") == 0).drop("decode_steps", "period_ms", "tokens_per_step").join(
         measured_there, on="batch", how="left").with_columns(pl.col("decode_steps").fill_null(0))
-    return pl.concat([at_k0.select(whole.columns), whole.filter(pl.col("k") != 0)])
+    return pl.concat([at_k0.select(steps.columns), steps.filter(pl.col("k") != 0)])
 
 
 def decode_periods(trace: Trace, only: pl.LazyFrame | None = None) -> pl.DataFrame:

@@ -20,7 +20,8 @@ from moetrace.analysis.calibration import drafter_step_ms
 from moetrace.cli import main
 from moetrace.report.inputs import open_run
 from moetrace.trace.reader import open_trace
-from moetrace.report.measured import decoding_step_contexts, measured_baselines, recorded_phases, recorded_steps
+from moetrace.report.measured import (decoding_step_contexts, measured_baselines, recorded_phases, recorded_steps,
+                                      with_k0_steps_of)
 from trace_builder import Model, Tokens, decode_tokens, kept_tokens, small_k2_trace, verify_tokens, write_trace
 from calibrations import DRAFTER, small_calibration
 
@@ -379,7 +380,7 @@ def test_profile_measured_takes_a_contexts_k0_step_from_the_sweeps_own_steps_the
     run = open_run(sweep, 2)
     whole = recorded_steps(run)
     long_steps = decoding_step_contexts(run.traces[0]).filter(pl.col("bucket") == 2)
-    in_bucket = recorded_steps(run, long_steps)
+    in_bucket = with_k0_steps_of(whole, run.traces[0], long_steps)
     assert in_bucket.filter(pl.col("k") == 2).equals(whole.filter(pl.col("k") == 2))
     k0_long, k0_whole = (next(row for row in table.filter(pl.col("k") == 0).to_dicts() if row["batch"] == 2)
                          for table in (in_bucket, whole))
