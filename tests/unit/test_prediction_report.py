@@ -433,8 +433,7 @@ def test_profile_measured_takes_a_contexts_k0_step_from_the_sweeps_own_steps_the
 def test_profile_measured_predicts_a_concurrency_whose_forward_growth_no_trace_timed(tmp_path: Path) -> None:
     """The k=0 trace ran at two requests a step and then at one (9 step pairs, a tenth of its 39 at two: a
     concurrency it ran at); vLLM's calls were timed at two requests only. One request's prediction has no measured
-    growth beyond the calibrated MoE: it is predicted without it, beside two requests' with it (once one frame of
-    null growth and one of numbers could not be stacked)."""
+    growth beyond the calibrated MoE: it is predicted without it, beside two requests' with it."""
     model = Model()
     decoded = decode_tokens(np.random.default_rng(0), model, requests=2, steps=50)
     kept = ~((decoded.request == 1) & (decoded.step >= 40))
