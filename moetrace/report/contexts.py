@@ -41,12 +41,14 @@ class StepsAt:
 @dataclass(frozen=True)
 class ContextDecision:
     """Per (context, batch): the decision rows (``analysis.decision.recommended_k`` with a context column and
-    ``attention_kv_ms``, what the KV read adds to a step there over the context it was moved from), per context the
-    crossover (``analysis.decision.crossover``), and with ``--profile measured`` per context whether its k=0 step
-    was measured in its bucket (``from_steps``: bucket, measured, mean_tokens, step_pairs, why)."""
+    ``attention_kv_ms``, what the KV read adds to a step there over the context it was moved from), per (context,
+    batch, k) the speedups they chose from (``analysis.context.at_contexts``), per context the crossover
+    (``analysis.decision.crossover``), and with ``--profile measured`` per context whether its k=0 step was measured
+    in its bucket (``from_steps``: bucket, measured, mean_tokens, step_pairs, why)."""
 
     recorded_context: float
     rows: pl.DataFrame
+    speedups: pl.DataFrame
     crossovers: dict[int, dict[str, Any]]
     attention_basis: str  # how a step's attention was moved to each context
     from_steps: dict[int, dict[str, Any]]
@@ -76,7 +78,7 @@ def context_decision(origins: Mapping[int, tuple[pl.DataFrame, float, Mapping[in
     assert kv is not None
     curve, basis = attention_pricing(calibration, shape)
     memory = float(calibration.get("device", {}).get("memory_gib") or 0) * 2**30
-    frames, crossovers = [], {}
+    frames, moved, crossovers = [], [], {}
     for context, (speedups, from_context, by_batch) in origins.items():
         at = at_contexts(speedups, [context], from_context, kv, float(calibration["copy_bandwidth_gbs"]), curve,
                          shape.num_layers, by_batch).drop("context")
@@ -85,12 +87,14 @@ def context_decision(origins: Mapping[int, tuple[pl.DataFrame, float, Mapping[in
                          f"{memory / 2**30:,.0f} GiB")
                  for batch in batches if memory and batch * context * kv > memory}
         at = at.filter(~pl.col("batch").is_in(list(unfit)))
+        moved.append(at.with_columns(context=pl.lit(context, pl.Int64)))
         decided = with_intervals(recommended_k(at, batches, disagreements, {**unpriced, **unfit}), at, errors)
         k0 = at.filter(pl.col("k") == 0).select("batch", "attention_kv_ms", k0_step_ms="step_ms")
         frames.append(decided.join(k0, on="batch", how="left").with_columns(context=pl.lit(context, pl.Int64)))
         crossovers[context] = crossover(at, [b for b in batches if b not in unpriced and b not in unfit],
                                         "predicted")
     return ContextDecision(recorded_context, pl.concat(frames, how="diagonal_relaxed").select(
+        "context", pl.exclude("context")), pl.concat(moved, how="diagonal_relaxed").select(
         "context", pl.exclude("context")), crossovers, basis,
         {context: {"bucket": found.bucket, "measured": found.speedups is not None,
                    "mean_tokens": found.context if found.speedups is not None else None,

@@ -142,6 +142,17 @@ def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_
     assert rows[(65536, 4)]["attention_kv_ms"] == pytest.approx(layers * 0.001 * 4 * (65536 - recorded) / 1e3)
     assert rows[(65536, 4)]["speedup_source"] != "extrapolated"
     assert rows[(131072, 1)]["speedup_source"] == "extrapolated"
+    # every k the decision chose from: the recorded context's step plus the curve's growth at k + 1 queries (linear
+    # in queries through the 1 and 4 it was given, carried on past 4), the recommended k's speedup among them
+    recorded_steps = {(row["batch"], row["k"]): row["step_ms"] for row in summary["runs"][0]["prediction"]["per_batch"]}
+    moved = {(row["context"], row["batch"], row["k"]): row for row in found["speedups"]}
+    ks = sorted({k for _, _, k in moved})
+    assert len(ks) >= 3
+    for k in ks:
+        per_token_us = 0.001 * 4 * (1 + k / 3)
+        assert moved[(65536, 4, k)]["step_ms"] == pytest.approx(
+            recorded_steps[(4, k)] + layers * per_token_us * (65536 - recorded) / 1e3)
+    assert rows[(65536, 4)]["speedup"] == pytest.approx(moved[(65536, 4, rows[(65536, 4)]["k"])]["speedup"])
     calibration["attention"]["fit"] = {"1": {"c0_us": 1.0, "per_request_us": 0.0, "per_kv_token_us": 0.001}}
     (tmp_path / "earlier.json").write_text(json.dumps(calibration))  # fitted by an earlier moetrace: one line
     one_line_error(invoke("report", str(path), "--context", "65536", "--calibration", str(tmp_path / "earlier.json")),
