@@ -66,7 +66,8 @@ def requests_per_round(concurrency: int) -> int:
 def distinct_prompts(length: int | None = None) -> list[str]:
     """The built-in prompts and shorter cuts of them (at a space), all distinct, so no two requests of a step route
     alike because they are the same text; with ``length``, each repeated to ``length`` characters (a Kimi-K2
-    slice's tokens: it reads bytes), so the context a request decodes at is the prompt length asked for."""
+    slice's tokens: it reads bytes), so the context a request decodes at is the prompt length asked for, numbered
+    (a cut longer than ``length`` would otherwise repeat to the same text as the whole prompt)."""
     from moetrace.recording.prompts import BUILTIN_PROMPTS
 
     out: list[str] = []
@@ -74,7 +75,8 @@ def distinct_prompts(length: int | None = None) -> list[str]:
         for prompt in BUILTIN_PROMPTS:
             end = len(prompt) if cut == 1.0 else prompt.rfind(" ", 0, int(len(prompt) * cut))
             text = prompt[: max(end, 1)]
-            out.append(text if length is None else ((text + "\n") * (length // (len(text) + 1) + 1))[:length])
+            out.append(text if length is None else
+                       (f"{len(out)}. " + (text + "\n") * (length // (len(text) + 1) + 1))[:length])
     if len(set(out)) != len(out):
         raise RuntimeError("prompt cuts are not distinct")
     return out
