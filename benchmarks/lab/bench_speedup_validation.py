@@ -52,14 +52,15 @@ def ratio_ci95(numerator: list[float], denominator: list[float], resamples: int 
 
 
 def report_json(sweep: Path, calibration: Path, scratch: Path, k0_sync: Path | None,
-                batches: list[int]) -> dict[str, Any] | None:
+                batches: list[int], context: int | None = None) -> dict[str, Any] | None:
     """``moetrace report --profile measured --batch <batches>`` as a user runs it (a subprocess): its JSON, or None
     (and why, printed) where it failed. ``k0_sync``: the k=0 trace with async scheduling off, for a drafter vLLM
-    runs that way."""
+    runs that way; ``context``: also ``--context <context>``."""
     command = [sys.executable, "-m", "moetrace", "report", str(sweep), "--calibration", str(calibration),
                "--profile", "measured", "--batch", ",".join(map(str, batches)), "--json",
                "-o", str(scratch / f"{sweep.name}.html"), "--force",
-               *(["--k0-sync", str(k0_sync)] if k0_sync is not None else [])]
+               *(["--k0-sync", str(k0_sync)] if k0_sync is not None else []),
+               *(["--context", str(context)] if context is not None else [])]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         print(f"{sweep.name}: moetrace report failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -68,23 +69,36 @@ def report_json(sweep: Path, calibration: Path, scratch: Path, k0_sync: Path | N
     return report
 
 
-def predicted_rows(report: dict[str, Any] | None) -> tuple[dict[tuple[int, int], Any], dict[tuple[int, int], Any]]:
+def predicted_rows(report: dict[str, Any] | None,
+                   context: int | None = None) -> tuple[dict[tuple[int, int], Any], dict[tuple[int, int], Any]]:
     """The report's predicted rows and its check against the recorded steps, each by (batch, k); empty where the
-    report failed or predicted nothing."""
+    report failed or predicted nothing. ``context``: the rows moved there (``--context``), and no check (its steps
+    ran at another context)."""
     prediction = report["runs"][0]["prediction"] if report is not None else None
     if prediction is None:
         return {}, {}
+    if context is not None:
+        return ({(r["batch"], r["k"]): r for r in decision_of(report)["by_context"]["speedups"]
+                 if r["context"] == context}, {})
     return ({(r["batch"], r["k"]): r for r in prediction["per_batch"]},
             {(r["batch"], r["k"]): r for r in prediction["against_trace"]})
 
 
-def recommended(report: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
-    """The report's decision by concurrency: its row (``k`` null where it recommends none, ``status`` says why)."""
-    if report is None:
-        return {}
+def decision_of(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's decision for its (one) run."""
     run = report["runs"][0]
     decisions = run.get("decision") or [d for d in report.get("decision", []) if d.get("label") == run.get("label")]
-    decision = decisions if isinstance(decisions, dict) else (decisions[0] if decisions else {})
+    return decisions if isinstance(decisions, dict) else (decisions[0] if decisions else {})
+
+
+def recommended(report: dict[str, Any] | None, context: int | None = None) -> dict[int, dict[str, Any]]:
+    """The report's decision by concurrency (at ``context``, where given): its row (``k`` null where it recommends
+    none, ``status`` says why)."""
+    if report is None:
+        return {}
+    decision = decision_of(report)
+    if context is not None:
+        return {int(r["batch"]): r for r in decision["by_context"]["per_batch"] if r["context"] == context}
     return {int(r["batch"]): r for r in decision.get("per_batch", [])}
 
 
@@ -198,6 +212,17 @@ def compare(args: argparse.Namespace) -> None:
 
             baseline_wall = wall(baseline)
             sync = next((e for e in engines if e["method"] == "sync"), None)
+            # the traces that predict: this run's, or (--moved-from) another's moved to this run's prompts' context
+            source, source_engines, context = runs, engines, None
+            if args.moved_from is not None:
+                context = doc.get("prompt_tokens")
+                if context is None or not (args.moved_from / path.name).exists():
+                    print(f"{model}: no --prompt-tokens to move to, or no {path.name} in {args.moved_from}: skipped")
+                    continue
+                source = args.moved_from
+                source_engines = [e for e in json.loads((source / path.name).read_text())["engines"] if "tok_s" in e]
+            source_baseline = next(e for e in source_engines if e["k"] == 0 and e["method"] != "sync")
+            source_sync = next((e for e in source_engines if e["method"] == "sync"), None)
             models[model] = {
                 "device": doc["device"], "vllm_version": doc["vllm_version"], "tp": doc.get("tp", 1),
                 "command": doc["command"], "calibration": calibration.name, "load": doc["load"], "timed": timed,
@@ -206,30 +231,32 @@ def compare(args: argparse.Namespace) -> None:
                 "async_off_k0": None if sync is None else {
                     c: ratio_ci95(sync["tok_s"][c], baseline["tok_s"][c])[0] for c in sync["tok_s"]},
                 "timed_over_recorded": timed_over_recorded(engines),
+                "predicted_from": None if context is None else f"{source} moved by --context {context}",
             }
             for method in dict.fromkeys(e["method"] for e in engines if e["k"] > 0 and e["method"] != "sync"):
-                sweep = (runs / next(e["trace"] for e in engines if e["method"] == method)).parent
+                sweep = (source / next(e["trace"] for e in source_engines if e["method"] == method)).parent
                 if not (sweep / "k0").exists():  # k = 0 runs no drafter: the shared baseline joins each sweep
-                    (sweep / "k0").symlink_to(Path("..") / Path(baseline["trace"]))
+                    (sweep / "k0").symlink_to(Path("..") / Path(source_baseline["trace"]))
                 # vLLM 0.26 drafts n-gram with async scheduling off, MTP and EAGLE-3 with it on (the manifests say)
 
                 def asynchronous(engine: dict[str, Any]) -> bool:
-                    manifest = json.loads((runs / engine["trace"] / "manifest.json").read_text())
+                    manifest = json.loads((source / engine["trace"] / "manifest.json").read_text())
                     return bool(manifest["capture"].get("async_scheduling", True))
 
-                drafted_sync = not asynchronous(next(e for e in engines if e["method"] == method and e["k"] > 0))
-                k0_sync = (runs / sync["trace"] if sync is not None and drafted_sync and asynchronous(baseline)
-                           else None)
-                report = report_json(sweep, calibration, Path(scratch), k0_sync, timed)
+                drafted_sync = not asynchronous(next(e for e in source_engines if e["method"] == method and e["k"] > 0))
+                k0_sync = (source / source_sync["trace"]
+                           if source_sync is not None and drafted_sync and asynchronous(source_baseline) else None)
+                report = report_json(sweep, calibration, Path(scratch), k0_sync, timed, context)
                 if report is not None and report["runs"][0]["prediction"] is not None:
                     models[model].setdefault("prediction_basis", {})[method] = (
                         report["runs"][0]["prediction"]["basis"]["mode"])
-                predicted, checked = predicted_rows(report)
-                chosen = recommended(report)
+                predicted, checked = predicted_rows(report, context)
+                chosen = recommended(report, context)
                 drafted = [e for e in engines if e["method"] == method and e["k"] > 0]
                 for engine in drafted:
                     held_out, _ = predicted_rows(report_json(held_out_sweep(sweep, engine["k"], Path(scratch)),
-                                                             calibration, Path(scratch), k0_sync, timed))
+                                                             calibration, Path(scratch), k0_sync, timed, context),
+                                                 context)
                     engine_wall = wall(engine)
                     for concurrency in timed:
                         key, at_recorded = (concurrency, engine["k"]), concurrency in recorded
@@ -299,6 +326,8 @@ def compare(args: argparse.Namespace) -> None:
                     })
     show_table(rows)
     for model, facts in models.items():
+        if facts["predicted_from"]:
+            print(f"{model}: predicted from {facts['predicted_from']} (every cell held out from its context)")
         if facts["async_off_k0"]:
             print(f"{model}: k=0 with async scheduling off / on: "
                   + ", ".join(f"B={c} {v:.3f}" for c, v in facts["async_off_k0"].items()))
@@ -420,6 +449,9 @@ def main() -> None:
     check = commands.add_parser("compare", help="predicted against measured speedup from a measure directory")
     check.add_argument("runs", type=Path)
     check.add_argument("--json", type=Path, help="also write the table here")
+    check.add_argument("--moved-from", type=Path,
+                       help="predict from this measure directory's traces instead, moved by `report --context` to "
+                            "the context of RUNS's prompts (--prompt-tokens): e.g. 256-token traces for 8,192")
     slice_dir = commands.add_parser("model-dir", help="write a Kimi-K2 slice's or EAGLE-3 head's model directory "
                                                       "(for calibrate)")
     slice_dir.add_argument("--model", choices=("kimi-k2-tp8", "kimi-k2-tp4", "kimi-k2-eagle3", "kimi-k2-tp8-eagle3"),
