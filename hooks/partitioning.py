@@ -47,9 +47,14 @@ class Partitions:
         self.writing = partition_dir(self.root, self.started, self.period)
         return dataclasses.replace(options, run_id=f"{self.run_id}-{stamp}", out=str(self.writing))
 
-    def due(self) -> bool:
-        """Whether the partition under way has run its period, or the root is over its cap."""
-        return time.time() - self.started >= self.period or self.cap_reached.is_set()
+    def due(self, now: float | None = None) -> bool:
+        """Whether the partition under way has run its period, or the root is over its cap, at ``now`` (seconds
+        since the epoch; default: now). Never while the next partition's folder would be this one's: a switch the
+        cap asks for in the second this partition started (in its hour, for hourly ones) waits, since the next
+        would write over its files."""
+        now = time.time() if now is None else now
+        return ((now - self.started >= self.period or self.cap_reached.is_set())
+                and partition_dir(self.root, now, self.period) != self.writing)
 
     def watch_cap(self, recording: Callable[[], bool]) -> None:
         """Where there is a cap: start a thread that checks the root against it every ``CAP_CHECK_SECONDS`` while

@@ -6,6 +6,8 @@ from __future__ import annotations
 import calendar
 from pathlib import Path
 
+from moetrace.hooks.options import RecordingOptions
+from moetrace.hooks.partitioning import Partitions
 from moetrace.trace.partitions import bytes_under, drop_oldest, over_cap, partition_dir, partitions
 
 AFTERNOON = calendar.timegm((2026, 12, 4, 15, 30, 20, 0, 0, 0))  # 2026-12-04 15:30:20 UTC
@@ -15,6 +17,20 @@ def test_a_partition_folder_is_its_utc_date_and_hour_and_its_start_below_an_hour
     root = Path("/data/prod")
     assert partition_dir(root, AFTERNOON, 3600) == root / "date=2026-12-04" / "hour=15"
     assert partition_dir(root, AFTERNOON, 60) == root / "date=2026-12-04" / "hour=15" / "start=153020"
+
+
+def test_a_switch_the_cap_asks_for_waits_until_the_next_partition_has_a_folder_of_its_own(tmp_path: Path) -> None:
+    """Seen under `vllm serve` at a 64 KiB cap: a partition switched to by the cap in the second the last one
+    started wrote into the same folder, and one partition's files replaced the other's. Its period still switches
+    it; the cap switches it once the clock has left its folder: the next second, or the next hour for hourly ones."""
+    for period, same_folder, next_folder in ((60, AFTERNOON + 0.9, AFTERNOON + 1.0),
+                                              (3600, AFTERNOON + 1700, calendar.timegm((2026, 12, 4, 16, 0, 0)))):
+        under_way = Partitions(RecordingOptions(out=str(tmp_path), partition_seconds=period, disk_cap_bytes=1))
+        under_way.started, under_way.writing = AFTERNOON, partition_dir(tmp_path, AFTERNOON, period)
+        assert not under_way.due(same_folder) and under_way.due(AFTERNOON + period)
+        under_way.cap_reached.set()
+        assert not under_way.due(same_folder) and under_way.due(next_folder)
+        assert partition_dir(tmp_path, next_folder, period) != under_way.writing
 
 
 def write_partition(folder: Path, size: int) -> Path:
