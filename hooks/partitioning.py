@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moetrace.hooks.options import RecordingOptions
-from moetrace.trace.partitions import drop_oldest, over_cap, partition_dir
+from moetrace.trace.partitions import drop_oldest, new_partition_dir, over_cap
 from moetrace.writer.process import TraceWriter
 
 log = logging.getLogger("moetrace")
@@ -40,21 +40,19 @@ class Partitions:
         # "stop": stop recording at the next step (``hold_cap``)
         self.cap_reached, self.stop_at_cap = threading.Event(), threading.Event()
 
-    def options_for(self, options: RecordingOptions) -> RecordingOptions:
-        """``options`` for the partition that starts now: its folder under the root, its own run id."""
-        self.started = time.time()
+    def options_for(self, options: RecordingOptions, now: float | None = None) -> RecordingOptions:
+        """``options`` for the partition that starts at ``now`` (seconds since the epoch; default: now): its folder
+        under the root (created here), its own run id."""
+        self.started = time.time() if now is None else now
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.started))
-        self.writing = partition_dir(self.root, self.started, self.period)
+        self.writing = new_partition_dir(self.root, self.started, self.period)
         return dataclasses.replace(options, run_id=f"{self.run_id}-{stamp}", out=str(self.writing))
 
     def due(self, now: float | None = None) -> bool:
         """Whether the partition under way has run its period, or the root is over its cap, at ``now`` (seconds
-        since the epoch; default: now). Never while the next partition's folder would be this one's: a switch the
-        cap asks for in the second this partition started (in its hour, for hourly ones) waits, since the next
-        would write over its files."""
+        since the epoch; default: now)."""
         now = time.time() if now is None else now
-        return ((now - self.started >= self.period or self.cap_reached.is_set())
-                and partition_dir(self.root, now, self.period) != self.writing)
+        return now - self.started >= self.period or self.cap_reached.is_set()
 
     def watch_cap(self, recording: Callable[[], bool]) -> None:
         """Where there is a cap: start a thread that checks the root against it every ``CAP_CHECK_SECONDS`` while

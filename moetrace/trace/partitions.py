@@ -3,6 +3,8 @@ period, in Hive-style folders a reader can prune by time, under a disk cap.
 
     <out>/date=2026-12-04/hour=15/                    hourly (partition_seconds 3600)
     <out>/date=2026-12-04/hour=15/start=153020/       a shorter period: one folder per partition in the hour
+    <out>/date=2026-12-04/hour=15-2/                  a second partition in a folder already held (a server
+                                                      restarted within the hour, a cap switch): never shared
 
 At the cap, the oldest partitions are deleted (``at_cap`` "drop-oldest") or recording stops and the server serves on
 unhooked ("stop"), as the user chose; the partition being written is never deleted. The cap counts the partitions
@@ -13,6 +15,7 @@ and moetrace's own reports of a root are written beside it, not in it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import time
@@ -22,6 +25,7 @@ from pathlib import Path
 from moetrace.trace.schema import MANIFEST_NAME
 
 HOUR = 3600.0
+SUFFIXED = re.compile(r"(.*=[0-9]+)-([0-9]+)")  # a partition folder claimed second in its hour or second
 
 
 def partition_dir(root: Path, started: float, period: float) -> Path:
@@ -29,6 +33,27 @@ def partition_dir(root: Path, started: float, period: float) -> Path:
     stamp = time.gmtime(started)
     folder = root / time.strftime("date=%Y-%m-%d", stamp) / time.strftime("hour=%H", stamp)
     return folder if period >= HOUR else folder / time.strftime("start=%H%M%S", stamp)
+
+
+def new_partition_dir(root: Path, started: float, period: float) -> Path:
+    """Create the folder of a partition that starts at ``started`` and return it: ``partition_dir``'s, or where a
+    partition already holds that (a server restarted within the hour, a cap switch within the second), the first
+    free of its ``-2``, ``-3``, ...: created here, never shared, so no recording writes over another's files."""
+    folder = partition_dir(root, started, period)
+    claimed, claim = folder, 1
+    while True:
+        try:
+            claimed.mkdir(parents=True)  # atomic: of two recordings asking for one folder, one gets it
+            return claimed
+        except FileExistsError:
+            claim += 1
+            claimed = folder.with_name(f"{folder.name}-{claim}")
+
+
+def partition_order(partition: Path) -> tuple[tuple[str, int], ...]:
+    """The key that sorts partitions by their start: folder by folder, ``hour=15`` before ``hour=15-2`` before
+    ``hour=15-10`` (each with the number of its claim in its hour or second)."""
+    return tuple((m[1], int(m[2])) if (m := SUFFIXED.fullmatch(part)) else (part, 1) for part in partition.parts)
 
 
 def partitions(root: Path) -> list[Path]:
@@ -40,7 +65,7 @@ def partitions(root: Path) -> list[Path]:
         parts = Path(folder).relative_to(root).parts
         if MANIFEST_NAME in files and len(parts) >= 2 and parts[0].startswith("date=") and parts[1].startswith("hour="):
             found.append(Path(folder))
-    return sorted(found)
+    return sorted(found, key=partition_order)
 
 
 def bytes_under(path: Path) -> int:

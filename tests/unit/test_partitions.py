@@ -19,18 +19,27 @@ def test_a_partition_folder_is_its_utc_date_and_hour_and_its_start_below_an_hour
     assert partition_dir(root, AFTERNOON, 60) == root / "date=2026-12-04" / "hour=15" / "start=153020"
 
 
-def test_a_switch_the_cap_asks_for_waits_until_the_next_partition_has_a_folder_of_its_own(tmp_path: Path) -> None:
+def test_a_partition_starting_where_another_holds_its_folder_gets_one_of_its_own_in_start_order(
+        tmp_path: Path) -> None:
     """Seen under `vllm serve` at a 64 KiB cap: a partition switched to by the cap in the second the last one
-    started wrote into the same folder, and one partition's files replaced the other's. Its period still switches
-    it; the cap switches it once the clock has left its folder: the next second, or the next hour for hourly ones."""
-    for period, same_folder, next_folder in ((60, AFTERNOON + 0.9, AFTERNOON + 1.0),
-                                              (3600, AFTERNOON + 1700, calendar.timegm((2026, 12, 4, 16, 0, 0)))):
-        under_way = Partitions(RecordingOptions(out=str(tmp_path), partition_seconds=period, disk_cap_bytes=1))
-        under_way.started, under_way.writing = AFTERNOON, partition_dir(tmp_path, AFTERNOON, period)
-        assert not under_way.due(same_folder) and under_way.due(AFTERNOON + period)
-        under_way.cap_reached.set()
-        assert not under_way.due(same_folder) and under_way.due(next_folder)
-        assert partition_dir(tmp_path, next_folder, period) != under_way.writing
+    started wrote into the same folder, and one partition's files replaced the other's; a server restarted within
+    the hour would do the same to hourly partitions. Each partition now claims a folder no other holds."""
+    for period, folder in ((60, tmp_path / "date=2026-12-04" / "hour=15" / "start=153020"),
+                           (3600, tmp_path / "date=2026-12-04" / "hour=15")):
+        options = RecordingOptions(out=str(tmp_path / str(period)), partition_seconds=period, disk_cap_bytes=1)
+        claimed = []
+        for restart in range(11):  # 11 recordings (a crash loop), each asking for the folder of AFTERNOON + 0.5 s
+            recording = Partitions(options)
+            partition = Path(recording.options_for(options, now=AFTERNOON + restart / 20).out)
+            assert recording.writing == partition and partition.is_dir() and not any(partition.iterdir())
+            (partition / "manifest.json").write_text(str(restart))
+            claimed.append(partition)
+        expected = tmp_path / str(period) / folder.relative_to(tmp_path)
+        assert claimed == [expected] + [expected.with_name(f"{expected.name}-{n}") for n in range(2, 12)]
+        assert partitions(tmp_path / str(period)) == claimed  # oldest first: -2 ... -9 before -10 and -11
+        assert not recording.due(AFTERNOON + 1)
+        recording.cap_reached.set()  # the cap switches at once: the next partition claims a folder of its own
+        assert recording.due(AFTERNOON + 1)
 
 
 def write_partition(folder: Path, size: int) -> Path:
