@@ -36,7 +36,7 @@ from moetrace.writer.metrics import MetricsState, serve_metrics
 from moetrace.writer.ring import SHARED_BYTES, EngineRecord, Pending, SharedRows
 from moetrace.trace.files import Assemblable, StepCapture, TraceFiles
 from moetrace.trace.manifest import amend_manifest, start_manifest
-from moetrace.trace.schema import ROUTING_DIR, STEPS_DIR
+from moetrace.trace.schema import MANIFEST_NAME, ROUTING_DIR, STEPS_DIR
 
 log = logging.getLogger("moetrace")
 
@@ -81,7 +81,12 @@ class TraceWriter:
         lives across its partitions' writers; None: the writer's own); ``launch_beside``: start the writer process
         on a thread of its own and return at once (an always-on recording's next partition: the engine thread does
         not wait for a Python to start; steps queue in the pipe meanwhile, and a launch that fails stops the
-        recording, not the engine); else it is started before this returns, and a launch that fails raises."""
+        recording, not the engine); else it is started before this returns, and a launch that fails raises.
+        A ``root`` that holds a trace already (a server restarted with the same ``MOETRACE_RECORD``) raises
+        ``FileExistsError`` before anything is written: a recording never writes over another."""
+        if (root / MANIFEST_NAME).exists():
+            raise FileExistsError(f"{root} already holds a trace: name another directory (a recording never "
+                                  "writes over one)")
         self.root = root
         self._failed: str | None = None
         self.steps = 0  # steps written so far, as the writer process last reported

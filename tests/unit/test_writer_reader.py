@@ -111,6 +111,19 @@ def test_the_writer_process_imports_the_engines_moetrace_not_one_in_the_working_
     assert final["complete"] is True and final["counts"]["routing_rows"] == 6 * len(LAYERS)
 
 
+def test_a_writer_on_a_directory_holding_a_trace_refuses_before_touching_it(tmp_path: Path) -> None:
+    """`vllm serve` restarted with the same MOETRACE_RECORD: the second recording would write its manifest and its
+    part-00000 files over the first's."""
+    writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K)
+    submit_and_wait(writer, verify_step(0, np.random.default_rng(0)))
+    writer.close()
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    with pytest.raises(FileExistsError, match="already holds a trace"):
+        TraceWriter(tmp_path, manifest(), LAYERS, TOP_K)
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+    assert open_trace(tmp_path).manifest.complete
+
+
 def test_killed_writer_leaves_closed_files_readable_and_the_open_one_reported(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     writer = TraceWriter(tmp_path, manifest(), LAYERS, TOP_K, rotate_rows=30, row_group_rows=10)
