@@ -18,6 +18,8 @@
 #               attention to 8,464 tokens), and the 8,192 cells also from the 256 traces moved by `--context 8192`;
 #               held out: within 10% of measured. One part (3 engines of 190-330 s) fits a 10-minute call, two a
 #               session: run them over sessions, in this order;
+#               context-256-ngram ran on an H100 on 2026-12-07 (docs/validation.md: calibration 15 s, 3 engines of
+#               145-200 s);
 #   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
