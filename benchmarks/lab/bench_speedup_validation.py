@@ -33,6 +33,7 @@ from typing import Any
 
 from speedup_measure import (
     LOAD,
+    SLICE_POSITIONS,
     measure,
     output_lengths,
     parse_concurrencies,
@@ -457,7 +458,7 @@ def main() -> None:
     slice_dir.add_argument("--model", choices=("kimi-k2-tp8", "kimi-k2-tp4", "kimi-k2-eagle3", "kimi-k2-tp8-eagle3"),
                            required=True)
     slice_dir.add_argument("--out", type=Path, default=Path("speedup-runs"))
-    slice_dir.add_argument("--positions", type=int, default=4096,
+    slice_dir.add_argument("--positions", type=int, default=SLICE_POSITIONS,
                            help="tokens a slice holds (max_position_embeddings; calibrate times attention to it)")
     args = parser.parse_args()
     if args.command == "model-dir":

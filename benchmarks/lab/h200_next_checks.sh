@@ -19,7 +19,9 @@
 #               held out: within 10% of measured. One part (3 engines of 190-330 s) fits a 10-minute call, two a
 #               session: run them over sessions, in this order;
 #               context-256-ngram ran on an H100 on 2026-12-07 (docs/validation.md: calibration 15 s, 3 engines of
-#               145-200 s);
+#               145-200 s), on a slice of 4,096 positions, which `report --context 8192` refuses: every slice now
+#               holds 8,464 (SLICE_POSITIONS), and the moved prediction takes both n-gram parts on one host
+#               (`... SECONDS context-256-ngram context-8192-ngram`, over two or three calls);
 #   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
@@ -44,8 +46,7 @@ if [[ "$CARD" != *H200* ]]; then memory=(--gpu-memory-utilization 0.95); fi
 if [[ "$CARD" != *H200* || "$parts" == *" calibrate "* || "$parts" == *" context-"* ]]; then  # context: attention timed
   cal=/root/calibration-kimi-k2-tp8.json
   if [ ! -f "$cal" ]; then
-    model=$(python "$R/benchmarks/lab/bench_speedup_validation.py" model-dir --model kimi-k2-tp8 --out /root/cal \
-      --positions 8464) &&
+    model=$(python "$R/benchmarks/lab/bench_speedup_validation.py" model-dir --model kimi-k2-tp8 --out /root/cal) &&
       timeout $(( end - $(date +%s) )) python -m moetrace calibrate --model "$model" --tp 1 --ep 1 --formats bf16 \
         --no-allreduce --vllm-kernel -o /root/cal/partial.json --force && mv /root/cal/partial.json "$cal"
   fi

@@ -161,7 +161,13 @@ def run_rounds(llm: Any, prompts: list[Any], rounds: int, concurrencies: list[in
     return out
 
 
-def slice_model_dir(model: str, out: Path, positions: int = 4096) -> Path:
+# Tokens every slice holds (max_position_embeddings): the longest context its traces are moved to
+# (`report --context 8192`, 8,192 tokens of prompt and 256 of output: h200_next_checks.sh) and its calibration times
+# attention to; `report --context` refuses a context past it. Timing is max_model_len's, not this.
+SLICE_POSITIONS = 8464
+
+
+def slice_model_dir(model: str, out: Path, positions: int = SLICE_POSITIONS) -> Path:
     """``<out>/<model>-model``: the config of a Kimi-K2 slice (``kimi-k2-tp8``, ``kimi-k2-tp4``), dummy weights, or
     of a Kimi-K2 EAGLE-3 head (``kimi-k2-eagle3``, for ``moetrace calibrate --drafter``; ``kimi-k2-tp8-eagle3``,
     the drafter of the TP=8 slice); a slice holds at least ``positions`` tokens."""
@@ -193,7 +199,7 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
     model_path: str | None = None
     length = model_len(prompt_tokens, max_tokens)
     if model.startswith("kimi-k2-tp"):
-        model_path = str(slice_model_dir(model, out, length))
+        model_path = str(slice_model_dir(model, out, max(length, SLICE_POSITIONS)))
         engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": length}
     # Every round does the same work: no prefix cache hits on prompts an earlier round sent.
     engine_args["enable_prefix_caching"] = False
