@@ -20,8 +20,9 @@
 #               session: run them over sessions, in this order;
 #               context-256-ngram ran on an H100 on 2026-12-07 (docs/validation.md: calibration 15 s, 3 engines of
 #               145-200 s), on a slice of 4,096 positions, which `report --context 8192` refuses: every slice now
-#               holds 8,464 (SLICE_POSITIONS), and the moved prediction takes both n-gram parts on one host
-#               (`... SECONDS context-256-ngram context-8192-ngram`, over two or three calls);
+#               holds 8,464 (SLICE_POSITIONS), so the moved prediction takes context-256-ngram run again, on the
+#               host of context-8192-ngram where a session's time allows (`... SECONDS context-8192-ngram
+#               context-256-ngram`, over three or four calls), else on the same card;
 #   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
