@@ -170,7 +170,8 @@ SLICE_POSITIONS = 8464
 def slice_model_dir(model: str, out: Path, positions: int = SLICE_POSITIONS) -> Path:
     """``<out>/<model>-model``: the config of a Kimi-K2 slice (``kimi-k2-tp8``, ``kimi-k2-tp4``), dummy weights, or
     of a Kimi-K2 EAGLE-3 head (``kimi-k2-eagle3``, for ``moetrace calibrate --drafter``; ``kimi-k2-tp8-eagle3``,
-    the drafter of the TP=8 slice); a slice holds at least ``positions`` tokens."""
+    the drafter of the TP=8 slice); a slice holds at least ``positions`` tokens, and never fewer than
+    ``SLICE_POSITIONS``."""
     model_dir = out / f"{model}-model"
     model_dir.mkdir(parents=True, exist_ok=True)
     if model.endswith("eagle3"):
@@ -178,7 +179,7 @@ def slice_model_dir(model: str, out: Path, positions: int = SLICE_POSITIONS) -> 
         config = kimi_k2_eagle3_head(int(tp))
     else:
         config = kimi_k2_slice(int(model.removeprefix("kimi-k2-tp")))
-        config["max_position_embeddings"] = max(config["max_position_embeddings"], positions)
+        config["max_position_embeddings"] = max(config["max_position_embeddings"], positions, SLICE_POSITIONS)
     (model_dir / "config.json").write_text(json.dumps(config))
     return model_dir
 
@@ -199,7 +200,7 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
     model_path: str | None = None
     length = model_len(prompt_tokens, max_tokens)
     if model.startswith("kimi-k2-tp"):
-        model_path = str(slice_model_dir(model, out, max(length, SLICE_POSITIONS)))
+        model_path = str(slice_model_dir(model, out, length))
         engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": length}
     # Every round does the same work: no prefix cache hits on prompts an earlier round sent.
     engine_args["enable_prefix_caching"] = False

@@ -23,12 +23,12 @@ def test_a_partition_starting_where_another_holds_its_folder_gets_one_of_its_own
         tmp_path: Path) -> None:
     """Seen under `vllm serve` at a 64 KiB cap: a partition switched to by the cap in the second the last one
     started wrote into the same folder, and one partition's files replaced the other's; a server restarted within
-    the hour would do the same to hourly partitions. Each partition now claims a folder no other holds."""
+    the hour would do the same to hourly partitions. Each partition claims a folder no other holds."""
     for period, folder in ((60, tmp_path / "date=2026-12-04" / "hour=15" / "start=153020"),
                            (3600, tmp_path / "date=2026-12-04" / "hour=15")):
         options = RecordingOptions(out=str(tmp_path / str(period)), partition_seconds=period, disk_cap_bytes=1)
         claimed = []
-        for restart in range(11):  # 11 recordings (a crash loop), each asking for the folder of AFTERNOON + 0.5 s
+        for restart in range(11):  # 11 recordings (a crash loop) starting within 0.5 s, in one folder's second
             recording = Partitions(options)
             partition = Path(recording.options_for(options, now=AFTERNOON + restart / 20).out)
             assert recording.writing == partition and partition.is_dir() and not any(partition.iterdir())
