@@ -169,6 +169,17 @@ def held_out_sweep(sweep: Path, k: int, scratch: Path) -> Path:
     return out
 
 
+def moved_with(row: dict[str, Any], row0: dict[str, Any], own: dict[str, Any], own0: dict[str, Any],
+               acceptance: bool) -> float:
+    """The speedup of a moved prediction's ``row`` (its k=0 row ``row0``) as the report computes it, a step's time
+    per token gained plus the prefill a token carries, with that prefill (and with ``acceptance``, the tokens a step
+    gains) taken from the rows ``own``/``own0`` predicted from the run's own traces at its own context: how much of
+    the moved prediction's miss each term the move keeps as recorded explains."""
+    tokens = (own if acceptance else row)["tokens_per_step"]
+    return ((row0["step_ms"] + (own0["prefill_ms_per_token"] or 0.0))
+            / (row["step_ms"] / tokens + (own["prefill_ms_per_token"] or 0.0)))
+
+
 def measured_best(speedups: dict[int, tuple[float, list[float]]]) -> int:
     """The k of the largest median measured speedup (k = 0 at 1.0 among them; the smaller k on a tie)."""
     return max(sorted(speedups), key=lambda k: speedups[k][0])
@@ -253,6 +264,13 @@ def compare(args: argparse.Namespace) -> None:
                         report["runs"][0]["prediction"]["basis"]["mode"])
                 predicted, checked = predicted_rows(report, context)
                 chosen = recommended(report, context)
+                own: dict[tuple[int, int], Any] = {}
+                if context is not None:  # what the move keeps as recorded, as this run's own traces measured it
+                    own_sweep = (runs / next(e["trace"] for e in engines if e["method"] == method)).parent
+                    if not (own_sweep / "k0").exists():
+                        (own_sweep / "k0").symlink_to(Path("..") / Path(baseline["trace"]))
+                    own_sync = runs / sync["trace"] if sync is not None and drafted_sync else None
+                    own, _ = predicted_rows(report_json(own_sweep, calibration, Path(scratch), own_sync, timed))
                 drafted = [e for e in engines if e["method"] == method and e["k"] > 0]
                 for engine in drafted:
                     held_out, _ = predicted_rows(report_json(held_out_sweep(sweep, engine["k"], Path(scratch)),
@@ -291,6 +309,12 @@ def compare(args: argparse.Namespace) -> None:
                             "trace_sampling_growth_ms": trace.get("sampling_growth_ms"),
                             "trace_drafting_ms": trace.get("drafting_ms"),
                             "async_off_growth_ms": row.get("scheduling_ms") if row else None,  # --k0-sync's term
+                            # --moved-from: the moved steps with this run's own prefill, then also its acceptance
+                            **({"moved_with_own_prefill_speedup": moved_with(
+                                    row, row0, own[key], own[(concurrency, 0)], acceptance=False),
+                                "moved_with_own_prefill_and_acceptance_speedup": moved_with(
+                                    row, row0, own[key], own[(concurrency, 0)], acceptance=True)}
+                               if row and row0 and key in own and (concurrency, 0) in own else {}),
                             "command": doc["command"],
                         })
                 if drafted_sync and k0_sync is None:
@@ -345,6 +369,11 @@ def compare(args: argparse.Namespace) -> None:
             f"B={c} " + (f"{v['predicted']:.3f} / {v['measured']:.3f} ({100 * v['error']:+.1f}%)"
                          if v["predicted"] is not None else f"- / {v['measured']:.3f}")
             for c, v in facts.get("k0_ms_per_token", {}).items()))
+    for r in rows:
+        if "moved_with_own_prefill_speedup" in r:
+            print(f"{r['model']} {r['drafter']} B={r['concurrency']} k={r['k']}: moved {r['predicted_speedup']:.2f}, "
+                  f"with this run's own prefill {r['moved_with_own_prefill_speedup']:.2f}, and its acceptance "
+                  f"{r['moved_with_own_prefill_and_acceptance_speedup']:.2f}; measured {r['measured_speedup']:.2f}")
     for d in decisions:
         where = f"{d['model']} {d['drafter']} B={d['concurrency']}{' (held out)' if d['held_out_concurrency'] else ''}"
         best = (f"measured best k={d['measured_best_k']} ({d['measured_best_speedup']:.2f}, "
