@@ -20,14 +20,15 @@
 #               session: run them over sessions, in this order;
 #               context-256-ngram ran on an H100 on 2026-12-07 (docs/validation.md: calibration 15 s, 3 engines of
 #               145-200 s), on a slice of 4,096 positions, which `report --context 8192` refuses: every slice now
-#               holds 8,464 (SLICE_POSITIONS), so the moved prediction takes context-256-ngram run again, on the
-#               host of context-8192-ngram where a session's time allows (`... SECONDS context-8192-ngram
-#               context-256-ngram`, over three or four calls), else on the same card;
+#               holds 8,464 (SLICE_POSITIONS); context-8192-ngram ran on another H100 the same day (engines of
+#               200-330 s, the k = 2 and 4 ones in one call), and context-256-ngram again there for the moved
+#               prediction, k = 0 and 2 only (k = 4 did not fit the session's GPU time); next: the EAGLE-3 parts;
 #   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
-# eagle3, run in the order of the parts list above); results in $OUT/<part>-<folder>.tar.gz, one per engine's trace
-# (each small enough to come back).
+# eagle3, run in the order of the parts list above); results in $OUT: <part>.tar.gz (the measurements) and
+# <part>-<folder>-k<k>.tar.gz.part-* (each engine's trace in pieces: `cat` them into `tar -xz`); what does not fit
+# one call's return waits on the machine for the next call (the part `send` only sends).
 # On another card (an 80 GB H100; CARD, default from nvidia-smi) it calibrates the slice on that card first (the
 # committed calibration is the H200's; it lands in each run folder and in $OUT) and gives vLLM 0.95 of the GPU's
 # memory (the slice's weights take 64.5 GiB).
@@ -38,7 +39,11 @@ OUT=${OUT:-/tmp/moetrace-out}
 end=$(( $(date +%s) + ${1:-540} ))
 [ $# -gt 0 ] && shift
 parts=" ${*:-holdout-48 eagle3} "
-mkdir -p "$OUT"
+[[ "$parts" == " send " ]] && parts=" "  # no part to run: only what waits to come back
+# what comes back from a call is at most 8 files of 16 MiB, 64 MiB together: results wait in PENDING, each call
+# sends what fits (oldest first) and keeps a copy in SENT; the part "send" only sends
+PENDING=/root/pending SENT=/root/sent
+mkdir -p "$OUT" "$PENDING" "$SENT"
 cd /tmp || exit 1
 memory=()
 CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)}
@@ -52,7 +57,8 @@ if [[ "$CARD" != *H200* || "$parts" == *" calibrate "* || "$parts" == *" context
         --no-allreduce --vllm-kernel -o /root/cal/partial.json --force && mv /root/cal/partial.json "$cal"
   fi
   [ -f "$cal" ] || { echo "no calibration of this card"; exit 1; }
-  cp "$cal" "$OUT/calibration-kimi-k2-tp8-$(echo "$CARD" | tr -c 'A-Za-z0-9\n' - | tr -s -).json"
+  name="calibration-kimi-k2-tp8-$(echo "$CARD" | tr -c 'A-Za-z0-9\n' - | tr -s -).json"
+  [ -f "$SENT/$name" ] || cp "$cal" "$PENDING/$name"
   for run in ${parts/ calibrate / }; do mkdir -p "/root/$run" && cp "$cal" "/root/$run/"; done
 fi
 bench() {
@@ -83,10 +89,19 @@ for context in 256 8192; do
 done
 for run in ${parts/ calibrate / }; do  # the measurements and calibration, then each engine's trace apart
   [ -d "/root/$run" ] || continue
-  tar -C /root --exclude='*-model' --exclude="$run/*/k*" -czf "$OUT/$run.tar.gz" "$run"
-  for trace in /root/"$run"/*/k*; do
-    [ -d "$trace" ] && tar -C /root -czf "$OUT/$run-$(basename "$(dirname "$trace")")-$(basename "$trace").tar.gz" \
-      "${trace#/root/}"
+  tar -C /root --exclude='*-model' --exclude="$run/*/k*" -czf "$PENDING/$run.tar.gz" "$run"
+  for trace in /root/"$run"/*/k*; do  # an 8,192-token trace packs to 24 MB: in pieces of 15 MB (cat them back)
+    name="$run-$(basename "$(dirname "$trace")")-$(basename "$trace").tar.gz"
+    [ -d "$trace" ] && ! ls "$SENT/$name".part-* >/dev/null 2>&1 &&
+      tar -C /root -czf - "${trace#/root/}" | split -b 15M - "$PENDING/$name.part-"
   done
 done
+files=0 bytes=0
+for f in $(ls -Sr "$PENDING"); do  # smallest first: the measurements and calibration, then the traces' pieces
+  size=$(stat -c %s "$PENDING/$f")
+  if [ $files -ge 8 ] || [ $(( bytes + size )) -gt $(( 63 * 1024 * 1024 )) ]; then continue; fi
+  cp "$PENDING/$f" "$OUT/" && mv "$PENDING/$f" "$SENT/" && files=$(( files + 1 )) bytes=$(( bytes + size ))
+done
 ls -la "$OUT"
+left=$(ls "$PENDING" | wc -l)
+[ "$left" -eq 0 ] || echo "$left file(s) wait to come back: run this again with the part send"
