@@ -108,14 +108,16 @@ def step_times(steps: pl.LazyFrame) -> pl.DataFrame:
 def decode_step_periods(steps: pl.LazyFrame, only: pl.LazyFrame | None = None) -> pl.DataFrame:
     """Per concurrency (``batch``: requests per step): the mean time from one decode step's start to the next's on
     the same data-parallel rank, host scheduling between them included, over consecutive steps of one rank with the
-    same requests count in which every request was decoding; how many such pairs there were; and the tokens each
+    same requests count in which every request was decoding (the step right after a prefill step left out: see
+    below); how many such pairs there were; and the tokens each
     request gained per step in them (1 + accepted drafts). This is what each request waits per step, and what it
     gets for it: the mean, not the median, because throughput pays every step (the slow tail of verification
     steps is real: on an H200 a k = 4 step's mean is 6% above its median).
 
-    ``prefill_ms_per_token``: what the steps that held a prefill chunk for that concurrency took beyond a decode
-    step (each from its start to the next step's, less ``period_ms``), per token a request gained in all steps of
-    that concurrency (tokens gained ÷ requests per step; a prefill step decodes its other requests too): what a
+    ``prefill_ms_per_token``: what the steps that held a prefill chunk for that concurrency, and the decode step
+    right after each, took beyond a decode step (each from its start to the next step's, less ``period_ms``: under
+    async scheduling a prefill's GPU work ends inside the next step's period), per token a request gained in all
+    steps of that concurrency (tokens gained ÷ requests per step; a prefill step decodes its other requests too): what a
     request waits outside decode steps for each token it gets (0 where no step held a prefill). A prefill step
     serves the concurrency of the decode steps it leads to: its own requests or, where more, those of the rank's
     next decoding step (requests that end together are replaced over steps of fewer requests, and a round starts
@@ -133,13 +135,19 @@ def decode_step_periods(steps: pl.LazyFrame, only: pl.LazyFrame | None = None) -
         period_ns=pl.when(pl.col("next_step") == pl.col("step") + 1).then(pl.col("next_t_start_ns"))
         .otherwise(pl.col("t_end_ns")) - pl.col("t_start_ns"),
         served=pl.when(pl.col("decoding")).then(pl.col("requests"))
-        .otherwise(pl.max_horizontal(pl.col("requests"), next_decoding_requests.fill_null(0))))
+        .otherwise(pl.max_horizontal(pl.col("requests"), next_decoding_requests.fill_null(0))),
+        # the decode step right after a prefill step: under async scheduling it starts before the prefill's GPU
+        # work ends and waits for it (at 8,192-token prompts on an H100, 36 ms against 8.4), so what it takes
+        # beyond a decode step is the prefill's
+        after_prefill=(pl.col("decoding") & ~pl.col("decoding").shift(1).over("dp_rank")
+                       & (pl.col("step").shift(1).over("dp_rank") == pl.col("step") - 1)).fill_null(False))
     outside = per_step.group_by(batch=pl.col("served").cast(pl.Int32)).agg(
-        prefill_steps=(~pl.col("decoding")).sum(),
-        prefill_ms=pl.col("period_ns").filter(~pl.col("decoding")).sum() / 1e6,
+        prefill_steps=((~pl.col("decoding")) | pl.col("after_prefill")).sum(),
+        prefill_ms=pl.col("period_ns").filter(~pl.col("decoding") | pl.col("after_prefill")).sum() / 1e6,
         gained=pl.col("kept").sum())
     excess = pl.max_horizontal(pl.col("prefill_ms") - pl.col("prefill_steps") * pl.col("period_ms"), pl.lit(0.0))
-    pairs = per_step.filter(pl.col("decoding") & pl.col("next_decoding") & (pl.col("next_step") == pl.col("step") + 1)
+    pairs = per_step.filter(pl.col("decoding") & ~pl.col("after_prefill") & pl.col("next_decoding")
+                            & (pl.col("next_step") == pl.col("step") + 1)
                             & (pl.col("next_requests") == pl.col("requests")))
     if only is not None:
         pairs = pairs.join(only.select("dp_rank", "step"), on=["dp_rank", "step"], how="semi")

@@ -153,10 +153,10 @@ def test_mean_step_times_are_the_same_in_any_row_order() -> None:
 
 def test_decode_step_periods_time_consecutive_decode_steps_of_one_concurrency() -> None:
     ms = 1_000_000
-    # (step, requests, start ms, prefill?): step 0 holds a prefill chunk; steps 1-4 decode 2 requests; steps 5-6
-    # decode 1; step 7 is not recorded, so 6 -> 8 is no pair
-    plan = [(0, 2, 0, True), (1, 2, 10, False), (2, 2, 14, False), (3, 2, 20, False), (4, 2, 31, False),
-            (5, 1, 40, False), (6, 1, 43, False), (8, 1, 60, False), (9, 1, 62, False)]
+    # (step, requests, start ms, prefill?): step 0 holds a prefill chunk; steps 1-5 decode 2 requests; steps 6-7
+    # decode 1; step 8 is not recorded, so 7 -> 9 is no pair
+    plan = [(0, 2, 0, True), (1, 2, 10, False), (2, 2, 19, False), (3, 2, 23, False), (4, 2, 29, False),
+            (5, 2, 40, False), (6, 1, 49, False), (7, 1, 52, False), (9, 1, 69, False), (10, 1, 71, False)]
     rows: dict[str, list[int]] = {"step": [], "request": [], "num_tokens": [], "num_drafts": [], "num_accepted": [],
                                   "t_start_ns": [], "t_end_ns": []}
     for step, requests, start, prefill in plan:
@@ -165,19 +165,35 @@ def test_decode_step_periods_time_consecutive_decode_steps_of_one_concurrency() 
             rows["request"].append(request)
             rows["num_tokens"].append(5 if prefill and request == 0 else 3)
             rows["num_drafts"].append(0 if prefill and request == 0 else 2)
-            rows["num_accepted"].append(1 if step != 9 else 3)  # the last step starts no pair: not counted
+            rows["num_accepted"].append(1 if step != 10 else 3)  # the last step starts no pair: not counted
             rows["t_start_ns"].append(start * ms)
             rows["t_end_ns"].append(start * ms + ms)
     periods = decode_step_periods(pl.DataFrame(rows).with_columns(dp_rank=pl.lit(0)).lazy()).to_dicts()
-    # batch 2: 1 -> 2 (4 ms), 2 -> 3 (6 ms), 3 -> 4 (11 ms): the mean, 7 ms, is what a request waits per step over
-    # them (the median would say 6); batch 1: 5 -> 6 (3 ms) and 8 -> 9 (2 ms); 0 -> 1 has a prefill, 4 -> 5
-    # changes the request count. The prefill step of 2 requests ran 10 ms to step 1's start, 3 ms more than a
-    # decode step of 2 requests; the 5 steps of 2 requests gained 2 tokens per request each (the prefill step's
-    # rows are 1 + 1 accepted in this builder), 10 per request: 3/10 ms per token a request gained; batch 1 had no
-    # prefill
+    # batch 2: 2 -> 3 (4 ms), 3 -> 4 (6 ms), 4 -> 5 (11 ms): the mean, 7 ms, is what a request waits per step over
+    # them (the median would say 6); batch 1: 6 -> 7 (3 ms) and 9 -> 10 (2 ms); 0 -> 1 has a prefill, 1 -> 2
+    # follows it, 5 -> 6 changes the request count. The prefill step of 2 requests ran 10 ms to step 1's start and
+    # step 1 9 ms to step 2's, 3 + 2 ms more than two decode steps of 2 requests; the 6 steps of 2 requests gained
+    # 2 tokens per request each (the prefill step's rows are 1 + 1 accepted in this builder), 12 per request: 5/12
+    # ms per token a request gained; batch 1 had no prefill
     assert periods == [
         {"batch": 1, "decode_steps": 2, "period_ms": 2.5, "tokens_per_step": 2.0, "prefill_ms_per_token": 0.0},
-        {"batch": 2, "decode_steps": 3, "period_ms": 7.0, "tokens_per_step": 2.0, "prefill_ms_per_token": 0.3}]
+        {"batch": 2, "decode_steps": 3, "period_ms": 7.0, "tokens_per_step": 2.0,
+         "prefill_ms_per_token": pytest.approx(5 / 12)}]
+
+
+def test_what_a_prefill_makes_the_next_step_wait_under_async_scheduling_is_prefill_not_decode() -> None:
+    ms = 1_000_000
+    # as vLLM runs with async scheduling: step 1 starts 6 ms after the prefill step 0, before its GPU work ends, and
+    # waits for it (20 ms to step 2's start); then a decode step of 2 requests every 8 ms
+    plan = [(0, True, 0), (1, False, 6), (2, False, 26), (3, False, 34), (4, False, 42), (5, False, 50)]
+    rows = [{"dp_rank": 0, "step": step, "request": request, "num_tokens": 5 if prefill else 1, "num_drafts": 0,
+             "num_accepted": 0, "t_start_ns": start * ms, "t_end_ns": start * ms + ms}
+            for step, prefill, start in plan for request in range(2)]
+    (period,) = decode_step_periods(pl.DataFrame(rows).lazy()).to_dicts()
+    # decode pairs 2 -> 3, 3 -> 4, 4 -> 5 at 8 ms; the prefill took 6 + 20 ms to step 2's start, 10 ms more than
+    # two decode steps; 6 steps gained 1 token per request each: 10/6 ms per token a request gained
+    assert period == pytest.approx({"batch": 2, "decode_steps": 3, "period_ms": 8.0, "tokens_per_step": 1.0,
+                                    "prefill_ms_per_token": 10 / 6})
 
 
 def test_a_prefill_step_of_fewer_requests_is_paid_by_the_batch_it_leads_to() -> None:
@@ -190,9 +206,10 @@ def test_a_prefill_step_of_fewer_requests_is_paid_by_the_batch_it_leads_to() -> 
              "t_end_ns": start * ms + ms}
             for step, requests, start, prefill in plan for request in range(requests)]
     (period,) = decode_step_periods(pl.DataFrame(rows).lazy()).to_dicts()
-    # 8 ms less one 4 ms decode step of 2 requests: 4 ms; 18 tokens gained in steps serving 2 requests (the prefill
-    # row 2, then 4 steps × 2 rows × 2), 9 per request: 4/9 ms per token a request gained
-    assert period == pytest.approx({"batch": 2, "decode_steps": 3, "period_ms": 4.0, "tokens_per_step": 2.0,
+    # 8 ms less one 4 ms decode step of 2 requests, and step 1 (after the prefill) no longer than one: 4 ms; 18
+    # tokens gained in steps serving 2 requests (the prefill row 2, then 4 steps × 2 rows × 2), 9 per request: 4/9
+    # ms per token a request gained; decode pairs 2 -> 3 and 3 -> 4
+    assert period == pytest.approx({"batch": 2, "decode_steps": 2, "period_ms": 4.0, "tokens_per_step": 2.0,
                                     "prefill_ms_per_token": 4 / 9})
 
 
