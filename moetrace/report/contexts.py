@@ -107,7 +107,7 @@ def from_steps_sentence(context: int, found: Mapping[str, Any], recorded_context
     """Whether the decision at ``context`` rests on the sweep's own k=0 steps there
     (``ContextDecision.from_steps``), and what stays as recorded at the traces' mean ``recorded_context``: acceptance
     and a request's prefill, which both move with context (n-gram drafts from the prompt; a longer prompt costs more
-    prefill a token gained: on an H100, 3.3x at 8,192 tokens of prompt against 256, docs/validation.md)."""
+    prefill a token gained: docs/validation.md)."""
     kept = (f"acceptance and prefill as recorded at a mean {recorded_context:,.0f} tokens (both move with context: "
             f"record at {context:,} to measure them)")
     if not found["measured"]:
