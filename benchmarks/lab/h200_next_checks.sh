@@ -41,7 +41,7 @@ end=$(( $(date +%s) + ${1:-540} ))
 parts=" ${*:-holdout-48 eagle3} "
 [[ "$parts" == " send " ]] && parts=" "  # no part to run: only what waits to come back
 # what comes back from a call is at most 8 files of 16 MiB, 64 MiB together: results wait in PENDING, each call
-# sends what fits (oldest first) and keeps a copy in SENT; the part "send" only sends
+# sends what fits (smallest first) and keeps a copy in SENT; the part "send" only sends
 PENDING=/root/pending SENT=/root/sent
 mkdir -p "$OUT" "$PENDING" "$SENT"
 cd /tmp || exit 1
