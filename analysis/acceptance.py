@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
+import numpy as np
 import polars as pl
 
 from moetrace.analysis.predicates import decoding
@@ -114,14 +115,14 @@ def decode_step_periods(steps: pl.LazyFrame, only: pl.LazyFrame | None = None) -
     gets for it: the mean, not the median, because throughput pays every step (the slow tail of verification
     steps is real: on an H200 a k = 4 step's mean is 6% above its median).
 
-    ``prefill_ms_per_token``: what the steps that held a prefill chunk for that concurrency, and the decode step
-    right after each, took beyond a decode step (each from its start to the next step's, less ``period_ms``: under
-    async scheduling a prefill's GPU work ends inside the next step's period), per token a request gained in all
-    steps of that concurrency (tokens gained ÷ requests per step; a prefill step decodes its other requests too): what a
-    request waits outside decode steps for each token it gets (0 where no step held a prefill). A prefill step
-    serves the concurrency of the decode steps it leads to: its own requests or, where more, those of the rank's
-    next decoding step (requests that end together are replaced over steps of fewer requests, and a round starts
-    with its prompts prefilled over steps of growing batches; both are paid by the batch that then decodes).
+    ``prefill_ms_per_token``: what a request waits outside decode steps for each token it gets, at that
+    concurrency: the steps that held a prefill chunk, and the decode step right after each, took so much beyond a
+    decode step of the concurrency each serves (each from its start to the next step's; under async scheduling a
+    prefill's GPU work ends inside the next step's period), summed over the trace, per token gained in it, times the
+    concurrency (a prefill stalls every request of its step). A prefill step serves the concurrency of the decode
+    steps it leads to: its own requests or, where more, those of the rank's next decoding step (requests that end
+    together are replaced over steps of fewer requests, and a round starts with its prompts prefilled over steps of
+    growing batches); 0 where no step held a prefill.
 
     ``only`` (``dp_rank, step``): the decode steps to measure ``period_ms`` and ``tokens_per_step`` over (those of
     one context bucket, say); ``prefill_ms_per_token`` is then null (prefill is paid over every step, not a
@@ -141,30 +142,25 @@ def decode_step_periods(steps: pl.LazyFrame, only: pl.LazyFrame | None = None) -
         # beyond a decode step is the prefill's
         after_prefill=(pl.col("decoding") & ~pl.col("decoding").shift(1).over("dp_rank")
                        & (pl.col("step").shift(1).over("dp_rank") == pl.col("step") - 1)).fill_null(False))
-    outside = per_step.group_by(batch=pl.col("served").cast(pl.Int32)).agg(
-        prefill_steps=((~pl.col("decoding")) | pl.col("after_prefill")).sum(),
-        prefill_ms=pl.col("period_ns").filter(~pl.col("decoding") | pl.col("after_prefill")).sum() / 1e6,
-        gained=pl.col("kept").sum())
-    excess = pl.max_horizontal(pl.col("prefill_ms") - pl.col("prefill_steps") * pl.col("period_ms"), pl.lit(0.0))
     pairs = per_step.filter(pl.col("decoding") & ~pl.col("after_prefill") & pl.col("next_decoding")
                             & (pl.col("next_step") == pl.col("step") + 1)
                             & (pl.col("next_requests") == pl.col("requests")))
     if only is not None:
         pairs = pairs.join(only.select("dp_rank", "step"), on=["dp_rank", "step"], how="semi")
-    prefill = (pl.lit(None, pl.Float64) if only is not None
-               else (excess * pl.col("batch") / pl.col("gained")).cast(pl.Float64))
-    return (
-        pairs
-        .group_by(batch=pl.col("requests").cast(pl.Int32))
-        .agg(decode_steps=pl.len().cast(pl.Int64),
-             period_ms=mean_ms(pl.col("period_ns")),
-             tokens_per_step=(pl.col("kept").sum() / pl.col("requests").sum()).cast(pl.Float64))
-        .join(outside, on="batch", how="left")
-        .with_columns(prefill_ms_per_token=prefill)
-        .drop("prefill_steps", "prefill_ms", "gained")
-        .sort("batch")
-        .collect()
-    )
+    periods = (pairs.group_by(batch=pl.col("requests").cast(pl.Int32))
+               .agg(decode_steps=pl.len().cast(pl.Int64), period_ms=mean_ms(pl.col("period_ns")),
+                    tokens_per_step=(pl.col("kept").sum() / pl.col("requests").sum()).cast(pl.Float64))
+               .sort("batch").collect())
+    if only is not None or periods.is_empty():
+        return periods.with_columns(prefill_ms_per_token=pl.lit(None, pl.Float64))
+    # each prefill step (and the step after it) beyond a decode step of the concurrency it serves (linear between
+    # those measured, held past them), pooled over the trace: which concurrency a prefill lands in differs from k to
+    # k (requests that end together at k = 0 end one by one under speculation), the prompts do not
+    outside = per_step.filter(~pl.col("decoding") | pl.col("after_prefill")).select("served", "period_ns").collect()
+    decode_ms = np.interp(outside["served"].to_numpy(), periods["batch"].to_numpy(), periods["period_ms"].to_numpy())
+    excess_ms = max(float((outside["period_ns"].to_numpy() / 1e6 - decode_ms).sum()), 0.0)
+    gained = per_step.select(pl.col("kept").sum()).collect().item()
+    return periods.with_columns(prefill_ms_per_token=(pl.col("batch") * excess_ms / gained).cast(pl.Float64))
 
 
 def measured_speedup(per_k: pl.LazyFrame) -> pl.DataFrame:

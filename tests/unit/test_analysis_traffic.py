@@ -172,13 +172,14 @@ def test_decode_step_periods_time_consecutive_decode_steps_of_one_concurrency() 
     # batch 2: 2 -> 3 (4 ms), 3 -> 4 (6 ms), 4 -> 5 (11 ms): the mean, 7 ms, is what a request waits per step over
     # them (the median would say 6); batch 1: 6 -> 7 (3 ms) and 9 -> 10 (2 ms); 0 -> 1 has a prefill, 1 -> 2
     # follows it, 5 -> 6 changes the request count. The prefill step of 2 requests ran 10 ms to step 1's start and
-    # step 1 9 ms to step 2's, 3 + 2 ms more than two decode steps of 2 requests; the 6 steps of 2 requests gained
-    # 2 tokens per request each (the prefill step's rows are 1 + 1 accepted in this builder), 12 per request: 5/12
-    # ms per token a request gained; batch 1 had no prefill
+    # step 1 9 ms to step 2's, 3 + 2 ms more than two decode steps of 2 requests; the trace gained 34 tokens (6
+    # steps × 2 rows × 2, the prefill step's rows 1 + 1 accepted in this builder, then 3 steps × 1 row × 2 and the
+    # last step's 4): 5/34 ms a token, which a request waits once per token at one request a step, twice at two
     assert periods == [
-        {"batch": 1, "decode_steps": 2, "period_ms": 2.5, "tokens_per_step": 2.0, "prefill_ms_per_token": 0.0},
+        {"batch": 1, "decode_steps": 2, "period_ms": 2.5, "tokens_per_step": 2.0,
+         "prefill_ms_per_token": pytest.approx(5 / 34)},
         {"batch": 2, "decode_steps": 3, "period_ms": 7.0, "tokens_per_step": 2.0,
-         "prefill_ms_per_token": pytest.approx(5 / 12)}]
+         "prefill_ms_per_token": pytest.approx(10 / 34)}]
 
 
 def test_what_a_prefill_makes_the_next_step_wait_under_async_scheduling_is_prefill_not_decode() -> None:
@@ -207,8 +208,8 @@ def test_a_prefill_step_of_fewer_requests_is_paid_by_the_batch_it_leads_to() -> 
             for step, requests, start, prefill in plan for request in range(requests)]
     (period,) = decode_step_periods(pl.DataFrame(rows).lazy()).to_dicts()
     # 8 ms less one 4 ms decode step of 2 requests, and step 1 (after the prefill) no longer than one: 4 ms; 18
-    # tokens gained in steps serving 2 requests (the prefill row 2, then 4 steps × 2 rows × 2), 9 per request: 4/9
-    # ms per token a request gained; decode pairs 2 -> 3 and 3 -> 4
+    # tokens gained (the prefill row 2, then 4 steps × 2 rows × 2): 4/18 ms a token, twice that a request waits at
+    # two requests a step; decode pairs 2 -> 3 and 3 -> 4
     assert period == pytest.approx({"batch": 2, "decode_steps": 2, "period_ms": 4.0, "tokens_per_step": 2.0,
                                     "prefill_ms_per_token": 4 / 9})
 

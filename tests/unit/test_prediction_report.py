@@ -102,21 +102,25 @@ def stretch_steps(trace: Path, factor: float) -> None:
 
 
 def prefill_per_token(trace: Path, batch: int) -> float:
-    """Brute force over the steps table, at ``batch`` requests per step: what the steps that held a prefill chunk
-    ran (start to the next step's start) beyond the mean decode step (consecutive decoding steps of that many
-    requests, start to start), per token a request gained in all steps of that many requests."""
+    """Brute force over the steps table: what the steps that held a prefill chunk, and the step right after each,
+    ran (start to the next step's start) beyond the mean decode step of the requests they serve (consecutive
+    decoding steps of that many requests, start to start, neither right after a prefill), over the whole trace, per
+    token gained in it, times ``batch``. Every step of these traces serves the concurrency it runs at."""
     by_step: dict[int, list[dict[str, Any]]] = {}
     for row in pq.read_table(trace / "steps").to_pylist():
         by_step.setdefault(row["step"], []).append(row)
     order = sorted(by_step)
     start = {s: by_step[s][0]["t_start_ns"] / 1e6 for s in order}
     prefill = {s: any(r["num_tokens"] != r["num_drafts"] + 1 for r in by_step[s]) for s in order}
-    mine = [s for s in order if len(by_step[s]) == batch and s + 1 in by_step]
-    decode_periods = [start[s + 1] - start[s] for s in mine if not prefill[s] and not prefill[s + 1]
-                      and len(by_step[s + 1]) == batch]
-    excess = sum(start[s + 1] - start[s] for s in mine if prefill[s]) - sum(map(prefill.get, mine)) * (
-        sum(decode_periods) / len(decode_periods))
-    gained = sum(r["num_accepted"] + 1 for s in order if len(by_step[s]) == batch for r in by_step[s])
+    after = {s: not prefill[s] and prefill.get(s - 1, False) for s in order}
+    timed = [s for s in order if s + 1 in by_step]
+    decode: dict[int, list[float]] = {}
+    for s in timed:
+        if not prefill[s] and not after[s] and not prefill[s + 1] and len(by_step[s + 1]) == len(by_step[s]):
+            decode.setdefault(len(by_step[s]), []).append(start[s + 1] - start[s])
+    excess = sum(start[s + 1] - start[s] - sum(decode[len(by_step[s])]) / len(decode[len(by_step[s])])
+                 for s in timed if prefill[s] or after[s])
+    gained = sum(r["num_accepted"] + 1 for s in order for r in by_step[s])
     return max(excess, 0.0) * batch / gained
 
 
