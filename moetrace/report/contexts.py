@@ -77,6 +77,11 @@ def context_decision(origins: Mapping[int, tuple[pl.DataFrame, float, Mapping[in
     kv = shape.kv_bytes_per_token
     assert kv is not None
     curve, basis = attention_pricing(calibration, shape)
+    # both move with context (n-gram drafts from the prompt; a longer prompt costs more prefill a token gained:
+    # docs/validation.md), and only a trace that ran there measures them
+    kept = "acceptance and prefill" if from_steps else "acceptance"
+    basis += (f"; {kept} as recorded, at a mean {recorded_context:,.0f} tokens: record at the context you serve to "
+              f"measure {'them' if from_steps else 'it'}")
     memory = float(calibration.get("device", {}).get("memory_gib") or 0) * 2**30
     frames, moved, crossovers = [], [], {}
     for context, (speedups, from_context, by_batch) in origins.items():
@@ -103,18 +108,14 @@ def context_decision(origins: Mapping[int, tuple[pl.DataFrame, float, Mapping[in
          for context, found in from_steps.items()})
 
 
-def from_steps_sentence(context: int, found: Mapping[str, Any], recorded_context: float) -> str:
+def from_steps_sentence(context: int, found: Mapping[str, Any]) -> str:
     """Whether the decision at ``context`` rests on the sweep's own k=0 steps there
-    (``ContextDecision.from_steps``), and what stays as recorded at the traces' mean ``recorded_context``: acceptance
-    and a request's prefill, which both move with context (n-gram drafts from the prompt; a longer prompt costs more
-    prefill a token gained: docs/validation.md)."""
-    kept = (f"acceptance and prefill as recorded at a mean {recorded_context:,.0f} tokens (both move with context: "
-            f"record at {context:,} to measure them)")
+    (``ContextDecision.from_steps``)."""
     if not found["measured"]:
-        return f"at {context:,} tokens: moved from the whole sweep ({found['why']}); {kept}"
+        return f"at {context:,} tokens: moved from the whole sweep ({found['why']})"
     return (f"at {context:,} tokens: the k=0 step from the sweep's own {found['step_pairs']:,} k=0 step pairs at "
-            f"{found['bucket']} tokens (a mean {found['mean_tokens']:,.0f}), moved from there; its growth with k and "
-            f"routing the whole sweep's, its {kept}")
+            f"{found['bucket']} tokens (a mean {found['mean_tokens']:,.0f}), moved from there; its growth with k, "
+            f"acceptance, prefill and routing the whole sweep's")
 
 
 def attention_pricing(calibration: Mapping[str, Any], shape: ModelShape) -> tuple[AttentionCurve | None, str]:

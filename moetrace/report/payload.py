@@ -165,8 +165,7 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
             "attention_basis": analysis.context_decision.attention_basis,
             "per_batch": analysis.context_decision.rows.to_dicts(),
             "speedups": analysis.context_decision.speedups.to_dicts(),  # every k the decision chose from
-            "from_steps": [{"context": context, **found, "says": from_steps_sentence(
-                context, found, analysis.context_decision.recorded_context)}
+            "from_steps": [{"context": context, **found, "says": from_steps_sentence(context, found)}
                            for context, found in analysis.context_decision.from_steps.items()],
             "crossover": [{"context": context, **found, "says": crossover_sentence(found)}
                           for context, found in analysis.context_decision.crossovers.items()]},

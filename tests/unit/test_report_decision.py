@@ -138,6 +138,8 @@ def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_
     found = summary["decision"][0]["by_context"]
     assert "MLA curve (by hand, 8 heads a rank)" in found["attention_basis"]
     recorded = found["recorded_context"]
+    # a preset's prediction holds no prefill; acceptance stays the trace's, and the report says so
+    assert f"; acceptance as recorded, at a mean {recorded:,.0f} tokens" in found["attention_basis"]
     rows = {(row["context"], row["batch"]): row for row in found["per_batch"]}
     assert rows[(65536, 4)]["attention_kv_ms"] == pytest.approx(layers * 0.001 * 4 * (65536 - recorded) / 1e3)
     assert rows[(65536, 4)]["speedup_source"] != "extrapolated"
