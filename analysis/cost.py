@@ -266,10 +266,10 @@ def _measured_note(measured: MeasuredSteps) -> str:
             + ("; the rejection sampler's time over k=0's as the sweep's traces measured it, held from the "
                "nearest recorded k" if measured.sampling_ms is not None else
                "; rejection sampling is not in it")
-            + ("; the speedup is of the recorded workload's throughput: the steps that held a prefill, per "
-               "token a request gained, as each recorded k measured them (a k not recorded: the nearest "
+            + ("; the speedup is of the recorded workload's throughput: the prefills beyond the decode steps, per "
+               "token a request gained, as each recorded k's trace measured them (a k not recorded: the nearest "
                "recorded k > 0)" if any(measured.prefill_ms_per_token.values()) else
-               "; the traces held no prefill step at this concurrency: the speedup is the decode steps'")
+               "; the traces held no prefill step: the speedup is the decode steps'")
             + "; bookkeeping is not in the prediction")
 
 

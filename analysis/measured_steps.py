@@ -28,13 +28,12 @@ class MeasuredSteps:
     layers over more tokens, CUDA-graph padding); ``sampling_ms``, the rejection sampler's time over k=0's
     sampling; ``drafting_ms``, the drafter's own time (already given at every k). ``scheduling_ms``: what async
     scheduling off adds to every k > 0 step (a k=0 step recorded that way, less ``baseline_ms``).
-    ``prefill_ms_per_token``: per recorded k (k=0 included), what that trace's steps that held a prefill took
-    beyond a decode step, per token a request gained at this concurrency
-    (``analysis.acceptance.decode_step_periods``);
-    a k > 0 not recorded takes the nearest recorded k > 0's. Measured per k, not held from k=0: requests that
-    start together end together at k=0 and their prompts are prefilled in one step, while under speculation they
-    end at scattered steps and are admitted one step each. The speedup is then of the recorded workload's
-    throughput, prefill included (``end_to_end_speedup``).
+    ``prefill_ms_per_token``: per recorded k (k=0 included), what a request of this concurrency waits for
+    prefills per token it gains, from what that trace's prefills took beyond its decode steps over the whole trace
+    (``analysis.acceptance.decode_step_periods``); a k > 0 not recorded takes the nearest recorded k > 0's. Measured
+    per k, not held from k=0: async scheduling (on at k=0 for n-gram, off under it) changes what a prefill costs
+    beside the decode steps. The speedup is then of the recorded workload's throughput, prefill included
+    (``end_to_end_speedup``).
 
     At a concurrency the sweep did not record (``estimated_from``: the recorded concurrencies it is drawn from,
     ``analysis.decision.across_batches``), ``baseline_ms`` is the k=0 trace's decode step there where it passed
