@@ -90,10 +90,14 @@ done
 for run in ${parts/ calibrate / }; do  # the measurements and calibration, then each engine's trace apart
   [ -d "/root/$run" ] || continue
   tar -C /root --exclude='*-model' --exclude="$run/*/k*" -czf "$PENDING/$run.tar.gz" "$run"
-  for trace in /root/"$run"/*/k*; do  # an 8,192-token trace packs to 24 MB: in pieces of 15 MB (cat them back)
+  # each engine that measured (a cut one's folder is half written until the next call runs it again), once; an
+  # 8,192-token trace packs to 24 MB: in pieces of 15 MB (cat them back)
+  for trace in $(python3 -c 'import json, sys; print(*(e["trace"] for e in json.load(open(sys.argv[1]))["engines"]
+                                                   if "tok_s" in e))' /root/"$run"/*-measurements.json 2>/dev/null); do
     name="$run-$(basename "$(dirname "$trace")")-$(basename "$trace").tar.gz"
-    [ -d "$trace" ] && ! ls "$SENT/$name".part-* >/dev/null 2>&1 &&
-      tar -C /root -czf - "${trace#/root/}" | split -b 15M - "$PENDING/$name.part-"
+    if ! ls "$SENT/$name".part-* >/dev/null 2>&1; then
+      rm -f "$PENDING/$name".part-* && tar -C /root -czf - "$run/$trace" | split -b 15M - "$PENDING/$name.part-"
+    fi
   done
 done
 files=0 bytes=0
