@@ -141,7 +141,8 @@ def decode_step_periods(steps: pl.LazyFrame, only: pl.LazyFrame | None = None) -
         # work ends and waits for it (at 8,192-token prompts on an H100, 36 ms against 8.4), so what it takes
         # beyond a decode step is the prefill's
         after_prefill=(pl.col("decoding") & ~pl.col("decoding").shift(1).over("dp_rank")
-                       & (pl.col("step").shift(1).over("dp_rank") == pl.col("step") - 1)).fill_null(False))
+                       & (pl.col("step").shift(1).over("dp_rank") == pl.col("step") - 1)).fill_null(False)
+    ).collect().lazy()  # the steps table read once: the pairs, the prefills and the tokens gained all come from it
     pairs = per_step.filter(pl.col("decoding") & ~pl.col("after_prefill") & pl.col("next_decoding")
                             & (pl.col("next_step") == pl.col("step") + 1)
                             & (pl.col("next_requests") == pl.col("requests")))
