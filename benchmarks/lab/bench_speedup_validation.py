@@ -175,9 +175,10 @@ def moved_with(row: dict[str, Any], row0: dict[str, Any], own: dict[str, Any], o
     per token gained plus the prefill a token carries, with that prefill (and with ``acceptance``, the tokens a step
     gains) taken from the rows ``own``/``own0`` predicted from the run's own traces at its own context: how much of
     the moved prediction's miss each term the move keeps as recorded explains."""
-    tokens = (own if acceptance else row)["tokens_per_step"]
-    return ((row0["step_ms"] + (own0["prefill_ms_per_token"] or 0.0))
-            / (row["step_ms"] / tokens + (own["prefill_ms_per_token"] or 0.0)))
+    from moetrace.analysis.cost import end_to_end_speedup
+
+    return end_to_end_speedup(row0["step_ms"], 1.0, own0["prefill_ms_per_token"] or 0.0, row["step_ms"],
+                              (own if acceptance else row)["tokens_per_step"], own["prefill_ms_per_token"] or 0.0)
 
 
 def measured_best(speedups: dict[int, tuple[float, list[float]]]) -> int:
