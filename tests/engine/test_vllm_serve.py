@@ -186,7 +186,10 @@ def test_at_its_disk_cap_always_on_recording_stops_and_the_server_serves_on(tmp_
         time.sleep(1.2)
         send_traffic(base, requests=8, concurrency=4)  # served on, unhooked
         assert partitions(root) == stopped
-    assert len(stopped) == 2 and all(finished_manifest(p)["complete"] is True for p in stopped)
+    # the first partition's closing thread finds the root over the cap; one more opens meanwhile, or more where
+    # that close outlasts a period on a loaded machine: each is kept and complete, and none opens after the stop
+    assert len(stopped) >= 2 and all(finished_manifest(p)["complete"] is True for p in stopped)
+    assert "recording stops, the server serves on" in (tmp_path / "server.log").read_text()
 
 
 def test_at_its_disk_cap_always_on_recording_drops_the_oldest_partitions_while_serving(tmp_path: Path) -> None:
