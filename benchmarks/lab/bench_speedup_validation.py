@@ -40,6 +40,7 @@ from speedup_measure import (
     requests_per_round,
     round_order,
     slice_model_dir,
+    window_prefill_share,
 )
 
 def ratio_ci95(numerator: list[float], denominator: list[float], resamples: int = 10_000) -> tuple[float, list[float]]:
@@ -103,15 +104,17 @@ def recommended(report: dict[str, Any] | None, context: int | None = None) -> di
     return {int(r["batch"]): r for r in decision.get("per_batch", [])}
 
 
-def recorded_tok_s(trace: Path, max_tokens: int, lengths: tuple[float, ...], rounds: int,
-                   recorded: list[int]) -> dict[int, float]:
-    """Per recorded concurrency: output tokens per second in the closed loop's window, from the trace's own steps
-    (the median over rounds), so it tells the recorded steps apart from what the host adds around them. Requests
-    were recorded in ``round_order``, ``requests_per_round(C)`` each; a request's index in the trace is the order
-    vLLM first ran it, which is the order they were added. Per round: the window opens as the step ends in which the
-    last of the first C requests produced its first token, and closes as the (n − C + 1)-th of its n requests ends
-    (the first that no request replaced); its tokens are what each request gained (1 + accepted drafts a step,
-    no more than its output length) in steps that ended inside it."""
+def recorded_windows(trace: Path, max_tokens: int, lengths: tuple[float, ...], rounds: int,
+                     recorded: list[int]) -> dict[int, tuple[float, float]]:
+    """Per recorded concurrency, from the trace's own steps (the median over rounds): output tokens per second in the
+    closed loop's window, so it tells the recorded steps apart from what the host adds around them; and the
+    prefills per token in that window over those of its whole round (what ``window_prefill_share`` simulates).
+    Requests were recorded in ``round_order``, ``requests_per_round(C)`` each; a request's index in the trace is the
+    order vLLM first ran it, which is the order they were added. Per round: the window opens as the step ends in
+    which the last of the first C requests produced its first token, and closes as the (n − C + 1)-th of its n
+    requests ends (the first that no request replaced); its tokens are what each request gained (1 + accepted
+    drafts a step, no more than its output length) in steps that ended inside it, its prefills the requests whose
+    first step did."""
     import polars as pl
 
     steps = (pl.scan_parquet(str(trace / "steps" / "*.parquet"))
@@ -122,6 +125,7 @@ def recorded_tok_s(trace: Path, max_tokens: int, lengths: tuple[float, ...], rou
         raise SystemExit(f"{trace}: {steps.get_column('request').n_unique()} requests recorded, {expected} expected "
                          f"from {rounds} round(s) at {recorded}")
     rates: dict[int, list[float]] = {c: [] for c in recorded}
+    shares: dict[int, list[float]] = {c: [] for c in recorded}
     first = 0
     for round_index in range(rounds):
         for concurrency in round_order(round_index, recorded):
@@ -130,7 +134,8 @@ def recorded_tok_s(trace: Path, max_tokens: int, lengths: tuple[float, ...], rou
                                  "length": output_lengths(count, max_tokens, lengths)})
             part = steps.join(caps, on="request").sort("request", "step").with_columns(
                 emitted=pl.min_horizontal(pl.col("gained").cum_sum().over("request"), pl.col("length")))
-            spans = (part.group_by("request").agg(first_end=pl.col("t_end_ns").min(), end=pl.col("t_end_ns").max())
+            spans = (part.group_by("request").agg(first_end=pl.col("t_end_ns").min(), end=pl.col("t_end_ns").max(),
+                                                  emitted=pl.col("emitted").max())
                      .sort("request"))
             opened = int(spans.head(concurrency).get_column("first_end").max())  # type: ignore[arg-type]
             closed = int(spans.get_column("end").sort()[count - concurrency])
@@ -139,9 +144,12 @@ def recorded_tok_s(trace: Path, max_tokens: int, lengths: tuple[float, ...], rou
                 return int(part.filter(pl.col("t_end_ns") <= moment).group_by("request")
                            .agg(pl.col("emitted").max()).get_column("emitted").sum())
 
-            rates[concurrency].append((emitted_by(closed) - emitted_by(opened)) / ((closed - opened) / 1e9))
+            tokens = emitted_by(closed) - emitted_by(opened)
+            prefills = spans.filter((pl.col("first_end") > opened) & (pl.col("first_end") <= closed)).height
+            rates[concurrency].append(tokens / ((closed - opened) / 1e9))
+            shares[concurrency].append(prefills / tokens / (count / int(spans.get_column("emitted").sum())))
             first += count
-    return {c: statistics.median(r) for c, r in rates.items()}
+    return {c: (statistics.median(rates[c]), statistics.median(shares[c])) for c in recorded}
 
 
 def recorded_rounds(engine: dict[str, Any]) -> int:
@@ -179,6 +187,38 @@ def moved_with(row: dict[str, Any], row0: dict[str, Any], own: dict[str, Any], o
 
     return end_to_end_speedup(row0["step_ms"], 1.0, own0["prefill_ms_per_token"] or 0.0, row["step_ms"],
                               (own if acceptance else row)["tokens_per_step"], own["prefill_ms_per_token"] or 0.0)
+
+
+def in_window(row: dict[str, Any], row0: dict[str, Any], share: float, share0: float) -> float:
+    """The speedup of a predicted ``row`` (its k=0 row ``row0``) as the report computes it, with the prefill a token
+    carries scaled to the closed loop's window (``share``/``share0``: ``window_prefill_shares`` at k and at k = 0)."""
+    from moetrace.analysis.cost import end_to_end_speedup
+
+    prefill0, prefill = row0["prefill_ms_per_token"] or 0.0, row["prefill_ms_per_token"] or 0.0
+    return float(end_to_end_speedup(row0["step_ms"], 1.0, share0 * prefill0, row["step_ms"], row["tokens_per_step"],
+                                    share * prefill))
+
+
+def window_prefill_shares(trace: Path, baseline: Path, concurrencies: list[int], max_tokens: int,
+                          lengths: tuple[float, ...]) -> dict[int, float]:
+    """Per concurrency, ``window_prefill_share`` of a timed round there: its requests' output lengths as the engine
+    produced them (cut where the k=0 trace's requests stopped short of their lengths, at the model's last position)
+    and the tokens the decode steps of ``trace`` gained."""
+    import polars as pl
+
+    from moetrace.analysis.predicates import decoding
+
+    steps = pl.scan_parquet(str(baseline / "steps" / "*.parquet"))
+    # at k = 0 a request gains one token per decode step, and its first in its (last) prefill step
+    produced = steps.filter(decoding()).group_by("request").len().select(pl.col("len").max() + 1).collect().item()
+    gains = (pl.scan_parquet(str(trace / "steps" / "*.parquet")).filter(decoding())
+             .select(pl.col("num_accepted") + 1).collect().to_series().to_list())
+    shares = {}
+    for concurrency in concurrencies:
+        asked = output_lengths(requests_per_round(concurrency), max_tokens, lengths)
+        cut = produced if produced < max(asked) else max(asked)
+        shares[concurrency] = window_prefill_share(concurrency, [min(n, cut) for n in asked], gains)
+    return shares
 
 
 def measured_best(speedups: dict[int, tuple[float, list[float]]]) -> int:
@@ -219,8 +259,8 @@ def compare(args: argparse.Namespace) -> None:
             lengths = tuple(doc["lengths"])
 
             def wall(engine: dict[str, Any], doc: dict[str, Any] = doc, lengths: tuple[float, ...] = lengths,
-                     recorded: list[int] = recorded) -> dict[int, float]:
-                return recorded_tok_s(runs / engine["trace"], doc["max_tokens"], lengths, recorded_rounds(engine),
+                     recorded: list[int] = recorded) -> dict[int, tuple[float, float]]:
+                return recorded_windows(runs / engine["trace"], doc["max_tokens"], lengths, recorded_rounds(engine),
                                       recorded)
 
             baseline_wall = wall(baseline)
@@ -273,6 +313,17 @@ def compare(args: argparse.Namespace) -> None:
                     own_sync = runs / sync["trace"] if sync is not None and drafted_sync else None
                     own, _ = predicted_rows(report_json(own_sweep, calibration, Path(scratch), own_sync, timed))
                 drafted = [e for e in engines if e["method"] == method and e["k"] > 0]
+                # the window a timed round measures holds fewer prefills per token than the whole rounds a trace
+                # pools its prefill over (``window_prefill_share``): each prediction also in that window
+                source_k0 = source / source_baseline["trace"]
+                window_engines = [source_baseline, *(e for e in source_engines if e["method"] == method and e["k"] > 0)]
+                window_shares = {e["k"]: window_prefill_shares(source / e["trace"], source_k0,
+                                                               sorted({*timed, *recorded}), doc["max_tokens"], lengths)
+                                 for e in window_engines}
+                if context is None:  # the simulation against the recorded rounds' own windows
+                    models[model].setdefault("window_prefill_share", {})[method] = {
+                        str(e["k"]): {str(c): {"simulated": window_shares[e["k"]][c], "recorded": share}
+                                      for c, (_, share) in wall(e).items()} for e in window_engines}
                 for engine in drafted:
                     held_out, _ = predicted_rows(report_json(held_out_sweep(sweep, engine["k"], Path(scratch)),
                                                              calibration, Path(scratch), k0_sync, timed, context),
@@ -284,6 +335,9 @@ def compare(args: argparse.Namespace) -> None:
                                                         baseline["tok_s"][str(concurrency)])
                         row, trace = predicted.get(key), checked.get(key, {})
                         row0 = predicted.get((concurrency, 0))
+                        window_speedup = (in_window(row, row0, window_shares[engine["k"]][concurrency],
+                                                    window_shares[0][concurrency])
+                                          if row and row0 and engine["k"] in window_shares else None)
                         rows.append({
                             "model": model, "drafter": method, "concurrency": concurrency, "k": engine["k"],
                             # predicted at a concurrency no trace recorded: from the recorded ones alone
@@ -292,11 +346,13 @@ def compare(args: argparse.Namespace) -> None:
                             "measured_speedup": measured, "measured_ci95": interval,
                             "error": (row["speedup"] - measured) / measured if row else None,
                             # predicted with this k's own timing of vLLM's calls left out (held_out_sweep)
+                            "window_predicted_speedup": window_speedup,
+                            "window_error": (window_speedup - measured) / measured if window_speedup else None,
                             "held_out_predicted_speedup": held_out[key]["speedup"] if key in held_out else None,
                             "held_out_error": ((held_out[key]["speedup"] - measured) / measured
                                                if key in held_out else None),
                             "trace_measured_speedup": trace.get("measured_speedup"),
-                            "trace_wall_speedup": (engine_wall[concurrency] / baseline_wall[concurrency]
+                            "trace_wall_speedup": (engine_wall[concurrency][0] / baseline_wall[concurrency][0]
                                                    if at_recorded else None),
                             "trace_tokens_per_step": trace.get("measured_tokens_per_step"),
                             "trace_step_ms": trace.get("measured_step_ms"),
@@ -325,10 +381,14 @@ def compare(args: argparse.Namespace) -> None:
                 for concurrency in timed:  # the k=0 step: time per token the report predicts, the k=0 engine ran
                     row0 = predicted.get((concurrency, 0))
                     ran = concurrency / statistics.median(baseline["tok_s"][str(concurrency)]) * 1e3
-                    estimate = (row0["step_ms"] + (row0["prefill_ms_per_token"] or 0.0)) if row0 else None
+                    prefill = (row0["prefill_ms_per_token"] or 0.0) if row0 else 0.0
+                    estimate = row0["step_ms"] + prefill if row0 else None
+                    in_its_window = (row0["step_ms"] + window_shares[0][concurrency] * prefill) if row0 else None
                     models[model].setdefault("k0_ms_per_token", {})[str(concurrency)] = {
                         "predicted": estimate, "measured": ran, "step_source": row0["step_source"] if row0 else None,
-                        "error": (estimate - ran) / ran if estimate is not None else None}
+                        "error": (estimate - ran) / ran if estimate is not None else None,
+                        "window_prefill_share": window_shares[0][concurrency], "window_predicted": in_its_window,
+                        "window_error": (in_its_window - ran) / ran if in_its_window is not None else None}
                 for concurrency in timed:  # the measured best k beside the one the report recommends
                     base = baseline["tok_s"][str(concurrency)]
                     speedups = {0: ratio_ci95(base, base), **{e["k"]: ratio_ci95(e["tok_s"][str(concurrency)], base)
@@ -366,9 +426,15 @@ def compare(args: argparse.Namespace) -> None:
             print(f"{model}: engine failed: {failed}")
         for missing in facts.get("missing", []):
             print(f"{model}: {missing}")
-        print(f"{model}: k=0 ms per token, predicted / ran (error): " + ", ".join(
-            f"B={c} " + (f"{v['predicted']:.3f} / {v['measured']:.3f} ({100 * v['error']:+.1f}%)"
-                         if v["predicted"] is not None else f"- / {v['measured']:.3f}")
+        for method, per_k in facts.get("window_prefill_share", {}).items():
+            print(f"{model} {method}: prefills per token in the timed window over a whole round's, simulated / in the "
+                  "recorded rounds: " + "; ".join(f"k={k} " + ", ".join(
+                      f"B={c} {v['simulated']:.3f} / {v['recorded']:.3f}" for c, v in at.items())
+                      for k, at in per_k.items()))
+        print(f"{model}: k=0 ms per token, predicted / in the timed window / ran (errors): " + ", ".join(
+            f"B={c} " + (f"{v['predicted']:.3f} / {v['window_predicted']:.3f} / {v['measured']:.3f} "
+                         f"({100 * v['error']:+.1f}%, {100 * v['window_error']:+.1f}%)"
+                         if v["predicted"] is not None else f"- / - / {v['measured']:.3f}")
             for c, v in facts.get("k0_ms_per_token", {}).items()))
     for r in rows:
         if "moved_with_own_prefill_speedup" in r:
@@ -428,16 +494,19 @@ def show_table(rows: list[dict[str, Any]]) -> None:
         return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
     print(f"{'model':<12} {'drafter':<6} {'B':>4} {'k':>2} {'predicted':>9} {'measured':>8} {'95% interval':>13} "
-          f"{'error':>6} {'held out':>8} {'error':>6} {'wall ×':>6} {'trace ×':>7} {'step ms':>7} {'missing ms':>10} "
+          f"{'error':>6} {'window':>6} {'error':>6} {'held out':>8} {'error':>6} {'wall ×':>6} {'trace ×':>7} "
+          f"{'step ms':>7} {'missing ms':>10} "
           f"{'grew':>6} {'fwd':>6} {'moe':>6} "
           f"{'sample':>6} {'draft':>6} {'async':>6}")
     for r in rows:
         error = 100 * r["error"] if r["error"] is not None else None
         held_error = 100 * r["held_out_error"] if r["held_out_error"] is not None else None
+        window_error = 100 * r["window_error"] if r["window_error"] is not None else None
         batch = f"{r['concurrency']}{'*' if r['held_out_concurrency'] else ''}"
         print(f"{r['model']:<12} {r['drafter']:<6} {batch:>4} {r['k']:>2} "
               f"{show(r['predicted_speedup'], 9)} {show(r['measured_speedup'], 8)} "
               f"{r['measured_ci95'][0]:>6.2f}-{r['measured_ci95'][1]:<6.2f} {show(error, 5, 0)}% "
+              f"{show(r['window_predicted_speedup'], 6)} {show(window_error, 5, 0)}% "
               f"{show(r['held_out_predicted_speedup'], 8)} {show(held_error, 5, 0)}% "
               f"{show(r['trace_wall_speedup'], 6)} "
               f"{show(r['trace_measured_speedup'], 7)} {show(r['trace_step_ms'], 7)} "

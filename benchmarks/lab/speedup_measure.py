@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -90,6 +91,35 @@ def model_len(prompt_tokens: int | None, max_tokens: int) -> int:
 def output_lengths(count: int, max_tokens: int, lengths: tuple[float, ...] = LENGTHS) -> list[int]:
     """Tokens each of ``count`` requests generates (``lengths`` in turn, fractions of ``max_tokens``)."""
     return [round(max_tokens * lengths[i % len(lengths)]) for i in range(count)]
+
+
+def window_prefill_share(concurrency: int, lengths: list[int], gains: list[int], seeds: int = 20) -> float:
+    """Prefills per output token inside ``closed_loop``'s window at ``concurrency``, over those of its whole round
+    (``lengths``: the tokens each request of the round produces; ``gains``: the tokens a request gains per decode
+    step, one drawn at random each step; [1] at k = 0). The window opens on the fill's requests all fresh, so none
+    ends in its first min(lengths) steps: it holds n − C prefills over fewer tokens than a server's steady state,
+    for which a round's n prefills over its Σ lengths stand (and a trace's prefill, pooled over whole rounds).
+    Simulated step by step, a finished request replaced by the next, whose prefill step gives its first token; the
+    mean over ``seeds`` draws of the gains."""
+    count = len(lengths)
+    if count <= concurrency:
+        raise ValueError(f"a round of {count} requests has no window at concurrency {concurrency}")
+    shares = []
+    for seed in range(seeds if len(set(gains)) > 1 else 1):
+        draw = random.Random(seed).choice
+        running = {index: 1 for index in range(concurrency)}  # request → tokens it has: the fill's first token
+        added, ended, tokens = concurrency, 0, 0
+        while ended < count - concurrency + 1:  # the window closes at the first completion nobody replaces
+            for index, have in list(running.items()):
+                gained = min(draw(gains), lengths[index] - have)
+                running[index], tokens = have + gained, tokens + gained
+            for index in [i for i, have in running.items() if have >= lengths[i]]:
+                del running[index]
+                ended += 1
+                if added < count:
+                    running[added], added = 1, added + 1
+        shares.append((count - concurrency) / tokens / (count / sum(lengths)))
+    return statistics.fmean(shares)
 
 
 def closed_loop(llm: Any, prompts: list[Any], concurrency: int, lengths: list[int], prefix: str) -> float:
