@@ -199,26 +199,30 @@ def in_window(row: dict[str, Any], row0: dict[str, Any], share: float, share0: f
                                     share * prefill))
 
 
-def window_prefill_shares(trace: Path, baseline: Path, concurrencies: list[int], max_tokens: int,
-                          lengths: tuple[float, ...]) -> dict[int, float]:
-    """Per concurrency, ``window_prefill_share`` of a timed round there: its requests' output lengths as the engine
-    produced them (cut where the k=0 trace's requests stopped short of their lengths, at the model's last position)
-    and the tokens the decode steps of ``trace`` gained."""
+def longest_output(baseline: Path) -> int:
+    """The most tokens a request of the k=0 trace ``baseline`` produced: one a decode step, and its first in its
+    (last) prefill step. Requests stop there at the model's last position, short of a longer output length."""
     import polars as pl
 
     from moetrace.analysis.predicates import decoding
 
-    steps = pl.scan_parquet(str(baseline / "steps" / "*.parquet"))
-    # at k = 0 a request gains one token per decode step, and its first in its (last) prefill step
-    produced = steps.filter(decoding()).group_by("request").len().select(pl.col("len").max() + 1).collect().item()
+    return int(pl.scan_parquet(str(baseline / "steps" / "*.parquet")).filter(decoding()).group_by("request").len()
+               .select(pl.col("len").max() + 1).collect().item())
+
+
+def window_prefill_shares(trace: Path, longest: int, concurrencies: list[int], max_tokens: int,
+                          lengths: tuple[float, ...]) -> dict[int, float]:
+    """Per concurrency, ``window_prefill_share`` of a timed round there: its requests' output lengths as the engine
+    produced them (none past ``longest``: ``longest_output``) and the tokens the decode steps of ``trace`` gained."""
+    import polars as pl
+
+    from moetrace.analysis.predicates import decoding
+
     gains = (pl.scan_parquet(str(trace / "steps" / "*.parquet")).filter(decoding())
              .select(pl.col("num_accepted") + 1).collect().to_series().to_list())
-    shares = {}
-    for concurrency in concurrencies:
-        asked = output_lengths(requests_per_round(concurrency), max_tokens, lengths)
-        cut = produced if produced < max(asked) else max(asked)
-        shares[concurrency] = window_prefill_share(concurrency, [min(n, cut) for n in asked], gains)
-    return shares
+    return {concurrency: window_prefill_share(concurrency, [min(n, longest) for n in output_lengths(
+                requests_per_round(concurrency), max_tokens, lengths)], gains)
+            for concurrency in concurrencies}
 
 
 def measured_best(speedups: dict[int, tuple[float, list[float]]]) -> int:
@@ -258,10 +262,15 @@ def compare(args: argparse.Namespace) -> None:
             timed, recorded = [int(c) for c in doc["timed"]], [int(c) for c in doc["recorded"]]
             lengths = tuple(doc["lengths"])
 
+            windows: dict[str, dict[int, tuple[float, float]]] = {}  # trace → its recorded windows, read once
+
             def wall(engine: dict[str, Any], doc: dict[str, Any] = doc, lengths: tuple[float, ...] = lengths,
-                     recorded: list[int] = recorded) -> dict[int, tuple[float, float]]:
-                return recorded_windows(runs / engine["trace"], doc["max_tokens"], lengths, recorded_rounds(engine),
-                                      recorded)
+                     recorded: list[int] = recorded,
+                     windows: dict[str, dict[int, tuple[float, float]]] = windows) -> dict[int, tuple[float, float]]:
+                if engine["trace"] not in windows:
+                    windows[engine["trace"]] = recorded_windows(runs / engine["trace"], doc["max_tokens"], lengths,
+                                                                recorded_rounds(engine), recorded)
+                return windows[engine["trace"]]
 
             baseline_wall = wall(baseline)
             sync = next((e for e in engines if e["method"] == "sync"), None)
@@ -315,9 +324,9 @@ def compare(args: argparse.Namespace) -> None:
                 drafted = [e for e in engines if e["method"] == method and e["k"] > 0]
                 # the window a timed round measures holds fewer prefills per token than the whole rounds a trace
                 # pools its prefill over (``window_prefill_share``): each prediction also in that window
-                source_k0 = source / source_baseline["trace"]
+                longest = longest_output(source / source_baseline["trace"])
                 window_engines = [source_baseline, *(e for e in source_engines if e["method"] == method and e["k"] > 0)]
-                window_shares = {e["k"]: window_prefill_shares(source / e["trace"], source_k0,
+                window_shares = {e["k"]: window_prefill_shares(source / e["trace"], longest,
                                                                sorted({*timed, *recorded}), doc["max_tokens"], lengths)
                                  for e in window_engines}
                 if context is None:  # the simulation against the recorded rounds' own windows

@@ -97,7 +97,7 @@ def window_prefill_share(concurrency: int, lengths: list[int], gains: list[int],
     """Prefills per output token inside ``closed_loop``'s window at ``concurrency``, over those of its whole round
     (``lengths``: the tokens each request of the round produces; ``gains``: the tokens a request gains per decode
     step, one drawn at random each step; [1] at k = 0). The window opens on the fill's requests all fresh, so none
-    ends in its first min(lengths) steps: it holds n − C prefills over fewer tokens than a server's steady state,
+    ends in its first min(lengths) steps: it holds n − C prefills over more tokens than a server's steady state,
     for which a round's n prefills over its Σ lengths stand (and a trace's prefill, pooled over whole rounds).
     Simulated step by step, a finished request replaced by the next, whose prefill step gives its first token; the
     mean over ``seeds`` draws of the gains."""
