@@ -98,6 +98,17 @@ def kv_cache_bytes(vllm_config: Any) -> int:
     return 1 if cache_dtype.startswith("fp8") else vllm_config.model_config.dtype.itemsize
 
 
+def spec_acceptance(spec: Any) -> dict[str, Any] | None:
+    """Who decides which drafts are kept, as vLLM was configured: ``synthetic`` with the unconditional rate per draft
+    position (``rejection_sample_method="synthetic"``, resolved by vLLM from rates or a mean acceptance length), or
+    ``drafter`` (verification against the target model); None without speculation."""
+    if spec is None:
+        return None
+    if getattr(spec, "rejection_sample_method", "standard") == "synthetic":
+        return {"set_by": "synthetic", "rates": [float(rate) for rate in spec.synthetic_acceptance_rates]}
+    return {"set_by": "drafter"}
+
+
 def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: RecordingOptions,
                     budget_sizes: list[int] | None, capture: dict[str, Any]) -> dict[str, Any]:
     """The manifest's sections that the worker knows as recording starts; ``budget_sizes``: each recorded layer's
@@ -163,6 +174,7 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: Record
             }
             if spec is not None and spec.method == "ngram"
             else {},
+            "acceptance": spec_acceptance(spec),
         },
         "capture": {
             "mode": "eager" if model_config.enforce_eager else "graph-safe",

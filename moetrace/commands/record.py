@@ -45,6 +45,11 @@ from moetrace.hooks.options import BUDGET_SCOPES
               help="Extra vLLM engine argument (repeatable; VALUE parsed as JSON when it can be).")
 @click.option("--spec-arg", "spec_args", multiple=True, metavar="KEY=VALUE",
               help="Extra speculative_config entry (repeatable).")
+@click.option("--synthetic-acceptance", metavar="RATES|PROFILE",
+              help="Keep drafts at these rates instead of the target model's verdict (vLLM's synthetic rejection "
+                   "sampling; GPU only): per draft position, the share of windows that accept at least i drafts, "
+                   "such as 0.8,0.52,0.31, or a profile: kimi-k2-eagle3-chat, kimi-k2-eagle3-math, chat-ngram-low. "
+                   "Each k takes the first k rates; the drafter and verification still run at k.")
 @click.option("--compiled", is_flag=True,
               help="Let vLLM compile (and capture CUDA graphs on GPU) instead of running eager.")
 @click.option("--recompute-from-logits", is_flag=True,
@@ -60,7 +65,7 @@ from moetrace.hooks.options import BUDGET_SCOPES
 def record(model: str | None, ks: str, method: str, drafter: str | None, prompts_file: Path | None,
            num_prompts: int | None, max_tokens: int, batch_size: int, tp: int, candidates: int, no_token_ids: bool,
            budget_arg: str | None, budget_scope: str, replay_routing: Path | None, out: Path,
-           engine_args: tuple[str, ...], spec_args: tuple[str, ...], compiled: bool,
+           engine_args: tuple[str, ...], spec_args: tuple[str, ...], synthetic_acceptance: str | None, compiled: bool,
            recompute_from_logits: bool, time_phases_every: int | None, rotate_seconds: float, force: bool,
            verbose: bool) -> None:
     """Record expert routing from vLLM while it generates with speculative decoding.
@@ -68,14 +73,22 @@ def record(model: str | None, ks: str, method: str, drafter: str | None, prompts
     MODEL is a checkpoint directory (or a name in the local Hugging Face cache); without it, the embedded tiny
     Kimi-K2-shaped model (trained on Python's standard library) is unpacked once and used.
     """
-    from moetrace.recording.record import RecordRequest, parse_budgets, parse_key_values, parse_ks, record as run_record
+    from moetrace.recording.record import (
+        RecordRequest,
+        parse_budgets,
+        parse_key_values,
+        parse_ks,
+        parse_synthetic_acceptance,
+        record as run_record,
+    )
 
     request = RecordRequest(
         model=model, ks=parse_ks(ks), method=method, drafter=drafter, prompts_file=prompts_file,
         num_prompts=num_prompts, max_tokens=max_tokens, batch_size=batch_size, tp=tp, candidates=candidates,
         token_ids=not no_token_ids, budgets=parse_budgets(budget_arg), budget_scope=budget_scope, out=out,
         engine_args=parse_key_values(engine_args, "--engine-arg"),
-        spec_args=parse_key_values(spec_args, "--spec-arg"), eager=not compiled,
+        spec_args=parse_key_values(spec_args, "--spec-arg"),
+        synthetic_acceptance=parse_synthetic_acceptance(synthetic_acceptance), eager=not compiled,
         recompute_from_logits=recompute_from_logits, time_phases_every=time_phases_every,
         rotate_seconds=rotate_seconds, replay_routing=replay_routing, force=force, verbose=verbose,
     )

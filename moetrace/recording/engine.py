@@ -159,14 +159,19 @@ def save_engine_routed_experts(outputs: list[Any], path: Path) -> None:
 
 def spec_decode_counters(llm: Any) -> dict[str, float]:
     """vLLM's own speculative-decoding counters for this run (what ``/metrics`` shows under ``vllm serve``):
-    ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``."""
+    ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, and ``num_accepted_tokens_at_<i>``: the drafts
+    accepted at draft position i = 1..k (vLLM's ``num_accepted_tokens_per_pos``, counted from 0 there)."""
     prefix = "vllm:spec_decode_"
-    return {
-        metric.name.removeprefix(prefix): float(metric.value)
-        for metric in llm.get_metrics()
-        if metric.name.startswith(prefix) and hasattr(metric, "value")
-    }
-
+    counters: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith(prefix):
+            continue
+        name = metric.name.removeprefix(prefix)
+        if hasattr(metric, "value"):
+            counters[name] = float(metric.value)
+        elif name == "num_accepted_tokens_per_pos":  # a Vector: one counter per draft position
+            counters |= {f"num_accepted_tokens_at_{i + 1}": float(v) for i, v in enumerate(metric.values)}
+    return counters
 
 
 def served_spec_decode_counters(metrics_text: str) -> dict[str, float]:
@@ -175,9 +180,14 @@ def served_spec_decode_counters(metrics_text: str) -> dict[str, float]:
     counters: dict[str, float] = {}
     for line in metrics_text.splitlines():
         name, _, rest = line.partition("{")
+        value = rest.rsplit(" ", 1)[-1]
         for counter in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             if name == f"vllm:spec_decode_{counter}_total":
-                counters[counter] = counters.get(counter, 0.0) + float(rest.rsplit(" ", 1)[1])
+                counters[counter] = counters.get(counter, 0.0) + float(value)
+        if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            position = int(rest.split('position="', 1)[1].split('"', 1)[0])
+            key = f"num_accepted_tokens_at_{position + 1}"
+            counters[key] = counters.get(key, 0.0) + float(value)
     return counters
 
 

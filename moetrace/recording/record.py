@@ -59,6 +59,9 @@ class RecordRequest:
     out: Path = Path("traces")
     engine_args: dict[str, Any] = field(default_factory=dict)
     spec_args: dict[str, Any] = field(default_factory=dict)
+    # per draft position, the unconditional acceptance vLLM's synthetic rejection sampling keeps drafts at (each k
+    # takes the first k); None: the drafter's own acceptance
+    synthetic_acceptance: tuple[float, ...] | None = None
     eager: bool = True
     recompute_from_logits: bool = False
     time_phases_every: int | None = None  # None: the recorder's default for the device
@@ -139,6 +142,36 @@ def parse_ks(text: str) -> list[int]:
             raise UserError(f"--k {part.strip()}: not an integer (give one k or a list like 0,1,2,3)") from None
         ks.add(check_k(k))
     return sorted(ks)
+
+
+ACCEPTANCE_PROFILES = Path(__file__).resolve().parents[1] / "data" / "acceptance-profiles.json"
+
+
+def acceptance_profiles() -> dict[str, Any]:
+    """The committed acceptance profiles users have (``moetrace/data/acceptance-profiles.json``), by name."""
+    profiles: dict[str, Any] = json.loads(ACCEPTANCE_PROFILES.read_text())["profiles"]
+    return profiles
+
+
+def parse_synthetic_acceptance(text: str | None) -> tuple[float, ...] | None:
+    """``--synthetic-acceptance``: a profile's name, or rates such as ``0.8,0.52,0.31``; ``UserError`` unless each
+    rate lies in [0, 1] and none is above the one before (an unconditional rate cannot grow with the position)."""
+    if text is None:
+        return None
+    profiles = acceptance_profiles()
+    if text in profiles:
+        return tuple(float(rate) for rate in profiles[text]["rates"])
+    try:
+        rates = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--synthetic-acceptance {text!r}: rates such as 0.8,0.52,0.31 or a profile "
+                        f"({', '.join(profiles)})") from None
+    if not all(0.0 <= rate <= 1.0 for rate in rates):
+        raise UserError(f"--synthetic-acceptance {text}: each rate must lie between 0 and 1")
+    if any(later > earlier for earlier, later in zip(rates, rates[1:])):
+        raise UserError(f"--synthetic-acceptance {text}: the share of windows that accept at least i drafts cannot "
+                        "grow with i")
+    return rates
 
 
 def parse_key_values(pairs: tuple[str, ...], option: str) -> dict[str, Any]:
@@ -229,6 +262,9 @@ def engine_settings(request: RecordRequest, model: ResolvedModel, k: int, trace_
         longest = max(len(t) for t in token_prompts) + request.max_tokens + k + 16
         max_model_len = min(model.max_positions or longest, ((longest + 255) // 256) * 256)
     engine_args, spec_args = dict(request.engine_args), dict(request.spec_args)
+    if request.synthetic_acceptance is not None and k > 0:  # vLLM keeps drafts at these rates, not the target's say
+        spec_args.update(rejection_sample_method="synthetic",
+                         synthetic_acceptance_rates=list(request.synthetic_acceptance[:k]))
     if _on_cpu_build():  # KV cache sized explicitly: the CPU backend's default fraction can exceed a NUMA node
         engine_args.setdefault("kv_cache_memory_bytes", 512 << 20)
         engine_args.setdefault("gpu_memory_utilization", 0.3)
@@ -361,6 +397,14 @@ def record(request: RecordRequest, progress: ProgressFn,
     if request.method != "ngram" and ngram_only:
         raise UserError(f"--spec-arg {ngram_only[0]}: n-gram's setting; --method {request.method} has no prompt "
                         "lookup")
+    if request.synthetic_acceptance is not None and len(request.synthetic_acceptance) < max(request.ks):
+        raise UserError(f"--synthetic-acceptance gives {len(request.synthetic_acceptance)} rate(s); --k "
+                        f"{max(request.ks)} needs one per draft position")
+    synthetic = (request.synthetic_acceptance is not None
+                 or request.spec_args.get("rejection_sample_method") == "synthetic")
+    if synthetic and _on_cpu_build():  # vLLM's CPU sampler refuses it at its first step, after the engine's start
+        raise UserError("--synthetic-acceptance: vLLM's CPU build cannot sample synthetic acceptance (\"Synthetic "
+                        "acceptance not supported with CPU sampling\"); record it on a GPU")
     if any(budget is not None for _, budget in request.budgets) and max(request.ks) == 0:
         raise UserError("--budget: a budget limits the experts of verification steps; --k 0 verifies nothing")
     if request.candidates < 0:

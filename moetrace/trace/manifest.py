@@ -86,6 +86,17 @@ class ModelInfo:
 class SpecInfo:
     method: str | None  # the drafter (ngram, mtp, …); None without speculation
     k: int
+    # per draft position, the unconditional acceptance vLLM's synthetic rejection sampling was set to (None: the
+    # drafter's own, decided by the target model): a synthetic trace's acceptance is no drafter's
+    synthetic_rates: tuple[float, ...] | None = None
+
+
+def synthetic_rates(spec: Mapping[str, Any]) -> tuple[float, ...] | None:
+    """The manifest's ``spec.acceptance.rates`` where it says ``set_by: synthetic``; None otherwise."""
+    acceptance = spec.get("acceptance") or {}
+    if acceptance.get("set_by") != "synthetic":
+        return None
+    return tuple(float(rate) for rate in acceptance["rates"])
 
 
 @dataclass(frozen=True)
@@ -182,7 +193,7 @@ class Manifest:
                     hidden_size=int(model["hidden_size"]),
                     num_layers=None if model.get("num_layers") is None else int(model["num_layers"]),
                     name=model.get("name"), random_weights=bool(model.get("random_weights", False)), fields=model),
-                spec=SpecInfo(method=spec["method"], k=int(spec["k"])),
+                spec=SpecInfo(method=spec["method"], k=int(spec["k"]), synthetic_rates=synthetic_rates(spec)),
                 parallel=ParallelInfo(
                     tp=int(parallel["tp"] or 1), ep=int(parallel["ep"] or 1), dp=int(parallel.get("dp") or 1),
                     dp_rank=dp_rank, dp_ranks=tuple(int(r) for r in parallel.get("dp_ranks") or [dp_rank]),
@@ -208,6 +219,12 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"manifest has a malformed value ({type(exc).__name__}: {exc})") from None
+
+    @property
+    def acceptance_set_by(self) -> str:
+        """Who decided which drafts were kept: ``synthetic`` (vLLM's synthetic rejection sampling, at set rates) or
+        ``drafter`` (the target model verifying the drafter's tokens)."""
+        return "drafter" if self.spec.synthetic_rates is None else "synthetic"
 
     def lacks(self, what: str) -> bool:
         """Whether the trace's source could not know ``what`` (one of ``SOURCE_LACKS``: an imported trace)."""

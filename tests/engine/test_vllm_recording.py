@@ -148,6 +148,8 @@ def test_recorded_drafts_and_acceptance_equal_vllms_own_spec_decode_counters(rec
     assert counters["num_drafts"] == verified.height > 0
     assert counters["num_draft_tokens"] == verified["num_drafts"].sum()
     assert counters["num_accepted_tokens"] == verified["num_accepted"].sum()
+    for i in range(1, trace.manifest.spec.k + 1):  # and per draft position: what a set acceptance is checked by
+        assert counters[f"num_accepted_tokens_at_{i}"] == (verified["num_accepted"] >= i).sum()
     routing = trace.routing().filter(pl.col("draft_pos") > 0).collect()
     layers = len(trace.manifest.document["model"]["moe_layers"])
     assert routing.height == counters["num_draft_tokens"] * layers

