@@ -152,6 +152,37 @@ def recorded_windows(trace: Path, max_tokens: int, lengths: tuple[float, ...], r
     return {c: (statistics.median(rates[c]), statistics.median(shares[c])) for c in recorded}
 
 
+def acceptance_against_counters(trace_dir: Path, set_rates: list[float] | None) -> dict[str, Any]:
+    """Per draft position of the trace at ``trace_dir``: the rate vLLM's synthetic rejection sampling was set to
+    (``set_rates``; None: the drafter's own), vLLM's counters' rate (accepted at i over request-steps that drafted,
+    the manifest's ``vllm_counters``) and the trace's (request-steps that accepted at least i, over those that
+    drafted), with whether the trace's counts equal vLLM's and the largest gap between set and counted rates."""
+    import polars as pl
+
+    from moetrace.trace.reader import open_trace
+
+    trace = open_trace(trace_dir)
+    counters = trace.manifest.document.get("vllm_counters") or {}
+    drafted = trace.steps().filter(pl.col("num_drafts") > 0).select("num_accepted").collect()["num_accepted"]
+    k = trace.manifest.spec.k
+    windows = int(counters.get("num_drafts", 0))
+    positions = []
+    for i in range(1, k + 1):
+        theirs = counters.get(f"num_accepted_tokens_at_{i}")
+        ours = int((drafted >= i).sum())
+        positions.append({"draft_pos": i, "set_rate": set_rates[i - 1] if set_rates else None,
+                          "vllm_rate": theirs / windows if theirs is not None and windows else None,
+                          "trace_rate": ours / drafted.len() if drafted.len() else None,
+                          "trace_accepted": ours, "vllm_accepted": theirs})
+    gaps = [abs(p["vllm_rate"] - p["set_rate"]) for p in positions
+            if p["set_rate"] is not None and p["vllm_rate"] is not None]
+    return {"acceptance": "synthetic" if set_rates else "drafter", "windows_trace": drafted.len(),
+            "windows_vllm": windows, "positions": positions,
+            "trace_equals_vllm": drafted.len() == windows and all(p["trace_accepted"] == p["vllm_accepted"]
+                                                                 for p in positions),
+            "largest_set_gap": max(gaps) if gaps else None}
+
+
 def recorded_rounds(engine: dict[str, Any]) -> int:
     """Rounds an engine recorded (as many as it timed)."""
     return len(next(iter(engine["recorded_tok_s"].values())))
@@ -334,6 +365,8 @@ def compare(args: argparse.Namespace) -> None:
                         str(e["k"]): {str(c): {"simulated": window_shares[e["k"]][c], "recorded": share}
                                       for c, (_, share) in wall(e).items()} for e in window_engines}
                 for engine in drafted:
+                    models[model].setdefault("acceptance", {}).setdefault(method, {})[str(engine["k"])] = (
+                        acceptance_against_counters(runs / engine["trace"], doc.get("synthetic_acceptance")))
                     held_out, _ = predicted_rows(report_json(held_out_sweep(sweep, engine["k"], Path(scratch)),
                                                              calibration, Path(scratch), k0_sync, timed, context),
                                                  context)
@@ -349,6 +382,8 @@ def compare(args: argparse.Namespace) -> None:
                                           if row and row0 and engine["k"] in window_shares else None)
                         rows.append({
                             "model": model, "drafter": method, "concurrency": concurrency, "k": engine["k"],
+                            # who kept the drafts: vLLM's synthetic rejection sampling at set rates, or the drafter
+                            "acceptance": "synthetic" if doc.get("synthetic_acceptance") else "drafter",
                             # predicted at a concurrency no trace recorded: from the recorded ones alone
                             "held_out_concurrency": not at_recorded,
                             "predicted_speedup": row["speedup"] if row else None,
@@ -542,6 +577,9 @@ def main() -> None:
     run.add_argument("--prompt-tokens", type=int, default=None,
                      help="every prompt this many characters (a Kimi-K2 slice's tokens), the built-in ones repeated: "
                           "the context the requests decode at [default: the built-in prompts as they are]")
+    run.add_argument("--synthetic-acceptance", metavar="RATES|PROFILE",
+                     help="drafts kept at these rates by vLLM's synthetic rejection sampling (as moetrace record's "
+                          "option: rates per draft position, or a profile of moetrace/data/acceptance-profiles.json)")
     run.add_argument("--sync-baseline", action="store_true",
                      help="also k = 0 with async scheduling off (as vLLM runs n-gram drafting)")
     run.add_argument("--hooks-ab", action="store_true",

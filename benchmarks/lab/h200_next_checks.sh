@@ -23,6 +23,12 @@
 #               holds 8,464 (SLICE_POSITIONS); context-8192-ngram ran on another H100 the same day (engines of
 #               200-330 s, the k = 2 and 4 ones in one call), and context-256-ngram again there for the moved
 #               prediction, k = 0 and 2 only (k = 4 did not fit the session's GPU time); next: the EAGLE-3 parts;
+#   synthetic-chat: issue 70's decision where it is hard, on vLLM 0.26, decided 2026-12-07 before it ran (the plan and
+#               the prediction code of the commit that adds it; docs/validation.md, "Decision regret at a set
+#               acceptance"): n-gram on the slice with its acceptance set by vLLM's synthetic rejection sampling to
+#               the kimi-k2-eagle3-chat profile (0.799, 0.517, 0.306, 0.182 by position), k = 0..4 and k = 0 with
+#               async scheduling off, prompts of the built-in cuts, 3 rounds, recorded at 1 and 16, timed (hooks
+#               paused) at the held-out 2, 8 and 48 (a full engine); judged by regret per concurrency;
 #   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
@@ -49,7 +55,8 @@ memory=()
 CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)}
 echo "card: $CARD"
 if [[ "$CARD" != *H200* ]]; then memory=(--gpu-memory-utilization 0.95); fi
-if [[ "$CARD" != *H200* || "$parts" == *" calibrate "* || "$parts" == *" context-"* ]]; then  # context: attention timed
+if [[ "$CARD" != *H200* || "$parts" == *" calibrate "* || "$parts" == *" context-"* || "$parts" == *" synthetic-"* ]]
+then  # context and synthetic: the card's calibration with attention timed
   cal=/root/calibration-kimi-k2-tp8.json
   if [ ! -f "$cal" ]; then
     model=$(python "$R/benchmarks/lab/bench_speedup_validation.py" model-dir --model kimi-k2-tp8 --out /root/cal) &&
@@ -80,6 +87,9 @@ bench() {
   bench --methods eagle3 --ks 0,1,2,3,4 --rounds 5 --timed 1,16 --recorded 1,16 --max-tokens 256 --out /root/eagle3
 [[ "$parts" == *" eagle3-k4 "* ]] &&
   bench --methods eagle3 --ks 0,4 --rounds 5 --timed 1,16 --recorded 1,16 --max-tokens 256 --out /root/eagle3-k4
+[[ "$parts" == *" synthetic-chat "* ]] &&
+  bench --methods ngram --ks 0,1,2,3,4 --sync-baseline --synthetic-acceptance kimi-k2-eagle3-chat --rounds 3 \
+    --timed 2,8,48 --recorded 1,16 --out /root/synthetic-chat
 for context in 256 8192; do
   for method in ngram eagle3; do
     [[ "$parts" == *" context-$context-$method "* ]] &&

@@ -216,7 +216,8 @@ def slice_model_dir(model: str, out: Path, positions: int = SLICE_POSITIONS) -> 
 
 def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, trace_dir: Path,
                    max_tokens: int, eager: bool, tp: int, max_num_seqs: int,
-                   prompt_tokens: int | None = None) -> dict[str, Any]:
+                   prompt_tokens: int | None = None,
+                   synthetic_acceptance: tuple[float, ...] | None = None) -> dict[str, Any]:
     """Engine settings of one recorded engine (``moetrace.recording.record.engine_settings``) for the default model or a
     Kimi-K2 slice (``kimi-k2-tp8``: one rank of TP=8 on one GPU; ``kimi-k2-tp4`` at ``tp`` 2: the same per-GPU
     shape with real all-reduces; dummy weights, bytes as token ids), running at most ``max_num_seqs`` requests, on
@@ -225,7 +226,7 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
     from moetrace.recording.drafters import resolve_drafter
     from moetrace.recording.record import RecordRequest, engine_settings, resolve_model
 
-    prompts = distinct_prompts(prompt_tokens)
+    prompts = distinct_prompts(prompt_tokens)  # ``synthetic_acceptance``: as ``moetrace record --synthetic-acceptance``
     engine_args: dict[str, Any] = {}
     model_path: str | None = None
     length = model_len(prompt_tokens, max_tokens)
@@ -240,7 +241,7 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
                    else resolve_drafter(method, None, resolve_model(None).path, embedded_target=True))
     request = RecordRequest(model=model_path, ks=ks, method=method, drafter=drafter, batch_size=max_num_seqs, tp=tp,
                             max_tokens=max_tokens, out=out, eager=eager, engine_args=engine_args,
-                            time_phases_every=TIME_PHASES_EVERY)
+                            synthetic_acceptance=synthetic_acceptance, time_phases_every=TIME_PHASES_EVERY)
     settings = engine_settings(request, resolve_model(model_path), k, trace_dir, prompts,
                                trace_dir / "progress")
     settings["token_prompts"] = [encode_text(p) for p in prompts]  # bytes: inside both models' vocabularies
@@ -394,6 +395,7 @@ def measure(args: argparse.Namespace) -> None:
     more (a call that stops early is resumed by running the same command again)."""
     from moetrace.hooks.vllm_api import vllm_version
     from moetrace.hooks.host import gpu_inventory
+    from moetrace.recording.record import parse_synthetic_acceptance
 
     began = time.perf_counter()
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(spread_routing): a function of this script
@@ -403,11 +405,13 @@ def measure(args: argparse.Namespace) -> None:
     ks = [int(k) for k in args.ks.split(",")]
     timed, recorded = args.timed, args.recorded
     max_num_seqs = max(timed + recorded)
+    synthetic = parse_synthetic_acceptance(args.synthetic_acceptance)
     workload = {"load": LOAD, "timed": timed, "recorded": recorded, "max_num_seqs": max_num_seqs,
                 "max_tokens": args.max_tokens, "lengths": list(LENGTHS), "rounds": args.rounds,
                 "requests": {str(c): requests_per_round(c) for c in sorted(set(timed + recorded))},
                 "gpu_memory_utilization": args.gpu_memory_utilization, **({"hooks_ab": True} if args.hooks_ab else {}),
-                **({"prompt_tokens": args.prompt_tokens} if args.prompt_tokens else {})}
+                **({"prompt_tokens": args.prompt_tokens} if args.prompt_tokens else {}),
+                **({"synthetic_acceptance": list(synthetic)} if synthetic is not None else {})}
     doc: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {
         "model": args.model, "tp": args.tp, "vllm_version": vllm_version(),
         "device": (gpu_inventory()["gpus"] or ["cpu"])[0], "cuda_graphs": not args.eager, **workload,
@@ -436,7 +440,7 @@ def measure(args: argparse.Namespace) -> None:
             return
         trace_dir = sweep / f"k{k}"
         settings = model_settings(args.model, out, "ngram" if method == "sync" else method, ks, k, trace_dir,
-                                  args.max_tokens, args.eager, args.tp, max_num_seqs, args.prompt_tokens)
+                                  args.max_tokens, args.eager, args.tp, max_num_seqs, args.prompt_tokens, synthetic)
         if method == "sync":
             settings["engine_args"]["async_scheduling"] = False
         if args.gpu_memory_utilization is not None:
