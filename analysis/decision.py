@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -152,6 +152,7 @@ DECISION_SCHEMA: dict[str, pl.DataType] = {
     "speedup_source": pl.String(), "tokens_per_step": pl.Float64(), "step_ratio": pl.Float64(),
     "unique_experts": pl.Float64(), "uniform_bound": pl.Float64(), "union_source": pl.String(),
     "acceptance_source": pl.String(), "step_source": pl.String(), "larger_k_may_pay": pl.Boolean(),
+    "k_at_sweep_edge": pl.Boolean(), "sweep_edge_note": pl.String(),
     "windows": pl.Int64(), "steps": pl.Int64(), "status": pl.String()}
 
 
@@ -161,17 +162,46 @@ def unpredicted(batches: Sequence[int], reason: str) -> pl.DataFrame:
                         schema=DECISION_SCHEMA, orient="row")
 
 
+def sweep_edge(k: int, compared: Sequence[int], recorded: Sequence[int], extrapolated: bool) -> str | None:
+    """Where the recommended ``k`` > 0 is the largest of the k ``compared`` (acceptance not extrapolated), the line
+    saying a larger k was never priced on acceptance of its own, and how to look there; None elsewhere. With
+    ``extrapolated`` k predicted past it, ``k`` is the sweep's largest recorded k (``recorded``: the k it measured
+    acceptance at), and only a recording of a larger k measures it; without, the report stopped at ``k``
+    (``--max-k``, or every k priced on a given acceptance)."""
+    if k == 0 or k < max(compared):
+        return None
+    if extrapolated:
+        ks = ",".join(map(str, sorted({*recorded, k + 1, k + 2})))
+        return (f"k = {k} is the largest k recorded (past it acceptance is only extrapolated); a larger k may pay "
+                f"more: moetrace record MODEL --k {ks}, then report that sweep")
+    return f"k = {k} is the largest k predicted; a larger k may pay more: report again with --max-k {k + 2}"
+
+
+def sweep_edge_lines(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The notes of the decision ``rows`` (the summary JSON's, per concurrency or per concurrency and context) whose
+    k is at the sweep's edge (``k_at_sweep_edge``), one line per k, note and context, naming the concurrencies it
+    holds at beside the k's "+" mark: what the terminal and the export say under their tables."""
+    where: dict[tuple[int, str, int | None], list[str]] = {}
+    for row in rows:
+        if row.get("k_at_sweep_edge"):
+            where.setdefault((row["k"], row["sweep_edge_note"], row.get("context")), []).append(str(row["batch"]))
+    return [f"k={k}+ at B={','.join(batches)}{'' if context is None else f', context {context:,}'}: {note}"
+            for (k, note, context), batches in where.items()]
+
+
 def recommended_k(speedups: pl.DataFrame, batches: Sequence[int], disagreements: Mapping[int, str] | None = None,
                   unpriced: Mapping[int, str] | None = None) -> pl.DataFrame:
     """One row per concurrency of ``batches``: the k with the largest predicted speedup among the k whose
     acceptance is not extrapolated, k = 0 when none exceeds 1 (ties: the smaller k); ``larger_k_may_pay`` when an
-    extrapolated k is predicted to do better (record larger k to know). ``windows``: the fewest decoding
-    request-steps behind any k compared; ``steps``: measured steps behind the chosen k's union; ``speedup_source``:
-    the least direct of its union, acceptance and step (``step_source``: null where a profile or calibration
-    priced it). ``status`` is "ok", or why no k is recommended: fewer than ``MIN_WINDOWS`` windows at a k compared,
-    the routing rows disagree with the steps table at a k compared (``disagreements``: k → what disagrees), the
-    concurrency could not be priced (``unpriced``: batch → why), or nothing predicted it; then ``k`` and
-    ``speedup`` are null and ``best_k`` says what the figures would have picked, where any did."""
+    extrapolated k is predicted to do better (record larger k to know); ``k_at_sweep_edge`` when the k is the
+    largest compared, which no larger k was measured against, with ``sweep_edge_note`` (``sweep_edge``) saying how
+    to look further. ``windows``: the fewest decoding request-steps behind any k compared; ``steps``: measured steps
+    behind the chosen k's union; ``speedup_source``: the least direct of its union, acceptance and step
+    (``step_source``: null where a profile or calibration priced it). ``status`` is "ok", or why no k is
+    recommended: fewer than ``MIN_WINDOWS`` windows at a k compared, the routing rows disagree with the steps table
+    at a k compared (``disagreements``: k → what disagrees), the concurrency could not be priced (``unpriced``:
+    batch → why), or nothing predicted it; then ``k`` and ``speedup`` are null and ``best_k`` says what the figures
+    would have picked, where any did."""
     speedups = speedups.filter(pl.col("batch").is_in(list(batches)))
     compared = speedups.filter(pl.col("acceptance_source") != Source.EXTRAPOLATED.value)
     chosen = (
@@ -181,8 +211,10 @@ def recommended_k(speedups: pl.DataFrame, batches: Sequence[int], disagreements:
         .select("batch", pl.when(pl.col("speedup") > 1.0).then(pl.col("k")).otherwise(0).alias("best_k"))
     )
     beyond = speedups.filter(pl.col("acceptance_source") == Source.EXTRAPOLATED.value).group_by("batch").agg(
-        beyond=pl.col("speedup").max())
-    sample = compared.group_by("batch").agg(windows=pl.col("request_steps").min(), ks=pl.col("k"))
+        beyond=pl.col("speedup").max(), extrapolated=pl.lit(True))
+    sample = compared.group_by("batch").agg(
+        windows=pl.col("request_steps").min(), ks=pl.col("k"),
+        recorded=pl.col("k").filter(pl.col("acceptance_source") == Source.MEASURED.value))
     found = (
         chosen.join(speedups, left_on=["batch", "best_k"], right_on=["batch", "k"])
         .join(beyond, on="batch", how="left")
@@ -199,9 +231,11 @@ def recommended_k(speedups: pl.DataFrame, batches: Sequence[int], disagreements:
         ok = not problems
         step_source = row.get("step_source")
         sources = [row["union_source"], row["acceptance_source"], *([step_source] if step_source else [])]
+        edge = sweep_edge(row["best_k"], row["ks"], row["recorded"], bool(row["extrapolated"])) if ok else None
         rows.append({**{name: row.get(name) for name in DECISION_SCHEMA}, "k": row["best_k"] if ok else None,
                      "speedup_source": least_direct(Source(value) for value in sources).value,
-                     "speedup": row["speedup"] if ok else None, "status": "ok" if ok else "; ".join(problems)})
+                     "speedup": row["speedup"] if ok else None, "status": "ok" if ok else "; ".join(problems),
+                     "k_at_sweep_edge": edge is not None, "sweep_edge_note": edge})
     table = pl.DataFrame(rows, schema=DECISION_SCHEMA, orient="row")
     missing = [batch for batch in batches if batch not in set(table["batch"].to_list())]
     reasons = {batch: (unpriced or {}).get(batch, "nothing to predict it from: no routing windows at this "

@@ -47,12 +47,15 @@ def per_batch(rows: list[tuple[int, int, float]]) -> pl.DataFrame:
 
 
 def speedups_table(speedup: list[float], acceptance: list[str], windows: int = 100) -> pl.DataFrame:
-    """recommended_k's input at one request, k = 0, 1, 2."""
-    return pl.DataFrame({"batch": [1, 1, 1], "k": [0, 1, 2], "speedup": speedup,
-                         "tokens_per_step": [1.0, 1.5, 1.7], "step_ratio": [1.0, 1.15, 1.3],
-                         "unique_experts": [2.0, 3.0, 4.0], "uniform_bound": [2.0, 3.9, 5.8],
-                         "union_source": ["measured"] * 3, "acceptance_source": acceptance,
-                         "request_steps": [windows] * 3, "steps": [10] * 3})
+    """recommended_k's input at one request, k = 0 .. len(speedup) - 1 (at most 4)."""
+    n = len(speedup)
+    return pl.DataFrame({"batch": [1] * n, "k": list(range(n)), "speedup": speedup,
+                         "tokens_per_step": [1.0, 1.5, 1.7, 1.8, 1.85][:n],
+                         "step_ratio": [1.0, 1.15, 1.3, 1.45, 1.6][:n],
+                         "unique_experts": [2.0, 3.0, 4.0, 5.0, 6.0][:n],
+                         "uniform_bound": [2.0, 3.9, 5.8, 7.6, 9.4][:n],
+                         "union_source": ["measured"] * n, "acceptance_source": acceptance,
+                         "request_steps": [windows] * n, "steps": [10] * n})
 
 
 def test_speedup_per_batch_is_tokens_over_the_step_ratio_at_the_same_concurrency() -> None:
@@ -95,6 +98,32 @@ def test_ties_recommend_the_smaller_k() -> None:
 def test_k_past_the_measured_acceptance_is_not_recommended_but_flagged_when_it_looks_better() -> None:
     (row,) = recommended_k(speedups_table([1.0, 1.3, 1.5], ["measured", "measured", "extrapolated"]), [1]).to_dicts()
     assert row["k"] == 1 and row["larger_k_may_pay"] is True
+
+
+def test_the_largest_k_recorded_is_marked_even_where_the_extrapolated_k_past_it_look_worse() -> None:
+    # recorded at k = 0 and 2 (k = 1 cut from the k = 2 trace), k = 3 extrapolated: as the n-gram sweep of 256-token
+    # traces moved to 8,192 tokens, whose k = 2 measured 20-27% behind k = 4
+    (row,) = recommended_k(speedups_table([1.0, 1.3, 1.5, 1.4], ["measured", "estimated", "measured", "extrapolated"]),
+                           [1]).to_dicts()
+    assert (row["k"], row["larger_k_may_pay"], row["k_at_sweep_edge"]) == (2, False, True)
+    assert row["sweep_edge_note"] == ("k = 2 is the largest k recorded (past it acceptance is only extrapolated); a "
+                                      "larger k may pay more: moetrace record MODEL --k 0,2,3,4, then report that "
+                                      "sweep")
+
+
+def test_the_largest_k_predicted_is_marked_with_the_max_k_that_looks_past_it() -> None:
+    # no extrapolated k: the report stopped at k = 2 (--max-k 2), whatever the sweep recorded
+    (row,) = recommended_k(speedups_table([1.0, 1.3, 1.5], ["measured"] * 3), [1]).to_dicts()
+    assert row["k"] == 2 and row["k_at_sweep_edge"] is True and "--max-k 4" in row["sweep_edge_note"]
+
+
+def test_a_k_inside_the_sweep_or_no_speculation_is_not_marked() -> None:
+    # recorded at k = 0, 2 and 4: k = 2 has a larger k measured against it
+    middle = speedups_table([1.0, 1.3, 1.5, 1.45, 1.4], ["measured", "estimated", "measured", "estimated", "measured"])
+    (row,) = recommended_k(middle, [1]).to_dicts()
+    assert (row["k"], row["k_at_sweep_edge"], row["sweep_edge_note"]) == (2, False, None)
+    (none_pays,) = recommended_k(speedups_table([1.0, 0.9, 0.8], ["measured"] * 3), [1]).to_dicts()
+    assert (none_pays["k"], none_pays["k_at_sweep_edge"]) == (0, False)
 
 
 def test_too_few_windows_or_disagreeing_rows_give_no_recommendation_and_say_why() -> None:
