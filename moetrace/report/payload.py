@@ -56,10 +56,33 @@ def growth_overview(growth_table: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def acceptance_set_by(analysis: RunAnalysis) -> list[dict[str, Any]]:
+    """Per recorded k > 0, who kept the drafts: ``synthetic`` (vLLM's synthetic rejection sampling, with the rates
+    it was set to) or ``drafter`` (the target model's verdict on the drafter's tokens)."""
+    return [{"k": trace.k, "set_by": trace.manifest.acceptance_set_by,
+             "rates": list(trace.manifest.spec.synthetic_rates or [])}
+            for trace in analysis.run.traces if trace.k > 0]
+
+
+def synthetic_note(analysis: RunAnalysis) -> str | None:
+    """The line a report whose acceptance was set, not drafted, carries beside its figures."""
+    synthetic = [row for row in acceptance_set_by(analysis) if row["set_by"] == "synthetic"]
+    if not synthetic:
+        return None
+    longest = max(synthetic, key=lambda row: row["k"])
+    return (f"synthetic acceptance: at k = {', '.join(str(row['k']) for row in synthetic)} vLLM kept drafts at set "
+            f"rates ({' / '.join(f'{rate:.2f}' for rate in longest['rates'])} by position), not by the target's "
+            f"verdict: acceptance figures are those rates, no drafter's; speedups are what a drafter accepting so "
+            f"would give")
+
+
 def notes(analysis: RunAnalysis, k: int) -> list[str]:
     found = []
     if analysis.manifest.model.random_weights:
         found.append(RANDOM_WEIGHTS_NOTE)
+    synthetic = synthetic_note(analysis)
+    if synthetic is not None:
+        found.append(synthetic)
     if analysis.run.primary.k < k and analysis.run.primary.lacks("request_identity"):
         found.append(f"its source does not say which tokens are one request: no windows of {k + 1} consecutive "
                      f"tokens, so no growth at k={k}; only the union of each step's batch is measured")
@@ -220,6 +243,7 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
                 "growth_overview": overview.to_dicts(),
                 "bytes_at_k": bytes_at_k[0] if bytes_at_k else None,
                 "acceptance_per_k": analysis.acceptance_per_k.to_dicts(),
+                "acceptance_set_by": acceptance_set_by(analysis),
                 "step_reads": analysis.unions.to_dicts(),
                 "checks": analysis.checks,
                 "disagreements": {str(k): what for k, what in analysis.disagreements.items()},

@@ -54,3 +54,23 @@ def test_a_trace_read_back_carries_its_set_rates_and_an_older_one_its_drafters()
     assert manifest.spec.synthetic_rates == (0.8, 0.5) and manifest.acceptance_set_by == "synthetic"
     older = Manifest.from_document({**document, "spec": {"method": "ngram", "k": 2}})
     assert older.spec.synthetic_rates is None and older.acceptance_set_by == "drafter"
+
+
+def test_a_report_on_a_synthetic_sweep_says_whose_acceptance_it_is_beside_its_figures(tmp_path: Path) -> None:
+    """The k = 3 trace's manifest says vLLM kept drafts at set rates: the JSON and the terminal name it synthetic
+    with those rates; the k = 0 trace verified nothing and says nothing."""
+    from cli_results import invoke
+    from trace_builder import well_sampled_sweep
+
+    from moetrace.trace.manifest import amend_manifest
+
+    sweep = well_sampled_sweep(tmp_path / "sweep", ks=(0, 3))
+    manifest = json.loads((sweep / "k3" / "manifest.json").read_text())
+    amend_manifest(sweep / "k3", spec={**manifest["spec"],
+                                       "acceptance": {"set_by": "synthetic", "rates": [0.8, 0.52, 0.31]}})
+    run = json.loads(invoke("report", sweep, "--json", "-o", tmp_path / "r.html").stdout)["runs"][0]
+    assert run["acceptance_set_by"] == [{"k": 3, "set_by": "synthetic", "rates": [0.8, 0.52, 0.31]}]
+    assert any(note.startswith("synthetic acceptance: at k = 3 vLLM kept drafts at set rates (0.80 / 0.52 / 0.31")
+               for note in run["notes"])
+    shown = invoke("report", sweep, "-o", tmp_path / "t.html").output
+    assert "synthetic acceptance" in shown
