@@ -57,6 +57,7 @@ def export(source: Path, vllm_spec: bool, sglang_location: bool, eplb: bool, lab
 
 def export_vllm_spec_schedule(summary: Path, label: str | None, context: int | None, output: Path | None,
                               force: bool) -> None:
+    from moetrace.analysis.decision import sweep_edge_lines
     from moetrace.formats.export import (BY_CONTEXT_PROPOSAL, decision_at_context, vllm_spec_schedule,
                                          vllm_spec_schedule_by_context)
 
@@ -73,7 +74,8 @@ def export_vllm_spec_schedule(summary: Path, label: str | None, context: int | N
                         f"{f' labelled {label}' if label else ''}; give --drafter LABEL (labels: {labels})")
     decided = chosen[0]
     try:
-        schedule = vllm_spec_schedule(decided if context is None else decision_at_context(decided, context))
+        exported = decided if context is None else decision_at_context(decided, context)
+        schedule = vllm_spec_schedule(exported)
         by_context = vllm_spec_schedule_by_context(decided) if decided.get("by_context") else None
     except ValueError as exc:
         raise UserError(f"{summary}: {exc}") from None
@@ -90,6 +92,11 @@ def export_vllm_spec_schedule(summary: Path, label: str | None, context: int | N
         click.echo(f"{beside}: {proposed['num_speculative_tokens_per_batch_size']} ({BY_CONTEXT_PROPOSAL})")
         for cell in left_out:
             click.echo(f"  left out: {cell}")
+    # vLLM reads the schedule's keys alone: a k at the sweep's edge is said here, not in the file
+    edges = [*sweep_edge_lines(exported["per_batch"]),
+             *(sweep_edge_lines(decided["by_context"]["per_batch"]) if by_context is not None else [])]
+    for line in dict.fromkeys(edges):
+        click.echo(f"  {line}")
     click.echo(f"next: vllm serve MODEL --speculative-config \"$(cat {target})\"")
 
 

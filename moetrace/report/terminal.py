@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from moetrace.analysis.decision import sweep_edge_lines
 from moetrace.analysis.sources import MARKS, Source
 
 
@@ -276,6 +277,12 @@ def _comparison(summary: dict[str, Any]) -> Table:
     return table
 
 
+def _recommended(row: dict[str, Any]) -> str:
+    """A recommended k, marked "+" where a larger k may pay more: predicted to on extrapolated acceptance, or never
+    compared, the k being the largest the sweep holds (``analysis.decision.sweep_edge``)."""
+    return f"{row['k']}{'+' if row['larger_k_may_pay'] or row['k_at_sweep_edge'] else ''}"
+
+
 def _decision(decision: dict[str, Any]) -> Table:
     table = _table(
         f"Recommended k for {decision['drafter']} ({decision['label']}); k=0: do not speculate",
@@ -290,7 +297,7 @@ def _decision(decision: dict[str, Any]) -> Table:
         recommended = row["k"] is not None
         table.add_row(
             str(row["batch"]),
-            f"{row['k']}{'+' if row['larger_k_may_pay'] else ''}" if recommended else "none",
+            _recommended(row) if recommended else "none",
             _marked(_number(row["speedup"]), row["speedup_source"]) if recommended else "–",
             _marked(_number(row["tokens_per_step"]), row["acceptance_source"]),
             _marked(_number(row["unique_experts"], 0), row["union_source"]), _number(row["uniform_bound"], 0),
@@ -308,12 +315,13 @@ def _decision_by_context(decision: dict[str, Any]) -> Table:
         f"Recommended k by context for {decision['drafter']} ({decision['label']}), recorded at "
         f"{found['recorded_context']:,.0f} tokens",
         [("B", "requests per step"), *((f"{context:,}", "") for context in contexts[:-1]),
-         (f"{contexts[-1]:,}", "columns: context length in tokens, the best k and its predicted speedup there")])
+         (f"{contexts[-1]:,}", "columns: context length in tokens, the best k (+: a larger k may pay more) and its "
+                               "predicted speedup there")])
     cells = {(row["batch"], row["context"]): row for row in rows}
     for batch in sorted({row["batch"] for row in rows}):
         table.add_row(str(batch), *(
-            f"k={cell['k']} {_marked(_number(cell['speedup']), cell['speedup_source'])}" if cell["k"] is not None
-            else "none" for cell in (cells[(batch, context)] for context in contexts)))
+            f"k={_recommended(cell)} {_marked(_number(cell['speedup']), cell['speedup_source'])}"
+            if cell["k"] is not None else "none" for cell in (cells[(batch, context)] for context in contexts)))
     return table
 
 
@@ -345,6 +353,8 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
                     f"  B={row['batch']}: k={row['k']}'s {row['speedup']:.2f}x stands for {row['speedup_low']:.2f}-"
                     f"{row['speedup_high']:.2f}x measured, which k={','.join(map(str, row['within_error']))} "
                     "reach too: within the prediction's error"))
+        for line in sweep_edge_lines(decision["per_batch"]):
+            console.print(Text(f"  {line}"))
         for found in (decision["crossover"] or {}).values():
             if found is not None:
                 console.print(Text(f"  crossover, {found['says']}"))
@@ -364,6 +374,8 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
                 if row["k"] is None:
                     console.print(Text(f"  B={row['batch']}, context {row['context']:,}: no recommendation: "
                                        f"{row['status']}", style="yellow"))
+            for line in sweep_edge_lines(decision["by_context"]["per_batch"]):
+                console.print(Text(f"  {line}"))
             for found in decision["by_context"]["crossover"]:
                 console.print(Text(f"  crossover at context {found['context']:,}, {found['says']}"))
         if decision["policies"] and decision["policies"]["rows"]:

@@ -203,6 +203,8 @@ def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
                 assert shown["text"] == "none" and row["status"] in shown["title"], shown
             elif row["larger_k_may_pay"]:
                 assert shown["text"] == f"{row['k']}{extrapolated}" and "extrapolated" in shown["title"], shown
+            elif row["k_at_sweep_edge"]:  # the largest k the sweep holds: hover says how to look past it
+                assert shown["text"] == f"{row['k']}{extrapolated}" and shown["title"] == row["sweep_edge_note"], shown
             else:
                 assert shown["text"] == str(row["k"]), shown
         # ... and under it, the crossover per drafter as the JSON says it
@@ -342,12 +344,18 @@ def test_the_context_heatmap_shows_the_recommended_k_per_concurrency_and_context
     with browser_page(output) as (page, errors):
         page.wait_for_selector("#fig-context-decision-0 svg.main-svg", timeout=15_000)
         plotted = page.evaluate("(() => { const t = document.getElementById('fig-context-decision-0').data[0];"
-                                " return {x: t.x, y: t.y, z: t.z}; })()")
+                                " return {x: t.x, y: t.y, z: t.z, text: t.text}; })()")
         basis = page.inner_text("#fig-context-decision-0 + p")
     assert basis == json.loads(result.stdout)["decision"][0]["by_context"]["attention_basis"]
     assert "the calibration timed no attention" in basis  # the shipped H200 preset: KV bytes at copy bandwidth
     assert plotted["x"] == ["1,024", "131,072"] and plotted["y"] == ["1", "8", "32"]
     want = {(str(row["batch"]), f"{row['context']:,}"): row["k"] for row in rows}
     assert {(y, x): plotted["z"][i][j] for i, y in enumerate(plotted["y"]) for j, x in enumerate(plotted["x"])} == want
+    # each recommended k written as the terminal writes it: "+" where a larger k may pay more
+    marked = {(str(row["batch"]), f"{row['context']:,}"):
+              f"k={row['k']}{'+' if row['larger_k_may_pay'] or row['k_at_sweep_edge'] else ''}"
+              for row in rows if row["k"] is not None}
+    assert {(y, x): plotted["text"][i][j].split(" ")[0] for i, y in enumerate(plotted["y"])
+            for j, x in enumerate(plotted["x"]) if (y, x) in marked} == marked
     assert want[("32", "131,072")] is None  # 32 requests of 131,072 tokens: 295 GB a rank, past the H200's memory
     assert errors == []

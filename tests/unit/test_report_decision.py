@@ -1,9 +1,11 @@
 """`moetrace report`'s decision end to end on well-sampled built sweeps: the self-check, what each recommendation rests
-on, a damaged trace, the record folder as input, and the decision per context length."""
+on, a damaged trace, the record folder as input, the decision per context length, and the mark on a k no larger k
+was compared against."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,16 @@ from click.testing import CliRunner, Result
 from cli_results import invoke, one_line_error
 from moetrace.cli import main
 from trace_builder import small_k2_trace, well_sampled_sweep
+
+
+def _with_kv_bytes(sweep: Path, per_token: int) -> Path:
+    """``sweep`` with each manifest saying a token holds ``per_token`` KV-cache bytes (and Kimi-K2's 262,144
+    positions): what --context prices a step's attention by."""
+    for manifest in sweep.glob("*/manifest.json"):
+        document = json.loads(manifest.read_text())
+        document["model"].update(kv_bytes_per_token=per_token, max_position_embeddings=262_144)
+        manifest.write_text(json.dumps(document))
+    return sweep
 
 
 def _json_report(path: Path, tmp_path: Path, *extra: str) -> tuple[Result, dict[str, Any]]:
@@ -91,10 +103,7 @@ def test_context_gives_a_decision_per_concurrency_and_context_and_bad_contexts_o
     path = well_sampled_sweep(tmp_path / "sweep")
     one_line_error(invoke("report", str(path), "--context", "1024"),
                     "--context: the trace does not say how many KV-cache bytes a token holds")
-    for manifest in path.glob("*/manifest.json"):
-        document = json.loads(manifest.read_text())
-        document["model"].update(kv_bytes_per_token=70_272, max_position_embeddings=262_144)
-        manifest.write_text(json.dumps(document))
+    _with_kv_bytes(path, 70_272)
     _, summary = _json_report(path, tmp_path, "--context", "1024,65536,262144", "--batch", "1,16")
     found = summary["decision"][0]["by_context"]
     rows = {(row["context"], row["batch"]): row for row in found["per_batch"]}
@@ -120,10 +129,7 @@ def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_
     hand); past the longest context timed the row is extrapolated; the report says which pricing it used."""
     path = well_sampled_sweep(tmp_path / "sweep")
     layers = json.loads(next(path.glob("*/manifest.json")).read_text())["model"]["num_layers"]
-    for manifest in path.glob("*/manifest.json"):
-        document = json.loads(manifest.read_text())
-        document["model"].update(kv_bytes_per_token=1152 * layers, max_position_embeddings=262_144)
-        manifest.write_text(json.dumps(document))
+    _with_kv_bytes(path, 1152 * layers)
     calibration = json.loads((Path(__file__).parents[2] / "moetrace" / "data" / "calibration-h200.json").read_text())
     points = [{"batch": b, "queries": q, "context": c, "time_us": 1 + 0.001 * (1 if q == 1 else 2) * b * c}
               for b in (1, 4) for q in (1, 4) for c in (1024, 65536)]
@@ -159,3 +165,78 @@ def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_
     (tmp_path / "earlier.json").write_text(json.dumps(calibration))  # fitted by an earlier moetrace: one line
     one_line_error(invoke("report", str(path), "--context", "65536", "--calibration", str(tmp_path / "earlier.json")),
                    "its attention was fitted by an earlier moetrace")
+
+
+def _moved_to_8192(sweep: Path, tmp_path: Path, *extra: str) -> tuple[dict[str, Any], str]:
+    """The report of ``sweep`` at 1 and 4 requests per step, moved to 8,192 tokens (--context): its JSON, written to
+    ``tmp_path``/summary.json for the export, and its terminal text."""
+    args = ("report", sweep, "--k", "2", "--batch", "1,4", "--context", "8192", "-o", tmp_path / "r.html", "--force",
+            *extra)
+    as_json = invoke(*args, "--json")
+    assert as_json.exit_code == 0, as_json.output
+    (tmp_path / "summary.json").write_text(as_json.stdout)
+    terminal = invoke(*args)
+    assert terminal.exit_code == 0, terminal.output
+    return json.loads(as_json.stdout), terminal.stdout
+
+
+def _exported(tmp_path: Path, *extra: str) -> str:
+    """What `moetrace export --vllm-spec-schedule` of the summary ``_moved_to_8192`` wrote says."""
+    result = invoke("export", tmp_path / "summary.json", "--vllm-spec-schedule", "-o", tmp_path / "schedule.json",
+                    "--force", *extra)
+    assert result.exit_code == 0, result.output
+    return " ".join(result.stdout.split())
+
+
+def test_a_k_at_the_largest_k_recorded_is_marked_in_every_decision_row_the_terminal_and_the_export(
+        tmp_path: Path) -> None:
+    """As the n-gram sweep of 256-token traces recorded at k = 0 and 2 and moved to 8,192 tokens (whose k = 2
+    measured 20-27% behind k = 4): k = 2 is recommended, and every decision row, per concurrency and per
+    concurrency and context, the terminal and the export say no larger k was recorded, and how to record one."""
+    recorded = (0, 2)
+    record_past = "moetrace record MODEL --k 0,2,3,4"  # the sweep's k and the two past its largest
+    summary, terminal = _moved_to_8192(_with_kv_bytes(well_sampled_sweep(tmp_path / "sweep", recorded), 70_272),
+                                       tmp_path)
+    decision = summary["decision"][0]
+    rows = [*decision["per_batch"], *decision["by_context"]["per_batch"]]
+    assert [(row.get("context"), row["batch"]) for row in rows] == [(None, 1), (None, 4), (8192, 1), (8192, 4)]
+    for row in rows:
+        assert row["k"] == max(recorded) and type(row["k"]) is int and row["k_at_sweep_edge"] is True
+        assert row["sweep_edge_note"].startswith("k = 2 is the largest k recorded") and record_past in row[
+            "sweep_edge_note"]
+    note = rows[0]["sweep_edge_note"]
+    assert re.search(r"^1\s+2\+\s", terminal, re.MULTILINE) and re.search(r"^4\s+2\+\s", terminal, re.MULTILINE)
+    assert re.search(r"^1\s+k=2\+ ", terminal, re.MULTILINE) and re.search(r"^4\s+k=2\+ ", terminal, re.MULTILINE)
+    said = " ".join(terminal.split())
+    assert f"k=2+ at B=1,4: {note}" in said and f"k=2+ at B=1,4, context 8,192: {note}" in said
+    exported = _exported(tmp_path)
+    assert f"k=2+ at B=1,4: {note}" in exported and f"k=2+ at B=1,4, context 8,192: {note}" in exported
+    schedule = json.loads((tmp_path / "schedule.json").read_text())  # vLLM's keys alone: it reads no others
+    assert set(schedule) == {"method", "num_speculative_tokens", "num_speculative_tokens_per_batch_size"}
+    assert schedule["num_speculative_tokens"] == max(recorded)
+    assert f"k=2+ at B=1,4, context 8,192: {note}" in _exported(tmp_path, "--context", "8192")
+
+    # with no k predicted past it the mark stands alone (no extrapolated k to pay more), and says how to look
+    capped, terminal = _moved_to_8192(tmp_path / "sweep", tmp_path, "--max-k", "2")
+    rows = [*capped["decision"][0]["per_batch"], *capped["decision"][0]["by_context"]["per_batch"]]
+    assert all(row["k"] == 2 and row["k_at_sweep_edge"] and not row["larger_k_may_pay"] for row in rows)
+    assert all("report again with --max-k 4" in row["sweep_edge_note"] for row in rows)
+    assert re.search(r"^1\s+2\+\s", terminal, re.MULTILINE) and re.search(r"^1\s+k=2\+ ", terminal, re.MULTILINE)
+    dashboard = (tmp_path / "r.html").read_text()
+    assert f'<td class="k" title="{rows[0]["sweep_edge_note"]}">2<span class="mark">+</span></td>' in dashboard
+
+
+def test_a_k_below_the_largest_k_recorded_is_not_marked(tmp_path: Path) -> None:
+    """Recorded at k = 0, 2 and 4 with drafts accepted at 0.4: k = 2 is recommended with k = 4 measured against it;
+    no row, terminal line or export line says a larger k was not looked at."""
+    recorded = (0, 2, 4)
+    sweep = _with_kv_bytes(well_sampled_sweep(tmp_path / "sweep", recorded, accept_prob=0.4), 70_272)
+    summary, terminal = _moved_to_8192(sweep, tmp_path)
+    decision = summary["decision"][0]
+    rows = [*decision["per_batch"], *decision["by_context"]["per_batch"]]
+    assert [row["k"] for row in rows] == [2] * 4 and 2 < max(recorded)
+    assert not any(row["k_at_sweep_edge"] or row["sweep_edge_note"] or row["larger_k_may_pay"] for row in rows)
+    assert re.search(r"^1\s+2\s", terminal, re.MULTILINE) and re.search(r"^1\s+k=2 ", terminal, re.MULTILINE)
+    assert not re.search(r"^[14]\s+2\+", terminal, re.MULTILINE) and "k=2+" not in terminal
+    assert "largest k" not in terminal
+    assert "largest k" not in _exported(tmp_path)
