@@ -2,11 +2,14 @@
 
 A hold-out's error is (predicted - measured) / measured, so a prediction p stands for a measured speedup in
 [p / (1 + e_high), p / (1 + e_low)], where e_low and e_high bound the central ``coverage`` of the recorded errors.
-k = 0 is exact (its speedup over itself is 1)."""
+k = 0 is exact (its speedup over itself is 1). Which recorded errors count: ``interval_errors``."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -21,12 +24,36 @@ class HeldOutErrors:
 
     errors: tuple[float, ...]
     coverage: float = 0.8
+    basis: str = "the errors given"  # which cells of the record the errors are
 
     def bounds(self) -> tuple[float, float]:
         """The errors' central ``coverage``: (low, high)."""
         tail = (1.0 - self.coverage) / 2
         low, high = np.quantile(np.asarray(self.errors, dtype=np.float64), [tail, 1.0 - tail])
         return float(low), float(high)
+
+
+def fewest_errors(coverage: float) -> int:
+    """The fewest errors whose central ``coverage`` leaves at least one error beyond each bound: np.quantile's
+    position tail · (n - 1) reaches the second error from each end. With fewer, a bound is an extreme error itself,
+    or lies between it and the next."""
+    tail = (1.0 - coverage) / 2
+    return 1 + math.ceil(1.0 / tail - 1e-9)  # 1e-9: 1 / 0.1 is 10.000000000000002 in floating point
+
+
+def interval_errors(cells: Sequence[Mapping[str, Any]], coverage: float = 0.8) -> HeldOutErrors:
+    """The errors the intervals are drawn from, of ``cells`` (``moetrace/data/prediction-errors.json``): the blind
+    cells at their traces' own context; while those are fewer than ``fewest_errors(coverage)``, every cell at its
+    traces' own context, re-predicted ones included, and ``basis`` says so. Cells moved to another context are left
+    out either way: they price a context the traces did not run at."""
+    own = [cell for cell in cells if cell["moved_from"] is None]
+    blind = [float(cell["error"]) for cell in own if cell["prediction"] == "blind"]
+    needed = fewest_errors(coverage)
+    if len(blind) >= needed:
+        return HeldOutErrors(tuple(blind), coverage, f"the {len(blind)} blind held-out cells")
+    return HeldOutErrors(tuple(float(cell["error"]) for cell in own), coverage,
+                         f"all {len(own)} held-out cells at the traces' own context, re-predicted ones included: "
+                         f"{len(blind)} blind cells are fewer than the {needed} a central {coverage:.0%} needs")
 
 
 def speedup_intervals(speedups: pl.DataFrame, errors: HeldOutErrors) -> pl.DataFrame:
