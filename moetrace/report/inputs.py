@@ -13,7 +13,7 @@ import polars as pl
 
 from moetrace.analysis.placement import explicit_placement, linear_placement, round_robin_placement
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
-from moetrace.analysis.uncertainty import HeldOutErrors
+from moetrace.analysis.uncertainty import HeldOutErrors, interval_errors
 from moetrace.errors import UserError
 from moetrace.trace.reader import Trace, open_traces, run_path
 
@@ -41,9 +41,10 @@ class PredictionPreset:
 
 def held_out_errors() -> HeldOutErrors:
     """The committed record of the prediction's misses at held-out concurrencies (``benchmarks/
-    prediction_errors.py`` writes it from the speedup validations' results)."""
+    prediction_errors.py`` writes it from the speedup validations' results), as the intervals take them: the blind
+    cells, or all while they are too few (``interval_errors``; its ``basis`` says which)."""
     document = json.loads((Path(__file__).parents[1] / "data" / "prediction-errors.json").read_text())
-    return HeldOutErrors(tuple(float(cell["error"]) for cell in document["cells"]))
+    return interval_errors(document["cells"])
 
 
 DEFAULT_PREDICTION = PredictionPreset(
