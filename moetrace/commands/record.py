@@ -48,7 +48,8 @@ from moetrace.hooks.options import BUDGET_SCOPES
 @click.option("--synthetic-acceptance", metavar="RATES|PROFILE",
               help="Keep drafts at these rates instead of the target model's verdict (vLLM's synthetic rejection "
                    "sampling; GPU only): per draft position, the share of windows that accept at least i drafts, "
-                   "such as 0.8,0.52,0.31, or a profile: kimi-k2-eagle3-chat, kimi-k2-eagle3-math, chat-ngram-low. "
+                   "such as 0.8,0.52,0.31, or a profile: kimi-k2-eagle3-chat, chat-ngram-low, default-ngram, ... (an "
+                   "unknown name lists them all). "
                    "Each k takes the first k rates; the drafter and verification still run at k.")
 @click.option("--compiled", is_flag=True,
               help="Let vLLM compile (and capture CUDA graphs on GPU) instead of running eager.")

@@ -218,7 +218,7 @@ def test_manifest_says_random_weights_exactly_when_vllm_loads_dummy_weights(
                 "with i"),
     ("0.8,1.5", "--synthetic-acceptance 0.8,1.5: each rate must lie between 0 and 1"),
     ("eagle", "--synthetic-acceptance 'eagle': rates such as 0.8,0.52,0.31 or a profile (kimi-k2-eagle3-chat, "
-              "kimi-k2-eagle3-math, chat-ngram-low)"),
+              "kimi-k2-eagle3-math, chat-ngram-low, default-ngram, default-mtp, default-eagle3)"),
 ])
 def test_synthetic_acceptance_that_vllm_would_refuse_is_refused_in_one_line(given: str, says: str,
                                                                             tmp_path: Path) -> None:
