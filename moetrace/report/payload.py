@@ -169,7 +169,8 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
     return {
         "drafter": analysis.manifest.spec.method or "none",
         "label": analysis.run.label,
-        "acceptance": "measured" if options.acceptance is None else f"given {options.acceptance:g} per draft",
+        "acceptance": (f"given {options.acceptance:g} per draft" if options.acceptance is not None
+                       else "synthetic" if synthetic_note(analysis) is not None else "measured"),
         "based_on": basis["preset"] or " + ".join(
             part for part in (basis["calibration"], basis.get("profile")) if part),
         "coverage_target": options.coverage,

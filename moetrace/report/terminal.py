@@ -20,6 +20,19 @@ def _marked(value: str, source: str | None) -> str:
 
 
 MARK_LEGEND = "marks: " + ", ".join(f"{mark} {source.value}" for source, mark in MARKS.items() if mark)
+# beside an acceptance figure whose drafts vLLM kept at set rates (synthetic rejection sampling): no drafter's
+SYNTHETIC_MARK = "§"
+SYNTHETIC_LEGEND = f"{SYNTHETIC_MARK} acceptance set by vLLM's synthetic rejection sampling, no drafter's"
+
+
+def _accepted(value: str, synthetic: bool) -> str:
+    """An acceptance figure, marked where the drafts were kept at set rates."""
+    return value + (SYNTHETIC_MARK if synthetic else "")
+
+
+def _synthetic(run: dict[str, Any]) -> bool:
+    """Whether some recorded k of ``run`` had its acceptance set (``acceptance_set_by``)."""
+    return any(row["set_by"] == "synthetic" for row in run["acceptance_set_by"])
 
 
 def _number(value: Any, digits: int = 2) -> str:
@@ -95,6 +108,7 @@ def _step_bytes(run: dict[str, Any], k: int) -> Table:
 
 
 def _acceptance(run: dict[str, Any]) -> Table:
+    set_by = {row["k"]: row["set_by"] == "synthetic" for row in run["acceptance_set_by"]}
     table = _table("Acceptance per recorded k, and what it delivered on the recording machine", [
         ("k", ""), ("windows", "decoding request-steps"), ("drafts", "mean drafts per window with drafts"),
         ("read", "tokens a request-step read"), ("tok/step", "tokens gained per request-step"),
@@ -108,15 +122,16 @@ def _acceptance(run: dict[str, Any]) -> Table:
             str(row["windows"]),
             _number(row["mean_drafts"]),
             _number(row["tokens_read"]),
-            _number(row["tokens_per_step"]),
+            _accepted(_number(row["tokens_per_step"]), set_by.get(row["k"], False)),
             _number(row["step_ms"], 1),
             _number(row["measured_speedup"]),
-            " ".join(f"{p['draft_pos']}:{_number(p['acceptance_rate'])}" for p in rates) or "–",
+            _accepted(" ".join(f"{p['draft_pos']}:{_number(p['acceptance_rate'])}" for p in rates) or "–",
+                      set_by.get(row["k"], False)),
         )
     return table
 
 
-def _by_context(by_context: dict[str, Any]) -> Table:
+def _by_context(by_context: dict[str, Any], synthetic: bool) -> Table:
     k = by_context["k"]
     sampled = "" if by_context["share"] >= 1.0 else f", a sample of {by_context['share']:.0%} of steps"
     table = _table(f"By context (tokens before a request-step's first token), recorded k={k}{sampled}", [
@@ -134,8 +149,8 @@ def _by_context(by_context: dict[str, Any]) -> Table:
         counted = sum(t["steps"] for t in steps)
         table.add_row(
             row["context"], str(row["request_steps"]), _number(row["mean_context"], 0),
-            " ".join(f"{i}:{_number(row[f'rate_{i}'])}" for i in range(1, k + 1)) or "–",
-            _number(row["tokens_per_step"]), _number(row["first_rejected"]),
+            _accepted(" ".join(f"{i}:{_number(row[f'rate_{i}'])}" for i in range(1, k + 1)) or "–", synthetic),
+            _accepted(_number(row["tokens_per_step"]), synthetic), _number(row["first_rejected"]),
             _number(sum(e["unique_experts"] * e["windows"] for e in experts) / windows if windows else None, 1),
             _number(sum(t["step_ms"] * t["steps"] for t in steps) / counted if counted else None, 1))
     return table
@@ -151,12 +166,13 @@ def _step_reads(run: dict[str, Any], k: int) -> Table:
         first = by_key[(batches[0], kk)]
         table.add_row(str(kk), *[_marked(_number(by_key[(b, kk)]["unique_experts"], 1), by_key[(b, kk)]["union_source"])
                                  if (b, kk) in by_key else "–" for b in batches],
-                      _marked(_number(first["tokens_per_step"]), first["acceptance_source"]),
+                      _accepted(_marked(_number(first["tokens_per_step"]), first["acceptance_source"]),
+                                _synthetic(run) and kk > 0),
                       style="bold" if kk == k else None)
     return table
 
 
-def _prediction(prediction: dict[str, Any], k: int) -> Table:
+def _prediction(prediction: dict[str, Any], k: int, synthetic: bool) -> Table:
     basis = prediction["basis"]
     title = (f"Predicted verify step at one request per step ({basis['mode']}; "
              f"tp={basis['tp']}, ep={basis['ep']}, {basis['weight_format']} experts, routing {basis['routing']})")
@@ -177,7 +193,7 @@ def _prediction(prediction: dict[str, Any], k: int) -> Table:
     for row in prediction["per_k"]:
         table.add_row(
             str(row["k"]),
-            _marked(_number(row["tokens_per_step"]), row["acceptance_source"]),
+            _accepted(_marked(_number(row["tokens_per_step"]), row["acceptance_source"]), synthetic and row["k"] > 0),
             _marked(_number(row["unique_experts"], 1), row["union_source"]),
             _number(row["rank_experts"], 1),
             *[_number(row[column]) for _, column, _ in parts],
@@ -267,8 +283,9 @@ def _comparison(summary: dict[str, Any]) -> Table:
                                                   or (r["growth_at_k"] or {}).get("counterfactual"))),
         ("locality", lambda r: _number((r["growth_at_k"] or {}).get("locality"))),
         ("expert weights/step", lambda r: _bytes((r["bytes_at_k"] or {}).get("expert_weight_bytes"))),
-        ("tokens/step", lambda r: _number(next((row["tokens_per_step"] for row in r["step_reads"]
-                                                if row["k"] == k and row["batch"] == 1), None))),
+        ("tokens/step", lambda r: _accepted(_number(next((row["tokens_per_step"] for row in r["step_reads"]
+                                                          if row["k"] == k and row["batch"] == 1), None)),
+                                            _synthetic(r) and k > 0)),
         ("median budget", lambda r: _number(r["budget"]["median_budget"], 1)),
         ("predicted speedup", lambda r: _number(((r.get("prediction") or {}).get("at_k") or {}).get("speedup"))),
     ]
@@ -299,7 +316,8 @@ def _decision(decision: dict[str, Any]) -> Table:
             str(row["batch"]),
             _recommended(row) if recommended else "none",
             _marked(_number(row["speedup"]), row["speedup_source"]) if recommended else "–",
-            _marked(_number(row["tokens_per_step"]), row["acceptance_source"]),
+            _accepted(_marked(_number(row["tokens_per_step"]), row["acceptance_source"]),
+                      decision["acceptance"] == "synthetic" and bool(row["k"])),
             _marked(_number(row["unique_experts"], 0), row["union_source"]), _number(row["uniform_bound"], 0),
             _number(row["windows"]), _number(row["steps"]), _number(budget.get("median"), 0),
             _bytes(budget.get("bytes_saved_per_window")),
@@ -389,6 +407,8 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
         console.print(Text(f"  intervals: the measured speedup a prediction stands for, from the errors of "
                            f"{coverage:.0%} of {cells} held-out cells (docs/validation.md)", style="dim"))
     console.print(Text(f"  {MARK_LEGEND}", style="dim"))
+    if any(decision["acceptance"] == "synthetic" for decision in decisions):
+        console.print(Text(f"  {SYNTHETIC_LEGEND}", style="dim"))
 
 
 def print_summary(summary: dict[str, Any], console: Console) -> None:
@@ -405,9 +425,9 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         console.print(_step_bytes(run, k))
         console.print(_acceptance(run))
         if run["by_context"]["acceptance"]:
-            console.print(_by_context(run["by_context"]))
+            console.print(_by_context(run["by_context"], _synthetic(run)))
         if run.get("prediction"):
-            console.print(_prediction(run["prediction"], k))
+            console.print(_prediction(run["prediction"], k, _synthetic(run)))
             for line in _prediction_notes(run["prediction"]):
                 console.print(Text(f"  {line}", style="dim"))
             if run["prediction"]["against_trace"]:

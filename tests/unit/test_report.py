@@ -302,7 +302,7 @@ def test_measured_term_columns_show_only_where_the_traces_measured_them() -> Non
 
     def rendered(**measured: float) -> str:
         console = Console(width=200, record=True)
-        console.print(_prediction({"basis": basis, "per_k": [{**row, **measured}]}, 1))
+        console.print(_prediction({"basis": basis, "per_k": [{**row, **measured}]}, 1, False))
         return console.export_text()
 
     assert not {"fwd+", "draft", "sched", "rej", "pre"} & set(rendered().split())

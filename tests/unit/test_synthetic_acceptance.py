@@ -73,4 +73,7 @@ def test_a_report_on_a_synthetic_sweep_says_whose_acceptance_it_is_beside_its_fi
     assert any(note.startswith("synthetic acceptance: at k = 3 vLLM kept drafts at set rates (0.80 / 0.52 / 0.31")
                for note in run["notes"])
     shown = invoke("report", sweep, "-o", tmp_path / "t.html").output
-    assert "synthetic acceptance" in shown
+    assert "synthetic acceptance" in shown and "§ acceptance set by vLLM's synthetic rejection sampling" in shown
+    tokens_per_step = {row["k"]: row["tokens_per_step"] for row in run["acceptance_per_k"]}
+    assert f"{tokens_per_step[3]:.2f}§" in shown  # beside the acceptance figure itself
+    assert f"{tokens_per_step[0]:.2f}§" not in shown
