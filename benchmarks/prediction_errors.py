@@ -62,6 +62,10 @@ class Provenance:
 
 # Read off each file's git history (git log --follow; git log -S on the plans' --timed lists) and docs/validation.md.
 PROVENANCE = {
+    "speedup-validation-synthetic-chat-h100.json": Provenance(
+        "blind", "9184541",
+        "plan (h200_next_checks.sh synthetic-chat) and prediction code committed in 9184541 before the GPU ran "
+        "(2026-12-07 16:17-16:39 UTC); the GPU ran that commit's tree and compare ran that commit's code"),
     "speedup-validation-closed-loop-40.json": Provenance(
         "blind", "cbe7201",
         "plan committed in benchmarks/lab/h200_next_checks.sh (557537b), naming cbe7201 as its prediction code "
