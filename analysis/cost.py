@@ -72,6 +72,14 @@ def moe_past_table(fit: Mapping[str, Any] | None, rows: Sequence[float]) -> tupl
     return (max(rows), measured) if max(rows) > measured else None
 
 
+def step_source(batch: int, measured: MeasuredSteps) -> str:
+    """Where a step at ``batch`` requests comes from: measured at a recorded concurrency; estimated between recorded
+    ones; extrapolated past the largest (``MeasuredSteps.estimated_from``)."""
+    if not measured.estimated_from:
+        return Source.MEASURED.value
+    return str((Source.EXTRAPOLATED if batch > max(measured.estimated_from) else Source.ESTIMATED).value)
+
+
 def predict(per_k: pl.DataFrame, deployment: Deployment, profile: Profile | None,
             calibration: Mapping[str, Any] | None,
             anchor: tuple[float, float] | None = None,
@@ -366,9 +374,9 @@ def _table(rows: list[dict[str, Any]], deployment: Deployment, priced: _Priced, 
         "sampling_ms": extra.sampling if measured and measured.sampling_ms is not None else unmeasured,
         "step_ms": steps,
         # where the k=0 step comes from: the sweep's own steps at this concurrency, estimated from other recorded
-        # concurrencies, or (null) a profile or calibration
-        "step_source": pl.Series([None if measured is None else Source.ESTIMATED.value
-                                  if measured.estimated_from else Source.MEASURED.value] * len(rows),
+        # concurrencies (extrapolated past the largest: the k=0 step's rest and the prefill held or continued
+        # along the last two), or (null) a profile or calibration
+        "step_source": pl.Series([None if measured is None else step_source(deployment.batch, measured)] * len(rows),
                                  dtype=pl.String),
         "step_ratio": [s / steps[0] for s in steps],
         "prefill_ms_per_token": prefill,

@@ -17,7 +17,9 @@ class Source(enum.Enum):
     ESTIMATED = "estimated"  # drawn from what the trace recorded, combined as it did not run it
     COUNTERFACTUAL = "counterfactual"  # windows of accepted tokens, as many as drafted: a k the trace did not record
     LOWER_BOUND = "lower bound"  # fewer windows than asked for: the union of all of them
-    EXTRAPOLATED = "extrapolated"  # continued past what was measured (acceptance past the largest recorded k)
+    # continued past what was measured (acceptance past the largest recorded k, a step past the largest recorded
+    # concurrency)
+    EXTRAPOLATED = "extrapolated"
     GIVEN = "given"  # stated by the user (--acceptance)
     UNIFORM = "uniform"  # uniformly random routing, not the trace's
 
@@ -45,7 +47,8 @@ MEANINGS = {
                            "(past the recorded k, a capped drafter assumed to propose every draft): a k the trace did "
                            "not record",
     Source.LOWER_BOUND: "fewer windows than asked for: the union of all of them",
-    Source.EXTRAPOLATED: "continued past what was measured (acceptance past the largest recorded k)",
+    Source.EXTRAPOLATED: "continued past what was measured (acceptance past the largest recorded k, a step past the "
+                         "largest recorded concurrency)",
     Source.GIVEN: "stated by the user (--acceptance)",
     Source.UNIFORM: "uniformly random routing, not the trace's",
 }

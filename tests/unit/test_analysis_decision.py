@@ -196,7 +196,8 @@ def test_measured_mode_estimates_a_concurrency_the_sweep_did_not_record_from_tho
                                         CALIBRATION, (2.0, 2.0), measured)
     by_key = {(r["batch"], r["k"]): r for r in speedups.to_dicts()}
     assert {r["step_source"] for r in speedups.to_dicts() if r["batch"] < 8} == {"measured"}
-    assert by_key[(8, 0)]["step_source"] == by_key[(8, 1)]["step_source"] == "estimated"
+    # past the largest recorded concurrency (4): extrapolated, and marked so
+    assert by_key[(8, 0)]["step_source"] == by_key[(8, 1)]["step_source"] == "extrapolated"
     # what is left of the k=0 step beyond its calibrated MoE (10 µs + 1 µs per expert): 1 - 0.012 at one request,
     # 2 - 0.016 at four; at eight, along that line: 1.984 + (1.984 - 0.988) / 3 · 4
     rest8 = 1.984 + (1.984 - 0.988) / 3 * 4

@@ -366,3 +366,12 @@ def test_a_calibrated_attention_curve_moves_each_k_by_its_own_queries_and_marks_
     assert rows[(20_100, 1, 2)]["step_source"] == "extrapolated"
     assert curve.layer_us(1, 2, 1_000) == pytest.approx(2 + 0.0015 * 1_000)  # Q between the timed ones: linear
     assert curve.extrapolated(8, 1, 100) and not curve.extrapolated(4, 3, 100)  # more requests than timed
+
+
+def test_a_step_past_the_largest_recorded_concurrency_is_extrapolated_and_between_them_estimated() -> None:
+    from moetrace.analysis.cost import step_source
+
+    recorded = MeasuredSteps(3.0, estimated_from=(1, 16))
+    assert step_source(8, recorded) == "estimated"
+    assert step_source(48, recorded) == "extrapolated"
+    assert step_source(16, MeasuredSteps(3.0)) == "measured"  # the sweep's own steps there
