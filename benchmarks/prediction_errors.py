@@ -42,6 +42,8 @@ DEFINITIONS = {
     "moved_from": "the context the traces were recorded at, where the prediction moved them to this one "
                   "(--moved-from); null: predicted at the traces' own context",
     "acceptance": "who kept the drafts: the drafter, or vLLM's synthetic rejection sampling at set rates",
+    "recorded": "the concurrencies the traces were recorded at (null: the file does not say): past the largest, the "
+                "step is extrapolated",
     "regret": "per (results, model, drafter, context, concurrency): the measured throughput of the measured best k "
               "over that of the recommended k, minus 1 (0 where the recommended k is the best); regret_interval: the "
               "best's 95% low over the recommended's 95% high and high over low, minus 1, a bound from the two "
@@ -180,7 +182,9 @@ def held_out_cells(results: Path = RESULTS) -> list[dict[str, Any]]:
             if row.get("held_out_concurrency") and row.get("error") is not None:
                 cells.append({"results": name, "model": row["model"], "drafter": row["drafter"],
                               "context": context_of(row), "moved_from": moved_from(name, document, row),
-                              "k": row["k"], "concurrency": row["concurrency"], "acceptance": acceptance_of(row),
+                              "k": row["k"], "concurrency": row["concurrency"],
+                              "recorded": document.get("models", {}).get(row["model"], {}).get("recorded"),
+                              "acceptance": acceptance_of(row),
                               "error": round(row["error"], 4), "prediction": found.prediction,
                               "commit": found.commit, "why": found.why})
     return cells

@@ -195,6 +195,7 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
                           for context, found in analysis.context_decision.crossovers.items()]},
         "held_out_cells": basis.get("held_out_cells"),  # behind each speedup's interval (analysis.uncertainty)
         "held_out_coverage": basis.get("held_out_coverage"),
+        "held_out_basis": basis.get("held_out_basis"),  # which cells, and how the intervals widen past recorded B
     }
 
 

@@ -264,6 +264,7 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
         basis["calibration_device"] = f"{device.get('name')} x{device.get('count')}"
     errors = held_out_errors()
     basis["held_out_cells"], basis["held_out_coverage"] = len(errors.errors), errors.coverage
+    basis["held_out_basis"] = errors.basis
     decision = with_intervals(recommended_k(speedups, options.batches, disagreements, unpriced), speedups, errors)
     return speedups, table, decision, basis
 

@@ -402,10 +402,10 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
                 console.print(Text(f"  {line}"))
     for based_on in dict.fromkeys(decision["based_on"] for decision in decisions):
         console.print(Text(f"  predicted {based_on}", style="dim"))
-    for coverage, cells in dict.fromkeys((decision["held_out_coverage"], decision["held_out_cells"])
+    for coverage, basis in dict.fromkeys((decision["held_out_coverage"], decision["held_out_basis"])
                                          for decision in decisions if decision.get("held_out_cells")):
-        console.print(Text(f"  intervals: the measured speedup a prediction stands for, from the errors of "
-                           f"{coverage:.0%} of {cells} held-out cells (docs/validation.md)", style="dim"))
+        console.print(Text(f"  intervals: the measured speedup a prediction stands for, the central {coverage:.0%} "
+                           f"of the errors of {basis} (docs/validation.md)", style="dim"))
     console.print(Text(f"  {MARK_LEGEND}", style="dim"))
     if any(decision["acceptance"] == "synthetic" for decision in decisions):
         console.print(Text(f"  {SYNTHETIC_LEGEND}", style="dim"))
