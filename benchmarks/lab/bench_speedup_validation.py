@@ -449,6 +449,8 @@ def compare(args: argparse.Namespace) -> None:
                         "measured_best_k": best, "measured_best_speedup": speedups[best][0],
                         "measured_best_ci95": speedups[best][1],
                         "recommended_k": pick, "recommended_status": decision["status"] if decision else None,
+                        # the recommended k is the largest the traces let the report price: a larger may pay more
+                        "recommended_at_sweep_edge": bool(decision.get("k_at_sweep_edge")) if decision else None,
                         "recommended_predicted_speedup": decision.get("speedup") if decision else None,
                         "recommended_measured_speedup": pick_measured,
                         "recommended_within_best_ci95": (low <= pick_measured <= high
@@ -498,6 +500,7 @@ def compare(args: argparse.Namespace) -> None:
             verdict = ("not measured" if measured is None else f"measured {measured:.2f}, "
                        + ("within" if d["recommended_within_best_ci95"] else "outside") + " the best's interval")
             print(f"{where}: {best}; report recommends k={d['recommended_k']}"
+                  + ("+ (the largest k it priced)" if d.get("recommended_at_sweep_edge") else "")
                   + (f" (predicted {predicted:.2f})" if predicted is not None else "") + f": {verdict}")
     errors = [abs(r["error"]) for r in rows if r["error"] is not None and not r["held_out_concurrency"]]
     unrecorded = [abs(r["error"]) for r in rows if r["error"] is not None and r["held_out_concurrency"]]
