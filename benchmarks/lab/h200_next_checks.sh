@@ -28,7 +28,9 @@
 #               acceptance"): n-gram on the slice with its acceptance set by vLLM's synthetic rejection sampling to
 #               the kimi-k2-eagle3-chat profile (0.799, 0.517, 0.306, 0.182 by position), k = 0..4 and k = 0 with
 #               async scheduling off, prompts of the built-in cuts, 3 rounds, recorded at 1 and 16, timed (hooks
-#               paused) at the held-out 2, 8 and 48 (a full engine); judged by regret per concurrency;
+#               paused) at the held-out 2, 8 and 48 (a full engine); judged by regret per concurrency; ran on an
+#               H100 on 2026-12-07 (docs/validation.md) for k = 0..3 and the sync baseline: k = 4 did not fit the
+#               session's GPU time (on another host it needs k = 0 timed again beside it);
 #   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
