@@ -77,3 +77,15 @@ def test_a_report_on_a_synthetic_sweep_says_whose_acceptance_it_is_beside_its_fi
     tokens_per_step = {row["k"]: row["tokens_per_step"] for row in run["acceptance_per_k"]}
     assert f"{tokens_per_step[3]:.2f}§" in shown  # beside the acceptance figure itself
     assert f"{tokens_per_step[0]:.2f}§" not in shown
+
+
+def test_the_installed_vllm_has_the_speculative_config_fields_the_manifest_reads() -> None:
+    """``spec_acceptance`` reads vLLM's own ``SpeculativeConfig`` after vLLM resolved it: a mean acceptance length
+    becomes rates there (1 + 1.0 + 0.5 = 2.5 tokens at 3 drafts), so the manifest holds rates either way."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    assert {"rejection_sample_method", "synthetic_acceptance_rates"} <= set(SpeculativeConfig.__dataclass_fields__)
+    resolved = SpeculativeConfig._resolve_synthetic_acceptance_rates(3, None, 2.5)
+    assert spec_acceptance(SimpleNamespace(rejection_sample_method="synthetic",
+                                           synthetic_acceptance_rates=resolved)) == {
+        "set_by": "synthetic", "rates": [1.0, 0.5, 0.0]}
