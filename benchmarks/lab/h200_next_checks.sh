@@ -31,6 +31,9 @@
 #               paused) at the held-out 2, 8 and 48 (a full engine); judged by regret per concurrency; ran on an
 #               H100 on 2026-12-07 (docs/validation.md) for k = 0..3 and the sync baseline: k = 4 did not fit the
 #               session's GPU time (on another host it needs k = 0 timed again beside it);
+#   synthetic-chat-k4, synthetic-low: the rest of that grid, decided 2026-12-07 before either ran: k = 0 and 4 at
+#               the same profile and load (k = 0 again beside k = 4: one host's timings), and the chat-ngram-low profile
+#               (0.25 / 0.12 / 0.06 / 0.03), k = 0..4 and the sync baseline, where k = 0 may be right;
 #   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
@@ -92,6 +95,12 @@ bench() {
 [[ "$parts" == *" synthetic-chat "* ]] &&
   bench --methods ngram --ks 0,1,2,3,4 --sync-baseline --synthetic-acceptance kimi-k2-eagle3-chat --rounds 3 \
     --timed 2,8,48 --recorded 1,16 --out /root/synthetic-chat
+[[ "$parts" == *" synthetic-chat-k4 "* ]] &&
+  bench --methods ngram --ks 0,4 --sync-baseline --synthetic-acceptance kimi-k2-eagle3-chat --rounds 3 \
+    --timed 2,8,48 --recorded 1,16 --out /root/synthetic-chat-k4
+[[ "$parts" == *" synthetic-low "* ]] &&
+  bench --methods ngram --ks 0,1,2,3,4 --sync-baseline --synthetic-acceptance chat-ngram-low --rounds 3 \
+    --timed 2,8,48 --recorded 1,16 --out /root/synthetic-low
 for context in 256 8192; do
   for method in ngram eagle3; do
     [[ "$parts" == *" context-$context-$method "* ]] &&
