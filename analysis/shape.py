@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from moetrace.trace.model_config import config_expert_count, config_value
+from moetrace.trace.model_config import (
+    config_expert_count,
+    config_value,
+    expert_hidden_size,
+    format_tensor_scale_bits,
+)
 
 if TYPE_CHECKING:
     from moetrace.trace.manifest import Manifest
@@ -31,16 +36,22 @@ class ModelShape:
     unpriced_format: str | None = None  # the experts' format, where the cost model cannot count its bytes
     kv_bytes_per_token: int | None = None  # KV cache one token of context holds on one rank, all layers
     max_context: int | None = None  # the model's max_position_embeddings
+    tensor_scale_bits: int = 0  # one more scale per whole weight tensor (NVFP4: an FP32 global scale)
+    expert_hidden_size: int | None = None  # latent MoE: the width the routed experts compute in; None: hidden_size
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes read for one expert in one layer: gate, up and down matrices, plus their quantisation scales;
-        ``UnpricedFormat`` where the format is one the cost model cannot count (``unpriced_format``)."""
+        """Bytes read for one expert in one layer: gate, up and down matrices (``expert_hidden_size`` x
+        ``expert_width`` each in a latent MoE, whose experts compute in the latent width; else ``hidden_size`` x
+        ``expert_width``), plus their quantisation scales: one per group of ``quant_group_size`` weights and one per
+        tensor where the format has one (NVFP4). ``UnpricedFormat`` where the format is one the cost model cannot
+        count (``unpriced_format``). The latent down- and up-projections around the experts are dense weights that
+        every step reads once per layer, whichever experts it routes to: not expert bytes."""
         if self.unpriced_format is not None:
             raise UnpricedFormat(self.unpriced_format)
-        weights = 3 * self.hidden_size * self.expert_width
+        weights = 3 * (self.expert_hidden_size or self.hidden_size) * self.expert_width
         scales = 0 if not self.quant_group_size else (weights // self.quant_group_size) * self.scale_bits // 8
-        return weights * self.expert_weight_bits // 8 + scales
+        return weights * self.expert_weight_bits // 8 + scales + 3 * self.tensor_scale_bits // 8
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> ModelShape:
@@ -64,6 +75,9 @@ class ModelShape:
             unpriced_format=unpriced,
             kv_bytes_per_token=int(model["kv_bytes_per_token"]) if model.get("kv_bytes_per_token") else None,
             max_context=int(model["max_position_embeddings"]) if model.get("max_position_embeddings") else None,
+            tensor_scale_bits=int(model["quant_tensor_scale_bits"]) if model.get("quant_tensor_scale_bits") is not None
+            else format_tensor_scale_bits(model.get("expert_format")),
+            expert_hidden_size=int(model["expert_hidden_size"]) if model.get("expert_hidden_size") else None,
         )
 
     def unpriced_note(self) -> str | None:
@@ -76,22 +90,23 @@ class ModelShape:
 
 
 def shape_from_config(config: dict[str, Any]) -> ModelShape:
-    """The expert shape a Hugging Face ``config.json`` describes (DeepseekV3/Kimi, Qwen-MoE, Mixtral key names)."""
+    """The expert shape a Hugging Face ``config.json`` describes (DeepseekV3/Kimi, Qwen-MoE, Mixtral, Kimi-K3 key
+    names; a latent MoE's expert width from ``LATENT_WIDTH_KEYS``), in the model's 16-bit dtype."""
     experts = config_expert_count(config)
     if not experts:
         raise ValueError("the config names no routed experts: not a MoE model")
     layers = int(config_value(config, "num_hidden_layers") or 0)
     dense = int(config_value(config, "first_k_dense_replace") or 0)
     width = config_value(config, "moe_intermediate_size", "intermediate_size")
-    top_k = config_value(config, "num_experts_per_tok", "top_k")
+    top_k = config_value(config, "num_experts_per_tok", "num_experts_per_token", "top_k")
     hidden = config_value(config, "hidden_size")
     if not (layers and width and top_k and hidden):
         raise ValueError("the config lacks one of num_hidden_layers, moe_intermediate_size, num_experts_per_tok, "
                          "hidden_size")
     return ModelShape(num_experts=experts, top_k=int(top_k), num_layers=layers, moe_layers=layers - dense,
                       hidden_size=int(hidden), expert_width=int(width),
-                      shared_experts=int(config_value(config, "n_shared_experts") or 0),
-                      expert_weight_bits=16, quant_group_size=None)
+                      shared_experts=int(config_value(config, "n_shared_experts", "num_shared_experts") or 0),
+                      expert_weight_bits=16, quant_group_size=None, expert_hidden_size=expert_hidden_size(config))
 
 
 SHAPE_PRESETS: dict[str, ModelShape] = {

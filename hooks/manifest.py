@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, NamedTuple
@@ -25,17 +26,23 @@ def package_version(name: str) -> str | None:
 
 class ExpertFormat(NamedTuple):
     """How a checkpoint stores its routed experts' weights: bits per weight, one scale per ``group`` weights (None:
-    no scales worth counting), the scale's bits, and the format's name (for the manifest and the report)."""
+    no scales worth counting), the scale's bits, the format's name (for the manifest and the report), and the bits
+    of one more scale per whole tensor (NVFP4's FP32 global scale; 0: none)."""
 
     bits: int
     group: int | None
     scale_bits: int
     name: str
+    tensor_scale_bits: int = 0
 
 
-# An expert's projection as the checkpoint names it (DeepseekV3/Kimi): what compressed-tensors' ignore list is
-# matched against
+# An expert's projection as the checkpoint names it, what ignore lists are matched against: DeepseekV3/Kimi-K2,
+# and Kimi-K3 (vLLM 0.32's ``KimiK3ForConditionalGeneration``: ``block_sparse_moe.experts.<e>.w1/w2/w3``)
 EXPERT_MODULE = "model.layers.1.mlp.experts.0.gate_proj"
+EXPERT_MODULES_BY_MODEL_TYPE = {
+    "kimi_k3": "language_model.layers.1.block_sparse_moe.experts.0.w1",
+    "kimi_linear": "model.layers.1.block_sparse_moe.experts.0.w1",
+}
 
 
 def _ignored(patterns: list[str], module: str) -> bool:
@@ -43,32 +50,72 @@ def _ignored(patterns: list[str], module: str) -> bool:
     return any(re.match(p[3:], module) if p.startswith("re:") else p == module for p in patterns)
 
 
-def expert_weight_format(hf_config: Any, dtype: torch.dtype) -> ExpertFormat:
-    """The routed experts' weight format from the checkpoint's quantisation config: compressed-tensors (Kimi-K2.5's
-    INT4 W4A16, group 32, scales in the model's dtype; block or channel FP8), FP8 with weight blocks (Kimi-K2's:
-    one float32 scale per 128 x 128 block), GPTQ/AWQ bits; else the model's dtype. A method none of these reads
-    is named with no bits (``bits`` 0): the report leaves out what its bytes would price."""
-    model_bits = torch.finfo(dtype).bits
-    quant = getattr(hf_config, "quantization_config", None) or {}
-    if not isinstance(quant, dict):
-        quant = quant.to_dict() if hasattr(quant, "to_dict") else {}
-    method = str(quant.get("quant_method", "") or "")
-    if not quant:
-        return ExpertFormat(model_bits, None, 0, str(dtype).removeprefix("torch."))
+def _excluded(patterns: list[str], module: str) -> bool:
+    """ModelOpt's exclude list: exact names or ``*`` wildcards (a name also excludes the modules under it)."""
+    return any(fnmatch.fnmatchcase(module, p) or module.startswith(p + ".") for p in patterns)
+
+
+def _dtype_bits(name: Any, default: int) -> int:
+    """Bits of a dtype compressed-tensors writes (``"torch.float8_e4m3fn"``, ``"torch.uint8"``); ``default``
+    where it names none torch knows."""
+    dtype = getattr(torch, str(name or "").removeprefix("torch."), None)
+    return dtype.itemsize * 8 if isinstance(dtype, torch.dtype) else default
+
+
+def _compressed_tensors(quant: dict[str, Any], module: str, model_bits: int) -> ExpertFormat | None:
+    """The experts' format from compressed-tensors' config groups: integer groups (Kimi-K2.5's INT4, scales in the
+    model's dtype), FP8 blocks or channels, and 4-bit floats: NVFP4 (``tensor_group`` of 16, FP8 E4M3 scales, one
+    FP32 global scale per tensor) and MXFP4 (``group`` of 32, E8M0 scales). None: the experts are not quantised."""
+    if _ignored(list(quant.get("ignore") or []), module):
+        return None
+    for group in (quant.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if not weights.get("num_bits"):
+            continue
+        bits, strategy, block = int(weights["num_bits"]), weights.get("strategy"), weights.get("block_structure")
+        size = (int(weights["group_size"]) if strategy in ("group", "tensor_group") and weights.get("group_size")
+                else int(block[0]) * int(block[1]) if strategy == "block" and block else None)
+        if weights.get("type") == "float" and bits == 4 and size:
+            nvfp4 = strategy == "tensor_group"
+            return ExpertFormat(4, size, _dtype_bits(weights.get("scale_dtype"), 8),
+                                f"{'nvfp4' if nvfp4 else 'mxfp4'} compressed-tensors {strategy} {size}",
+                                32 if nvfp4 else 0)
+        kind = "float" if weights.get("type") == "float" else "int"
+        scale_bits = _dtype_bits(weights.get("scale_dtype"), model_bits) if size else 0
+        return ExpertFormat(bits, size, scale_bits,
+                            f"compressed-tensors {kind}{bits} {strategy}" + (f" {size}" if size else ""))
+    return ExpertFormat(0, None, 0, "compressed-tensors with no weight scheme")
+
+
+def _modelopt(quant: dict[str, Any], module: str) -> ExpertFormat | None:
+    """The experts' format from a ModelOpt config (``hf_quant_config.json``'s ``quantization`` section, or its
+    ``quant_algo`` in config.json): NVFP4 and W4A16_NVFP4 (one FP8 E4M3 scale per ``group_size`` values, 16 unless
+    set, one FP32 global scale per tensor), MXFP8, FP8 per tensor or in 128 x 128 blocks. None: the experts are
+    excluded from quantisation."""
+    inner = quant["quantization"] if isinstance(quant.get("quantization"), dict) else quant
+    if _excluded([str(p) for p in inner.get("exclude_modules") or quant.get("ignore") or []], module):
+        return None
+    algo = str(inner.get("quant_algo") or "").upper()
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        group = int(inner.get("group_size") or 16)
+        return ExpertFormat(4, group, 8, f"nvfp4 modelopt {algo} {group}", 32)
+    if algo == "MXFP8":
+        return ExpertFormat(8, 32, 8, "mxfp8 modelopt")
+    if algo in ("FP8_PB_WO", "FP8_BLOCK_SCALES"):
+        return ExpertFormat(8, 128 * 128, 32, "fp8 modelopt block 128x128")
+    if algo in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):
+        return ExpertFormat(8, None, 0, f"fp8 modelopt {algo}")
+    return ExpertFormat(0, None, 0, f"modelopt {algo or 'with no quant_algo'}")
+
+
+def _read_format(quant: dict[str, Any], method: str, module: str, model_bits: int) -> ExpertFormat | None:
+    """The experts' format a quantisation config names; None: the experts keep the model's dtype."""
     if method == "compressed-tensors":
-        if _ignored(list(quant.get("ignore") or []), EXPERT_MODULE):
-            return ExpertFormat(model_bits, None, 0, str(dtype).removeprefix("torch."))
-        for group in (quant.get("config_groups") or {}).values():
-            weights = group.get("weights") or {}
-            if not weights.get("num_bits"):
-                continue
-            bits, strategy = int(weights["num_bits"]), weights.get("strategy")
-            block = weights.get("block_structure")
-            size = (int(weights["group_size"]) if strategy == "group" and weights.get("group_size")
-                    else int(block[0]) * int(block[1]) if strategy == "block" and block else None)
-            kind = "float" if weights.get("type") == "float" else "int"
-            return ExpertFormat(bits, size, model_bits if size else 0,
-                                f"compressed-tensors {kind}{bits} {strategy}" + (f" {size}" if size else ""))
+        return _compressed_tensors(quant, module, model_bits)
+    if method.lower().startswith("modelopt"):
+        return _modelopt(quant, module)
+    if method in ("mxfp4", "gpt_oss_mxfp4"):  # vLLM quantises only the routed experts under this method
+        return ExpertFormat(4, 32, 8, "mxfp4")
     if method == "fp8":
         block = quant.get("weight_block_size")
         size = int(block[0]) * int(block[1]) if block else None
@@ -78,6 +125,29 @@ def expert_weight_format(hf_config: Any, dtype: torch.dtype) -> ExpertFormat:
         size = int(group_size) if isinstance(group_size, int) and group_size > 0 else None
         return ExpertFormat(int(quant["bits"]), size, 16 if size else 0, f"{method or 'quantized'} int{quant['bits']}")
     return ExpertFormat(0, None, 0, method or "unknown quantisation")
+
+
+def expert_weight_format(hf_config: Any, dtype: torch.dtype) -> ExpertFormat:
+    """The routed experts' weight format from the checkpoint's quantisation config: compressed-tensors (Kimi-K2.5's
+    INT4 W4A16, group 32, scales in the model's dtype; block or channel FP8; NVFP4 and MXFP4), ModelOpt (NVFP4,
+    MXFP8, FP8), MXFP4 (``quant_method`` "mxfp4": E2M1 values, one E8M0 scale per 32), FP8 with weight blocks
+    (Kimi-K2's: one float32 scale per 128 x 128 block), GPTQ/AWQ bits; else the model's dtype. A method none of
+    these reads, or a config they cannot read, is named with no bits (``bits`` 0): the report leaves out what its
+    bytes would price, in one line."""
+    model_bits = torch.finfo(dtype).bits
+    unquantized = ExpertFormat(model_bits, None, 0, str(dtype).removeprefix("torch."))
+    quant = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else {}
+    if not quant:
+        return unquantized
+    method = str(quant.get("quant_method", "") or "")
+    module = EXPERT_MODULES_BY_MODEL_TYPE.get(str(getattr(hf_config, "model_type", "") or ""), EXPERT_MODULE)
+    try:
+        found = _read_format(quant, method, module, model_bits)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        return ExpertFormat(0, None, 0, f"{method or 'unknown quantisation'} (config not read: {type(exc).__name__})")
+    return unquantized if found is None else found
 
 
 def placement_facts(num_experts: int, ep: int, strategy: str) -> dict[str, Any]:
