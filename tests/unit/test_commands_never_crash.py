@@ -158,6 +158,15 @@ def sweep_from_k0(*ks: int) -> Layout:
     return Layout("sweep", Model(), 0, 1, tuple(replace(drawn, k=k, seed=k) for k in (0, *ks)))
 
 
+def k3_shaped_sweep() -> Layout:
+    """Kimi-K3's routing shape (896 experts, top-16, expert ids past uint8 and past 384) in a sweep of k = 0, 2
+    and 4 whose requests draft a variable number each step (0..k, as DSpark's confidence schedule verifies)."""
+    drawn = Rows(k=0, requests=4, steps=8, prefill=2, accept_prob=0.6, variable_drafts=True, seed=1, files=2,
+                 steps_kept="all", empty_part=False, complete=True)
+    return Layout("sweep", Model(num_experts=896, top_k=16, name="kimi-k3-shaped"), 0, 1,
+                  tuple(replace(drawn, k=k, seed=k) for k in (0, 2, 4)))
+
+
 def one_rejected_step() -> Layout:
     """One request's one step at k = 2 whose drafts were both rejected: no window of 2 accepted tokens, so nothing
     predicts a step at k = 1."""
@@ -262,6 +271,7 @@ def run_every_command(trace: Path, out: Path, drawn: Flags, built_calibration: P
 @example(layout=no_steps_rows(), drawn=Flags(3, 3, 2, "shipped"))  # so did a calibrated one
 @example(layout=sweep_from_k0(2), drawn=Flags(2, 2, 2, "built"))  # every command with figures
 @example(layout=one_rejected_step(), drawn=Flags(0, 2, 2, "built"))  # the policy replay looked up k=1's step
+@example(layout=k3_shaped_sweep(), drawn=Flags(4, 2, 8, "built"))  # Kimi-K3's 896 experts, top-16, variable k
 def test_every_command_on_a_built_trace_exits_0_with_figures_or_1_in_one_line(
         layout: Layout, drawn: Flags, tmp_path_factory: pytest.TempPathFactory, built_calibration: Path) -> None:
     root = tmp_path_factory.mktemp("built")
@@ -430,3 +440,18 @@ def test_a_report_over_partitions_on_a_local_ray_cluster_exits_0_or_1_in_one_lin
     root = write_layout(tmp_path / "always-on", layout)
     result = moetrace("report", root, "--ray", "local", "--json", "-o", tmp_path / "r.html")
     assert result.exit_code == 0
+
+
+def test_a_kimi_k3_shaped_sweep_is_reported_with_figures_at_its_896_experts_and_top_16(tmp_path: Path,
+                                                                                       built_calibration: Path) -> None:
+    """Not one line: figures. Each step reads at most 16 experts a token, and at one request a k = 4 window reads
+    at most 5 × 16 = 80 of the 896 (the uniform bound says fewer)."""
+    sweep = write_layout(tmp_path / "k3", k3_shaped_sweep())
+    result = CliRunner().invoke(main, ["report", str(sweep), "--calibration", str(built_calibration), "--json",
+                                       "-o", str(tmp_path / "k3.html")])
+    assert result.exit_code == 0, result.output[-2000:]
+    run = strict_json(result.stdout)["runs"][0]
+    assert run["recorded_k"] == [0, 2, 4]
+    one = {row["k"]: row for row in run["step_reads"] if row["batch"] == 1}
+    assert 16 <= one[0]["unique_experts"] <= 16 and one[4]["unique_experts"] <= 80
+    assert one[4]["uniform_bound"] == pytest.approx(896 * (1 - (1 - 16 / 896) ** 5))
