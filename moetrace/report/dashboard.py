@@ -2,6 +2,9 @@
 (``summary.summary_json``, what ``report --json`` prints) embedded in the page, and redrawn there when the k and
 layer pickers change.
 
+The page opens on the decision (``headline``, ``first_screen``): per drafter, the recommended k over concurrency and
+context, and the speedup against concurrency per k with the recommended k's interval; the tables follow, grouped.
+
 Every figure carries its source (``analysis.sources``): a table cell or plotted point shows the source's mark
 beside the number and names the source in its hover text; the legend of the marks is generated from ``MARKS``."""
 
@@ -56,6 +59,93 @@ def max_k(summary: Mapping[str, Any]) -> int:
     return max([*ks, int(summary["k"])])
 
 
+def _recommended(row: Mapping[str, Any]) -> str:
+    """A recommended k as the headline says it: "k = 3+" where a larger k may pay more, "none" where none is."""
+    if row.get("k") is None:
+        return "no recommendation"
+    if row["k"] == 0:
+        return "k = 0 (no speculation)"
+    return f"k = {row['k']}{'+' if row.get('larger_k_may_pay') or row.get('k_at_sweep_edge') else ''}"
+
+
+def decided(decision: Mapping[str, Any]) -> str:
+    """One drafter's decision in words: "kimi-k2 ngram: k = 3 at 1–32, k = 1 at 128 requests" (concurrencies that
+    share a recommendation run together, at the context the trace ran at)."""
+    groups: list[tuple[str, list[int]]] = []
+    for row in sorted(decision.get("per_batch") or [], key=lambda row: int(row["batch"])):
+        said = _recommended(row)
+        if groups and groups[-1][0] == said:
+            groups[-1][1].append(int(row["batch"]))
+        else:
+            groups.append((said, [int(row["batch"])]))
+    label, drafter = str(decision["label"]), str(decision["drafter"])
+    name = label if drafter in label else f"{label} {drafter}"
+    if not groups:
+        return f"{name}: no concurrency looked at"
+    spans = [f"{said} at {batches[0] if len(batches) == 1 else f'{batches[0]}–{batches[-1]}'}"
+             for said, batches in groups]
+    said = f"{name}: {', '.join(spans)} request{'s' if groups[-1][1] != [1] else ''}"
+    recorded = decision.get("context") or {}
+    if decision.get("by_context") and recorded.get("mean_tokens") is not None:  # the heatmap shows other contexts
+        said += f" at the recorded context ({recorded['mean_tokens']:,.0f} tokens)"
+    return said
+
+
+def headline(summary: Mapping[str, Any]) -> str:
+    """What the page's title and heading say: each drafter's decision, or, with none, the runs and the k."""
+    decisions = summary.get("decision") or []
+    if decisions:
+        return "; ".join(decided(decision) for decision in decisions)
+    labels = ", ".join(str(run["label"]) for run in summary.get("runs") or [])
+    return f"{labels}: figures at k={summary['k']} (no recommendation: no prediction)"
+
+
+def _context_label(tokens: float | None, recorded: bool) -> str:
+    if tokens is None:
+        return "as recorded"
+    return f"{tokens:,.0f} tokens (recorded)" if recorded else f"{tokens:,.0f} tokens"
+
+
+def first_screen(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per decision, what the first screen draws: ``cells`` (the recommended k per concurrency and context, each a
+    decision row with its ``context_label``: the rows of ``--context`` where it was given, else one row at the
+    recorded context), ``contexts`` (their labels, shortest first), ``batches``, ``lines`` (the run's predicted
+    speedup per concurrency and k at the recorded context), ``band`` (the recommended k's speedup and interval per
+    concurrency) and ``crossovers`` (the decision's, where it found one)."""
+    runs = {str(run["label"]): run for run in summary.get("runs") or []}
+    screens = []
+    for decision in summary.get("decision") or []:
+        by_context = decision.get("by_context")
+        if by_context:
+            cells = [{**row, "context_label": _context_label(row["context"], recorded=False)}
+                     for row in by_context["per_batch"]]
+            contexts = [_context_label(context, recorded=False)
+                        for context in sorted({row["context"] for row in by_context["per_batch"]})]
+        else:
+            recorded = decision.get("context") or {}
+            label = _context_label(recorded.get("mean_tokens"), recorded=True)
+            cells = [{**row, "context_label": label} for row in decision["per_batch"]]
+            contexts = [label]
+        run = runs.get(str(decision["label"])) or {}
+        prediction = run.get("prediction") or {}
+        band = [{key: row.get(key) for key in ("batch", "k", "speedup", "speedup_low", "speedup_high",
+                                               "speedup_source", "larger_k_may_pay", "k_at_sweep_edge")}
+                for row in sorted(decision["per_batch"], key=lambda row: int(row["batch"])) if row.get("k") is not None]
+        screens.append({
+            "label": decision["label"],
+            "drafter": decision["drafter"],
+            "said": decided(decision),
+            "batches": sorted({int(row["batch"]) for row in cells}),
+            "contexts": contexts,
+            "cells": cells,
+            "lines": [{key: row.get(key) for key in ("batch", "k", "speedup", "union_source", "acceptance_source")}
+                      for row in prediction.get("per_batch") or []],
+            "band": band,
+            "crossovers": [found for found in (decision.get("crossover") or {}).values() if found],
+        })
+    return screens
+
+
 def render_dashboard(summary: Mapping[str, Any]) -> str:
     """The dashboard page for ``summary`` (the dict ``summary_json`` returns, or the same loaded back from JSON)."""
     environment = jinja2.Environment(
@@ -64,12 +154,15 @@ def render_dashboard(summary: Mapping[str, Any]) -> str:
     environment.globals.update(marks=marks, describe=describe, least_direct=least_direct)
     template = environment.get_template("dashboard.html")
     legend = source_legend()
+    screens = first_screen(summary)
     return template.render(
         plotly_js=plotly.offline.get_plotlyjs(),
         summary=summary,
         legend=legend,
         larger_k_mark=MARKS[Source.EXTRAPOLATED],
         larger_k=LARGER_K,
+        headline=headline(summary),
+        screens=screens,
         page={
             "k": summary["k"],
             "max_k": max_k(summary),
@@ -77,7 +170,7 @@ def render_dashboard(summary: Mapping[str, Any]) -> str:
             "sources": {entry["source"]: entry for entry in legend},
             "runs": summary["runs"],
             "budget_sweep": summary.get("budget_sweep"),
-            "by_context": [{"label": decision["label"], "drafter": decision["drafter"], **decision["by_context"]}
-                           for decision in summary.get("decision") or [] if decision.get("by_context")],
+            "first_screen": screens,
+            "larger_k": LARGER_K,
         },
     )

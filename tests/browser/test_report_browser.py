@@ -94,13 +94,19 @@ def browser_page(path: Path) -> Iterator[tuple[Any, list[str]]]:
             browser.close()
 
 
+def open_groups(page: Any) -> None:
+    """Open every collapsed group of tables (the runs' tables and the summary start collapsed), as a reader would."""
+    page.evaluate("document.querySelectorAll('details.group:not([open]) > summary').forEach(s => s.click())")
+
+
 @pytest.mark.browser
 def test_dashboard_renders_offline_and_reacts_to_k(dashboard: Path) -> None:
     with browser_page(dashboard) as (page, errors):
         figures = page.eval_on_selector_all(".figure", "nodes => nodes.map(n => n.id)")
         # per run: expert load, unique experts layer × k, predicted speedup batch × k (the shipped preset predicts
-        # without flags, so the prediction figure is there too); one of them by context
-        assert len(figures) == 7 + 2 * 3
+        # without flags, so the prediction figure is there too); one of them by context; per drafter, the first
+        # screen's recommended k and speedup by concurrency
+        assert len(figures) == 7 + 2 * 3 + 2 * 2
         decision_rows = page.eval_on_selector_all("#decision tr[data-batch]", "rows => rows.map(r => r.innerText)")
         assert len(decision_rows) == 2 * 4, decision_rows  # 2 runs × concurrencies 1, 8, 32, 128
         for figure in figures:
@@ -157,6 +163,7 @@ def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
     with browser_page(path) as (page, errors):
         for figure in page.eval_on_selector_all(".figure", "nodes => nodes.map(n => n.id)"):
             page.wait_for_selector(f"#{figure} svg.main-svg", timeout=15_000)
+        open_groups(page)
 
         # the legend of the marks: one entry per source, from MARKS
         legend = page.eval_on_selector_all("#source-legend li", "items => items.map(i => i.innerText)")
@@ -282,6 +289,7 @@ def test_under_ep_the_dashboard_shows_the_held_out_placements_as_the_json_has_th
     assert result.exit_code == 0, result.output
     placement = json.loads(result.stdout)["runs"][0]["placement"]
     with browser_page(output) as (page, errors):
+        open_groups(page)
         shown = page.eval_on_selector_all("#placement-0 tr[data-placement]",
                                           "rows => rows.map(r => Array.from(r.cells, c => c.innerText))")
         verdict = page.inner_text("p.verdict")
@@ -342,20 +350,116 @@ def test_the_context_heatmap_shows_the_recommended_k_per_concurrency_and_context
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["decision"][0]["by_context"]["per_batch"]
     with browser_page(output) as (page, errors):
-        page.wait_for_selector("#fig-context-decision-0 svg.main-svg", timeout=15_000)
-        plotted = page.evaluate("(() => { const t = document.getElementById('fig-context-decision-0').data[0];"
+        page.wait_for_selector("#fig-decision-k-0 svg.main-svg", timeout=15_000)
+        plotted = page.evaluate("(() => { const t = document.getElementById('fig-decision-k-0').data[0];"
                                 " return {x: t.x, y: t.y, z: t.z, text: t.text}; })()")
-        basis = page.inner_text("#fig-context-decision-0 + p")
+        basis = page.inner_text("p.context-basis")
     assert basis == json.loads(result.stdout)["decision"][0]["by_context"]["attention_basis"]
     assert "the calibration timed no attention" in basis  # the shipped H200 preset: KV bytes at copy bandwidth
-    assert plotted["x"] == ["1,024", "131,072"] and plotted["y"] == ["1", "8", "32"]
-    want = {(str(row["batch"]), f"{row['context']:,}"): row["k"] for row in rows}
-    assert {(y, x): plotted["z"][i][j] for i, y in enumerate(plotted["y"]) for j, x in enumerate(plotted["x"])} == want
+    # the first screen's heatmap: requests per step across, the contexts asked for up the side
+    assert plotted["x"] == ["1", "8", "32"] and plotted["y"] == ["1,024 tokens", "131,072 tokens"]
+    want = {(str(row["batch"]), f"{row['context']:,} tokens"): row["k"] for row in rows}
+    assert {(x, y): plotted["z"][i][j] for i, y in enumerate(plotted["y"]) for j, x in enumerate(plotted["x"])} == want
     # each recommended k written as the terminal writes it: "+" where a larger k may pay more
-    marked = {(str(row["batch"]), f"{row['context']:,}"):
+    marked = {(str(row["batch"]), f"{row['context']:,} tokens"):
               f"k={row['k']}{'+' if row['larger_k_may_pay'] or row['k_at_sweep_edge'] else ''}"
               for row in rows if row["k"] is not None}
-    assert {(y, x): plotted["text"][i][j].split(" ")[0] for i, y in enumerate(plotted["y"])
-            for j, x in enumerate(plotted["x"]) if (y, x) in marked} == marked
-    assert want[("32", "131,072")] is None  # 32 requests of 131,072 tokens: 295 GB a rank, past the H200's memory
+    assert {(x, y): plotted["text"][i][j].split("<br>")[0] for i, y in enumerate(plotted["y"])
+            for j, x in enumerate(plotted["x"]) if (x, y) in marked} == marked
+    # 32 requests of 131,072 tokens: 295 GB a rank, past the H200's memory
+    assert want[("32", "131,072 tokens")] is None
+    assert errors == []
+
+
+FIRST_SCREEN_PX = 900  # of the 1000 px tall window: what a reader sees before scrolling, browser chrome aside
+
+
+def _first_screen(page: Any) -> dict[str, Any]:
+    """The first Plotly plot in document order: its id, where it is drawn, what it drew, and the tables before it."""
+    found: dict[str, Any] = page.evaluate(
+        """() => { const plot = document.querySelector('.js-plotly-plot'); const box = plot.getBoundingClientRect();
+                   const before = [...document.querySelectorAll('table')].filter(
+                       t => plot.compareDocumentPosition(t) & Node.DOCUMENT_POSITION_PRECEDING);
+                   return {id: plot.id, top: box.top, bottom: box.bottom, left: box.left, right: box.right,
+                           drawn: plot.querySelectorAll('svg.main-svg .hm, svg.main-svg image').length,
+                           traces: (plot.data || []).length, tables_before: before.length}; }""")
+    return found
+
+
+@pytest.mark.browser
+def test_the_dashboard_opens_on_the_decision_as_pictures(dashboard: Path) -> None:
+    """Two drafters: in a 1400x1000 window the first plot is each drafter's recommended k, drawn within the first
+    900 px with no table before it, side by side on one colour scale; the source legend follows the pictures."""
+    with browser_page(dashboard) as (page, errors):
+        for figure in ("fig-decision-k-0", "fig-decision-k-1", "fig-decision-speedup-0", "fig-decision-speedup-1"):
+            page.wait_for_selector(f"#{figure} svg.main-svg", timeout=15_000)
+        first = _first_screen(page)
+        assert first["id"] == "fig-decision-k-0" and first["traces"] == 1 and first["drawn"] > 0, first
+        assert 0 <= first["top"] and first["bottom"] <= FIRST_SCREEN_PX, first
+        assert first["tables_before"] == 0, first
+        boxes = page.evaluate(
+            """ids => ids.map(id => { const b = document.getElementById(id).getBoundingClientRect();
+                                      return {top: b.top, bottom: b.bottom, left: b.left, right: b.right}; })""",
+            ["fig-decision-k-0", "fig-decision-k-1", "fig-decision-speedup-0", "fig-decision-speedup-1"])
+        k0, k1, speed0, speed1 = boxes
+        assert k0["top"] == k1["top"] and k0["right"] <= k1["left"], boxes  # side by side
+        assert speed0["top"] >= k0["bottom"] and speed0["top"] < FIRST_SCREEN_PX, boxes  # the speedups begin on screen
+        scales = page.evaluate(
+            """() => [0, 1].map(i => { const t = document.getElementById('fig-decision-k-' + i).data[0];
+                                        return [t.zmin, t.zmax, t.colorscale]; })""")
+        assert scales[0] == scales[1], scales  # one colour scale for both drafters
+        # the legend of the marks sits after the pictures, just before the table whose cells carry the marks
+        order = page.evaluate(
+            """() => { const at = s => document.querySelector(s);
+                       const follows = (a, b) => !!(at(a).compareDocumentPosition(at(b))
+                                                    & Node.DOCUMENT_POSITION_FOLLOWING);
+                       return [follows('#decision-figures', '#source-legend'),
+                               follows('#source-legend', '#decision')]; }""")
+        assert order == [True, True]
+        # the page names the runs and what was decided
+        heading = page.inner_text("h1")
+        assert page.title().startswith(heading)
+        for label in ("run0", "run1"):
+            assert f"{label} ngram: k = " in heading, heading
+    assert errors == []
+
+
+@pytest.mark.browser
+def test_the_first_screen_draws_the_recommended_k_and_speedups_as_the_json_has_them(
+        sweep_report: tuple[Path, dict[str, Any]]) -> None:
+    """Without --context, the heatmap is one row at the recorded context: its cells are ``report --json``'s
+    recommended k per concurrency, each written with its speedup and interval; the speedup plot draws the run's
+    predicted speedup per k and concurrency, and the recommended k's interval as a band."""
+    path, summary = sweep_report
+    decision, run = summary["decision"][0], summary["runs"][0]
+    rows = sorted(decision["per_batch"], key=lambda row: row["batch"])
+    with browser_page(path) as (page, errors):
+        page.wait_for_selector("#fig-decision-speedup-0 svg.main-svg", timeout=15_000)
+        first = _first_screen(page)
+        heatmap = page.evaluate("(() => { const t = document.getElementById('fig-decision-k-0').data[0];"
+                                " return {x: t.x, y: t.y, z: t.z, text: t.text}; })()")
+        speedups = page.evaluate("document.getElementById('fig-decision-speedup-0').data.map("
+                                 "t => ({meta: t.meta, x: Array.from(t.x), y: Array.from(t.y)}))")
+        heading = page.inner_text("h1")
+    assert first["id"] == "fig-decision-k-0" and first["bottom"] <= FIRST_SCREEN_PX and first["tables_before"] == 0
+    assert heatmap["x"] == [str(row["batch"]) for row in rows]
+    assert heatmap["y"] == [f"{decision['context']['mean_tokens']:,.0f} tokens (recorded)"]
+    assert heatmap["z"] == [[row["k"] for row in rows]]
+    for row, text in zip(rows, heatmap["text"][0]):
+        plus = "+" if row["larger_k_may_pay"] or row["k_at_sweep_edge"] else ""
+        assert text.startswith(f"k={row['k']}{plus}<br>{row['speedup']:.2f}×"), text
+        assert text.endswith(f"({row['speedup_low']:.2f}–{row['speedup_high']:.2f}×)"), text
+    by_meta = {trace["meta"]: trace for trace in speedups}
+    for k in sorted({row["k"] for row in run["prediction"]["per_batch"]}):
+        mine = sorted((row for row in run["prediction"]["per_batch"] if row["k"] == k), key=lambda row: row["batch"])
+        assert by_meta[f"k={k}"]["x"] == [row["batch"] for row in mine]
+        assert by_meta[f"k={k}"]["y"] == pytest.approx([row["speedup"] for row in mine])
+    band = by_meta["band"]
+    assert band["y"] == pytest.approx([row["speedup_high"] for row in rows]
+                                      + [row["speedup_low"] for row in rows][::-1])
+    assert by_meta["recommended"]["y"] == pytest.approx([row["speedup"] for row in rows])
+    # the heading says it: one k at every concurrency here, past which a larger k may pay
+    assert {(row["k"], row["k_at_sweep_edge"] or row["larger_k_may_pay"]) for row in rows} == {(rows[0]["k"], True)}
+    assert heading == (f"sweep {decision['drafter']}: k = {rows[0]['k']}+ at {rows[0]['batch']}–{rows[-1]['batch']} "
+                       "requests")
     assert errors == []
