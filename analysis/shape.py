@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from moetrace.trace.model_config import (
     config_expert_count,
     config_value,
+    attention_layers,
     expert_hidden_size,
     format_tensor_scale_bits,
 )
@@ -38,6 +39,8 @@ class ModelShape:
     max_context: int | None = None  # the model's max_position_embeddings
     tensor_scale_bits: int = 0  # one more scale per whole weight tensor (NVFP4: an FP32 global scale)
     expert_hidden_size: int | None = None  # latent MoE: the width the routed experts compute in; None: hidden_size
+    # layers whose attention cache grows with context (a hybrid model's full-attention ones); None: all num_layers
+    attention_layers: int | None = None
 
     @property
     def expert_bytes(self) -> int:
@@ -78,6 +81,7 @@ class ModelShape:
             tensor_scale_bits=int(model["quant_tensor_scale_bits"]) if model.get("quant_tensor_scale_bits") is not None
             else format_tensor_scale_bits(model.get("expert_format")),
             expert_hidden_size=int(model["expert_hidden_size"]) if model.get("expert_hidden_size") else None,
+            attention_layers=int(model["attention_layers"]) if model.get("attention_layers") else None,
         )
 
     def unpriced_note(self) -> str | None:
@@ -106,7 +110,8 @@ def shape_from_config(config: dict[str, Any]) -> ModelShape:
     return ModelShape(num_experts=experts, top_k=int(top_k), num_layers=layers, moe_layers=layers - dense,
                       hidden_size=int(hidden), expert_width=int(width),
                       shared_experts=int(config_value(config, "n_shared_experts", "num_shared_experts") or 0),
-                      expert_weight_bits=16, quant_group_size=None, expert_hidden_size=expert_hidden_size(config))
+                      expert_weight_bits=16, quant_group_size=None, expert_hidden_size=expert_hidden_size(config),
+                      attention_layers=attention_layers(config))
 
 
 SHAPE_PRESETS: dict[str, ModelShape] = {

@@ -77,6 +77,9 @@ def context_decision(origins: Mapping[int, tuple[pl.DataFrame, float, Mapping[in
     kv = shape.kv_bytes_per_token
     assert kv is not None
     curve, basis = attention_pricing(calibration, shape)
+    if shape.attention_layers and shape.attention_layers != shape.num_layers:
+        basis += (f"; the cache grows in {shape.attention_layers} of {shape.num_layers} layers (the others, linear "
+                  "attention, keep a fixed state per request)")
     # both move with context (n-gram drafts from the prompt; a longer prompt costs more prefill a token gained:
     # docs/validation.md), and only a trace that ran there measures them
     kept = "acceptance and prefill" if from_steps else "acceptance"
@@ -85,8 +88,9 @@ def context_decision(origins: Mapping[int, tuple[pl.DataFrame, float, Mapping[in
     memory = float(calibration.get("device", {}).get("memory_gib") or 0) * 2**30
     frames, moved, crossovers = [], [], {}
     for context, (speedups, from_context, by_batch) in origins.items():
+        # only the layers whose cache grows with context: a hybrid model's linear-attention state is fixed
         at = at_contexts(speedups, [context], from_context, kv, float(calibration["copy_bandwidth_gbs"]), curve,
-                         shape.num_layers, by_batch).drop("context")
+                         shape.attention_layers or shape.num_layers, by_batch).drop("context")
         unfit = {batch: (f"the KV cache of {batch} requests of {context:,} tokens "
                          f"({batch * context * kv / 1e9:,.0f} GB a rank) exceeds the calibrated GPU's "
                          f"{memory / 2**30:,.0f} GiB")
@@ -123,14 +127,15 @@ def attention_pricing(calibration: Mapping[str, Any], shape: ModelShape) -> tupl
     each step's attention moved to another context."""
     curve = attention_curve(calibration)
     kv = shape.kv_bytes_per_token
-    if curve is not None and kv is not None and curve.kv_bytes_per_token_layer * shape.num_layers == kv:
+    layers = shape.attention_layers or shape.num_layers  # those whose cache grows with context
+    if curve is not None and kv is not None and curve.kv_bytes_per_token_layer * layers == kv:
         return curve, (f"each step's attention moved from the context it holds at by the calibration's MLA curve "
-                       f"({curve.kernel}, {curve.heads_per_rank} heads a rank) over {shape.num_layers} layers: "
+                       f"({curve.kernel}, {curve.heads_per_rank} heads a rank) over {layers} layers: "
                        f"estimated, extrapolated past {curve.max_context:,} tokens, {curve.max_batch} requests or "
                        f"{curve.max_cached_tokens:,} cached tokens a layer")
     why = ("the calibration timed no attention" if curve is None else
            f"the calibration's attention caches {curve.kv_bytes_per_token_layer} bytes a token and layer, this model "
-           f"{(kv or 0) // max(1, shape.num_layers)}")
+           f"{(kv or 0) // max(1, layers)}")
     return None, (f"each step moved from the context it holds at by the KV cache it reads there (the model's KV bytes "
                   f"per token at the calibration's copy bandwidth: estimated; {why})")
 

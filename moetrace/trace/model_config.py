@@ -44,6 +44,17 @@ def expert_hidden_size(config: dict[str, Any]) -> int | None:
     return int(width) if isinstance(width, int) and width > 0 else None
 
 
+def attention_layers(config: dict[str, Any]) -> int | None:
+    """Decoder layers whose attention cache grows with context: all of them, except in a hybrid model whose
+    ``linear_attn_config`` names its full-attention layers (Kimi-Linear and Kimi-K3: ``full_attn_layers`` MLA,
+    ``kda_layers`` Kimi Delta Attention, whose state per request is fixed). None where the config does not say."""
+    linear = config_value(config, "linear_attn_config")
+    if isinstance(linear, dict) and linear.get("full_attn_layers") is not None:
+        return len(linear["full_attn_layers"])
+    layers = config_value(config, "num_hidden_layers")
+    return int(layers) if layers else None
+
+
 def format_tensor_scale_bits(format_name: str | None) -> int:
     """Bits of the scale each whole weight tensor adds in the named expert format (NVFP4's FP32 global scale);
     0 for the others."""
@@ -52,11 +63,12 @@ def format_tensor_scale_bits(format_name: str | None) -> int:
 
 
 def kv_bytes_per_token(config: dict[str, Any], tp: int, cache_bytes: int) -> int | None:
-    """KV-cache bytes one token holds on one of ``tp`` tensor-parallel ranks, over all decoder layers, at
+    """KV-cache bytes one token holds on one of ``tp`` tensor-parallel ranks, over the layers whose cache grows
+    with context (``attention_layers``), at
     ``cache_bytes`` per element: MLA keeps one latent (``kv_lora_rank`` + ``qk_rope_head_dim``) per token and layer
     on every rank; multi-head and grouped-query attention keep keys and values of their KV heads, split over the
     ranks. None where the config does not say."""
-    layers = config_value(config, "num_hidden_layers")
+    layers = attention_layers(config)  # a hybrid model's linear-attention layers keep a fixed state, no KV
     latent = config_value(config, "kv_lora_rank")
     if not layers:
         return None

@@ -28,6 +28,21 @@ def _with_kv_bytes(sweep: Path, per_token: int) -> Path:
     return sweep
 
 
+def _with_attention_curve(out: Path) -> dict[str, Any]:
+    """The shipped calibration with an MLA curve added by hand (one layer: 1 + 0.001·B·L µs at one query, twice the
+    per-token cost at four, 1,152 latent bytes a token and layer), written to ``out``."""
+    calibration = json.loads((Path(__file__).parents[2] / "moetrace" / "data" / "calibration-h200.json").read_text())
+    points = [{"batch": b, "queries": q, "context": c, "time_us": 1 + 0.001 * (1 if q == 1 else 2) * b * c}
+              for b in (1, 4) for q in (1, 4) for c in (1024, 65536)]
+    calibration["attention"] = {"kernel": "by hand", "heads_per_rank": 8, "kv_bytes_per_token_layer": 1152,
+                                "points": points,
+                                "fit": [{"queries": q, "batch": b, "c0_us": 1.0,
+                                         "per_context_token_us": 0.001 * (1 if q == 1 else 2) * b}
+                                        for q in (1, 4) for b in (1, 4)]}
+    out.write_text(json.dumps(calibration))
+    return calibration
+
+
 def _json_report(path: Path, tmp_path: Path, *extra: str) -> tuple[Result, dict[str, Any]]:
     result = CliRunner().invoke(main, ["report", str(path), "--k", "3", "--batch", "1,4", "--json", "-o",
                                       str(tmp_path / "r.html"), "--force", *extra], catch_exceptions=False)
@@ -130,15 +145,7 @@ def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_
     path = well_sampled_sweep(tmp_path / "sweep")
     layers = json.loads(next(path.glob("*/manifest.json")).read_text())["model"]["num_layers"]
     _with_kv_bytes(path, 1152 * layers)
-    calibration = json.loads((Path(__file__).parents[2] / "moetrace" / "data" / "calibration-h200.json").read_text())
-    points = [{"batch": b, "queries": q, "context": c, "time_us": 1 + 0.001 * (1 if q == 1 else 2) * b * c}
-              for b in (1, 4) for q in (1, 4) for c in (1024, 65536)]
-    calibration["attention"] = {"kernel": "by hand", "heads_per_rank": 8, "kv_bytes_per_token_layer": 1152,
-                                "points": points,
-                                "fit": [{"queries": q, "batch": b, "c0_us": 1.0,
-                                         "per_context_token_us": 0.001 * (1 if q == 1 else 2) * b}
-                                        for q in (1, 4) for b in (1, 4)]}
-    (tmp_path / "calibration.json").write_text(json.dumps(calibration))
+    calibration = _with_attention_curve(tmp_path / "calibration.json")
     _, summary = _json_report(path, tmp_path, "--context", "65536,131072", "--calibration",
                               str(tmp_path / "calibration.json"), "--tp", "8", "--profile", "kimi-k2-tp8")
     found = summary["decision"][0]["by_context"]
@@ -241,3 +248,35 @@ def test_a_k_below_the_largest_k_recorded_is_not_marked(tmp_path: Path) -> None:
     assert not re.search(r"^[14]\s+2\+", terminal, re.MULTILINE) and "k=2+" not in terminal
     assert "largest k" not in terminal
     assert "largest k" not in _exported(tmp_path)
+
+
+def test_a_hybrid_models_step_grows_with_context_in_its_full_attention_layers_alone(tmp_path: Path) -> None:
+    """Kimi-K3's layout: only the full-attention (MLA) layers keep a cache that grows with context, the Kimi Delta
+    Attention ones a fixed state. The config says which (``linear_attn_config``): a token's KV bytes count those
+    layers alone, and the same sweep moved to 65,536 tokens on a calibrated MLA curve grows each step by
+    attention_layers / num_layers of what it grows with every layer MLA."""
+    from moetrace.trace.model_config import attention_layers, kv_bytes_per_token
+
+    hybrid = {"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+              "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}}
+    assert attention_layers(hybrid) == 1 and kv_bytes_per_token(hybrid, 8, 2) == (512 + 64) * 2 * 1
+    assert kv_bytes_per_token({**hybrid, "linear_attn_config": None}, 8, 2) == (512 + 64) * 2 * 4
+    _with_attention_curve(tmp_path / "calibration.json")
+    grown = {}
+    for name, full_attention in (("mla", None), ("hybrid", 1)):
+        path = well_sampled_sweep(tmp_path / name)
+        layers = json.loads(next(path.glob("*/manifest.json")).read_text())["model"]["num_layers"]
+        _with_kv_bytes(path, 1152 * (full_attention or layers))  # 1,152 bytes a token in each MLA layer
+        for manifest in path.glob("*/manifest.json"):
+            document = json.loads(manifest.read_text())
+            document["model"]["attention_layers"] = full_attention
+            manifest.write_text(json.dumps(document))
+        _, summary = _json_report(path, tmp_path, "--context", "65536", "--calibration",
+                                  str(tmp_path / "calibration.json"), "--tp", "8", "--profile", "kimi-k2-tp8")
+        found = summary["decision"][0]["by_context"]
+        grown[name] = {row["batch"]: row["attention_kv_ms"] for row in found["per_batch"]}
+        said = f"the cache grows in 1 of {layers} layers"
+        assert (said in found["attention_basis"]) == (full_attention is not None)
+    assert layers > 1 and grown["mla"]
+    for batch, ms in grown["mla"].items():
+        assert ms > 0 and grown["hybrid"][batch] == pytest.approx(ms / layers)
