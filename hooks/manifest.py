@@ -14,7 +14,7 @@ from moetrace.hooks.options import RecordingOptions
 from moetrace.hooks.sampling import sampled_manifest
 from moetrace.hooks.vllm_api import VllmApiError, expert_placement
 from moetrace.hooks.host import gpu_inventory, host_facts
-from moetrace.trace.model_config import kv_bytes_per_token
+from moetrace.trace.model_config import attention_layers, expert_hidden_size, kv_bytes_per_token
 
 
 def package_version(name: str) -> str | None:
@@ -208,9 +208,11 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: Record
             "moe_layers": [r.layer for r in routers],
             "num_experts": first.num_experts,
             "top_k": first.top_k,
-            "shared_experts": int(getattr(hf, "n_shared_experts", 0) or 0),
+            "shared_experts": int(getattr(hf, "n_shared_experts", 0) or getattr(hf, "num_shared_experts", 0) or 0),
             "hidden_size": int(hf.hidden_size),
             "expert_width": int(getattr(hf, "moe_intermediate_size", 0) or 0),
+            # latent MoE (Kimi-K3): the width routed experts compute in, where it is not hidden_size
+            "expert_hidden_size": expert_hidden_size(hf.to_dict()),
             "scoring_func": first.scoring_func,
             "topk_method": getattr(hf, "topk_method", None),
             "routed_scaling_factor": float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
@@ -221,6 +223,10 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: Record
             "expert_weight_bits": experts.bits or None,  # None: a format the cost model cannot price
             "quant_group_size": experts.group,
             "quant_scale_bits": experts.scale_bits or None,
+            "quant_tensor_scale_bits": experts.tensor_scale_bits or None,  # NVFP4's one scale per tensor
+            # layers whose cache grows with context: a hybrid model's full-attention ones (its linear-attention
+            # layers keep a fixed state per request)
+            "attention_layers": attention_layers(hf.to_dict()),
             # what a step reads per token of context, on one rank (``trace.model_config.kv_bytes_per_token``)
             "kv_bytes_per_token": kv_bytes_per_token(hf.to_dict(), tp, kv_cache_bytes(vllm_config)),
             "max_position_embeddings": getattr(hf, "max_position_embeddings", None),

@@ -215,7 +215,7 @@ def resolve_model(model: str | None) -> ResolvedModel:
     experts = config_expert_count(config)
     if not experts:
         raise UserError(f"{model} is not a MoE model (its config names no routed experts)")
-    top_k = config_value(config, "num_experts_per_tok")
+    top_k = config_value(config, "num_experts_per_tok", "num_experts_per_token")  # the latter: Kimi-K3's
     byte_tokens = not any((path / name).exists() for name in TOKENIZER_FILES)
     if byte_tokens:  # a config for dummy weights: prompts go in as their UTF-8 bytes, as for the embedded default
         vocab = config_value(config, "vocab_size")
