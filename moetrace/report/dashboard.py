@@ -110,8 +110,8 @@ def first_screen(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per decision, what the first screen draws: ``cells`` (the recommended k per concurrency and context, each a
     decision row with its ``context_label``: the rows of ``--context`` where it was given, else one row at the
     recorded context), ``contexts`` (their labels, shortest first), ``batches``, ``lines`` (the run's predicted
-    speedup per concurrency and k at the recorded context), ``band`` (the recommended k's speedup and interval per
-    concurrency) and ``crossovers`` (the decision's, where it found one)."""
+    speedup per concurrency and k at the recorded context), ``band`` (per concurrency, the recommended k, none where
+    there is none, its speedup and interval) and ``crossovers`` (the decision's, where it found one)."""
     runs = {str(run["label"]): run for run in summary.get("runs") or []}
     screens = []
     for decision in summary.get("decision") or []:
@@ -130,7 +130,7 @@ def first_screen(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
         prediction = run.get("prediction") or {}
         band = [{key: row.get(key) for key in ("batch", "k", "speedup", "speedup_low", "speedup_high",
                                                "speedup_source", "larger_k_may_pay", "k_at_sweep_edge")}
-                for row in sorted(decision["per_batch"], key=lambda row: int(row["batch"])) if row.get("k") is not None]
+                for row in sorted(decision["per_batch"], key=lambda row: int(row["batch"]))]
         screens.append({
             "label": decision["label"],
             "drafter": decision["drafter"],

@@ -463,3 +463,36 @@ def test_the_first_screen_draws_the_recommended_k_and_speedups_as_the_json_has_t
     assert heading == (f"sweep {decision['drafter']}: k = {rows[0]['k']}+ at {rows[0]['batch']}–{rows[-1]['batch']} "
                        "requests")
     assert errors == []
+
+
+@pytest.mark.browser
+def test_the_first_screen_marks_the_crossover_and_leaves_a_concurrency_without_a_recommendation_blank(
+        sweep_report: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """The payload's crossover, where it crosses, is a line at its (interpolated) concurrency on the speedup plot;
+    a concurrency with no recommendation is an empty cell named "none", and the band breaks around it."""
+    _, summary = sweep_report
+    summary.pop("dashboard")
+    decision = summary["decision"][0]
+    rows = sorted(decision["per_batch"], key=lambda row: row["batch"])
+    gap = rows[1]
+    gap.update(k=None, status="too few request-steps", best_k=2)
+    crossing = {**decision["crossover"]["predicted"], "status": "crosses", "batch": 50.0,
+                "says": "predicted: no k pays above about 50 requests per step"}
+    decision["crossover"]["predicted"] = crossing
+    path = tmp_path / "crossing.html"
+    path.write_text(render_dashboard(summary), encoding="utf-8")
+    with browser_page(path) as (page, errors):
+        page.wait_for_selector("#fig-decision-speedup-0 svg.main-svg", timeout=15_000)
+        drawn = page.evaluate(
+            """() => { const div = document.getElementById('fig-decision-speedup-0');
+                       const heatmap = document.getElementById('fig-decision-k-0').data[0];
+                       return {shapes: div.layout.shapes.map(s => [s.x0, s.x1]),
+                               notes: div.layout.annotations.map(a => a.text),
+                               band: div.data.find(t => t.meta === 'band').x,
+                               z: heatmap.z, text: heatmap.text}; }""")
+        caption = page.eval_on_selector_all("#decision-figures .crossover-note", "ps => ps.map(p => p.innerText)")
+    assert [50.0, 50.0] in drawn["shapes"] and any("no k pays above ~50" in note for note in drawn["notes"])
+    assert caption == [f"crossover, {crossing['says']}"]
+    assert drawn["z"][0][1] is None and drawn["text"][0][1] == "none"
+    assert None in drawn["band"] and gap["batch"] not in drawn["band"]
+    assert errors == []
