@@ -567,7 +567,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("measure", help="time and record every k on this machine's vLLM")
-    run.add_argument("--model", choices=("default", "kimi-k2-tp8", "kimi-k2-tp4"), default="default")
+    run.add_argument("--model", choices=("default", "kimi-k2-tp8", "kimi-k2-tp4", "kimi-k3-tp8"), default="default")
     run.add_argument("--tp", type=int, default=1, help="tensor-parallel size (kimi-k2-tp4 at 2: TP=8's per-GPU shape)")
     run.add_argument("--methods", default="ngram", help="drafters, e.g. ngram,mtp (mtp: the default model only)")
     run.add_argument("--ks", default="0,1,2,3,4")
@@ -604,7 +604,8 @@ def main() -> None:
                             "the context of RUNS's prompts (--prompt-tokens): e.g. 256-token traces for 8,192")
     slice_dir = commands.add_parser("model-dir", help="write a Kimi-K2 slice's or EAGLE-3 head's model directory "
                                                       "(for calibrate)")
-    slice_dir.add_argument("--model", choices=("kimi-k2-tp8", "kimi-k2-tp4", "kimi-k2-eagle3", "kimi-k2-tp8-eagle3"),
+    slice_dir.add_argument("--model", choices=("kimi-k2-tp8", "kimi-k2-tp4", "kimi-k3-tp8", "kimi-k2-eagle3",
+                                                   "kimi-k2-tp8-eagle3"),
                            required=True)
     slice_dir.add_argument("--out", type=Path, default=Path("speedup-runs"))
     slice_dir.add_argument("--positions", type=int, default=SLICE_POSITIONS,

@@ -57,3 +57,38 @@ def kimi_k2_eagle3_head(tp: int = 1) -> dict[str, Any]:
             "max_position_embeddings": 131072,
             "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                              "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+# vLLM's MXFP4 checkpoint form (``quant_method`` "mxfp4": E2M1 values, one E8M0 scale per 32), as K3's experts
+KIMI_K3_MXFP4 = {"quant_method": "mxfp4"}
+
+
+def kimi_k3_slice(tp: int, quantization: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A Kimi-K3-shaped per-GPU slice for vLLM 0.34's ``KimiLinearForCausalLM`` (K3's text model,
+    ``vllm/models/kimi_k3/``), every per-GPU dimension divided by ``tp``: latent MoE of 896 routed experts, top-16 by
+    grouped top-k, the experts computing in a latent width; hybrid attention, Kimi Delta Attention in three layers of
+    four and MLA in the fourth (``linear_attn_config``, 1-based layer numbers as vLLM reads them); 16 layers after
+    one dense one. K3's published widths were not at hand: hidden 7168, latent 2048, expert width 2048, MLA and KDA
+    dimensions are Kimi-K2's and Kimi-Linear's, assumed. ``quantization``: e.g. ``KIMI_K3_MXFP4``. Dummy weights."""
+    layers = 17
+    full_attention = [n for n in range(1, layers + 1) if n % 4 == 0]
+    config: dict[str, Any] = {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "torch_dtype": "bfloat16",
+        "vocab_size": 163840 // tp, "hidden_size": 7168, "intermediate_size": 18432 // tp,
+        "num_hidden_layers": layers, "num_attention_heads": 64 // tp, "num_key_value_heads": 64 // tp,
+        "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 1,
+        "moe_intermediate_size": 2048 // tp, "routed_expert_hidden_size": 2048, "latent_moe_use_norm": False,
+        "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+        "moe_router_activation_func": "sigmoid", "moe_renormalize": True, "routed_scaling_factor": 2.827,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "mla_use_nope": False,
+        "linear_attn_config": {"kda_layers": [n for n in range(1, layers + 1) if n not in full_attention],
+                               "full_attn_layers": full_attention, "num_heads": 64 // tp, "head_dim": 128,
+                               "short_conv_kernel_size": 4},
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 8464, "rope_theta": 50000.0,
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1,
+    }
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    return config

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kimi_slice import kimi_k2_eagle3_head, kimi_k2_slice
+from kimi_slice import KIMI_K3_MXFP4, kimi_k2_eagle3_head, kimi_k2_slice, kimi_k3_slice
 
 LOAD = "closed-loop"
 PROMPT_CUTS = (1.0, 0.9, 0.8, 0.7, 0.6)  # each built-in prompt cut at these fractions: 50 distinct prompts
@@ -198,7 +198,8 @@ SLICE_POSITIONS = 8464
 
 
 def slice_model_dir(model: str, out: Path, positions: int = SLICE_POSITIONS) -> Path:
-    """``<out>/<model>-model``: the config of a Kimi-K2 slice (``kimi-k2-tp8``, ``kimi-k2-tp4``), dummy weights, or
+    """``<out>/<model>-model``: the config of a Kimi-K2 slice (``kimi-k2-tp8``, ``kimi-k2-tp4``) or a Kimi-K3-shaped
+    one in MXFP4 (``kimi-k3-tp8``, ``kimi_slice.kimi_k3_slice``), dummy weights, or
     of a Kimi-K2 EAGLE-3 head (``kimi-k2-eagle3``, for ``moetrace calibrate --drafter``; ``kimi-k2-tp8-eagle3``,
     the drafter of the TP=8 slice); a slice holds at least ``positions`` tokens, and never fewer than
     ``SLICE_POSITIONS``."""
@@ -208,7 +209,8 @@ def slice_model_dir(model: str, out: Path, positions: int = SLICE_POSITIONS) -> 
         tp = model.removeprefix("kimi-k2-").removesuffix("eagle3").strip("-").removeprefix("tp") or "1"
         config = kimi_k2_eagle3_head(int(tp))
     else:
-        config = kimi_k2_slice(int(model.removeprefix("kimi-k2-tp")))
+        config = (kimi_k3_slice(int(model.removeprefix("kimi-k3-tp")), KIMI_K3_MXFP4) if model.startswith("kimi-k3")
+                  else kimi_k2_slice(int(model.removeprefix("kimi-k2-tp"))))
         config["max_position_embeddings"] = max(config["max_position_embeddings"], positions, SLICE_POSITIONS)
     (model_dir / "config.json").write_text(json.dumps(config))
     return model_dir
@@ -230,7 +232,7 @@ def model_settings(model: str, out: Path, method: str, ks: list[int], k: int, tr
     engine_args: dict[str, Any] = {}
     model_path: str | None = None
     length = model_len(prompt_tokens, max_tokens)
-    if model.startswith("kimi-k2-tp"):
+    if model.startswith(("kimi-k2-tp", "kimi-k3-tp")):
         model_path = str(slice_model_dir(model, out, length))
         engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, "max_model_len": length}
     # Every round does the same work: no prefix cache hits on prompts an earlier round sent.
