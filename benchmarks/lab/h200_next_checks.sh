@@ -34,6 +34,10 @@
 #   synthetic-chat-k4, synthetic-low: the rest of that grid, decided 2026-12-07 before either ran: k = 0 and 4 at
 #               the same profile and load (k = 0 again beside k = 4: one host's timings), and the chat-ngram-low profile
 #               (0.25 / 0.12 / 0.06 / 0.03), k = 0..4 and the sync baseline, where k = 0 may be right;
+#   synthetic034-<profile>-<context>: issue 70's grid on vLLM 0.34 (its kit, gpu-kit-034/: Model Runner V2, n-gram
+#               with async scheduling on, so no sync baseline), decided 2026-12-07 before any ran: profile chat,
+#               math or low (kimi-k2-eagle3-chat, kimi-k2-eagle3-math, chat-ngram-low), prompts of 256 or 8,192
+#               tokens, k = 0..4, 3 rounds, recorded at 1 and 16, timed at 2, 8 and 48; six parts of five engines;
 #   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
@@ -60,7 +64,7 @@ memory=()
 CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)}
 echo "card: $CARD"
 if [[ "$CARD" != *H200* ]]; then memory=(--gpu-memory-utilization 0.95); fi
-if [[ "$CARD" != *H200* || "$parts" == *" calibrate "* || "$parts" == *" context-"* || "$parts" == *" synthetic-"* ]]
+if [[ "$CARD" != *H200* || "$parts" == *" calibrate "* || "$parts" == *" context-"* || "$parts" == *" synthetic"* ]]
 then  # context and synthetic: the card's calibration with attention timed
   cal=/root/calibration-kimi-k2-tp8.json
   if [ ! -f "$cal" ]; then
@@ -102,6 +106,11 @@ bench() {
   bench --methods ngram --ks 0,1,2,3,4 --sync-baseline --synthetic-acceptance chat-ngram-low --rounds 3 \
     --timed 2,8,48 --recorded 1,16 --out /root/synthetic-low
 for context in 256 8192; do
+  for profile in chat:kimi-k2-eagle3-chat math:kimi-k2-eagle3-math low:chat-ngram-low; do
+    [[ "$parts" == *" synthetic034-${profile%%:*}-$context "* ]] &&
+      bench --methods ngram --ks 0,1,2,3,4 --synthetic-acceptance "${profile#*:}" --rounds 3 --timed 2,8,48 \
+        --recorded 1,16 --prompt-tokens "$context" --out "/root/synthetic034-${profile%%:*}-$context"
+  done
   for method in ngram eagle3; do
     [[ "$parts" == *" context-$context-$method "* ]] &&
       bench --methods "$method" --ks 0,2,4 --rounds 3 --timed 2,8,24 --recorded 1,16 --prompt-tokens "$context" \
