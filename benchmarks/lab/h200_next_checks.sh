@@ -37,7 +37,8 @@
 #   synthetic034-<profile>-<context>: issue 70's grid on vLLM 0.34 (its kit, gpu-kit-034/: Model Runner V2, n-gram
 #               with async scheduling on, so no sync baseline), decided 2026-12-07 before any ran: profile chat,
 #               math or low (kimi-k2-eagle3-chat, kimi-k2-eagle3-math, chat-ngram-low), prompts of 256 or 8,192
-#               tokens, k = 0..4, 3 rounds, recorded at 1 and 16, timed at 2, 8 and 48; six parts of five engines;
+#               tokens, k = 0..4, 3 rounds, recorded at 1 and 16, timed at 2, 8 and 48 (at 8,192 tokens 2, 8 and
+#               24: 48 requests' cache would not fit an H100's 272K tokens beside the slice); six parts of five engines;
 #   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
@@ -108,7 +109,8 @@ bench() {
 for context in 256 8192; do
   for profile in chat:kimi-k2-eagle3-chat math:kimi-k2-eagle3-math low:chat-ngram-low; do
     [[ "$parts" == *" synthetic034-${profile%%:*}-$context "* ]] &&
-      bench --methods ngram --ks 0,1,2,3,4 --synthetic-acceptance "${profile#*:}" --rounds 3 --timed 2,8,48 \
+      bench --methods ngram --ks 0,1,2,3,4 --synthetic-acceptance "${profile#*:}" --rounds 3 \
+        --timed "$( [ "$context" = 256 ] && echo 2,8,48 || echo 2,8,24 )" \
         --recorded 1,16 --prompt-tokens "$context" --out "/root/synthetic034-${profile%%:*}-$context"
   done
   for method in ngram eagle3; do
