@@ -3,13 +3,12 @@ what they claim to be, and the built-in prompts were held out of training."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from repo_scripts import load_script
 
 from moetrace.default_model import (
     CONFIG,
@@ -26,12 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def training_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_default_model", ROOT / "scripts" / "train_default_model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/train_default_model.py")
 
 
 def test_training_model_computes_what_transformers_deepseek_v3_computes_on_its_checkpoint(tmp_path: Path) -> None:

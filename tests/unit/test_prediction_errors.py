@@ -3,26 +3,21 @@ blind, and prices each recommendation against the measured best k."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from repo_scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def prediction_errors() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("prediction_errors", ROOT / "benchmarks" / "prediction_errors.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/prediction_errors.py")
 
 
 def committed_record() -> dict[str, Any]:
