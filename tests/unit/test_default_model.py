@@ -21,8 +21,6 @@ from moetrace.default_model import (
 from moetrace.errors import UserError
 from moetrace.recording.prompts import BUILTIN_PROMPTS
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def training_script() -> ModuleType:
     return load_script("scripts/train_default_model.py")
