@@ -5,13 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from moetrace.trace.model_config import (
-    config_expert_count,
-    config_value,
-    attention_layers,
-    expert_hidden_size,
-    format_tensor_scale_bits,
-)
+from moetrace.trace.model_config import attention_layers, config_expert_count, config_value, expert_hidden_size
 
 if TYPE_CHECKING:
     from moetrace.trace.manifest import Manifest
@@ -78,8 +72,7 @@ class ModelShape:
             unpriced_format=unpriced,
             kv_bytes_per_token=int(model["kv_bytes_per_token"]) if model.get("kv_bytes_per_token") else None,
             max_context=int(model["max_position_embeddings"]) if model.get("max_position_embeddings") else None,
-            tensor_scale_bits=int(model["quant_tensor_scale_bits"]) if model.get("quant_tensor_scale_bits") is not None
-            else format_tensor_scale_bits(model.get("expert_format")),
+            tensor_scale_bits=int(model.get("quant_tensor_scale_bits") or 0),
             expert_hidden_size=int(model["expert_hidden_size"]) if model.get("expert_hidden_size") else None,
             attention_layers=int(model["attention_layers"]) if model.get("attention_layers") else None,
         )

@@ -13,14 +13,6 @@ EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "mo
 # config of ``KimiK3Config``). Absent or null: the experts take the hidden size.
 LATENT_WIDTH_KEYS = ("routed_expert_hidden_size",)
 
-# Microscaled 4-bit float expert formats (E2M1 values), by the first word of the format's name in the manifest:
-# bits per value, values per scale, bits per scale, and bits of the one scale each whole tensor adds (an expert
-# has three: gate, up and down).
-FP4_FORMATS: dict[str, tuple[int, int, int, int]] = {
-    "mxfp4": (4, 32, 8, 0),  # OCP Microscaling: one E8M0 scale per 32 values
-    "nvfp4": (4, 16, 8, 32),  # one FP8 E4M3 scale per 16 values, one FP32 global scale per tensor
-}
-
 
 def config_value(config: dict[str, Any], *keys: str) -> Any:
     """The first of ``keys`` set in a Hugging Face config or its ``text_config`` (multimodal models)."""
@@ -53,13 +45,6 @@ def attention_layers(config: dict[str, Any]) -> int | None:
         return len(linear["full_attn_layers"])
     layers = config_value(config, "num_hidden_layers")
     return int(layers) if layers else None
-
-
-def format_tensor_scale_bits(format_name: str | None) -> int:
-    """Bits of the scale each whole weight tensor adds in the named expert format (NVFP4's FP32 global scale);
-    0 for the others."""
-    key = (format_name or "").split(" ", 1)[0].lower()
-    return FP4_FORMATS[key][3] if key in FP4_FORMATS else 0
 
 
 def kv_bytes_per_token(config: dict[str, Any], tp: int, cache_bytes: int) -> int | None:

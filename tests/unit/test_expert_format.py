@@ -161,11 +161,12 @@ def test_fp4_expert_bytes_of_a_kimi_k3_expert_are_its_values_at_4_bits_plus_its_
     priced = ModelShape(**{**shape.__dict__, "expert_weight_bits": found.bits, "quant_group_size": found.group,
                            "scale_bits": found.scale_bits, "tensor_scale_bits": found.tensor_scale_bits})
     assert priced.expert_bytes == by_hand
-    # the same bytes from a recorded manifest, which names the format and the latent width (the per-tensor
-    # scale is read from the format's name where the manifest does not write it)
+    # the same bytes from a recorded manifest, which names the format, its scales and the latent width as the
+    # worker writes them
     model = Model(num_experts=896, top_k=16, hidden_size=K3_HIDDEN, expert_width=K3_WIDTH,
                   expert_weight_bits=found.bits, quant_group_size=found.group,
                   extra={"expert_format": found.name, "quant_scale_bits": found.scale_bits,
+                         "quant_tensor_scale_bits": found.tensor_scale_bits or None,
                          "expert_hidden_size": K3_LATENT})
     root = write_trace(tmp_path / "k3", verify_tokens(np.random.default_rng(0), model, requests=1, steps=2, k=1,
                                                       accept_prob=0.5), model, k=1)
