@@ -177,6 +177,12 @@ def sweep_edge(k: int, compared: Sequence[int], recorded: Sequence[int], extrapo
     return f"k = {k} is the largest k predicted; a larger k may pay more: report again with --max-k {k + 2}"
 
 
+def may_pay_more(row: Mapping[str, Any]) -> bool:
+    """Whether a larger k than a decision row's may pay more, the "+" beside its k: predicted to on extrapolated
+    acceptance (``larger_k_may_pay``), or never compared, the k being the sweep's largest (``k_at_sweep_edge``)."""
+    return bool(row.get("larger_k_may_pay") or row.get("k_at_sweep_edge"))
+
+
 def sweep_edge_lines(rows: Iterable[Mapping[str, Any]]) -> list[str]:
     """The notes of the decision ``rows`` (the summary JSON's, per concurrency or per concurrency and context) whose
     k is at the sweep's edge (``k_at_sweep_edge``), one line per k, note and context, naming the concurrencies it

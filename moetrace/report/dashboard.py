@@ -17,6 +17,7 @@ from typing import Any
 import jinja2
 import plotly.offline  # type: ignore[import-untyped]
 
+from moetrace.analysis.decision import may_pay_more
 from moetrace.analysis.sources import MARKS, Source
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -65,7 +66,7 @@ def _recommended(row: Mapping[str, Any]) -> str:
         return "no recommendation"
     if row["k"] == 0:
         return "k = 0 (no speculation)"
-    return f"k = {row['k']}{'+' if row.get('larger_k_may_pay') or row.get('k_at_sweep_edge') else ''}"
+    return f"k = {row['k']}{'+' if may_pay_more(row) else ''}"
 
 
 def decided(decision: Mapping[str, Any]) -> str:
@@ -117,19 +118,20 @@ def first_screen(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     for decision in summary.get("decision") or []:
         by_context = decision.get("by_context")
         if by_context:
-            cells = [{**row, "context_label": _context_label(row["context"], recorded=False)}
-                     for row in by_context["per_batch"]]
+            cells = [{**row, "context_label": _context_label(row["context"], recorded=False),
+                      "may_pay_more": may_pay_more(row)} for row in by_context["per_batch"]]
             contexts = [_context_label(context, recorded=False)
                         for context in sorted({row["context"] for row in by_context["per_batch"]})]
         else:
             recorded = decision.get("context") or {}
             label = _context_label(recorded.get("mean_tokens"), recorded=True)
-            cells = [{**row, "context_label": label} for row in decision["per_batch"]]
+            cells = [{**row, "context_label": label, "may_pay_more": may_pay_more(row)}
+                     for row in decision["per_batch"]]
             contexts = [label]
         run = runs.get(str(decision["label"])) or {}
         prediction = run.get("prediction") or {}
-        band = [{key: row.get(key) for key in ("batch", "k", "speedup", "speedup_low", "speedup_high",
-                                               "speedup_source", "larger_k_may_pay", "k_at_sweep_edge")}
+        band = [{**{key: row.get(key) for key in ("batch", "k", "speedup", "speedup_low", "speedup_high",
+                                                  "speedup_source")}, "may_pay_more": may_pay_more(row)}
                 for row in sorted(decision["per_batch"], key=lambda row: int(row["batch"]))]
         screens.append({
             "label": decision["label"],

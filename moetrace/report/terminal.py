@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from moetrace.analysis.decision import sweep_edge_lines
+from moetrace.analysis.decision import may_pay_more, sweep_edge_lines
 from moetrace.analysis.sources import MARKS, Source
 
 
@@ -295,9 +295,8 @@ def _comparison(summary: dict[str, Any]) -> Table:
 
 
 def _recommended(row: dict[str, Any]) -> str:
-    """A recommended k, marked "+" where a larger k may pay more: predicted to on extrapolated acceptance, or never
-    compared, the k being the largest the sweep holds (``analysis.decision.sweep_edge``)."""
-    return f"{row['k']}{'+' if row['larger_k_may_pay'] or row['k_at_sweep_edge'] else ''}"
+    """A recommended k, marked "+" where a larger k may pay more (``analysis.decision.may_pay_more``)."""
+    return f"{row['k']}{'+' if may_pay_more(row) else ''}"
 
 
 def _decision(decision: dict[str, Any]) -> Table:
