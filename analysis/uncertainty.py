@@ -110,9 +110,8 @@ def speedup_intervals(speedups: pl.DataFrame, errors: HeldOutErrors) -> pl.DataF
     else:
         top = None
     batches = sorted(set(speedups["batch"].to_list()))
-    past = {b: (math.log2(b / top) if top is not None and b > top else 0.0) for b in batches}
-    bounds = pl.DataFrame({"batch": batches, "low": [errors.bounds_at(past[b])[0] for b in batches],
-                           "high": [errors.bounds_at(past[b])[1] for b in batches]},
+    at = [errors.bounds_at(math.log2(b / top) if top is not None and b > top else 0.0) for b in batches]
+    bounds = pl.DataFrame({"batch": batches, "low": [low for low, _ in at], "high": [high for _, high in at]},
                           schema={"batch": speedups.schema["batch"], "low": pl.Float64, "high": pl.Float64})
     exact = pl.col("k") == 0
     return (speedups.join(bounds, on="batch", how="left").with_columns(
