@@ -583,6 +583,9 @@ def main() -> None:
     run.add_argument("--synthetic-acceptance", metavar="RATES|PROFILE",
                      help="drafts kept at these rates by vLLM's synthetic rejection sampling (as moetrace record's "
                           "option: rates per draft position, or a profile of moetrace/data/acceptance-profiles.json)")
+    run.add_argument("--baseline-from", type=Path, metavar="DIR",
+                     help="take k = 0's engine and trace from DIR, a run of the same workload at another synthetic "
+                          "acceptance (k = 0 drafts nothing: one k = 0 engine serves every profile)")
     run.add_argument("--sync-baseline", action="store_true",
                      help="also k = 0 with async scheduling off (as vLLM runs n-gram drafting)")
     run.add_argument("--hooks-ab", action="store_true",

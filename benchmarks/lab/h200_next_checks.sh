@@ -39,6 +39,10 @@
 #               math or low (kimi-k2-eagle3-chat, kimi-k2-eagle3-math, chat-ngram-low), prompts of 256 or 8,192
 #               tokens, k = 0..4, 3 rounds, recorded at 1 and 16, timed at 2, 8 and 48 (at 8,192 tokens 2, 8 and
 #               24: 48 requests' cache would not fit an H100's 272K tokens beside the slice); six parts of five engines;
+#               changed 2026-12-07, before any ran: k = 0 drafts nothing, so the chat part's k = 0 engine serves the
+#               math and low parts of its context (--baseline-from; run chat first); at 256 tokens also recorded at
+#               48, a full engine (the step up to there measured, not extrapolated from 16: synthetic-chat's k = 0
+#               at 48 was predicted 14.7% slow), and timed at the held-out 2, 8 and 64;
 #   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
@@ -107,11 +111,13 @@ bench() {
   bench --methods ngram --ks 0,1,2,3,4 --sync-baseline --synthetic-acceptance chat-ngram-low --rounds 3 \
     --timed 2,8,48 --recorded 1,16 --out /root/synthetic-low
 for context in 256 8192; do
+  if [ "$context" = 256 ]; then load=(--timed 2,8,64 --recorded 1,16,48); else load=(--timed 2,8,24 --recorded 1,16); fi
   for profile in chat:kimi-k2-eagle3-chat math:kimi-k2-eagle3-math low:chat-ngram-low; do
-    [[ "$parts" == *" synthetic034-${profile%%:*}-$context "* ]] &&
-      bench --methods ngram --ks 0,1,2,3,4 --synthetic-acceptance "${profile#*:}" --rounds 3 \
-        --timed "$( [ "$context" = 256 ] && echo 2,8,48 || echo 2,8,24 )" \
-        --recorded 1,16 --prompt-tokens "$context" --out "/root/synthetic034-${profile%%:*}-$context"
+    name=${profile%%:*} from=()
+    [ "$name" = chat ] || from=(--baseline-from "/root/synthetic034-chat-$context")
+    [[ "$parts" == *" synthetic034-$name-$context "* ]] &&
+      bench --methods ngram --ks 0,1,2,3,4 --synthetic-acceptance "${profile#*:}" --rounds 3 "${load[@]}" \
+        --prompt-tokens "$context" --out "/root/synthetic034-$name-$context" "${from[@]}"
   done
   for method in ngram eagle3; do
     [[ "$parts" == *" context-$context-$method "* ]] &&

@@ -392,6 +392,27 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
             "engine_thread_us_per_step": [c.get("engine_thread_us_per_step") for c in closed]}
 
 
+def adopt_baseline(source: Path, out: Path, doc: dict[str, Any], workload: dict[str, Any], method: str) -> None:
+    """k = 0 drafts nothing, so no acceptance applies to it: the k = 0 engine that ``source`` (another measure
+    directory) measured on this workload but for its synthetic acceptance joins ``doc`` (its entry and its trace,
+    copied into ``out``), unless ``doc`` has one. Refused in one line where anything else differs."""
+    if any(e["k"] == 0 and e["method"] == method and "tok_s" in e for e in doc["engines"]):
+        return
+    path = source / f"{doc['model']}-measurements.json"
+    if not path.exists():
+        raise SystemExit(f"--baseline-from {source} has no {path.name}: run its part first")
+    other = json.loads(path.read_text())
+    engine = next((e for e in other["engines"] if e["k"] == 0 and e["method"] == method and "tok_s" in e), None)
+    differs = [name for name, value in workload.items()
+               if name != "synthetic_acceptance" and other.get(name) != value]
+    if differs:
+        raise SystemExit(f"--baseline-from {source} measured another workload ({', '.join(differs)} differ)")
+    if engine is None:
+        raise SystemExit(f"--baseline-from {source} holds no k = 0 {method} engine that measured")
+    shutil.copytree(source / engine["trace"], out / engine["trace"], dirs_exist_ok=True)
+    doc["engines"].append({**engine, "baseline_from": str(source)})
+
+
 def measure(args: argparse.Namespace) -> None:
     """Every (drafter, k) engine not yet in ``<out>/<model>-measurements.json``, while the time budget allows one
     more (a call that stops early is resumed by running the same command again)."""
@@ -424,12 +445,15 @@ def measure(args: argparse.Namespace) -> None:
     if differs:  # a resumed call adds engines to the same workload only
         raise SystemExit(f"{results_path} measured another workload ({', '.join(differs)} differ): "
                          "use another --out or the same arguments")
+    methods = args.methods.split(",")
+    if args.baseline_from is not None and 0 in ks:
+        adopt_baseline(args.baseline_from, out, doc, workload, methods[0])
+        results_path.write_text(json.dumps(doc, indent=2) + "\n")
     done = {(e["method"], e["k"]) for e in doc["engines"] if "tok_s" in e}  # a failed engine is tried again
     # k = 0 runs no drafter: one engine serves as every drafter's baseline; "sync" is k = 0 without vLLM's async
     # scheduling, which vLLM switches off for n-gram drafting (the price of that switch, measured apart)
     # sync right after k = 0: without it no n-gram k > 0 is predicted, so a time budget that ends the call early
     # cuts a k > 0 engine (the next call resumes with it), not the baseline's other half
-    methods = args.methods.split(",")
     plan = ([(methods[0], 0)] if 0 in ks else []) + ([("sync", 0)] if args.sync_baseline else []) + [
         (method, k) for method in methods for k in ks if k > 0]
     longest = 0.0
