@@ -1,6 +1,6 @@
 """The offline HTML dashboard: one self-contained file with plotly.js inlined, drawn from the summary JSON alone
 (``summary.summary_json``, what ``report --json`` prints) embedded in the page, and redrawn there when the k and
-layer pickers change.
+layer pickers change (``templates/dashboard.html``, its figures' script ``templates/dashboard-script.html``).
 
 The page opens on the decision (``headline``, ``first_screen``): per drafter, the recommended k over concurrency and
 context, and the speedup against concurrency per k with the recommended k's interval; the tables follow, grouped.
@@ -19,6 +19,7 @@ import plotly.offline  # type: ignore[import-untyped]
 
 from moetrace.analysis.decision import may_pay_more
 from moetrace.analysis.sources import MARKS, Source
+from moetrace.report.payload import SYNTHETIC_LEGEND, SYNTHETIC_MARK
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -174,5 +175,6 @@ def render_dashboard(summary: Mapping[str, Any]) -> str:
             "budget_sweep": summary.get("budget_sweep"),
             "first_screen": screens,
             "larger_k": LARGER_K,
+            "synthetic": {"mark": SYNTHETIC_MARK, "legend": SYNTHETIC_LEGEND},
         },
     )

@@ -56,6 +56,12 @@ def growth_overview(growth_table: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+# beside an acceptance figure whose drafts vLLM kept at set rates (synthetic rejection sampling): no drafter's; the
+# terminal and the dashboard both mark such figures with it
+SYNTHETIC_MARK = "§"
+SYNTHETIC_LEGEND = f"{SYNTHETIC_MARK} acceptance set by vLLM's synthetic rejection sampling, no drafter's"
+
+
 def acceptance_set_by(analysis: RunAnalysis) -> list[dict[str, Any]]:
     """Per recorded k > 0, who kept the drafts: ``synthetic`` (vLLM's synthetic rejection sampling, with the rates
     it was set to) or ``drafter`` (the target model's verdict on the drafter's tokens)."""
@@ -277,21 +283,50 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
     return {"decision": decisions, "warnings": warnings, "k": k, "coverage_target": options.coverage, "runs": runs}
 
 
+# What a budget keeps (routing weight), costs (tokens whose experts it leaves out re-route) and saves (expert bytes
+# per window and layer): the budget curves' columns the dashboard's budget frontier plots
+FRONTIER_COLUMNS = ("coverage", "rerouted_share", "bytes_saved")
+
+
+def budget_frontier(curves: pl.LazyFrame) -> pl.DataFrame:
+    """Per (k, budget), the budget curves' ``FRONTIER_COLUMNS`` averaged over layers, at every budget from 1 to the
+    largest any layer's curve reaches. A layer's curve ends at the budget that keeps every expert its windows read,
+    so past its end it is held at its last values (a larger budget keeps, costs and saves the same); averaging only
+    the layers whose curves reach a budget would let the few layers that read the most experts stand for all."""
+    columns = list(FRONTIER_COLUMNS)
+    budgets = (curves.group_by("k").agg(pl.int_range(1, pl.col("budget").max() + 1, dtype=pl.Int64).alias("budget"))
+               .explode("budget"))
+    return (
+        budgets.join(curves.select("k", "layer").unique(), on="k")
+        .join(curves.select("k", "layer", "budget", *columns), on=["k", "layer", "budget"], how="left")
+        .sort("k", "layer", "budget")
+        .with_columns(pl.col(columns).forward_fill().over("k", "layer"))
+        .group_by("k", "budget")
+        .agg(pl.col(columns).mean())
+        .sort("k", "budget")
+        .collect()
+    )
+
+
 def dashboard_data(analysis: RunAnalysis) -> dict[str, Any]:
     """What the dashboard plots beyond the terminal's figures, as plain lists: the recorded MoE ``layers``, the
-    ``expert_load`` matrix (picks per expert, one row per layer of ``layers``) and the ``budget_curves`` per k and
-    layer (routing weight kept at each budget, with the source of the windows: measured at the recorded k, else
-    counterfactual)."""
+    ``expert_load`` matrix (picks per expert, one row per layer of ``layers``), the ``budget_curves`` per k and
+    layer (what each budget keeps, costs and saves: ``FRONTIER_COLUMNS``, with the source of the windows: measured
+    at the recorded k, else counterfactual) and, per k, their ``budget_frontier`` over all layers."""
     layers = sorted({int(layer) for layer in [*analysis.growth["layer"].to_list(), *analysis.load["layer"].to_list()]})
     row_of = {layer: row for row, layer in enumerate(layers)}
     load = [[0] * analysis.shape.num_experts for _ in layers]
     for layer, expert, picks in analysis.load.select("layer", "expert", "picks").iter_rows():
         load[row_of[int(layer)]][int(expert)] = int(picks)
+    windows_source = (pl.when(pl.col("k") == analysis.run.primary.k).then(pl.lit(MEASURED))
+                      .otherwise(pl.lit(COUNTERFACTUAL)).alias("source"))
     curves = (
         analysis.budget_curves.sort("k", "layer", "budget")
         .group_by("k", "layer", maintain_order=True)
-        .agg("budget", "coverage")
-        .with_columns(source=pl.when(pl.col("k") == analysis.run.primary.k).then(pl.lit(MEASURED))
-                      .otherwise(pl.lit(COUNTERFACTUAL)))
+        .agg("budget", *FRONTIER_COLUMNS)
+        .with_columns(windows_source)
     )
-    return {"layers": layers, "expert_load": load, "budget_curves": curves.to_dicts()}
+    frontier = (budget_frontier(analysis.budget_curves.lazy())
+                .group_by("k", maintain_order=True).agg("budget", *FRONTIER_COLUMNS).with_columns(windows_source))
+    return {"layers": layers, "expert_load": load, "budget_curves": curves.to_dicts(),
+            "budget_frontier": frontier.to_dicts()}

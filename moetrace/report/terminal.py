@@ -12,6 +12,7 @@ from rich.text import Text
 
 from moetrace.analysis.decision import may_pay_more, sweep_edge_lines
 from moetrace.analysis.sources import MARKS, Source
+from moetrace.report.payload import SYNTHETIC_LEGEND, SYNTHETIC_MARK
 
 
 def _marked(value: str, source: str | None) -> str:
@@ -20,9 +21,6 @@ def _marked(value: str, source: str | None) -> str:
 
 
 MARK_LEGEND = "marks: " + ", ".join(f"{mark} {source.value}" for source, mark in MARKS.items() if mark)
-# beside an acceptance figure whose drafts vLLM kept at set rates (synthetic rejection sampling): no drafter's
-SYNTHETIC_MARK = "§"
-SYNTHETIC_LEGEND = f"{SYNTHETIC_MARK} acceptance set by vLLM's synthetic rejection sampling, no drafter's"
 
 
 def _accepted(value: str, synthetic: bool) -> str:

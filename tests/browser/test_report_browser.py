@@ -4,8 +4,6 @@ figure's source marked; and the dashboard rendered from the summary JSON alone."
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,20 +11,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from headless_page import browser_page, cell_point, column_labels, open_groups
 from moetrace.analysis.sources import MARKS, Source
 from moetrace.cli import main
 from moetrace.report.dashboard import render_dashboard
 from trace_builder import Model, decode_tokens, verify_tokens, write_trace
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 SWEEP_K = (0, 1, 2)  # the sweep records these k
 ASKED_K = 4  # the report is for a k past them: figures at it are counterfactual, acceptance at it extrapolated
 
@@ -60,43 +50,6 @@ def sweep_report(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
                                        "-o", str(output)])
     assert result.exit_code == 0, result.output
     return output, json.loads(result.stdout)
-
-
-@contextmanager
-def browser_page(path: Path) -> Iterator[tuple[Any, list[str]]]:
-    """``path`` open in headless Chromium with every request off the file blocked; yields the page and the list its
-    console errors, page errors, dialogs and blocked requests are appended to."""
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is not installed (apt-get install -y chromium)")
-    from playwright.sync_api import sync_playwright
-
-    errors: list[str] = []
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-
-        def block(route: Any) -> None:
-            url = route.request.url
-            if url.startswith("file:"):
-                route.continue_()
-            else:
-                errors.append(f"blocked request: {url}")
-                route.abort()
-
-        page.route("**/*", block)
-        page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
-        page.on("pageerror", lambda error: errors.append(str(error)))
-        page.on("dialog", lambda dialog: errors.append(f"dialog opened: {dialog.message}"))
-        page.goto(path.as_uri())
-        try:
-            yield page, errors
-        finally:
-            browser.close()
-
-
-def open_groups(page: Any) -> None:
-    """Open every collapsed group of tables (the runs' tables and the summary start collapsed), as a reader would."""
-    page.evaluate("document.querySelectorAll('details.group:not([open]) > summary').forEach(s => s.click())")
 
 
 @pytest.mark.browser
@@ -134,20 +87,6 @@ def test_dashboard_renders_offline_and_reacts_to_k(dashboard: Path) -> None:
     assert errors == []
 
 
-def _cell_point(page: Any, figure: str, x: object, row: int) -> dict[str, float]:
-    """Where on the page (viewport pixels) the heatmap cell at x value ``x`` and category row ``row`` is drawn."""
-    page.locator(f"#{figure}").scroll_into_view_if_needed()
-    point: dict[str, float] = page.evaluate(
-        """([id, x, row]) => { const div = document.getElementById(id); const layout = div._fullLayout;
-                               const box = div.getBoundingClientRect();
-                               return {x: box.left + layout.xaxis._offset + layout.xaxis.l2p(x),
-                                       y: box.top + layout.yaxis._offset + layout.yaxis.l2p(row),
-                                       half: layout.xaxis._length / div.data[0].x.length / 2}; }""",
-        [figure, x, row],
-    )
-    return point
-
-
 @pytest.mark.browser
 def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
         sweep_report: tuple[Path, dict[str, Any]]) -> None:
@@ -177,23 +116,11 @@ def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
         assert "counterfactual" in (cell.get_attribute("title") or "")
         # ... and the layer × k heatmap: every cell at k=4 shows the mark, and hovering one names the source
         heatmap = "fig-unique-heatmap-0"
-        point = _cell_point(page, heatmap, ASKED_K, 0)
-        labels = page.evaluate(
-            """([id, x, half]) => [...document.querySelectorAll('#' + id + ' .heatmap-label text')]
-                   .filter(t => { const b = t.getBoundingClientRect();
-                                  return Math.abs(b.left + b.width / 2 - x) < half; })
-                   .map(t => t.textContent)""",
-            [heatmap, point["x"], point["half"]],
-        )
+        point = cell_point(page, heatmap, ASKED_K, 0)
+        labels = column_labels(page, heatmap, point)
         assert len(labels) == 3 and all(label.endswith(counterfactual) for label in labels), labels
-        recorded = _cell_point(page, heatmap, SWEEP_K[-1], 0)
-        labels_at_recorded = page.evaluate(
-            """([id, x, half]) => [...document.querySelectorAll('#' + id + ' .heatmap-label text')]
-                   .filter(t => { const b = t.getBoundingClientRect();
-                                  return Math.abs(b.left + b.width / 2 - x) < half; })
-                   .map(t => t.textContent)""",
-            [heatmap, recorded["x"], recorded["half"]],
-        )
+        recorded = cell_point(page, heatmap, SWEEP_K[-1], 0)
+        labels_at_recorded = column_labels(page, heatmap, recorded)
         assert labels_at_recorded and not any(counterfactual in label for label in labels_at_recorded)
         page.mouse.move(point["x"], point["y"])
         page.wait_for_selector(f"#{heatmap} .hoverlayer .hovertext", timeout=5_000)
@@ -260,9 +187,10 @@ def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
             assert (tick["left"] >= outer["left"] - 0.5 and tick["right"] <= outer["right"] + 0.5
                     and tick["top"] >= outer["top"] - 0.5 and tick["bottom"] <= outer["bottom"] + 0.5), tick
 
-        # (d) a series that is all zero is not plotted: no EP bytes (nor all-reduce bytes: tp=1) in the bytes plot
+        # (d) a series that is all zero is not plotted: no all-to-all bytes (no EP), nor all-reduce (tp=1)
         names = page.eval_on_selector_all("#fig-bytes .legendtext", "nodes => nodes.map(n => n.textContent)")
-        assert "expert weights" in names and not any("EP" in name or "all-reduce" in name for name in names), names
+        assert "expert weights (all ranks)" in names and not any(
+            "all-to-all" in name or "all-reduce" in name for name in names), names
     # (e) no console errors
     assert errors == []
 
