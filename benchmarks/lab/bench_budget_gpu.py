@@ -41,8 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from kimi_slice import kimi_k2_slice
-from bench_speedup_validation import ratio_ci95, report_json
-from speedup_measure import EngineStartHung, build_llm_within, distinct_prompts, model_settings, output_lengths
+from speedup_predicted import report_json
+from speedup_traces import ratio_ci95
+from speedup_load import distinct_prompts, output_lengths
+from speedup_measure import EngineStartHung, build_llm_within, model_settings
 
 CONCURRENCIES = (1, 16)
 REQUESTS = {1: 4, 16: 48}

@@ -1,13 +1,7 @@
 """The GPU side of ``bench_speedup_validation.py``, its ``measure`` command: closed-loop rounds of each k's engine
 with moetrace's hooks paused, then recorded in the same closed loop, one engine per (drafter, k).
 
-Load: closed loop, the shape of a server. At concurrency C exactly C requests are in flight: C are added to vLLM's
-engine (``LLMEngine.add_request``, stepped with ``step``), and each one that ends is replaced by the next until a
-round's ``max(8, 3 C)`` requests have all been added. A round's throughput is the output tokens generated while C
-were in flight (from the end of the step in which C requests had produced a token up to the first completion that
-no request replaces: at least 2 C completions, the fill and the drain left out) over that window's wall time. Greedy,
-``ignore_eos``, 192 to 320 tokens each (256 on average, ``LENGTHS``), prefix caching off, every round the same
-requests.
+The load (closed loop, what a round is): ``speedup_load.py``.
 
 ``--timed`` (default 1,4,16,48): the concurrencies timed, moetrace's hooks paused (the engine exactly as vLLM built
 it), over ``--rounds`` rounds that alternate their order, after a short warm-up at each (every batch shape
@@ -28,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -37,89 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from kimi_slice import KIMI_K3_MXFP4, kimi_k2_eagle3_head, kimi_k2_slice, kimi_k3_slice
+from speedup_load import LENGTHS, LOAD, distinct_prompts, model_len, output_lengths, requests_per_round, round_order
 
-LOAD = "closed-loop"
-PROMPT_CUTS = (1.0, 0.9, 0.8, 0.7, 0.6)  # each built-in prompt cut at these fractions: 50 distinct prompts
-# output lengths, as fractions of --max-tokens, request by request: requests in flight end at different steps at
-# every k, k = 0 included, as a server's do (with equal lengths, C requests started together at k = 0 would end
-# together, which is the benchmark's doing, not speculation's)
-LENGTHS = (0.75, 1.125, 0.875, 1.25, 1.0)
 WARM_UP_TOKENS = 16  # per warm-up request: 2 C of them at each timed concurrency, every batch shape compiled
 # the recording times vLLM's calls one step in 8, not the recorder's 1 in 64 on a GPU: a k = 4 run of 16 requests
 # has about 150 decode steps, too few for 64 (the timed rounds run with the hooks paused, so this costs them nothing)
 TIME_PHASES_EVERY = 8
-
-
-def parse_concurrencies(text: str) -> list[int]:
-    """``1,4,16`` → [1, 4, 16]: distinct, positive, in the order given."""
-    values = list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"concurrencies must be positive integers: {text!r}")
-    return values
-
-
-def requests_per_round(concurrency: int) -> int:
-    """Requests of one round at ``concurrency``: eight one after another at 1; 3 C otherwise, so the window in
-    which C are in flight covers at least 2 C completions."""
-    return max(8, 3 * concurrency)
-
-
-def distinct_prompts(length: int | None = None) -> list[str]:
-    """The built-in prompts and shorter cuts of them (at a space), all distinct, so no two requests of a step route
-    alike because they are the same text; with ``length``, each repeated to ``length`` characters (a Kimi-K2
-    slice's tokens: it reads bytes), so the context a request decodes at is the prompt length asked for, numbered
-    (a cut longer than ``length`` would otherwise repeat to the same text as the whole prompt)."""
-    from moetrace.recording.prompts import BUILTIN_PROMPTS
-
-    out: list[str] = []
-    for cut in PROMPT_CUTS:
-        for prompt in BUILTIN_PROMPTS:
-            end = len(prompt) if cut == 1.0 else prompt.rfind(" ", 0, int(len(prompt) * cut))
-            text = prompt[: max(end, 1)]
-            out.append(text if length is None else
-                       (f"{len(out)}. " + (text + "\n") * (length // (len(text) + 1) + 1))[:length])
-    if len(set(out)) != len(out):
-        raise RuntimeError("prompt cuts are not distinct")
-    return out
-
-
-def model_len(prompt_tokens: int | None, max_tokens: int) -> int:
-    """The engine's max_model_len for a slice: 1,024, or room for ``prompt_tokens`` and the output."""
-    return max(1024, (prompt_tokens or 0) + max_tokens + 16)
-
-
-def output_lengths(count: int, max_tokens: int, lengths: tuple[float, ...] = LENGTHS) -> list[int]:
-    """Tokens each of ``count`` requests generates (``lengths`` in turn, fractions of ``max_tokens``)."""
-    return [round(max_tokens * lengths[i % len(lengths)]) for i in range(count)]
-
-
-def window_prefill_share(concurrency: int, lengths: list[int], gains: list[int], seeds: int = 20) -> float:
-    """Prefills per output token inside ``closed_loop``'s window at ``concurrency``, over those of its whole round
-    (``lengths``: the tokens each request of the round produces; ``gains``: the tokens a request gains per decode
-    step, one drawn at random each step; [1] at k = 0). The window opens on the fill's requests all fresh, so none
-    ends in its first min(lengths) steps: it holds n − C prefills over more tokens than a server's steady state,
-    for which a round's n prefills over its Σ lengths stand (and a trace's prefill, pooled over whole rounds).
-    Simulated step by step, a finished request replaced by the next, whose prefill step gives its first token; the
-    mean over ``seeds`` draws of the gains."""
-    count = len(lengths)
-    if count <= concurrency:
-        raise ValueError(f"a round of {count} requests has no window at concurrency {concurrency}")
-    shares = []
-    for seed in range(seeds if len(set(gains)) > 1 else 1):
-        draw = random.Random(seed).choice
-        running = {index: 1 for index in range(concurrency)}  # request → tokens it has: the fill's first token
-        added, ended, tokens = concurrency, 0, 0
-        while ended < count - concurrency + 1:  # the window closes at the first completion nobody replaces
-            for index, have in list(running.items()):
-                gained = min(draw(gains), lengths[index] - have)
-                running[index], tokens = have + gained, tokens + gained
-            for index in [i for i, have in running.items() if have >= lengths[i]]:
-                del running[index]
-                ended += 1
-                if added < count:
-                    running[added], added = 1, added + 1
-        shares.append((count - concurrency) / tokens / (count / sum(lengths)))
-    return statistics.fmean(shares)
 
 
 def closed_loop(llm: Any, prompts: list[Any], concurrency: int, lengths: list[int], prefix: str) -> float:
@@ -172,11 +88,6 @@ def closed_loop(llm: Any, prompts: list[Any], concurrency: int, lengths: list[in
     if opened is None or closed is None or closed <= opened:
         raise RuntimeError(f"{prefix}: no steady window at concurrency {concurrency} ({len(lengths)} requests)")
     return tokens / (closed - opened)
-
-
-def round_order(round_index: int, concurrencies: list[int]) -> list[int]:
-    """The concurrencies of one round in the order they run: alternating, so none always runs first."""
-    return concurrencies if round_index % 2 == 0 else concurrencies[::-1]
 
 
 def run_rounds(llm: Any, prompts: list[Any], rounds: int, concurrencies: list[int], max_tokens: int,
@@ -413,12 +324,64 @@ def adopt_baseline(source: Path, out: Path, doc: dict[str, Any], workload: dict[
     doc["engines"].append({**engine, "baseline_from": str(source)})
 
 
+def workload_of(args: argparse.Namespace) -> dict[str, Any]:
+    """What every engine of a measure directory runs alike: a resumed call adds engines to the same workload only."""
+    from moetrace.recording.record import parse_synthetic_acceptance
+
+    timed, recorded = args.timed, args.recorded
+    synthetic = parse_synthetic_acceptance(args.synthetic_acceptance)
+    return {"load": LOAD, "timed": timed, "recorded": recorded, "max_num_seqs": max(timed + recorded),
+            "max_tokens": args.max_tokens, "lengths": list(LENGTHS), "rounds": args.rounds,
+            "requests": {str(c): requests_per_round(c) for c in sorted(set(timed + recorded))},
+            "gpu_memory_utilization": args.gpu_memory_utilization, **({"hooks_ab": True} if args.hooks_ab else {}),
+            **({"prompt_tokens": args.prompt_tokens} if args.prompt_tokens else {}),
+            **({"synthetic_acceptance": list(synthetic)} if synthetic is not None else {})}
+
+
+def engine_settings_of(args: argparse.Namespace, workload: dict[str, Any], ks: list[int], method: str, k: int,
+                       trace_dir: Path) -> dict[str, Any]:
+    """One engine's settings (``model_settings``); "sync" is n-gram's k = 0 with async scheduling off."""
+    synthetic = workload.get("synthetic_acceptance")
+    settings = model_settings(args.model, args.out, "ngram" if method == "sync" else method, ks, k, trace_dir,
+                              args.max_tokens, args.eager, args.tp, workload["max_num_seqs"], args.prompt_tokens,
+                              tuple(synthetic) if synthetic is not None else None)
+    if method == "sync":
+        settings["engine_args"]["async_scheduling"] = False
+    if args.gpu_memory_utilization is not None:
+        settings["engine_args"]["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return settings
+
+
+def measured_once(args: argparse.Namespace, settings: dict[str, Any], began: float, longest: float,
+                  workload: dict[str, Any], attempt: int = 1) -> dict[str, Any]:
+    """``measure_engine``, or its error; an engine whose start hung is tried once more while the budget allows."""
+    shutil.rmtree(settings["out"], ignore_errors=True)  # a half-written trace of an interrupted call or attempt
+    try:
+        return measure_engine(settings, args.rounds, args.max_tokens, args.start_timeout_s, workload["timed"],
+                              workload["recorded"], args.hooks_ab)
+    except Exception as exc:  # one engine that vLLM cannot run must not cost the others
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        print(f"{settings['method']} k={settings['k']}: FAILED {error}", flush=True)
+        fits = time.perf_counter() - began + max(longest, 60.0) <= args.budget_s
+        if isinstance(exc, EngineStartHung) and attempt == 1 and fits:
+            return measured_once(args, settings, began, longest, workload, attempt=2)
+        return {"error": error}
+
+
+def show_engine(engine: dict[str, Any]) -> None:
+    """One line of an engine that measured: its start and median throughput per concurrency."""
+    medians = {c: round(statistics.median(v), 1) for c, v in engine["tok_s"].items()}
+    if "hooks_on_tok_s" in engine:
+        medians |= {f"{c} hooks on": round(statistics.median(v), 1) for c, v in engine["hooks_on_tok_s"].items()}
+    print(f"[{time.strftime('%H:%M:%S')}] {engine['method']} k={engine['k']}: start {engine['engine_start_s']:.0f} s, "
+          f"tok/s by concurrency {medians}", flush=True)
+
+
 def measure(args: argparse.Namespace) -> None:
     """Every (drafter, k) engine not yet in ``<out>/<model>-measurements.json``, while the time budget allows one
     more (a call that stops early is resumed by running the same command again)."""
-    from moetrace.hooks.vllm_api import vllm_version
     from moetrace.hooks.host import gpu_inventory
-    from moetrace.recording.record import parse_synthetic_acceptance
+    from moetrace.hooks.vllm_api import vllm_version
 
     began = time.perf_counter()
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(spread_routing): a function of this script
@@ -426,15 +389,7 @@ def measure(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / f"{args.model}-measurements.json"
     ks = [int(k) for k in args.ks.split(",")]
-    timed, recorded = args.timed, args.recorded
-    max_num_seqs = max(timed + recorded)
-    synthetic = parse_synthetic_acceptance(args.synthetic_acceptance)
-    workload = {"load": LOAD, "timed": timed, "recorded": recorded, "max_num_seqs": max_num_seqs,
-                "max_tokens": args.max_tokens, "lengths": list(LENGTHS), "rounds": args.rounds,
-                "requests": {str(c): requests_per_round(c) for c in sorted(set(timed + recorded))},
-                "gpu_memory_utilization": args.gpu_memory_utilization, **({"hooks_ab": True} if args.hooks_ab else {}),
-                **({"prompt_tokens": args.prompt_tokens} if args.prompt_tokens else {}),
-                **({"synthetic_acceptance": list(synthetic)} if synthetic is not None else {})}
+    workload = workload_of(args)
     doc: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {
         "model": args.model, "tp": args.tp, "vllm_version": vllm_version(),
         "device": (gpu_inventory()["gpus"] or ["cpu"])[0], "cuda_graphs": not args.eager, **workload,
@@ -457,46 +412,22 @@ def measure(args: argparse.Namespace) -> None:
     plan = ([(methods[0], 0)] if 0 in ks else []) + ([("sync", 0)] if args.sync_baseline else []) + [
         (method, k) for method in methods for k in ks if k > 0]
     longest = 0.0
-    for method, k in plan:
-        sweep = out / f"{args.model}-{method}-k{'-'.join(map(str, ks))}"
-        if (method, k) in done:
-            continue
+    for method, k in (step for step in plan if step not in done):
         if time.perf_counter() - began + max(longest, 60.0) > args.budget_s:
             print(f"time budget of {args.budget_s:.0f} s reached: run the same command again to go on")
             return
-        trace_dir = sweep / f"k{k}"
-        settings = model_settings(args.model, out, "ngram" if method == "sync" else method, ks, k, trace_dir,
-                                  args.max_tokens, args.eager, args.tp, max_num_seqs, args.prompt_tokens, synthetic)
-        if method == "sync":
-            settings["engine_args"]["async_scheduling"] = False
-        if args.gpu_memory_utilization is not None:
-            settings["engine_args"]["gpu_memory_utilization"] = args.gpu_memory_utilization
+        trace_dir = out / f"{args.model}-{method}-k{'-'.join(map(str, ks))}" / f"k{k}"
+        settings = engine_settings_of(args, workload, ks, method, k, trace_dir)
         print(f"[{time.strftime('%H:%M:%S')}] {args.model} {method} k={k}: starting", flush=True)
-        for attempt in (1, 2):
-            shutil.rmtree(trace_dir, ignore_errors=True)  # a half-written trace of an interrupted call or attempt
-            engine_began = time.perf_counter()
-            try:
-                engine = measure_engine(settings, args.rounds, args.max_tokens, args.start_timeout_s, timed, recorded,
-                                        args.hooks_ab)
-            except Exception as exc:  # one engine that vLLM cannot run must not cost the others
-                engine = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-                print(f"{method} k={k}: FAILED {engine['error']}", flush=True)
-                fits = time.perf_counter() - began + max(longest, 60.0) <= args.budget_s
-                if isinstance(exc, EngineStartHung) and attempt == 1 and fits:
-                    continue  # once more
-            break
+        engine_began = time.perf_counter()
+        engine = measured_once(args, settings, began, longest, workload)
         if "tok_s" in engine:  # the longest engine that ran estimates the next one
             longest = max(longest, time.perf_counter() - engine_began)
         engine.update(method=method, k=k, trace=str(trace_dir.relative_to(out)))
         doc["engines"] = [e for e in doc["engines"] if (e["method"], e["k"]) != (method, k)] + [engine]
         results_path.write_text(json.dumps(doc, indent=2) + "\n")  # after every engine: nothing lost on a crash
         if "tok_s" in engine:
-            medians = {c: round(statistics.median(v), 1) for c, v in engine["tok_s"].items()}
-            if "hooks_on_tok_s" in engine:
-                medians |= {f"{c} hooks on": round(statistics.median(v), 1)
-                            for c, v in engine["hooks_on_tok_s"].items()}
-            print(f"[{time.strftime('%H:%M:%S')}] {method} k={k}: start {engine['engine_start_s']:.0f} s, "
-                  f"tok/s by concurrency {medians}", flush=True)
+            show_engine(engine)
     failed = [f"{e['method']} k={e['k']}" for e in doc["engines"] if "tok_s" not in e]
     if failed:  # the driver script runs this again until every engine has measured
         print(f"failed engines, tried again on the next run: {', '.join(failed)}")
