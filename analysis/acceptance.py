@@ -19,26 +19,46 @@ from moetrace.analysis.sources import Source
 
 def acceptance_by_position(steps: pl.LazyFrame, k: int) -> pl.DataFrame:
     """Per draft position 1..k: decoding request-steps, those that proposed at least i drafts, those that accepted at
-    least i, the unconditional ``acceptance_rate`` (accepted ÷ request-steps) and the ``conditional_rate`` (accepted
-    at i ÷ accepted at i−1: how often a draft is accepted once every draft before it was)."""
+    least i, the unconditional ``acceptance_rate`` (accepted ÷ request-steps: what the run gained at i, however many
+    drafts each request-step verified) and the ``conditional_rate``: accepted at i ÷ the request-steps that verified
+    draft i with every draft before it accepted (how often a draft is accepted once it is verified and every draft
+    before it was). A request-step that verified fewer than i drafts (n-gram out of matches, an adaptive schedule's
+    choice) is not among those verifying i: counted there, it would read as a rejection of a draft never verified."""
     decode = steps.filter(decoding())
     per_position = decode.select(
         request_steps=pl.len().cast(pl.Int64),
         **{f"proposed_{i}": (pl.col("num_drafts") >= i).sum().cast(pl.Int64) for i in range(1, k + 1)},
         **{f"accepted_{i}": (pl.col("num_accepted") >= i).sum().cast(pl.Int64) for i in range(1, k + 1)},
+        **{f"reached_{i}": ((pl.col("num_drafts") >= i) & (pl.col("num_accepted") >= i - 1)).sum().cast(pl.Int64)
+           for i in range(1, k + 1)},
     ).collect()
     request_steps = int(per_position["request_steps"].item()) if k else 0
     rows = []
     for i in range(1, k + 1):
-        accepted = int(per_position[f"accepted_{i}"].item())
-        before = request_steps if i == 1 else int(per_position[f"accepted_{i - 1}"].item())
+        accepted, reached = int(per_position[f"accepted_{i}"].item()), int(per_position[f"reached_{i}"].item())
         rows.append({"draft_pos": i, "request_steps": request_steps,
                      "proposed": int(per_position[f"proposed_{i}"].item()), "accepted": accepted,
                      "acceptance_rate": accepted / request_steps if request_steps else None,
-                     "conditional_rate": accepted / before if before else None})
+                     "conditional_rate": accepted / reached if reached else None})
     schema = {"draft_pos": pl.Int32(), "request_steps": pl.Int64(), "proposed": pl.Int64(), "accepted": pl.Int64(),
               "acceptance_rate": pl.Float64(), "conditional_rate": pl.Float64()}
     return pl.DataFrame(rows, schema=schema, orient="row")
+
+
+def every_draft_rates(by_position: pl.DataFrame) -> dict[int, float]:
+    """The unconditional rates by position of a run that verified every draft its drafter proposed, from a trace in
+    which an adaptive schedule verified fewer (``acceptance_by_position`` of it): the rate at i is the product of the
+    ``conditional_rate`` at positions 1..i, the drafts the schedule left unverified after accepting all before them
+    taken to be accepted as often as those it verified there. Positions up to the first that no request-step
+    verified after accepting all before it (past it, nothing measured: ``acceptance_curve`` extrapolates)."""
+    rates: dict[int, float] = {}
+    rate = 1.0
+    for position, conditional in zip(by_position["draft_pos"].to_list(), by_position["conditional_rate"].to_list()):
+        if conditional is None:
+            break
+        rate *= conditional
+        rates[int(position)] = rate
+    return rates
 
 
 def tokens_per_step(rates: Sequence[float]) -> float:
@@ -185,8 +205,8 @@ def drawn_from(recorded: Collection[int], k: int) -> int:
     return min(larger) if larger else max(recorded)
 
 
-def acceptance_per_k(recorded: Mapping[int, pl.LazyFrame], ks: Sequence[int], given_rate: float | None = None
-                     ) -> pl.DataFrame:
+def acceptance_per_k(recorded: Mapping[int, pl.LazyFrame], ks: Sequence[int], given_rate: float | None = None,
+                     scheduled: Collection[int] = ()) -> pl.DataFrame:
     """Per k: tokens a request gains per step, tokens a request-step reads, the decoding request-steps behind them,
     and where they come from. ``recorded``: the steps table of each trace of the sweep, by its k.
 
@@ -195,6 +215,10 @@ def acceptance_per_k(recorded: Mapping[int, pl.LazyFrame], ks: Sequence[int], gi
       1 + mean(min(drafts, k)) tokens read;
     - past the largest recorded K: extrapolated (``acceptance_curve``), reading K's tokens plus, per extra
       position, the share of request-steps that proposed all K drafts;
+    - drawn from a trace of ``scheduled`` (recorded k whose engine chose how many drafts each request-step verified:
+      an adaptive schedule, ``SpecInfo.adaptive``), every fixed k, its own included, is estimated as a run that
+      verifies all k drafts the drafter proposes: k + 1 tokens read, the rates of ``every_draft_rates``; past the
+      positions those measure, extrapolated;
     - ``given_rate``: each draft accepted with that rate while all before it were; k+1 tokens read;
     - k > 0 resting on a trace whose steps hold no decoding request-step (no steps rows: a recording killed before
       its first steps file): unknown, tokens gained and read null."""
@@ -216,6 +240,11 @@ def acceptance_per_k(recorded: Mapping[int, pl.LazyFrame], ks: Sequence[int], gi
         gained: float | None
         if k == 0:  # k = 0 gains and reads one token per step, by definition
             source, read, gained = Source.MEASURED, 1.0, 1.0
+        elif at in scheduled:
+            drafted = every_draft_rates(by_position)
+            curve, past = acceptance_curve(drafted, k) if drafted else ([], True)
+            source = Source.EXTRAPOLATED if past or k > at else Source.ESTIMATED
+            read, gained = (float(k + 1), tokens_per_step(curve)) if counts["request_steps"] else (None, None)
         elif not counts["request_steps"]:
             source = Source.MEASURED if k == at else Source.ESTIMATED if k < at else Source.EXTRAPOLATED
             read = gained = None

@@ -18,8 +18,9 @@ accepted and rejected drafts, or one decode token where nothing was proposed):
 
 At a k no trace recorded: the counterfactual windows (``counterfactual``: one per request-step, as many consecutive
 accepted tokens as its drafter proposed) of the trace acceptance draws the k from (``drawn_from``: the smallest
-recorded k above it, else the largest), drawn the same way (lower bound when fewer than B). Alongside: uniform,
-N·(1−(1−K/N)^(B(k+1))).
+recorded k above it, else the largest), drawn the same way (lower bound when fewer than B); so too every k drawn
+from a trace whose adaptive schedule chose each request-step's drafts (``RecordedK.scheduled``: its steps are no
+fixed k's). Alongside: uniform, N·(1−(1−K/N)^(B(k+1))).
 
 Long traces are sampled to about ``MAX_WINDOWS`` windows per layer and k first (whole steps where steps are
 unioned). Per layer, with the experts on the busiest rank under an expert placement and the ranks touched.
@@ -71,11 +72,15 @@ def uniform_unique_experts(num_experts: int, top_k: int, tokens: int) -> float:
 @dataclass(frozen=True)
 class RecordedK:
     """A trace of the sweep at its own k: its rows (``WindowSample``), its steps table and each request's prompt
-    (``request_prompts``; empty: every request its own)."""
+    (``request_prompts``; empty: every request its own). ``scheduled``: an adaptive schedule chose how many drafts
+    each of its request-steps verified, so its steps ran no fixed k, its own included: every k is drawn from it as
+    counterfactual windows (of k + 1 tokens where its ``sample`` says the drafter proposed all of them:
+    ``counterfactual.every_draft_proposed``)."""
 
     sample: WindowSample
     steps: pl.LazyFrame
     prompts: Mapping[int, int] = field(default_factory=dict)
+    scheduled: bool = False
 
 
 def request_prompts(routing: pl.LazyFrame) -> dict[int, int]:
@@ -216,8 +221,8 @@ def batch_unions(recorded: Mapping[int, RecordedK], num_experts: int, top_k: int
     ranks = rank_masks(expert_rank, num_experts)
     rows: list[dict[str, object]] = []
     for k in ks:
-        at_k = k in recorded
         drawn = recorded[drawn_from(recorded, k)]
+        at_k = k in recorded and not drawn.scheduled
         if at_k:
             windows, _ = drawn.sample.request_steps(MAX_WINDOWS)
             sizes = decoding_step_sizes(drawn.steps)

@@ -18,6 +18,9 @@ incomplete and not counted. Windows of neighbouring request-steps overlap where 
 Acceptance reads the same (``acceptance.acceptance_per_k``): 1 + mean min(d, k) tokens below K, and past it K's
 tokens plus k − K for every request-step that proposed K.
 
+An adaptive schedule (DSpark's confidence-scheduled verification) verifies d ≤ K of the K drafts its drafter
+proposed: a fixed k runs all k, so its windows are taken as the drafter's (``every_draft_proposed``), k + 1 tokens.
+
 A trace without drafts (K = 0: plain decoding, or an engine's routing imported) does not say what a drafter would
 propose: its windows are full, k + 1 tokens, tiling each request's sequence at positions that are multiples of k + 1.
 """
@@ -45,6 +48,13 @@ def proposed_drafts(routing: pl.LazyFrame, trace_k: int) -> pl.DataFrame:
         return pl.DataFrame(schema=PROPOSALS_SCHEMA)
     return (routing.filter(not_prefill()).group_by(step_key(), "request")
             .agg(proposed=pl.col("draft_pos").max()).collect().cast(PROPOSALS_SCHEMA))  # type: ignore[arg-type]
+
+
+def every_draft_proposed(proposals: pl.DataFrame, trace_k: int) -> pl.DataFrame:
+    """``proposed_drafts`` of a trace whose adaptive schedule chose how many drafts each request-step verified (its
+    routing holds only those), as its drafter proposed them: all ``trace_k`` at every request-step. A fixed k runs
+    every draft it proposes, so each request-step's window at k is k + 1 tokens (``window_tokens``)."""
+    return proposals.with_columns(proposed=pl.lit(trace_k, pl.Int64))
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,8 @@ def worker_manifest(vllm_config: Any, routers: list[RouterInfo], options: Record
             if spec is not None and spec.method == "ngram"
             else {},
             "acceptance": spec_acceptance(spec),
+            # vLLM >= 0.34 (DSpark): the engine sizes each request-step's verified drafts itself, up to k
+            "adaptive_verification": bool(getattr(spec, "enable_adaptive_verification", False)),
         },
         "capture": {
             "mode": "eager" if model_config.enforce_eager else "graph-safe",

@@ -13,6 +13,7 @@ from typing import Any
 import polars as pl
 
 from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary, measured_speedup, step_times
+from moetrace.analysis.adaptive import schedule_against_table, schedule_per_batch
 from moetrace.analysis.budgets import WindowSample, smallest_budgets
 from moetrace.analysis.consistency import disagreement, routing_gaps
 from moetrace.analysis.context import BUCKET_LABELS, bucket_index, context_tables
@@ -29,6 +30,7 @@ from moetrace.report.contexts import StepsAt, decide_at_contexts
 from moetrace.report.distributed import partitioned_summary
 from moetrace.report.inputs import Run, expert_placement, model_shape, parallel_size
 from moetrace.report.measured import (
+    decode_periods,
     decoding_step_contexts,
     measured_steps,
     passed_baselines,
@@ -45,6 +47,9 @@ from moetrace.report.summary import (
     budget_curves_per_k,
     prediction_deployment,
     run_prediction,
+    schedule_inputs,
+    schedule_trace,
+    scheduled_ks,
     step_inputs,
     summary_request,
     unpriced_batches,
@@ -69,14 +74,18 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         curves = curves.clear()
     at_k = curves.filter(pl.col("k") == max(options.k, 1)).drop("k")
     timing = _timing(run, options)
-    batches = sorted({1, *options.batches, *(timing.measured or {})} - set(timing.unpriced))
+    scheduled = schedule_trace(run)
+    ran = decode_periods(scheduled) if scheduled is not None else None  # the concurrencies the schedule ran at
+    schedule_at = [] if ran is None else ran["batch"].to_list()
+    batches = sorted({1, *options.batches, *(timing.measured or {}), *schedule_at} - set(timing.unpriced))
     inputs = step_inputs(run, sample, shape, placement, options, batches)
     one_token = inputs.filter((pl.col("batch") == 1) & (pl.col("k") == 0))["ranks_touched"]
     bytes_table = step_bytes(inputs.filter(pl.col("batch") == 1), deployment_for(shape, tp, ep),
                              float(one_token.item()) if len(one_token) else 1.0)
-    forecast = _forecast(run, sample, inputs, shape, tp, ep, options, batches, timing, disagreements)
+    forecast = _forecast(run, sample, inputs, shape, tp, ep, options, batches, timing, disagreements, schedule_at)
     placements, placement_note = placement_scores(trace, rows, ep)
-    checked = (against_trace(forecast.speedups, timing.steps, None if timing.sync is None else
+    fixed_k = ~pl.col("k").is_in(list(scheduled_ks(run)))  # an adaptive schedule's trace ran no fixed k
+    checked = (against_trace(forecast.speedups, timing.steps.filter(fixed_k), None if timing.sync is None else
                              recorded_phases([timing.sync]))
                if timing.steps is not None and forecast.speedups is not None else None)
     analysis = RunAnalysis(
@@ -89,10 +98,16 @@ def analyse_run(run: Run, options: Options) -> RunAnalysis:
         against_trace=checked, decision=forecast.decision, prediction_note=forecast.note, placements=placements,
         placement_note=placement_note,
     )
-    analysis.checks = self_check(forecast.speedups, forecast.basis, per_k, inputs, bytes_table)
+    analysis.checks = self_check(forecast.speedups, forecast.basis, per_k.filter(fixed_k), inputs, bytes_table)
+    if scheduled is not None and ran is not None:
+        k0 = next((t for t in run.traces if t.k == 0), None)
+        analysis.schedule_k = scheduled.k
+        analysis.schedule = schedule_against_table(
+            schedule_per_batch(scheduled.steps(), ran, scheduled.k, None if k0 is None else decode_periods(k0)),
+            forecast.schedule, forecast.speedups, scheduled.k)
 
     def speedups_from(steps: _Timing) -> pl.DataFrame | None:  # the prediction from another set of measured steps
-        return _forecast(run, sample, inputs, shape, tp, ep, options, batches, steps, disagreements).speedups
+        return _forecast(run, sample, inputs, shape, tp, ep, options, batches, steps, disagreements, []).speedups
 
     _by_context(analysis, sample, trace, request, options, timing, disagreements, speedups_from)
     _crossovers_and_policies(analysis, checked, options, timing)
@@ -167,19 +182,24 @@ def _timing(run: Run, options: Options, steps_in: Callable[[Trace], pl.DataFrame
 @dataclass(frozen=True)
 class _Forecast:
     """The prediction (at one request), the predicted steps per (batch, k), the decision and the prediction's
-    basis; ``note``: why there is none, where there is not."""
+    basis; ``note``: why there is none, where there is not; ``schedule``: an adaptive schedule priced alike
+    (``report.summary.Prediction``)."""
 
     speedups: pl.DataFrame | None = None
     prediction: pl.DataFrame | None = None
     decision: pl.DataFrame | None = None
     basis: dict[str, Any] | None = None
     note: str | None = None
+    schedule: pl.DataFrame | None = None
 
 
 def _forecast(run: Run, sample: WindowSample, inputs: pl.DataFrame, shape: ModelShape, tp: int, ep: int,
-              options: Options, batches: list[int], timing: _Timing, disagreements: dict[int, str]) -> _Forecast:
-    """The prediction and its decision, where one is asked for and the format can be priced; a preset that cannot
-    price this deployment leaves a note, a prediction the user asked for that cannot be made raises."""
+              options: Options, batches: list[int], timing: _Timing, disagreements: dict[int, str],
+              schedule_at: list[int]) -> _Forecast:
+    """The prediction and its decision, where one is asked for and the format can be priced, and the adaptive
+    schedule priced alike at the concurrencies it ran at (``schedule_at``; not under uniform routing, which prices
+    no trace's steps); a preset that cannot price this deployment leaves a note, a prediction the user asked for
+    that cannot be made raises."""
     note = shape.unpriced_note()
     if note is not None:
         return _Forecast(decision=unpredicted(options.batches, note) if options.predicts else None, note=note)
@@ -187,18 +207,19 @@ def _forecast(run: Run, sample: WindowSample, inputs: pl.DataFrame, shape: Model
         return _Forecast()
     trace = run.primary
     _, _, pred_ep, _ = prediction_deployment(shape, tp, ep, options)
-    pred_inputs = inputs if pred_ep == ep else step_inputs(
-        run, sample, shape, expert_placement(trace, pred_ep, options.placement_file), options, batches)
+    placement = expert_placement(trace, pred_ep, options.placement_file)
+    pred_inputs = inputs if pred_ep == ep else step_inputs(run, sample, shape, placement, options, batches)
+    schedule = (schedule_inputs(run, sample, shape, placement, pred_inputs, schedule_at)
+                if schedule_at and options.routing == "measured" else None)
     try:
-        speedups, prediction, decision, basis = run_prediction(run, pred_inputs, shape, tp, ep, options,
-                                                               timing.measured, timing.passed, timing.unpriced,
-                                                               disagreements)
+        found = run_prediction(run, pred_inputs, shape, tp, ep, options, timing.measured, timing.passed,
+                               timing.unpriced, disagreements, schedule)
     except UserError as exc:
         if options.preset is None:  # the user asked for this prediction
             raise
         note = f"no prediction: {exc} (give --calibration or --profile for this deployment)"
         return _Forecast(decision=unpredicted(options.batches, note), note=note)
-    return _Forecast(speedups, prediction, decision, basis)
+    return _Forecast(found.speedups, found.table, found.decision, found.basis, schedule=found.schedule)
 
 
 def _by_context(analysis: RunAnalysis, sample: WindowSample, trace: Trace, request: SummaryRequest, options: Options,

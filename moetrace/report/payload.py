@@ -8,11 +8,13 @@ from typing import Any
 import polars as pl
 
 from moetrace.report.placements import held_out_verdict
+from moetrace.analysis.adaptive import schedule_verdict
 from moetrace.analysis.budgets import smallest_budgets
 from moetrace.analysis.context import recorded_context
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, PER_BATCH, PER_REQUEST, best_window_estimate
 from moetrace.analysis.sources import least_direct_expr
 from moetrace.report.contexts import from_steps_sentence
+from moetrace.report.measured import MIN_BASELINE_STEPS
 from moetrace.report.summary import RANDOM_WEIGHTS_NOTE, Options, RunAnalysis, sample_note
 
 
@@ -98,6 +100,10 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
             + ("(windows of accepted tokens, as many as each request-step's drafter proposed)"
                if analysis.run.primary.k > 0 else f"(windows of {k + 1} consecutive accepted tokens)")
         )
+    if analysis.schedule_k is not None:
+        found.append(f"k={analysis.schedule_k}: the engine chose each request-step's drafts (an adaptive schedule): "
+                     "every fixed k is drawn from it as a run verifying all the drafts it proposes (estimated), the "
+                     "schedule itself set beside that static table")
     one_in = analysis.manifest.capture.one_request_in
     if one_in > 1:
         found.append(f"routing of one request in {one_in} (steps and acceptance of all): a step's batch union is not "
@@ -205,6 +211,17 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
     }
 
 
+def schedule_summary(analysis: RunAnalysis) -> dict[str, Any] | None:
+    """An adaptive schedule's trace (``analysis.adaptive``): per concurrency it ran at, what it did beside the static
+    table predicted from it, and which pays more in words; None without one."""
+    if analysis.schedule is None:
+        return None
+    rows = analysis.schedule.to_dicts()
+    verdict = schedule_verdict(rows) or [f"not compared: the schedule ran {MIN_BASELINE_STEPS} or more pairs of "
+                                         "consecutive decode steps at no concurrency: nothing to measure it at"]
+    return {"trace_k": analysis.schedule_k, "rows": rows, "verdict": verdict}
+
+
 def crossover_sentence(found: dict[str, Any]) -> str:
     """``analysis.decision.crossover``'s finding in words, as the terminal and the dashboard show it."""
     best = {row["batch"]: row for row in found["best"]}
@@ -259,6 +276,7 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
                 "by_context": {"k": analysis.run.primary.k, "share": analysis.by_context_share,
                                **{name: table.to_dicts() for name, table in analysis.by_context.items()}},
                 "rejected_only": analysis.rejected_only.to_dicts(),
+                "adaptive_schedule": schedule_summary(analysis),
                 "budget": budget_summary(analysis, options.coverage),
                 "prediction": prediction_summary(analysis, k),
                 "growth": analysis.growth.to_dicts(),

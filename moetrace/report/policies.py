@@ -36,6 +36,10 @@ def replayed_policies(run: Run, speedups: pl.DataFrame, decision: pl.DataFrame |
     # a replay prices every k up to the trace's: not where nothing predicted one (no windows of it to read)
     unpriced = {batch: f"no predicted step at k={', '.join(map(str, missing))}" for batch, at in step_ms.items()
                 if (missing := [k for k in range(deepest.k + 1) if k not in at])}
+    if deepest.manifest.spec.adaptive:  # a replay takes each request-step's accepted drafts as a fixed k's prefix
+        unpriced = {batch: f"the k={deepest.k} trace's adaptive schedule chose each request-step's drafts: its "
+                           "request-steps are no fixed k's (the adaptive schedule's own table sets it beside the "
+                           "static table)" for batch in table}
     steps = deepest.steps()
     rows = compare_policies(steps, deepest.k, step_ms, {b: k for b, k in table.items() if b not in unpriced})
     requests = int(steps.select(pl.col("request").n_unique()).collect().item())

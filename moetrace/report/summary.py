@@ -6,7 +6,7 @@ summary JSON the terminal and the dashboard render."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from moetrace.analysis.measured_steps import MeasuredSteps
 from moetrace.trace.drafters import MODEL_DRAFTERS
 from moetrace.analysis.budgets import WindowSample, budget_curves, sample_share, window_sample
 from moetrace.analysis.concurrency import RecordedK, batch_unions, request_prompts, union_means, uniform_unions
+from moetrace.analysis.counterfactual import every_draft_proposed
 from moetrace.analysis.decision import (
     DEFAULT_BATCHES,
     recommended_k,
@@ -110,6 +111,9 @@ class RunAnalysis:
     by_context: dict[str, pl.DataFrame] = field(default_factory=dict)
     by_context_share: float = 1.0
     context_decision: ContextDecision | None = None  # --context: the decision per (context, batch)
+    # an adaptive schedule's trace: what it did per concurrency beside the static table (``analysis.adaptive``)
+    schedule: pl.DataFrame | None = None
+    schedule_k: int | None = None  # the k its drafter drafted (the most it verified)
 
     @property
     def manifest(self) -> Manifest:
@@ -177,13 +181,31 @@ def greedy(trace: Trace) -> bool:
     return float(sampling.get("temperature") or 0.0) == 0.0
 
 
+def recorded_k(run: Run, trace: Trace, primary_sample: WindowSample | None = None) -> RecordedK:
+    """``trace`` as the unions read its steps as they ran: rows (``primary_sample`` for the primary trace where
+    given), steps and, under greedy decoding, each request's prompt."""
+    sample = (primary_sample if primary_sample is not None and trace is run.primary
+              else window_sample(trace.routing(), trace.k, ["experts"]))
+    return RecordedK(sample, trace.steps(), request_prompts(trace.routing()) if greedy(trace) else {})
+
+
 def recorded_ks(run: Run, primary_sample: WindowSample | None = None) -> dict[int, RecordedK]:
-    """The sweep's traces by k as the unions read them: rows (``primary_sample`` for the primary trace where given),
-    steps and, under greedy decoding, each request's prompt."""
-    return {t.k: RecordedK(primary_sample if primary_sample is not None and t is run.primary
-                           else window_sample(t.routing(), t.k, ["experts"]),
-                           t.steps(), request_prompts(t.routing()) if greedy(t) else {})
-            for t in run.traces}
+    """The sweep's traces by k as the unions read them for fixed k (``recorded_k``); a trace whose adaptive schedule
+    chose each request-step's drafts is read as its drafter proposed them, every k drawn as counterfactual windows
+    (``RecordedK.scheduled``)."""
+    scheduled, found = scheduled_ks(run), {}
+    for trace in run.traces:
+        read = recorded_k(run, trace, primary_sample)
+        if trace.k in scheduled:  # its drafter proposed k drafts at every request-step, the schedule verified fewer
+            proposed = every_draft_proposed(read.sample.proposals, trace.k)
+            read = replace(read, scheduled=True, sample=replace(read.sample, proposals=proposed))
+        found[trace.k] = read
+    return found
+
+
+def scheduled_ks(run: Run) -> set[int]:
+    """The recorded k whose engine chose how many drafts each request-step verified (``SpecInfo.adaptive``)."""
+    return {t.k for t in run.traces if t.k > 0 and t.manifest.spec.adaptive}
 
 
 def step_inputs(run: Run, sample: WindowSample, shape: ModelShape, placement: npt.NDArray[np.int64],
@@ -198,9 +220,37 @@ def step_inputs(run: Run, sample: WindowSample, shape: ModelShape, placement: np
     else:
         recorded = recorded_ks(run, sample)
         unions = batch_unions(recorded, shape.num_experts, shape.top_k, placement, ks, batches)
-    acceptance = acceptance_per_k({t.k: t.steps() for t in run.traces}, ks, options.acceptance)
-    return (union_means(unions).join(acceptance, on="k")
-            .with_columns(tokens=pl.col("batch").cast(pl.Float64) * pl.col("tokens_read")).sort("batch", "k"))
+    acceptance = acceptance_per_k({t.k: t.steps() for t in run.traces}, ks, options.acceptance, scheduled_ks(run))
+    return with_step_tokens(union_means(unions).join(acceptance, on="k"))
+
+
+def with_step_tokens(inputs: pl.DataFrame) -> pl.DataFrame:
+    """Per (batch, k) inputs with the tokens the step moves: batch × tokens a request-step reads."""
+    return inputs.with_columns(tokens=pl.col("batch").cast(pl.Float64) * pl.col("tokens_read")).sort("batch", "k")
+
+
+def schedule_trace(run: Run) -> Trace | None:
+    """The sweep's trace of an adaptive schedule (``scheduled_ks``) with the most drafts: the schedule the report
+    sets beside the static table; None where none."""
+    ks = scheduled_ks(run)
+    return max((t for t in run.traces if t.k in ks), key=lambda t: t.k, default=None)
+
+
+def schedule_inputs(run: Run, sample: WindowSample, shape: ModelShape, placement: npt.NDArray[np.int64],
+                    static: pl.DataFrame, batches: Sequence[int]) -> pl.DataFrame | None:
+    """The adaptive schedule (``schedule_trace``) as the cost model takes it, at each concurrency of ``batches``: k = 0
+    as the static table reads it (``static``: ``step_inputs``), and at its k (its drafter drafted k each step) what
+    it verified as it ran: the unions of its steps (measured where it ran that concurrency), the tokens its
+    request-steps read and gained (measured). None without such a trace."""
+    trace = schedule_trace(run)
+    if trace is None:
+        return None
+    unions = batch_unions({trace.k: recorded_k(run, trace, sample)}, shape.num_experts, shape.top_k, placement,
+                          [trace.k], batches)
+    acceptance = acceptance_per_k({trace.k: trace.steps()}, [trace.k])
+    as_run = with_step_tokens(union_means(unions).join(acceptance, on="k"))
+    return pl.concat([static.filter((pl.col("k") == 0) & pl.col("batch").is_in(list(batches))),
+                      as_run.select(static.columns)]).sort("batch", "k")
 
 
 def prediction_deployment(trace_shape: ModelShape, tp: int, ep: int,
@@ -220,14 +270,28 @@ def prediction_deployment(trace_shape: ModelShape, tp: int, ep: int,
     return shape, preset_tp, preset_ep, []
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """``run_prediction``'s result: per (batch, k) predicted steps (``speedups``), the per-k prediction at one
+    request (``table``), the recommended k per concurrency of --batch (``decision``), what it priced on
+    (``basis``), and the adaptive schedule priced the same way (``schedule``: its k = 0 and own-k rows per
+    concurrency it ran at; None without one)."""
+
+    speedups: pl.DataFrame
+    table: pl.DataFrame
+    decision: pl.DataFrame
+    basis: dict[str, Any]
+    schedule: pl.DataFrame | None = None
+
+
 def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, ep: int, options: Options,
                    measured: dict[int, MeasuredSteps] | None, passed: dict[int, float], unpriced: dict[int, str],
-                   disagreements: dict[int, str]) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, dict[str, Any]]:
+                   disagreements: dict[int, str], schedule: pl.DataFrame | None = None) -> Prediction:
     """Per (batch, k) predicted steps, the per-k prediction at one request, and the recommended k at every
     concurrency of --batch, from ``step_inputs`` (at the prediction's placement); ``measured``: what --profile
     measured took from the sweep's steps, per recorded concurrency; ``passed``: the k=0 step at concurrencies the
     sweep passed through but did not run at (``report.measured.passed_baselines``); ``unpriced``: concurrencies
-    left out, and why."""
+    left out, and why; ``schedule``: ``schedule_inputs``, priced alike."""
     if options.acceptance is None and max(t.k for t in run.traces) == 0:
         raise UserError(f"{run.primary.path}: no verified drafts to measure acceptance from; give --acceptance RATE")
     unmeasured = unmeasured_acceptance(run) if options.acceptance is None else None
@@ -242,12 +306,19 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
                         f"k={tokens - 1}: give --max-k {tokens - 1} or more")
     anchor = (float(at["unique_experts"].item()), float(at["busiest_rank_experts"].item()))
     drafter, drafter_notes = (None, []) if measured is not None else calibrated_drafter(run, options.calibration)
+
+    def priced(rows: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, Any]]:
+        return speedup_per_batch(rows, deployment_for(pred_shape, pred_tp, pred_ep), options.profile,
+                                 options.calibration, anchor, measured, drafter, passed)
+
     try:
-        speedups, basis = speedup_per_batch(inputs, deployment_for(pred_shape, pred_tp, pred_ep),
-                                            options.profile, options.calibration, anchor, measured, drafter,
-                                            passed)
+        speedups, basis = priced(inputs)
     except ValueError as exc:
         raise UserError(f"{options.calibration_path or 'prediction'}: {exc}") from None
+    try:
+        schedule_speedups = None if schedule is None else priced(schedule)[0]
+    except ValueError:  # --profile measured: the schedule ran at no concurrency the k=0 trace measured
+        schedule_speedups = None
     table = speedups.filter(pl.col("batch") == 1).drop("batch")  # the per-k table is for one request
     basis["notes"] = preset_notes + drafter_notes + basis["notes"]
     basis["routing"] = options.routing
@@ -266,7 +337,7 @@ def run_prediction(run: Run, inputs: pl.DataFrame, shape: ModelShape, tp: int, e
     basis["held_out_cells"], basis["held_out_coverage"] = len(errors.errors), errors.coverage
     basis["held_out_basis"] = errors.basis
     decision = with_intervals(recommended_k(speedups, options.batches, disagreements, unpriced), speedups, errors)
-    return speedups, table, decision, basis
+    return Prediction(speedups, table, decision, basis, schedule_speedups)
 
 
 def unmeasured_acceptance(run: Run) -> str | None:

@@ -5,66 +5,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from moetrace.analysis.decision import may_pay_more, sweep_edge_lines
-from moetrace.analysis.sources import MARKS, Source
-from moetrace.report.payload import SYNTHETIC_LEGEND, SYNTHETIC_MARK
-
-
-def _marked(value: str, source: str | None) -> str:
-    """A figure with the mark of its source (``analysis.sources.MARKS``; measured has none)."""
-    return value + (MARKS[Source(source)] if source else "")
-
-
-MARK_LEGEND = "marks: " + ", ".join(f"{mark} {source.value}" for source, mark in MARKS.items() if mark)
-
-
-def _accepted(value: str, synthetic: bool) -> str:
-    """An acceptance figure, marked where the drafts were kept at set rates."""
-    return value + (SYNTHETIC_MARK if synthetic else "")
-
-
-def _synthetic(run: dict[str, Any]) -> bool:
-    """Whether some recorded k of ``run`` had its acceptance set (``acceptance_set_by``)."""
-    return any(row["set_by"] == "synthetic" for row in run["acceptance_set_by"])
-
-
-def _number(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def _bytes(value: Any) -> str:
-    if value is None:
-        return "–"
-    size = float(value)
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(size) < 1000:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{size:.1f} TB"
-
-
-def _table(title: str, columns: list[tuple[str, str]]) -> Table:
-    """Short headers that fit 80 columns, each explained in a legend under the table where it needs it; no vertical
-    rules (a dozen columns of numbers then fit 80 characters); a cell that still does not fit wraps (never "…")."""
-    legend = "; ".join(f"{header}: {meaning}" for header, meaning in columns if meaning)
-    table = Table(title=title, title_justify="left", caption=legend or None, caption_justify="left",
-                  box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, pad_edge=False)
-    for header, _ in columns:
-        table.add_column(header, justify="right", overflow="fold")
-    return table
+from moetrace.report.cells import (
+    MARK_LEGEND,
+    any_synthetic,
+    byte_size,
+    marked,
+    number,
+    titled_table,
+    with_synthetic_mark,
+)
+from moetrace.report.payload import SYNTHETIC_LEGEND
 
 
 def _growth(run: dict[str, Any], k: int) -> Table:
-    table = _table(
+    table = titled_table(
         "Unique experts per layer vs k (mean over layers)",
         [("k", ""), ("req", "measured per request-step, drafts capped at k"), ("batch", "measured per step's batch"),
          ("cf", "counterfactual (a request-step's accepted tokens, as many as its drafter proposed)"),
@@ -74,20 +33,20 @@ def _growth(run: dict[str, Any], k: int) -> Table:
     for row in run["growth_overview"]:
         table.add_row(
             str(row["k"]),
-            _number(row["measured_request"]),
-            _number(row["measured_batch"]),
-            _number(row["counterfactual"]),
-            _number(row["uniform_bound"]),
-            _number(row["locality"]),
-            _number(row["busiest_rank_experts"]),
-            _number(row["ranks_touched"]),
+            number(row["measured_request"]),
+            number(row["measured_batch"]),
+            number(row["counterfactual"]),
+            number(row["uniform_bound"]),
+            number(row["locality"]),
+            number(row["busiest_rank_experts"]),
+            number(row["ranks_touched"]),
             style="bold" if row["k"] == k else None,
         )
     return table
 
 
 def _step_bytes(run: dict[str, Any], k: int) -> Table:
-    table = _table(
+    table = titled_table(
         f"Bytes per verification step, one request (shape: {run['shape']}, tp={run['tp']}, ep={run['ep']})",
         [("k", ""), ("source", ""), ("experts", "expert weights read"), ("rank", "busiest rank's expert weights"),
          ("AR/rank", "all-reduce bytes per rank"), ("EP", "EP dispatch + combine")],
@@ -96,10 +55,10 @@ def _step_bytes(run: dict[str, Any], k: int) -> Table:
         table.add_row(
             str(row["k"]),
             row["source"],
-            _bytes(row["expert_weight_bytes"]),
-            _bytes(row["busiest_rank_weight_bytes"]),
-            _bytes(row["allreduce_bytes"]),
-            _bytes(row["ep_bytes"]),
+            byte_size(row["expert_weight_bytes"]),
+            byte_size(row["busiest_rank_weight_bytes"]),
+            byte_size(row["allreduce_bytes"]),
+            byte_size(row["ep_bytes"]),
             style="bold" if row["k"] == k else None,
         )
     return table
@@ -107,7 +66,7 @@ def _step_bytes(run: dict[str, Any], k: int) -> Table:
 
 def _acceptance(run: dict[str, Any]) -> Table:
     set_by = {row["k"]: row["set_by"] == "synthetic" for row in run["acceptance_set_by"]}
-    table = _table("Acceptance per recorded k, and what it delivered on the recording machine", [
+    table = titled_table("Acceptance per recorded k, and what it delivered on the recording machine", [
         ("k", ""), ("windows", "decoding request-steps"), ("drafts", "mean drafts per window with drafts"),
         ("read", "tokens a request-step read"), ("tok/step", "tokens gained per request-step"),
         ("step ms", "mean decode step, drafting included"),
@@ -118,21 +77,44 @@ def _acceptance(run: dict[str, Any]) -> Table:
         table.add_row(
             str(row["k"]),
             str(row["windows"]),
-            _number(row["mean_drafts"]),
-            _number(row["tokens_read"]),
-            _accepted(_number(row["tokens_per_step"]), set_by.get(row["k"], False)),
-            _number(row["step_ms"], 1),
-            _number(row["measured_speedup"]),
-            _accepted(" ".join(f"{p['draft_pos']}:{_number(p['acceptance_rate'])}" for p in rates) or "–",
-                      set_by.get(row["k"], False)),
+            number(row["mean_drafts"]),
+            number(row["tokens_read"]),
+            with_synthetic_mark(number(row["tokens_per_step"]), set_by.get(row["k"], False)),
+            number(row["step_ms"], 1),
+            number(row["measured_speedup"]),
+            with_synthetic_mark(" ".join(f"{p['draft_pos']}:{number(p['acceptance_rate'])}" for p in rates) or "–",
+                                set_by.get(row["k"], False)),
         )
+    return table
+
+
+def _schedule(schedule: dict[str, Any]) -> Table:
+    """What an adaptive schedule did per concurrency (each request-step at its own k), beside the static table."""
+    table = titled_table(
+        f"Adaptive schedule (the drafter drafts {schedule['trace_k']}, each request-step verifies its own k) against "
+        "the static table", [
+            ("B", "requests per step"), ("k used", "mean drafts verified"),
+            ("drafts", "% of request-steps that verified 0/1/… drafts"), ("tok", "tokens gained per request-step"),
+            ("uniq", "unique experts per layer its steps read (marked by source)"),
+            ("step ms", "mean decode step, measured"), ("meas ×", "over the sweep's k=0 steps, measured"),
+            ("pred ×", "the schedule's predicted speedup"),
+            ("table", "static table's k (fixed k up to the drafter's) and its predicted speedup"),
+            ("pays", "which pays more")])
+    for row in schedule["rows"]:
+        shares = "/".join(f"{100 * share:.0f}" for share in row["drafts_share"])
+        table.add_row(str(row["batch"]), number(row["mean_drafts"]), shares,
+                      number(row["tokens_per_step"]), marked(number(row["unique_experts"], 1), row["union_source"]),
+                      number(row["step_ms"]), number(row["measured_speedup"]),
+                      marked(number(row["predicted_speedup"]), row["speedup_source"]),
+                      "–" if row["table_k"] is None else f"k={row['table_k']} {number(row['table_speedup'])}",
+                      row["pays_more"] or "–")
     return table
 
 
 def _by_context(by_context: dict[str, Any], synthetic: bool) -> Table:
     k = by_context["k"]
     sampled = "" if by_context["share"] >= 1.0 else f", a sample of {by_context['share']:.0%} of steps"
-    table = _table(f"By context (tokens before a request-step's first token), recorded k={k}{sampled}", [
+    table = titled_table(f"By context (tokens before a request-step's first token), recorded k={k}{sampled}", [
         ("context", ""), ("windows", "decoding request-steps"), ("mean ctx", "their mean context, tokens"),
         ("rate by position", "share of windows that accepted at least i drafts"),
         ("tok/step", "tokens gained per request-step"),
@@ -146,26 +128,26 @@ def _by_context(by_context: dict[str, Any], synthetic: bool) -> Table:
         steps = [t for t in by_context["step_time"] if t["bucket"] == bucket and t["step_ms"] is not None]
         counted = sum(t["steps"] for t in steps)
         table.add_row(
-            row["context"], str(row["request_steps"]), _number(row["mean_context"], 0),
-            _accepted(" ".join(f"{i}:{_number(row[f'rate_{i}'])}" for i in range(1, k + 1)) or "–", synthetic),
-            _accepted(_number(row["tokens_per_step"]), synthetic), _number(row["first_rejected"]),
-            _number(sum(e["unique_experts"] * e["windows"] for e in experts) / windows if windows else None, 1),
-            _number(sum(t["step_ms"] * t["steps"] for t in steps) / counted if counted else None, 1))
+            row["context"], str(row["request_steps"]), number(row["mean_context"], 0),
+            with_synthetic_mark(" ".join(f"{i}:{number(row[f'rate_{i}'])}" for i in range(1, k + 1)) or "–", synthetic),
+            with_synthetic_mark(number(row["tokens_per_step"]), synthetic), number(row["first_rejected"]),
+            number(sum(e["unique_experts"] * e["windows"] for e in experts) / windows if windows else None, 1),
+            number(sum(t["step_ms"] * t["steps"] for t in steps) / counted if counted else None, 1))
     return table
 
 
 def _step_reads(run: dict[str, Any], k: int) -> Table:
     """What one step reads per concurrency and k: the table the prediction and the decision take."""
     batches = sorted({row["batch"] for row in run["step_reads"]})
-    table = _table("Unique experts per layer one step reads, by requests per step (columns) and k", [
+    table = titled_table("Unique experts per layer one step reads, by requests per step (columns) and k", [
         ("k", ""), *[(f"B={batch}", "") for batch in batches], ("tok", "tokens gained per request-step")])
     by_key = {(row["batch"], row["k"]): row for row in run["step_reads"]}
     for kk in sorted({row["k"] for row in run["step_reads"]}):
         first = by_key[(batches[0], kk)]
-        table.add_row(str(kk), *[_marked(_number(by_key[(b, kk)]["unique_experts"], 1), by_key[(b, kk)]["union_source"])
+        table.add_row(str(kk), *[marked(number(by_key[(b, kk)]["unique_experts"], 1), by_key[(b, kk)]["union_source"])
                                  if (b, kk) in by_key else "–" for b in batches],
-                      _accepted(_marked(_number(first["tokens_per_step"]), first["acceptance_source"]),
-                                _synthetic(run) and kk > 0),
+                      with_synthetic_mark(marked(number(first["tokens_per_step"]), first["acceptance_source"]),
+                                          any_synthetic(run) and kk > 0),
                       style="bold" if kk == k else None)
     return table
 
@@ -184,37 +166,40 @@ def _prediction(prediction: dict[str, Any], k: int, synthetic: bool) -> Table:
         ("sched", "scheduling_ms", "async off ms"), ("rej", "sampling_ms", "rejection sampler ms over k=0's"),
         ("pre", "prefill_ms_per_token", "prefill ms per token a request gained, as measured at the nearest recorded k"))
         if column == "moe_ms" or any(row[column] for row in prediction["per_k"])]
-    table = _table(title, [
+    table = titled_table(title, [
         ("k", ""), ("tok", "tokens per step"), ("uniq", "unique experts per layer"), ("rank", "busiest rank's experts"),
         *[(header, meaning) for header, _, meaning in parts], ("step", "ms"), ("×", "step time vs k=0"),
         ("speedup", "")])
     for row in prediction["per_k"]:
         table.add_row(
             str(row["k"]),
-            _accepted(_marked(_number(row["tokens_per_step"]), row["acceptance_source"]), synthetic and row["k"] > 0),
-            _marked(_number(row["unique_experts"], 1), row["union_source"]),
-            _number(row["rank_experts"], 1),
-            *[_number(row[column]) for _, column, _ in parts],
-            _number(row["step_ms"]),
-            _number(row["step_ratio"]),
-            _number(row["speedup"]),
+            with_synthetic_mark(marked(number(row["tokens_per_step"]), row["acceptance_source"]),
+                                synthetic and row["k"] > 0),
+            marked(number(row["unique_experts"], 1), row["union_source"]),
+            number(row["rank_experts"], 1),
+            *[number(row[column]) for _, column, _ in parts],
+            number(row["step_ms"]),
+            number(row["step_ratio"]),
+            number(row["speedup"]),
             style="bold" if row["k"] == k else None,
         )
     return table
 
 
 def _against_trace(rows: list[dict[str, Any]]) -> Table:
-    table = _table("Predicted against measured on the machine that recorded (decode steps of the sweep's traces)", [
-        ("B", "requests per step"), ("k", ""), ("tok", "tokens per step, measured"), ("pred ×", "predicted speedup"),
-        ("meas ×", "measured speedup"), ("err", "error"), ("step", "measured ms"),
-        ("miss", "ms per step the prediction leaves out"), ("grew", "ms the step grew against k=0, of which"),
-        ("fwd", "in vLLM's forward"), ("samp", "in its sampling"), ("draft", "the drafter's")])
+    table = titled_table(
+        "Predicted against measured on the machine that recorded (decode steps of the sweep's traces)", [
+            ("B", "requests per step"), ("k", ""), ("tok", "tokens per step, measured"),
+            ("pred ×", "predicted speedup"), ("meas ×", "measured speedup"), ("err", "error"),
+            ("step", "measured ms"), ("miss", "ms per step the prediction leaves out"),
+            ("grew", "ms the step grew against k=0, of which"), ("fwd", "in vLLM's forward"),
+            ("samp", "in its sampling"), ("draft", "the drafter's")])
     for row in rows:
-        table.add_row(str(row["batch"]), str(row["k"]), _number(row["measured_tokens_per_step"]),
-                      _number(row["predicted_speedup"]), _number(row["measured_speedup"]),
-                      f"{100 * row['error']:+.0f}%", _number(row["measured_step_ms"]), _number(row["unexplained_ms"]),
-                      _number(row["step_growth_ms"]), *(_number(row[name]) for name in
-                                                         ("forward_growth_ms", "sampling_growth_ms", "drafting_ms")))
+        table.add_row(str(row["batch"]), str(row["k"]), number(row["measured_tokens_per_step"]),
+                      number(row["predicted_speedup"]), number(row["measured_speedup"]),
+                      f"{100 * row['error']:+.0f}%", number(row["measured_step_ms"]), number(row["unexplained_ms"]),
+                      number(row["step_growth_ms"]), *(number(row[name]) for name in
+                                                        ("forward_growth_ms", "sampling_growth_ms", "drafting_ms")))
     return table
 
 
@@ -236,7 +221,7 @@ def _prediction_notes(prediction: dict[str, Any]) -> list[str]:
 
 
 def _budget(budget: dict[str, Any]) -> Table:
-    table = _table(
+    table = titled_table(
         f"Expert budget at k={budget['k']} for {budget['coverage_target']:.0%} routing-weight coverage "
         f"({budget['source']} windows; bytes at {budget.get('shape', 'the recorded shape')})",
         [("layer", ""), ("budget", "experts"), ("coverage", ""), ("re-routed", "tokens re-routed"),
@@ -248,22 +233,22 @@ def _budget(budget: dict[str, Any]) -> Table:
             str(row["budget"]),
             f"{row['coverage']:.3f}",
             f"{row['rerouted_share']:.1%}",
-            _bytes(row["bytes_saved"]),
+            byte_size(row["bytes_saved"]),
         )
     return table
 
 
 def _placement(placement: dict[str, Any]) -> Table:
     first = placement["rows"][0]
-    table = _table(f"Placement at EP={placement['ep']}, held out: {first['windows']:,} windows in {first['steps']:,} "
-                   f"odd steps, fitted on the even ones", [
-                       ("placement", "which placement (moetrace: verification-aware, moetrace place)"),
-                       ("ranks", "ranks a verification window dispatches to"),
-                       ("busiest", "unique experts on the busiest rank per step, per layer"),
-                       ("balance", "mean over max tokens per rank per step")])
+    table = titled_table(f"Placement at EP={placement['ep']}, held out: {first['windows']:,} windows in "
+                         f"{first['steps']:,} odd steps, fitted on the even ones", [
+                             ("placement", "which placement (moetrace: verification-aware, moetrace place)"),
+                             ("ranks", "ranks a verification window dispatches to"),
+                             ("busiest", "unique experts on the busiest rank per step, per layer"),
+                             ("balance", "mean over max tokens per rank per step")])
     for row in placement["rows"]:
-        table.add_row(row["placement"], _number(row["ranks_touched"]), _number(row["busiest_rank_experts"]),
-                      _number(row["balancedness"], 3))
+        table.add_row(row["placement"], number(row["ranks_touched"]), number(row["busiest_rank_experts"]),
+                      number(row["balancedness"], 3))
     return table
 
 
@@ -277,15 +262,15 @@ def _comparison(summary: dict[str, Any]) -> Table:
     rows: list[tuple[str, Any]] = [
         ("model", lambda r: r["model"]),
         ("source", lambda r: r["source_at_k"]),
-        ("unique experts/layer", lambda r: _number((r["growth_at_k"] or {}).get("measured_request")
-                                                  or (r["growth_at_k"] or {}).get("counterfactual"))),
-        ("locality", lambda r: _number((r["growth_at_k"] or {}).get("locality"))),
-        ("expert weights/step", lambda r: _bytes((r["bytes_at_k"] or {}).get("expert_weight_bytes"))),
-        ("tokens/step", lambda r: _accepted(_number(next((row["tokens_per_step"] for row in r["step_reads"]
-                                                          if row["k"] == k and row["batch"] == 1), None)),
-                                            _synthetic(r) and k > 0)),
-        ("median budget", lambda r: _number(r["budget"]["median_budget"], 1)),
-        ("predicted speedup", lambda r: _number(((r.get("prediction") or {}).get("at_k") or {}).get("speedup"))),
+        ("unique experts/layer", lambda r: number((r["growth_at_k"] or {}).get("measured_request")
+                                                 or (r["growth_at_k"] or {}).get("counterfactual"))),
+        ("locality", lambda r: number((r["growth_at_k"] or {}).get("locality"))),
+        ("expert weights/step", lambda r: byte_size((r["bytes_at_k"] or {}).get("expert_weight_bytes"))),
+        ("tokens/step", lambda r: with_synthetic_mark(
+            number(next((row["tokens_per_step"] for row in r["step_reads"] if row["k"] == k and row["batch"] == 1),
+                        None)), any_synthetic(r) and k > 0)),
+        ("median budget", lambda r: number(r["budget"]["median_budget"], 1)),
+        ("predicted speedup", lambda r: number(((r.get("prediction") or {}).get("at_k") or {}).get("speedup"))),
     ]
     for name, value in rows:
         table.add_row(name, *[Text(str(value(run))) for run in runs])
@@ -298,7 +283,7 @@ def _recommended(row: dict[str, Any]) -> str:
 
 
 def _decision(decision: dict[str, Any]) -> Table:
-    table = _table(
+    table = titled_table(
         f"Recommended k for {decision['drafter']} ({decision['label']}); k=0: do not speculate",
         [("B", "requests per step"), ("k", "best k (+: a larger k may pay more)"),
          ("speedup", "predicted"), ("tok", "tokens per step per request"),
@@ -312,12 +297,12 @@ def _decision(decision: dict[str, Any]) -> Table:
         table.add_row(
             str(row["batch"]),
             _recommended(row) if recommended else "none",
-            _marked(_number(row["speedup"]), row["speedup_source"]) if recommended else "–",
-            _accepted(_marked(_number(row["tokens_per_step"]), row["acceptance_source"]),
-                      decision["acceptance"] == "synthetic" and bool(row["k"])),
-            _marked(_number(row["unique_experts"], 0), row["union_source"]), _number(row["uniform_bound"], 0),
-            _number(row["windows"]), _number(row["steps"]), _number(budget.get("median"), 0),
-            _bytes(budget.get("bytes_saved_per_window")),
+            marked(number(row["speedup"]), row["speedup_source"]) if recommended else "–",
+            with_synthetic_mark(marked(number(row["tokens_per_step"]), row["acceptance_source"]),
+                                decision["acceptance"] == "synthetic" and bool(row["k"])),
+            marked(number(row["unique_experts"], 0), row["union_source"]), number(row["uniform_bound"], 0),
+            number(row["windows"]), number(row["steps"]), number(budget.get("median"), 0),
+            byte_size(budget.get("bytes_saved_per_window")),
         )
     return table
 
@@ -326,7 +311,7 @@ def _decision_by_context(decision: dict[str, Any]) -> Table:
     found = decision["by_context"]
     rows = found["per_batch"]
     contexts = sorted({row["context"] for row in rows})
-    table = _table(
+    table = titled_table(
         f"Recommended k by context for {decision['drafter']} ({decision['label']}), recorded at "
         f"{found['recorded_context']:,.0f} tokens",
         [("B", "requests per step"), *((f"{context:,}", "") for context in contexts[:-1]),
@@ -335,21 +320,21 @@ def _decision_by_context(decision: dict[str, Any]) -> Table:
     cells = {(row["batch"], row["context"]): row for row in rows}
     for batch in sorted({row["batch"] for row in rows}):
         table.add_row(str(batch), *(
-            f"k={_recommended(cell)} {_marked(_number(cell['speedup']), cell['speedup_source'])}"
+            f"k={_recommended(cell)} {marked(number(cell['speedup']), cell['speedup_source'])}"
             if cell["k"] is not None else "none" for cell in (cells[(batch, context)] for context in contexts)))
     return table
 
 
 def _policies(decision: dict[str, Any]) -> Table:
     policies = decision["policies"]
-    table = _table(
+    table = titled_table(
         f"Policies for k replayed on the k={policies['trace_k']} trace of {decision['label']} (counterfactual*)",
         [("B", "requests per step"), ("policy", ""), ("k", "static or best fixed k"),
          ("mean k", "k per step, mean"), ("speedup", "over k=0, predicted steps"),
          ("vs table", "throughput over the static table's"), ("95%", "over resampled requests")])
     for row in policies["rows"]:
         table.add_row(str(row["batch"]), row["policy"], str(row["k"]) if row["k"] is not None else "–",
-                      _number(row["mean_k"]), _number(row["speedup"]), f"{row['vs_table']:.3f}",
+                      number(row["mean_k"]), number(row["speedup"]), f"{row['vs_table']:.3f}",
                       "–" if row["vs_table_low"] is None else f"{row['vs_table_low']:.3f}-{row['vs_table_high']:.3f}")
     return table
 
@@ -421,10 +406,15 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         console.print(_step_reads(run, k))
         console.print(_step_bytes(run, k))
         console.print(_acceptance(run))
+        if run["adaptive_schedule"] is not None:
+            if run["adaptive_schedule"]["rows"]:
+                console.print(_schedule(run["adaptive_schedule"]))
+            for line in run["adaptive_schedule"]["verdict"]:
+                console.print(Text(f"  {line}"))
         if run["by_context"]["acceptance"]:
-            console.print(_by_context(run["by_context"], _synthetic(run)))
+            console.print(_by_context(run["by_context"], any_synthetic(run)))
         if run.get("prediction"):
-            console.print(_prediction(run["prediction"], k, _synthetic(run)))
+            console.print(_prediction(run["prediction"], k, any_synthetic(run)))
             for line in _prediction_notes(run["prediction"]):
                 console.print(Text(f"  {line}", style="dim"))
             if run["prediction"]["against_trace"]:

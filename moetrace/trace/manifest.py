@@ -89,6 +89,10 @@ class SpecInfo:
     # per draft position, the unconditional acceptance vLLM's synthetic rejection sampling was set to (None: the
     # drafter's own, decided by the target model): a synthetic trace's acceptance is no drafter's
     synthetic_rates: tuple[float, ...] | None = None
+    # the engine chose how many of the drafter's k drafts each request-step verified (``spec.adaptive_verification``:
+    # vLLM's ``enable_adaptive_verification``, DSpark's confidence-scheduled verification): a request-step's
+    # ``num_drafts`` is the schedule's choice, not the drafter's, and ``k`` the most it could choose
+    adaptive: bool = False
 
 
 def synthetic_rates(spec: Mapping[str, Any]) -> tuple[float, ...] | None:
@@ -193,7 +197,8 @@ class Manifest:
                     hidden_size=int(model["hidden_size"]),
                     num_layers=None if model.get("num_layers") is None else int(model["num_layers"]),
                     name=model.get("name"), random_weights=bool(model.get("random_weights", False)), fields=model),
-                spec=SpecInfo(method=spec["method"], k=int(spec["k"]), synthetic_rates=synthetic_rates(spec)),
+                spec=SpecInfo(method=spec["method"], k=int(spec["k"]), synthetic_rates=synthetic_rates(spec),
+                             adaptive=bool(spec.get("adaptive_verification", False))),
                 parallel=ParallelInfo(
                     tp=int(parallel["tp"] or 1), ep=int(parallel["ep"] or 1), dp=int(parallel.get("dp") or 1),
                     dp_rank=dp_rank, dp_ranks=tuple(int(r) for r in parallel.get("dp_ranks") or [dp_rank]),
