@@ -26,11 +26,14 @@ def check_calibration(doc: Mapping[str, Any]) -> None:
 
 
 def expert_fit(doc: Mapping[str, Any], config: str, fmt: str,
-               rank_shape: tuple[int, int, int] | None = None) -> tuple[dict[str, Any], str, list[str]]:
-    """The fitted expert curve of ``config`` (e.g. "tp8", "ep8") in ``fmt`` (bf16, fp8, int4), else the narrowest
-    format measured for that config; returns the fit, the format used, and notes. Without a curve of that config,
-    one measured at the same per-rank work serves (``rank_shape``: hidden size, expert width and experts per rank:
-    Kimi-K2's tp8 curve is a model of its per-GPU shape's tp1)."""
+               rank_shape: tuple[int, int, int] | None = None,
+               bytes_per_expert: float | None = None) -> tuple[dict[str, Any], str, list[str]]:
+    """The fitted expert curve of ``config`` (e.g. "tp8", "ep8") in ``fmt`` (bf16, fp8, int4, mxfp4, nvfp4); where
+    the calibration timed no kernel of ``fmt`` (vLLM has none for it on that GPU, or it was not asked for), that
+    format's ``bytes_per_expert`` (per rank) streamed at the bandwidth measured for the narrowest format timed
+    (``from_bytes``, marked estimated), else that narrowest format's curve as it is; returns the fit, the format
+    used, and notes. Without a curve of that config, one measured at the same per-rank work serves (``rank_shape``:
+    hidden size, expert width and experts per rank: Kimi-K2's tp8 curve is a model of its per-GPU shape's tp1)."""
     curves = [c for c in list(doc["experts"]) + list(doc["int4_estimate"]) if c.get("fit")]
     mine = [c for c in curves if c["config"] == config]
     notes = []
@@ -45,6 +48,11 @@ def expert_fit(doc: Mapping[str, Any], config: str, fmt: str,
         raise ValueError(f"no expert curve for {config} (has: {', '.join(have) or 'none'})")
     mine.sort(key=lambda c: not c.get("table"))  # the engine's own kernel (vLLM's, a table) before a grouped GEMM
     chosen = next((c for c in mine if c["format"] == fmt), None)
+    if chosen is None and bytes_per_expert is not None:
+        streamed = [c for c in mine if c.get("marginal_weight_gbs") and not c.get("estimated")]
+        if streamed:
+            return from_bytes(min(streamed, key=lambda c: (c["weight_bits"], bool(c.get("table")))), config, fmt,
+                              bytes_per_expert, notes)
     if chosen is None:
         chosen = min(mine, key=lambda c: c["weight_bits"])
         notes.append(f"calibration has no {fmt} expert curve for {config}: using {chosen['format']}")
@@ -55,6 +63,21 @@ def expert_fit(doc: Mapping[str, Any], config: str, fmt: str,
         fit["table"] = [(float(p["experts"]), float(p["rows"]), float(p["time_us"])) for p in chosen["points"]]
         notes.append(f"{config} expert time read from the table of {chosen['kernel']} ({len(fit['table'])} points)")
     return fit, str(chosen["format"]), notes
+
+
+def from_bytes(basis: Mapping[str, Any], config: str, fmt: str, bytes_per_expert: float,
+               notes: list[str]) -> tuple[dict[str, Any], str, list[str]]:
+    """An expert curve of ``fmt``, which the calibration did not time: ``bytes_per_expert`` streamed at the
+    marginal weight bandwidth measured for ``basis`` (a timed curve of ``config``), its fixed and per-row cost as
+    ``basis``'s (their grid's line fit, never its table: the table is that kernel's, not this format's)."""
+    gbs = float(basis["marginal_weight_gbs"])
+    fit = {key: value for key, value in basis["fit"].items() if key in ("model", "c0_us", "per_row_us")}
+    fit["per_expert_us"] = bytes_per_expert / (gbs * 1e3)
+    notes.append(f"{config} {fmt} expert time is estimated from its bytes, not measured: the calibration timed no "
+                 f"{fmt} kernel, so {bytes_per_expert / 1e3:.1f} kB per expert per rank stream at the {gbs:.0f} GB/s "
+                 f"measured for {basis['format']} ({basis.get('kernel') or 'its kernel'}), fixed and per-row cost "
+                 f"as {basis['format']}'s")
+    return fit, f"{fmt} (estimated from bytes)", notes
 
 
 def bandwidth_fit(doc: Mapping[str, Any], bytes_per_expert: float) -> dict[str, Any]:

@@ -158,14 +158,15 @@ def _priced(rows: list[dict[str, Any]], deployment: Deployment, profile: Profile
     anchor_work = deployment.rank_work(anchor[0], min(anchor[1], anchor[0]), anchor_tokens)
     if calibration is not None:
         check_calibration(calibration)
+        # one expert's bytes on one rank (EP: whole experts); None where the format's bytes cannot be counted
+        per_rank = None if shape.unpriced_format else shape.expert_bytes / (1 if deployment.ep > 1 else deployment.tp)
         try:
             fit, fmt_used, fit_notes = expert_fit(calibration, deployment.expert_config(), deployment.weight_format,
-                                                  deployment.rank_shape())
+                                                  deployment.rank_shape(), per_rank)
         except ValueError as exc:
-            if measured is None or "copy_bandwidth_gbs" not in calibration:
+            if measured is None or per_rank is None or "copy_bandwidth_gbs" not in calibration:
                 raise
             # with a measured k=0 step only the growth is priced: from bytes read, when no curve fits the shape
-            per_rank = shape.expert_bytes / (1 if deployment.ep > 1 else deployment.tp)  # EP: whole experts
             fit, fmt_used = bandwidth_fit(calibration, per_rank), deployment.weight_format
             fit_notes = [f"{exc}: expert time grows as its weights read at the calibration's copy bandwidth "
                          f"({float(calibration['copy_bandwidth_gbs']):.0f} GB/s, {per_rank / 1e3:.1f} kB per expert "

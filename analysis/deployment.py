@@ -16,6 +16,9 @@ from moetrace.analysis.shape import ModelShape
 
 ALLREDUCES_PER_LAYER = 2  # attention output and MoE/MLP output
 FORMAT_BY_BITS = {16: "bf16", 8: "fp8", 4: "int4"}
+# 4-bit floating-point formats, priced as themselves (a calibration times them, or their bytes are streamed), never
+# as INT4's kernel: the first word of the manifest's format name
+FP4_FORMATS = ("mxfp4", "nvfp4")
 
 
 def ring_factor(world_size: int) -> float:
@@ -96,6 +99,13 @@ class Deployment:
         return (experts + self.shared_per_rank) * self.rank_expert_bytes * self.shape.moe_layers
 
 
+def calibration_format(shape: ModelShape) -> str:
+    """The calibration curve's format the shape's experts are priced with: an FP4 format by its name, else by the
+    weights' bits."""
+    named = (shape.expert_format or "").split(" ")[0]
+    return named if named in FP4_FORMATS else FORMAT_BY_BITS.get(shape.expert_weight_bits, "bf16")
+
+
 def deployment_for(shape: ModelShape, tp: int, ep: int, weight_format: str | None = None) -> Deployment:
-    fmt = weight_format or FORMAT_BY_BITS.get(shape.expert_weight_bits, "bf16")
+    fmt = weight_format or calibration_format(shape)
     return Deployment(shape=shape, tp=tp, ep=ep, weight_format=fmt)

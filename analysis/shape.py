@@ -35,6 +35,7 @@ class ModelShape:
     expert_hidden_size: int | None = None  # latent MoE: the width the routed experts compute in; None: hidden_size
     # layers whose attention cache grows with context (a hybrid model's full-attention ones); None: all num_layers
     attention_layers: int | None = None
+    expert_format: str | None = None  # the experts' format as the manifest names it (e.g. "mxfp4"); None: unnamed
 
     @property
     def expert_bytes(self) -> int:
@@ -75,6 +76,7 @@ class ModelShape:
             tensor_scale_bits=int(model.get("quant_tensor_scale_bits") or 0),
             expert_hidden_size=int(model["expert_hidden_size"]) if model.get("expert_hidden_size") else None,
             attention_layers=int(model["attention_layers"]) if model.get("attention_layers") else None,
+            expert_format=str(model["expert_format"]) if model.get("expert_format") else None,
         )
 
     def unpriced_note(self) -> str | None:

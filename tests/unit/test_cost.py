@@ -375,3 +375,23 @@ def test_a_step_past_the_largest_recorded_concurrency_is_extrapolated_and_betwee
     assert step_source(8, recorded) == "estimated"
     assert step_source(48, recorded) == "extrapolated"
     assert step_source(16, MeasuredSteps(3.0)) == "measured"  # the sweep's own steps there
+
+
+def test_an_fp4_format_no_kernel_timed_is_priced_from_its_bytes_at_the_measured_bandwidth_and_says_so() -> None:
+    # SMALL at tp2 in MXFP4: 3 × 1000 × 32 weights of 4 bits and an 8-bit scale per 32 = 48,000 + 3,000 B an
+    # expert, 25,500 B on each of 2 ranks; the calibration timed bf16 alone, its weights streaming at 50 GB/s
+    mxfp4 = replace(SMALL, expert_weight_bits=4, quant_group_size=32, scale_bits=8, expert_format="mxfp4")
+    calibration = small_calibration()
+    calibration["experts"][0]["marginal_weight_gbs"] = 50.0
+    deployment = deployment_for(mxfp4, 2, 1)
+    assert deployment.weight_format == "mxfp4"  # never INT4's curve, though both are 4 bits
+    table, basis = predict(_per_k([8.0, 12.0], [1.0, 1.5]), deployment, None, calibration)
+    assert basis["weight_format"] == "mxfp4 (estimated from bytes)"
+    assert any("estimated from its bytes" in note and "50 GB/s" in note for note in basis["notes"])
+    # one MoE layer at one token: the kernel's c0 10 us + 25,500 B / 50 GB/s (0.51 us) per expert × 8 + 0.5 us per
+    # row × 8, and the shared expert as one eighth of that one-token point
+    routed = 10.0 + 0.51 * 8 + 0.5 * 8
+    assert table["expert_layer_us"][0] == pytest.approx(routed + routed / 8)
+    nvfp4 = replace(mxfp4, quant_group_size=16, tensor_scale_bits=32, expert_format="nvfp4 modelopt NVFP4 16")
+    assert deployment_for(nvfp4, 2, 1).weight_format == "nvfp4"
+    assert deployment_for(replace(mxfp4, expert_format="compressed-tensors int4"), 2, 1).weight_format == "int4"
