@@ -1,49 +1,19 @@
 #!/usr/bin/env bash
-# The next H200 checks, decided before they run. Parts:
-#   calibrate:  the slice calibrated on the card at hand with the current grid (vLLM's fused-MoE table to 256 tokens),
-#               in $OUT (ran on an H200 on 2026-12-05: benchmarks/results/speedup-calibrations/kimi-k2-tp8-h200-256.json;
-#               any card other than an H200 calibrates anyway, before the other parts);
-#   holdout-48: a seventh n-gram hold-out, decided 2026-12-05 with the prediction code of the commit that adds it
-#               (predicted with kimi-k2-tp8-h200-256.json on an H200): 48 slots, k = 0, 4 and k = 0 with async
-#               scheduling off, closed loop, recorded at 1 and 16, timed (hooks paused, 3 rounds after one uncounted)
-#               at 3, 10, 36 and 48 only (k = 4 at 48: 240 tokens a step; 3: where the fourth and fifth hold-outs
-#               missed low, 36 and 48: the fifth's k = 4 miss at a full engine);
-#   eagle3:     EAGLE-3 k = 0..4 on the slice, 5 rounds of 256 tokens at 1 and 16 (H100s ran k = 0..3 of it on
-#               2026-12-05: docs/validation.md);
-#   eagle3-k4:  EAGLE-3 k = 0 and 4 only, as eagle3 (the k the H100 rows lack), when time is short;
-#   context-256-ngram, context-8192-ngram, context-256-eagle3, context-8192-eagle3: issue 58's validation by context,
-#               decided 2026-12-06 before any ran: the slice on prompts of 256 and of 8,192 tokens (--prompt-tokens),
-#               k = 0, 2, 4, 3 rounds, recorded at 1 and 16, timed (hooks paused) at the held-out 2, 8 and 24;
-#               predicted by `compare` from each context's own traces with the card's calibration (which times
-#               attention to 8,464 tokens), and the 8,192 cells also from the 256 traces moved by `--context 8192`;
-#               held out: within 10% of measured. One part (3 engines of 190-330 s) fits a 10-minute call, two a
-#               session: run them over sessions, in this order;
-#               context-256-ngram ran on an H100 on 2026-12-07 (docs/validation.md: calibration 15 s, 3 engines of
-#               145-200 s), on a slice of 4,096 positions, which `report --context 8192` refuses: every slice now
-#               holds 8,464 (SLICE_POSITIONS); context-8192-ngram ran on another H100 the same day (engines of
-#               200-330 s, the k = 2 and 4 ones in one call), and context-256-ngram again there for the moved
-#               prediction, k = 0 and 2 only (k = 4 did not fit the session's GPU time); next: the EAGLE-3 parts;
-#   synthetic-chat: issue 70's decision where it is hard, on vLLM 0.26, decided 2026-12-07 before it ran (the plan and
-#               the prediction code of the commit that adds it; docs/validation.md, "Decision regret at a set
-#               acceptance"): n-gram on the slice with its acceptance set by vLLM's synthetic rejection sampling to
-#               the kimi-k2-eagle3-chat profile (0.799, 0.517, 0.306, 0.182 by position), k = 0..4 and k = 0 with
-#               async scheduling off, prompts of the built-in cuts, 3 rounds, recorded at 1 and 16, timed (hooks
-#               paused) at the held-out 2, 8 and 48 (a full engine); judged by regret per concurrency; ran on an
-#               H100 on 2026-12-07 (docs/validation.md) for k = 0..3 and the sync baseline: k = 4 did not fit the
-#               session's GPU time (on another host it needs k = 0 timed again beside it);
-#   synthetic-chat-k4, synthetic-low: the rest of that grid, decided 2026-12-07 before either ran: k = 0 and 4 at
-#               the same profile and load (k = 0 again beside k = 4: one host's timings), and the chat-ngram-low profile
-#               (0.25 / 0.12 / 0.06 / 0.03), k = 0..4 and the sync baseline, where k = 0 may be right;
-#   synthetic034-<profile>-<context>: issue 70's grid on vLLM 0.34 (its kit, gpu-kit-034/: Model Runner V2, n-gram
-#               with async scheduling on, so no sync baseline), decided 2026-12-07 before any ran: profile chat,
-#               math or low (kimi-k2-eagle3-chat, kimi-k2-eagle3-math, chat-ngram-low), prompts of 256 or 8,192
-#               tokens, k = 0..4, 3 rounds, recorded at 1 and 16, timed at 2, 8 and 48 (at 8,192 tokens 2, 8 and
-#               24: 48 requests' cache would not fit an H100's 272K tokens beside the slice); six parts of five engines;
-#               changed 2026-12-07, before any ran: k = 0 drafts nothing, so the chat part's k = 0 engine serves the
-#               math and low parts of its context (--baseline-from; run chat first); at 256 tokens also recorded at
-#               48, a full engine (the step up to there measured, not extrapolated from 16: synthetic-chat's k = 0
-#               at 48 was predicted 14.7% slow), and timed at the held-out 2, 8 and 64;
-#   k0-ab, holdout-24, holdout-40: run on 2026-12-05 (docs/validation.md), kept to repeat them.
+# The slice's GPU checks of the prediction, each part decided (its plan and this script committed) before it runs;
+# which ran, with their results, and which are decided and not yet run: docs/validation.md. Parts:
+#   calibrate:           the slice calibrated on the card at hand (vLLM's fused-MoE table to 256 tokens, attention
+#                        timed); any card but an H200, and the context and synthetic parts, calibrate anyway first;
+#   k0-ab:               k = 0 timed with the hooks paused and on in turn (is a paused engine as fast?);
+#   holdout-24/40/48:    n-gram hold-outs at 24, 40 and 48 slots (k = 0, the sync baseline and k = 2..4);
+#   eagle3, eagle3-k4:   EAGLE-3 k = 0..4 (or 0 and 4) at 1 and 16 requests, 5 rounds of 256 tokens;
+#   context-<256|8192>-<ngram|eagle3>: prompts of 256 or 8,192 tokens, k = 0, 2, 4, timed at 2, 8 and 24;
+#   synthetic-chat, synthetic-chat-k4, synthetic-low: n-gram with its acceptance set by vLLM's synthetic rejection
+#                        sampling (kimi-k2-eagle3-chat; chat-ngram-low), k = 0..4 and the sync baseline, timed at 2, 8
+#                        and 48;
+#   synthetic034-<chat|math|low>-<256|8192>: the same on vLLM 0.34 (gpu-kit-034/: Model Runner V2, n-gram with async
+#                        scheduling on), one k = 0 engine per context (the chat part's: run it first), at 256 tokens
+#                        recorded at 1, 16 and 48 and timed at 2, 8 and 64, at 8,192 recorded at 1 and 16, timed at
+#                        2, 8 and 24.
 # Usage, on a GPU machine with vLLM 0.26 (resumable: run the same command again on the same machine until each part
 # prints "measurements:"): bash benchmarks/lab/h200_next_checks.sh SECONDS [PART ...] (default: holdout-48
 # eagle3, run in the order of the parts list above); results in $OUT: <part>.tar.gz (the measurements) and
