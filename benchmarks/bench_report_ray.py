@@ -85,7 +85,7 @@ def child_ray(root: Path, scratch: Path, workers: int) -> dict[str, Any]:
     from moetrace.analysis.placement import linear_placement
     from moetrace.report.distributed import summarised_partitions
     from moetrace.report.inputs import open_run
-    from moetrace.report.summary import summary_request
+    from moetrace.report.windows import summary_request
 
     ray.init(num_cpus=workers, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
     drop_caches(root)

@@ -1,5 +1,6 @@
 """Test-wide setup: the tests' own helpers importable (``fixtures/trace_builder``, ``fixtures/vllm_fixtures``,
-``oracles/decision_oracle``), and no writer process left behind."""
+``oracles/decision_oracle``) and the development tools they test (``tools/vllm_contract``), and no writer process
+left behind."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-# the helpers (trace builders, the engine fixtures, the decision oracle) importable from every folder of tests
-sys.path[:0] = [str(HERE), str(HERE / "fixtures"), str(HERE / "oracles")]
+# the helpers (trace builders, the engine fixtures, the decision oracle) importable from every folder of tests, and
+# the development tools (not installed: run as scripts from the checkout)
+sys.path[:0] = [str(HERE), str(HERE / "fixtures"), str(HERE / "oracles"), str(HERE.parent / "tools")]
 
 # vllm_fixtures as a plugin: its session-scoped recording is one fixture for every module (a module importing the
 # fixture would hold its own definition of it, and each such module would record it again)

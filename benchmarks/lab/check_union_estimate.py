@@ -19,7 +19,7 @@ import polars as pl
 import moetrace.analysis.concurrency as concurrency
 from moetrace.analysis.placement import linear_placement
 from moetrace.report.inputs import open_run
-from moetrace.report.summary import recorded_ks
+from moetrace.report.step_reads import recorded_ks
 
 
 def main() -> None:

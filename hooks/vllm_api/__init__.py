@@ -10,7 +10,7 @@ removed in 0.34) and V2 (``vllm.v1.worker.gpu.model_runner``, vLLM's default on 
 that subclasses it). ``RunnerV1`` and ``RunnerV2`` say, for each, which calls the recorder wraps (``HookPoint``) and
 where a step's batch layout lives (``StepInputs``).
 
-``CONTRACT`` lists every internal as data: ``moetrace.hooks.contract`` checks it against the sources of each release
+``CONTRACT`` lists every internal as data: ``tools/vllm_contract.py`` checks it against the sources of each release
 in ``CHECKED`` (docs/vllm-releases.md), and ``REFUSED`` names, per release and runner, what that check found gone.
 """
 
@@ -133,7 +133,7 @@ def on_cuda() -> bool:
 @dataclass(frozen=True)
 class Reads:
     """Names moetrace reads on one vLLM class or symbol, as data for the check against each release's sources
-    (``moetrace.hooks.contract``): the class or symbol at the first of ``paths`` a release has (one that moved keeps
+    (``tools/vllm_contract.py``): the class or symbol at the first of ``paths`` a release has (one that moved keeps
     its old path first), and the ``fields`` read on it (methods, class attributes or attributes its instances are
     given), by ``runner`` (``v1``, ``v2`` or ``common``); ``reached``: how a runner's hooks reach its instances
     (``runner``, ``runner.speculator``), so every ``HookPoint`` owner can be matched to one."""

@@ -1,23 +1,31 @@
-"""What the commands share: the consoles, warnings on stderr, and a trace's expert load for the placement
-commands."""
+"""What the commands share: the consoles, a trace's expert load for the placement commands, and vLLM's EPLB policy
+for the placement comparisons (``moetrace place``, ``moetrace report --ep``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from rich.console import Console
 
+from moetrace.errors import UserError, warn
 
 err_console = Console(stderr=True)
 console = Console()
 
 
-def warn(lines: list[str]) -> None:
-    """Each of ``lines`` as a warning on stderr: what the reader met (a file skipped as corrupt, a recording that did
-    not close) is said whatever the command can still say from the rest."""
-    for line in lines:
-        err_console.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+def vllm_eplb(load: npt.NDArray[np.int64], ep: int, redundant: int) -> npt.NDArray[np.int64]:
+    """vLLM's default EPLB policy's physical-to-logical map for ``load`` (``hooks.vllm_api.eplb_placement``): the
+    baseline the placement comparisons score against (``report.placements.EplbPolicy``). vLLM's policy is imported
+    here, when a comparison runs, so that the report layer never reaches into vLLM."""
+    from moetrace.hooks.vllm_api import VllmApiError, eplb_placement
+
+    try:
+        return np.asarray(eplb_placement(load, ep, redundant)["physical_to_logical_map"])
+    except VllmApiError as exc:
+        raise UserError(str(exc)) from None
 
 
 def trace_load(trace_path: Path) -> tuple[Any, list[int]]:

@@ -23,7 +23,7 @@ from moetrace.errors import UserError, refuse_existing
 @click.option("--eplb", is_flag=True,
               help="SOURCE is a trace (or an SGLang stat dump, .pt): its decode and verification load per layer and "
                    "expert, and vLLM's default EPLB policy's placement from it (needs --ep).")
-@click.option("--drafter", "label", default=None, help="Which run's decision, by its label, when SUMMARY has several.")
+@click.option("--drafter", "label", default=None, help="Which run's decision, by its label, when SOURCE has several.")
 @click.option("--context", type=int, default=None,
               help="With --vllm-spec-schedule: the context (of `moetrace report --context`) whose decision becomes "
                    "the table vLLM takes today [default: the context the trace ran at].")
@@ -55,22 +55,22 @@ def export(source: Path, vllm_spec: bool, sglang_location: bool, eplb: bool, lab
         export_eplb(source, ep, redundant, output, force)
 
 
-def export_vllm_spec_schedule(summary: Path, label: str | None, context: int | None, output: Path | None,
-                              force: bool) -> None:
+def export_vllm_spec_schedule(report_json: Path, label: str | None, context: int | None,
+                              output: Path | None, force: bool) -> None:
     from moetrace.analysis.decision import sweep_edge_lines
     from moetrace.formats.export import (BY_CONTEXT_PROPOSAL, decision_at_context, vllm_spec_schedule,
                                          vllm_spec_schedule_by_context)
 
     try:
-        decisions = json.loads(summary.read_text())["decision"]
+        decisions = json.loads(report_json.read_text())["decision"]
     except FileNotFoundError:
-        raise UserError(f"{summary}: no such file") from None
+        raise UserError(f"{report_json}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise UserError(f"{summary}: not the JSON of `moetrace report --json` ({type(exc).__name__})") from None
+        raise UserError(f"{report_json}: not the JSON of `moetrace report --json` ({type(exc).__name__})") from None
     chosen = [d for d in decisions if label is None or d.get("label") == label]
     if len(chosen) != 1:
         labels = ", ".join(str(d.get("label")) for d in decisions) or "none"
-        raise UserError(f"{summary}: {'no' if not chosen else 'several'} decisions"
+        raise UserError(f"{report_json}: {'no' if not chosen else 'several'} decisions"
                         f"{f' labelled {label}' if label else ''}; give --drafter LABEL (labels: {labels})")
     decided = chosen[0]
     try:
@@ -78,8 +78,8 @@ def export_vllm_spec_schedule(summary: Path, label: str | None, context: int | N
         schedule = vllm_spec_schedule(exported)
         by_context = vllm_spec_schedule_by_context(decided) if decided.get("by_context") else None
     except ValueError as exc:
-        raise UserError(f"{summary}: {exc}") from None
-    target = output or summary.with_name(f"{summary.stem}.vllm-spec-schedule.json")
+        raise UserError(f"{report_json}: {exc}") from None
+    target = output or report_json.with_name(f"{report_json.stem}.vllm-spec-schedule.json")
     beside = target.with_name(f"{target.name.removesuffix('.json')}-by-context.json")
     for path in (target, *([beside] if by_context else [])):
         refuse_existing(path, force)

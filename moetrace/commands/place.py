@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from moetrace.analysis.growth import decode_and_verify
-from moetrace.commands.common import console, err_console, trace_load
+from moetrace.commands.common import console, err_console, trace_load, vllm_eplb
 from moetrace.errors import UserError, refuse_existing
 from moetrace.formats.export import sglang_physical_to_logical_map
 from moetrace.report.inputs import open_run
@@ -51,7 +51,8 @@ def place_experts(trace: Path, ep: int, redundant: int, spread: float, max_load:
             from moetrace.hooks.vllm_api import EPLB_LOGICAL_MAPS_PATH, symbol
 
             logical_maps = symbol(EPLB_LOGICAL_MAPS_PATH)
-        done = held_out_comparison(rows, str(run.path), experts, layers, ep, redundant, spread, max_load, advance)
+        done = held_out_comparison(rows, str(run.path), experts, layers, ep, redundant, vllm_eplb, spread, max_load,
+                                   advance)
     finally:
         bar.stop()
     counts, _ = trace_load(trace)

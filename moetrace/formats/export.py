@@ -1,4 +1,4 @@
-"""What moetrace found, in an engine's own format. ``moetrace export SUMMARY --vllm-spec-schedule`` turns the
+"""What moetrace found, in an engine's own format. ``moetrace export REPORT.json --vllm-spec-schedule`` turns the
 decision table of ``moetrace report --json`` into vLLM's dynamic speculative-decoding schedule
 (``SpeculativeConfig.num_speculative_tokens_per_batch_size``, vLLM 0.32: inclusive batch-size ranges, each with
 the number of speculative tokens to run at it). ``moetrace export TRACE --sglang-expert-location`` turns a trace's
@@ -46,7 +46,7 @@ def batch_ranges(k_at: Mapping[int, int | None]) -> list[list[int]]:
 
 
 def vllm_spec_schedule(decision: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM's speculative config keys for one drafter's decision (a ``decision`` entry of the summary JSON): the
+    """vLLM's speculative config keys for one drafter's decision (a ``decision`` entry of the report's payload): the
     method, ``num_speculative_tokens`` (the largest k recommended: vLLM caps every range at it) and
     ``num_speculative_tokens_per_batch_size`` as ``[start, end, k]`` ranges from batch size 1, neighbouring ranges of
     the same k merged. Raises ``ValueError`` where a concurrency has no recommendation (too few windows, routing and

@@ -1,1 +1,3 @@
-"""Rendering of analyses: the summary, terminal tables, the offline HTML dashboard and the CLI commands."""
+"""The report layer: from ``moetrace report``'s parsed options (``options``), one analysis per TRACE (``analyse``),
+shaped into one payload (``payload``) that the terminal, ``--json`` and the dashboard render; ``pipeline`` runs the
+whole."""

@@ -17,7 +17,7 @@ from rich.table import Table
 from moetrace.analysis.acceptance import acceptance_summary, step_times
 from moetrace.analysis.budgets import UNBUDGETED, best_budget, binds, greedy_agreement, largest_groups
 from moetrace.errors import UserError
-from moetrace.report.summary import RunAnalysis
+from moetrace.report.analyse import RunAnalysis
 from moetrace.trace.reader import Trace, holds_run
 
 BUDGET_PREFIX = "budget-"
@@ -75,7 +75,7 @@ def describe_budget(trace: Trace) -> str:
     return f"{per_layer}/{budget.scope}"
 
 
-def budget_sweep_summary(analyses: Sequence[RunAnalysis], min_agreement: float) -> dict[str, Any]:
+def budget_sweep_section(analyses: Sequence[RunAnalysis], min_agreement: float) -> dict[str, Any]:
     """The sweep's table (one row per budget, the unbudgeted first) and its best budget per concurrency.
     ``analyses``: one per budget run, at the same k, predicted at the concurrency the sweep was recorded at."""
     reference = analyses[0].run.primary

@@ -1,5 +1,5 @@
-"""The cells of the terminal's tables: figures with the marks of their sources, sizes in bytes, and tables whose short
-headers a legend under them explains."""
+"""The cells of the terminal's tables: figures with the marks of their sources (and of synthetic acceptance, which
+the dashboard marks alike), sizes in bytes, and tables whose short headers a legend under them explains."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from rich import box
 from rich.table import Table
 
 from moetrace.analysis.sources import MARKS, Source
-from moetrace.report.payload import SYNTHETIC_MARK
+
+# beside an acceptance figure whose drafts vLLM kept at set rates (synthetic rejection sampling): no drafter's; the
+# terminal and the dashboard both mark such figures with it
+SYNTHETIC_MARK = "§"
+SYNTHETIC_LEGEND = f"{SYNTHETIC_MARK} acceptance set by vLLM's synthetic rejection sampling, no drafter's"
 
 
 def marked(value: str, source: str | None) -> str:

@@ -1,6 +1,7 @@
-"""The offline HTML dashboard: one self-contained file with plotly.js inlined, drawn from the summary JSON alone
-(``summary.summary_json``, what ``report --json`` prints) embedded in the page, and redrawn there when the k and
-layer pickers change (``templates/dashboard.html``, its figures' script ``templates/dashboard-script.html``).
+"""The offline HTML dashboard: one self-contained file with plotly.js inlined, drawn from the report's payload alone
+(``payload.report_payload``, what ``report --json`` prints) embedded in the page, and redrawn there when the k and
+layer pickers change (``templates/dashboard.html``, its figures' script ``templates/dashboard-script.html``). Where
+it is written: ``dashboard_path``; a file there that is not a dashboard is the user's (``refuse_overwrite``).
 
 The page opens on the decision (``headline``, ``first_screen``): per drafter, the recommended k over concurrency and
 context, and the speedup against concurrency per k with the recommended k's interval; the tables follow, grouped.
@@ -19,9 +20,13 @@ import plotly.offline  # type: ignore[import-untyped]
 
 from moetrace.analysis.decision import may_pay_more
 from moetrace.analysis.sources import MARKS, Source
-from moetrace.report.payload import SYNTHETIC_LEGEND, SYNTHETIC_MARK
+from moetrace.errors import refuse_existing
+from moetrace.report.cells import SYNTHETIC_LEGEND, SYNTHETIC_MARK
+from moetrace.trace.reader import is_partition_root, run_path
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+# in every page's head (templates/dashboard.html): a file that holds it is a dashboard moetrace wrote
+DASHBOARD_MARK = b'<meta name="generator" content="moetrace report">'
 
 LARGER_K = (f"{MARKS[Source.EXTRAPOLATED]} after a recommended k: a larger k may pay more, predicted on extrapolated "
             "acceptance (record a larger k to know)")
@@ -55,10 +60,10 @@ def source_legend() -> list[dict[str, Any]]:
             for source in Source]
 
 
-def max_k(summary: Mapping[str, Any]) -> int:
-    """The largest k on the curves (the summary's growth rows run from k=0 to --max-k)."""
-    ks = [int(row["k"]) for run in summary.get("runs", []) for row in run.get("growth") or []]
-    return max([*ks, int(summary["k"])])
+def max_k(payload: Mapping[str, Any]) -> int:
+    """The largest k on the curves (the payload's growth rows run from k=0 to --max-k)."""
+    ks = [int(row["k"]) for run in payload.get("runs", []) for row in run.get("growth") or []]
+    return max([*ks, int(payload["k"])])
 
 
 def _recommended(row: Mapping[str, Any]) -> str:
@@ -93,13 +98,13 @@ def decided(decision: Mapping[str, Any]) -> str:
     return said
 
 
-def headline(summary: Mapping[str, Any]) -> str:
+def headline(payload: Mapping[str, Any]) -> str:
     """What the page's title and heading say: each drafter's decision, or, with none, the runs and the k."""
-    decisions = summary.get("decision") or []
+    decisions = payload.get("decision") or []
     if decisions:
         return "; ".join(decided(decision) for decision in decisions)
-    labels = ", ".join(str(run["label"]) for run in summary.get("runs") or [])
-    return f"{labels}: figures at k={summary['k']} (no recommendation: no prediction)"
+    labels = ", ".join(str(run["label"]) for run in payload.get("runs") or [])
+    return f"{labels}: figures at k={payload['k']} (no recommendation: no prediction)"
 
 
 def _context_label(tokens: float | None, recorded: bool) -> str:
@@ -108,15 +113,15 @@ def _context_label(tokens: float | None, recorded: bool) -> str:
     return f"{tokens:,.0f} tokens (recorded)" if recorded else f"{tokens:,.0f} tokens"
 
 
-def first_screen(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
+def first_screen(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per decision, what the first screen draws: ``cells`` (the recommended k per concurrency and context, each a
     decision row with its ``context_label``: the rows of ``--context`` where it was given, else one row at the
     recorded context), ``contexts`` (their labels, shortest first), ``batches``, ``lines`` (the run's predicted
     speedup per concurrency and k at the recorded context), ``band`` (per concurrency, the recommended k, none where
     there is none, its speedup and interval) and ``crossovers`` (the decision's, where it found one)."""
-    runs = {str(run["label"]): run for run in summary.get("runs") or []}
+    runs = {str(run["label"]): run for run in payload.get("runs") or []}
     screens = []
-    for decision in summary.get("decision") or []:
+    for decision in payload.get("decision") or []:
         by_context = decision.get("by_context")
         if by_context:
             cells = [{**row, "context_label": _context_label(row["context"], recorded=False),
@@ -149,32 +154,57 @@ def first_screen(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     return screens
 
 
-def render_dashboard(summary: Mapping[str, Any]) -> str:
-    """The dashboard page for ``summary`` (the dict ``summary_json`` returns, or the same loaded back from JSON)."""
+def render_dashboard(payload: Mapping[str, Any]) -> str:
+    """The dashboard page for ``payload`` (the dict ``report_payload`` returns, or the same loaded back from JSON)."""
     environment = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True, undefined=jinja2.StrictUndefined
     )
     environment.globals.update(marks=marks, describe=describe, least_direct=least_direct)
     template = environment.get_template("dashboard.html")
     legend = source_legend()
-    screens = first_screen(summary)
+    screens = first_screen(payload)
     return template.render(
         plotly_js=plotly.offline.get_plotlyjs(),
-        summary=summary,
+        payload=payload,
         legend=legend,
         larger_k_mark=MARKS[Source.EXTRAPOLATED],
         larger_k=LARGER_K,
-        headline=headline(summary),
+        headline=headline(payload),
         screens=screens,
         page={
-            "k": summary["k"],
-            "max_k": max_k(summary),
-            "coverage": summary["coverage_target"],
+            "k": payload["k"],
+            "max_k": max_k(payload),
+            "coverage": payload["coverage_target"],
             "sources": {entry["source"]: entry for entry in legend},
-            "runs": summary["runs"],
-            "budget_sweep": summary.get("budget_sweep"),
+            "runs": payload["runs"],
+            "budget_sweep": payload.get("budget_sweep"),
             "first_screen": screens,
             "larger_k": LARGER_K,
             "synthetic": {"mark": SYNTHETIC_MARK, "legend": SYNTHETIC_LEGEND},
         },
     )
+
+
+def dashboard_path(traces: tuple[Path, ...], output: Path | None) -> Path:
+    """``output``, else ``TRACE/report.html`` for one trace; beside an always-on recording's root, not in it (a live
+    root holds partitions only: its disk cap drops partitions and counts nothing else)."""
+    if output is not None:
+        return output
+    if len(traces) == 1:
+        run = run_path(traces[0])
+        if is_partition_root(run):
+            return run.parent.resolve() / f"{run.resolve().name}.report.html"
+        return run / "report.html" if run.is_dir() else Path(f"{run.name}.report.html")
+    return Path("-vs-".join(path.name for path in traces)[:120] + ".report.html")
+
+
+def refuse_overwrite(path: Path, force: bool) -> None:
+    """A dashboard moetrace wrote is derived from the traces: rebuilt. Any other file is the user's: kept unless
+    ``force``."""
+    try:
+        with path.open("rb") as existing:
+            ours = DASHBOARD_MARK in existing.read(4096)
+    except OSError:
+        ours = False
+    if not ours:
+        refuse_existing(path, force)

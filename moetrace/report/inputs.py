@@ -1,4 +1,5 @@
-"""Turning command-line inputs (trace paths, --k, --shape, --ep, --placement) into checked analysis parameters."""
+"""Turning command-line inputs (trace paths, --k, --shape, --ep, --placement, the calibration and profile files) into
+checked analysis parameters."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 import numpy.typing as npt
 import polars as pl
 
+from moetrace.analysis.calibration import check_calibration
 from moetrace.analysis.placement import explicit_placement, linear_placement, round_robin_placement
+from moetrace.analysis.profile import PROFILE_PRESETS, Profile, parse_profile
 from moetrace.analysis.shape import SHAPE_PRESETS, ModelShape
 from moetrace.analysis.uncertainty import HeldOutErrors, interval_errors
 from moetrace.errors import UserError
@@ -56,6 +59,38 @@ DEFAULT_PREDICTION = PredictionPreset(
     description="as Kimi-K2 with int4 experts on 8 H200s, TP=8: expert and all-reduce curves measured on 2 H200s "
                 "(all-reduce extrapolated to 8), step shares of a measured Kimi-K2.5 decode step",
 )
+
+
+def read_calibration(path: Path | None) -> dict[str, Any] | None:
+    """The calibration at ``path`` (``moetrace calibrate``'s JSON), checked; None without one."""
+    if path is None:
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        check_calibration(doc)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read calibration ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+        raise UserError(f"{path}: not a moetrace calibration ({exc})") from None
+    return doc
+
+
+def read_profile(text: str | None) -> Profile | None:
+    """``--profile``: a preset, a JSON file, or the breakdown written out; None without one."""
+    if text is None:
+        return None
+    path = Path(text)
+    if text not in PROFILE_PRESETS and path.suffix == ".json":
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise UserError(f"--profile {path}: cannot read ({exc.strerror})") from None
+    try:
+        return parse_profile(text)
+    except ValueError as exc:
+        raise UserError(f"--profile: {exc}") from None
 
 
 @dataclass

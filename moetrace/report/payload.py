@@ -1,5 +1,6 @@
-"""The summary JSON of a report: what ``--json`` prints, and the one source the terminal tables and the dashboard
-render, shaped from each TRACE's ``RunAnalysis``."""
+"""The payload of a report, shaped from each TRACE's ``RunAnalysis``: what ``--json`` prints, and the one source the
+terminal's tables and the dashboard render (``report_payload``); and the budget file ``moetrace budget`` writes
+(``budget_file``)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,21 @@ from typing import Any
 
 import polars as pl
 
-from moetrace.report.placements import held_out_verdict
 from moetrace.analysis.adaptive import schedule_verdict
 from moetrace.analysis.budgets import smallest_budgets
 from moetrace.analysis.context import recorded_context
 from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, PER_BATCH, PER_REQUEST, best_window_estimate
+from moetrace.analysis.shape import ModelShape
 from moetrace.analysis.sources import least_direct_expr
+from moetrace.report.analyse import RunAnalysis
 from moetrace.report.contexts import from_steps_sentence
+from moetrace.report.inputs import Run
 from moetrace.report.measured import MIN_BASELINE_STEPS
-from moetrace.report.summary import RANDOM_WEIGHTS_NOTE, Options, RunAnalysis, sample_note
+from moetrace.report.options import Options
+from moetrace.report.placements import held_out_verdict
+from moetrace.report.windows import sample_note
+
+RANDOM_WEIGHTS_NOTE = "routing of a random-weight model: says nothing about a trained model's routing"
 
 
 def growth_overview(growth_table: pl.DataFrame) -> pl.DataFrame:
@@ -56,12 +63,6 @@ def growth_overview(growth_table: pl.DataFrame) -> pl.DataFrame:
         )
         .sort("k")
     )
-
-
-# beside an acceptance figure whose drafts vLLM kept at set rates (synthetic rejection sampling): no drafter's; the
-# terminal and the dashboard both mark such figures with it
-SYNTHETIC_MARK = "§"
-SYNTHETIC_LEGEND = f"{SYNTHETIC_MARK} acceptance set by vLLM's synthetic rejection sampling, no drafter's"
 
 
 def acceptance_set_by(analysis: RunAnalysis) -> list[dict[str, Any]]:
@@ -128,7 +129,7 @@ def notes(analysis: RunAnalysis, k: int) -> list[str]:
     return found + analysis.checks
 
 
-def prediction_summary(analysis: RunAnalysis, k: int) -> dict[str, Any] | None:
+def prediction_section(analysis: RunAnalysis, k: int) -> dict[str, Any] | None:
     if analysis.prediction is None:
         return None
     at_k = analysis.prediction.filter(pl.col("k") == k).to_dicts()
@@ -138,7 +139,7 @@ def prediction_summary(analysis: RunAnalysis, k: int) -> dict[str, Any] | None:
             "against_trace": analysis.against_trace.to_dicts() if analysis.against_trace is not None else []}
 
 
-def budget_summary(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:
+def budget_section(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:
     chosen = analysis.budgets
     budgets = chosen["budget"]
     return {
@@ -156,7 +157,7 @@ def budget_summary(analysis: RunAnalysis, coverage: float) -> dict[str, Any]:
     }
 
 
-def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] | None:
+def decision_section(analysis: RunAnalysis, options: Options) -> dict[str, Any] | None:
     """Per concurrency: the recommended k, its predicted speedup, what it rests on, and the expert budget per
     request window at that k (experts and bytes it saves, priced at the prediction's shape)."""
     if analysis.decision is None:
@@ -211,7 +212,7 @@ def decision_summary(analysis: RunAnalysis, options: Options) -> dict[str, Any] 
     }
 
 
-def schedule_summary(analysis: RunAnalysis) -> dict[str, Any] | None:
+def schedule_section(analysis: RunAnalysis) -> dict[str, Any] | None:
     """An adaptive schedule's trace (``analysis.adaptive``): per concurrency it ran at, what it did beside the static
     table predicted from it, and which pays more in words; None without one."""
     if analysis.schedule is None:
@@ -240,8 +241,8 @@ def crossover_sentence(found: dict[str, Any]) -> str:
     return f"{found['kind']}: no speedup to find a crossover in"
 
 
-def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any]:
-    """Everything the terminal shows, as plain JSON-able data."""
+def report_payload(analyses: list[RunAnalysis], options: Options) -> dict[str, Any]:
+    """The payload: everything `--json`, the terminal and the dashboard show, as plain JSON-able data."""
     k = options.k
     runs = []
     for analysis in analyses:
@@ -276,15 +277,15 @@ def summary_json(analyses: list[RunAnalysis], options: Options) -> dict[str, Any
                 "by_context": {"k": analysis.run.primary.k, "share": analysis.by_context_share,
                                **{name: table.to_dicts() for name, table in analysis.by_context.items()}},
                 "rejected_only": analysis.rejected_only.to_dicts(),
-                "adaptive_schedule": schedule_summary(analysis),
-                "budget": budget_summary(analysis, options.coverage),
-                "prediction": prediction_summary(analysis, k),
+                "adaptive_schedule": schedule_section(analysis),
+                "budget": budget_section(analysis, options.coverage),
+                "prediction": prediction_section(analysis, k),
                 "growth": analysis.growth.to_dicts(),
                 "step_bytes": analysis.step_bytes.to_dicts(),
                 **dashboard_data(analysis),
             }
         )
-    decisions = [decision for decision in (decision_summary(a, options) for a in analyses) if decision]
+    decisions = [decision for decision in (decision_section(a, options) for a in analyses) if decision]
     # what the reader met (a file skipped as corrupt, a recording that did not close) comes first: every figure
     # below stands on the files it could read
     warnings = [f"{analysis.run.label}: {line}" for analysis in analyses
@@ -348,3 +349,24 @@ def dashboard_data(analysis: RunAnalysis) -> dict[str, Any]:
                 .group_by("k", maintain_order=True).agg("budget", *FRONTIER_COLUMNS).with_columns(windows_source))
     return {"layers": layers, "expert_load": load, "budget_curves": curves.to_dicts(),
             "budget_frontier": frontier.to_dicts()}
+
+
+def budget_file(run: Run, k: int, coverage: float, shape: ModelShape, curves: pl.DataFrame,
+                share: float) -> dict[str, Any]:
+    """``moetrace budget``'s file: the smallest budget per layer whose experts keep ``coverage`` of the routing
+    weight in the windows of ``k`` + 1 tokens of ``curves`` (the primary trace's budget curves at ``k``, computed
+    from ``share`` of its windows), bytes priced at ``shape``'s where it can price them."""
+    chosen = smallest_budgets(curves.lazy(), coverage)
+    said = [note for note in (sample_note(share), shape.unpriced_note()) if note is not None]
+    return {
+        "schema": "moetrace-budget/1",
+        "trace": str(run.primary.path),
+        "k": k,
+        "source": MEASURED if run.primary.k == k else COUNTERFACTUAL,
+        "coverage_target": coverage,
+        "expert_bytes": None if shape.unpriced_format is not None else shape.expert_bytes,
+        "budgets": {str(row["layer"]): row["budget"] for row in chosen.to_dicts()},
+        "per_layer": chosen.to_dicts(),
+        "window_share": share,
+        "warnings": run.warnings + said,
+    }

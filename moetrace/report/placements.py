@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 import polars as pl
 
 from moetrace.analysis.growth import WindowRows
@@ -22,27 +23,26 @@ from moetrace.analysis.verification_placement import (
 from moetrace.errors import UserError
 from moetrace.trace.reader import Trace
 
+# vLLM's EPLB policy as the comparison takes it: the expert load [layers, experts], the EP ranks and the redundant
+# slots in, its physical-to-logical map [layers, experts + redundant] out; a UserError where it cannot be reached.
+# The commands hand it in (``commands.common.vllm_eplb``): the report reads traces, it never reaches into vLLM.
+EplbPolicy = Callable[[npt.NDArray[np.int64], int, int], npt.NDArray[np.int64]]
+
 
 def held_out_comparison(rows: WindowRows, where: str, experts: int, layers: list[int], ep: int, redundant: int,
-                        spread: float = SPREAD, max_load: float = 1.1,
+                        eplb: EplbPolicy, spread: float = SPREAD, max_load: float = 1.1,
                         progress: Callable[[int], None] | None = None) -> PlacementComparison:
     """The verification-aware placement of ``rows`` (``analysis.growth.decode_and_verify``) fitted on the windows of
-    even steps, scored on those of odd steps beside vLLM's EPLB policy (fitted on the same windows' load) and the
-    linear placement. A ``UserError`` (naming ``where``) when the windows do not span both halves or vLLM's policy
-    cannot be reached."""
-    from moetrace.hooks.vllm_api import VllmApiError, eplb_placement
-
+    even steps, scored on those of odd steps beside vLLM's EPLB policy (``eplb``, fitted on the same windows' load)
+    and the linear placement. A ``UserError`` (naming ``where``) when the windows do not span both halves or vLLM's
+    policy cannot be reached."""
     fit = fitting_half(rows.step[rows.is_verify])
     if not fit.any() or fit.all():
         raise UserError(f"{where}: needs verification windows in both even and odd steps (fitted on one, scored "
                         f"on the other), it has {int(fit.sum())} and {int((~fit).sum())} verification rows: record "
                         f"more steps")
-    try:
-        eplb = eplb_placement(fitting_load(rows, experts, layers), ep, redundant)
-    except VllmApiError as exc:
-        raise UserError(str(exc)) from None
     baselines = {"linear": np.tile(np.arange(experts), (len(layers), 1)),
-                 "vLLM EPLB": np.asarray(eplb["physical_to_logical_map"])}
+                 "vLLM EPLB": eplb(fitting_load(rows, experts, layers), ep, redundant)}
     return compare_placements(layer_windows(rows, experts), layers, experts, ep, redundant, baselines, spread,
                               max_load, progress)
 
@@ -63,7 +63,8 @@ def held_out_verdict(scores: pl.DataFrame) -> str:
             f"dominate the step")
 
 
-def placement_scores(trace: Trace, rows: WindowRows | None, ep: int) -> tuple[pl.DataFrame | None, str | None]:
+def placement_scores(trace: Trace, rows: WindowRows | None, ep: int,
+                     eplb: EplbPolicy) -> tuple[pl.DataFrame | None, str | None]:
     """Under expert parallelism (``ep`` > 1) with verification windows: ``moetrace place``'s held-out comparison
     of the verification-aware placement, vLLM's EPLB and the linear one (no redundant experts); else None. A
     comparison that cannot be made is a note, not a failed report. ``rows`` None: the rows were summarised per
@@ -76,7 +77,8 @@ def placement_scores(trace: Trace, rows: WindowRows | None, ep: int) -> tuple[pl
     if experts % ep:
         return None, f"placements not compared: {experts} experts do not split evenly over {ep} ranks"
     try:
-        compared = held_out_comparison(rows, str(trace.path), experts, list(trace.manifest.model.moe_layers), ep, 0)
+        compared = held_out_comparison(rows, str(trace.path), experts, list(trace.manifest.model.moe_layers), ep, 0,
+                                       eplb)
     except UserError as exc:
         return None, f"placements not compared: {exc}"
     return compared.scores, None

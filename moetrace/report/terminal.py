@@ -1,5 +1,6 @@
-"""The terminal summary: rich tables of growth, bytes, acceptance and budgets, one set per TRACE argument, and a
-side-by-side comparison at --k when several traces are given."""
+"""The report in the terminal, drawn from its payload alone (``payload.report_payload``): the decision first, then
+rich tables of growth, bytes, acceptance and budgets, one set per TRACE argument, and a side-by-side comparison at
+--k when several traces are given; and ``moetrace budget``'s table."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from rich.text import Text
 from moetrace.analysis.decision import may_pay_more, sweep_edge_lines
 from moetrace.report.cells import (
     MARK_LEGEND,
+    SYNTHETIC_LEGEND,
     any_synthetic,
     byte_size,
     marked,
@@ -19,7 +21,6 @@ from moetrace.report.cells import (
     titled_table,
     with_synthetic_mark,
 )
-from moetrace.report.payload import SYNTHETIC_LEGEND
 
 
 def _growth(run: dict[str, Any], k: int) -> Table:
@@ -252,9 +253,9 @@ def _placement(placement: dict[str, Any]) -> Table:
     return table
 
 
-def _comparison(summary: dict[str, Any]) -> Table:
-    k = summary["k"]
-    runs = summary["runs"]
+def _comparison(payload: dict[str, Any]) -> Table:
+    k = payload["k"]
+    runs = payload["runs"]
     table = Table(title=f"Side by side at k={k}, one request per step", title_justify="left")
     table.add_column("", overflow="fold")
     for run in runs:
@@ -393,10 +394,10 @@ def print_decision(decisions: list[dict[str, Any]], console: Console) -> None:
         console.print(Text(f"  {SYNTHETIC_LEGEND}", style="dim"))
 
 
-def print_summary(summary: dict[str, Any], console: Console) -> None:
-    k = summary["k"]
-    print_decision(summary["decision"], console)
-    for run in summary["runs"]:
+def print_report(payload: dict[str, Any], console: Console) -> None:
+    k = payload["k"]
+    print_decision(payload["decision"], console)
+    for run in payload["runs"]:
         heading = Text(f"{run['label']}: {run['model']}, {run['spec_method'] or 'plain decoding'}, "
                        f"recorded k={','.join(map(str, run['recorded_k']))}", style="bold")
         console.print(heading)
@@ -424,8 +425,8 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         if run.get("placement"):
             console.print(_placement(run["placement"]))
             console.print(Text(f"  {run['placement']['verdict']}", style="dim"))
-    if len(summary["runs"]) > 1:
-        console.print(_comparison(summary))
+    if len(payload["runs"]) > 1:
+        console.print(_comparison(payload))
 
 
 def print_budget_table(budget: dict[str, Any], console: Console) -> None:

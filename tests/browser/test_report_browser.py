@@ -195,12 +195,12 @@ def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
     assert errors == []
 
 
-def test_the_dashboard_renders_from_the_summary_json_alone(sweep_report: tuple[Path, dict[str, Any]]) -> None:
-    path, summary = sweep_report
-    summary.pop("dashboard")  # added after the dashboard was written
-    loaded = json.loads(json.dumps(summary))
+def test_the_dashboard_renders_from_the_payload_alone(sweep_report: tuple[Path, dict[str, Any]]) -> None:
+    path, payload = sweep_report
+    payload.pop("dashboard")  # added after the dashboard was written
+    loaded = json.loads(json.dumps(payload))
     page = render_dashboard(loaded)
-    assert page == path.read_text(encoding="utf-8")  # the same page as the one rendered from the live summary
+    assert page == path.read_text(encoding="utf-8")  # the same page as the one rendered from the live payload
     assert "counterfactual" in page and f"{MARKS[Source.COUNTERFACTUAL]}</span>" in page
     run = loaded["runs"][0]
     assert {"layers", "expert_load", "budget_curves"} <= set(run)

@@ -22,7 +22,7 @@ from moetrace.analysis.concurrency import (
 )
 from moetrace.analysis.expert_sets import count_experts, expert_masks
 from moetrace.analysis.placement import linear_placement
-from moetrace.report.summary import greedy
+from moetrace.report.step_reads import greedy
 from moetrace.trace.reader import open_trace
 from trace_builder import Model, Tokens, decode_tokens, routing_frame, steps_frame, verify_tokens, write_trace
 

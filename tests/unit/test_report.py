@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from moetrace.cli import main
 from moetrace.commands.report import budget, report
-from moetrace.report.summary import RANDOM_WEIGHTS_NOTE
+from moetrace.report.payload import RANDOM_WEIGHTS_NOTE
 from cli_results import invoke, one_line_error
 from trace_builder import Model, decode_tokens, verify_tokens, write_trace
 

@@ -67,14 +67,14 @@ def test_the_self_check_passes_on_an_intact_sweep_and_every_recommendation_says_
 
 def test_the_self_check_names_both_numbers_when_the_prediction_strays_from_the_measured_tables(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import moetrace.report.summary as summary_module
+    import moetrace.report.prediction as prediction_module
 
-    original = summary_module.speedup_per_batch
+    original = prediction_module.speedup_per_batch
 
     def conditional_tokens(inputs: pl.DataFrame, *args: Any) -> Any:  # as if the old rates had reached the model
         return original(inputs.with_columns(pl.col("tokens_per_step") * 1.2), *args)
 
-    monkeypatch.setattr(summary_module, "speedup_per_batch", conditional_tokens)
+    monkeypatch.setattr(prediction_module, "speedup_per_batch", conditional_tokens)
     result, summary = _json_report(well_sampled_sweep(tmp_path / "sweep"), tmp_path)
     checks = " ".join(summary["runs"][0]["checks"])
     assert "tokens per step at k=3" in checks and "acceptance table measured" in checks and "+20.0%" in checks

@@ -1,5 +1,5 @@
 """The contract with vLLM, per release: every internal ``hooks/vllm_api/`` names, checked against the sources of
-each release in ``CHECKED`` (their wheels, cached outside the repo: ``moetrace.hooks.contract``). A release that
+each release in ``CHECKED`` (their wheels, cached outside the repo: ``tools/vllm_contract.py``). A release that
 lacks one fails here unless vllm_api tries the path it moved to or refuses that release's runner."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from moetrace.hooks import contract, vllm_api, wheels
-from moetrace.hooks.contract import Row
-from moetrace.hooks.wheels import Sources, WheelUnavailable
+import vllm_contract
+import vllm_wheels
+from moetrace.hooks import vllm_api
 from moetrace.hooks.vllm_api import (
     CHECKED,
     CPU_RUNNER_V2_PATH,
@@ -33,6 +33,8 @@ from moetrace.hooks.vllm_api import (
     VllmApiError,
     WorkerApi,
 )
+from vllm_contract import Row
+from vllm_wheels import Sources, WheelUnavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "docs" / "vllm-releases.md"
@@ -42,7 +44,7 @@ pytestmark = pytest.mark.xdist_group("vllm-contract")
 
 def release_sources(release: str) -> Sources:
     try:
-        return Sources(wheels.release_wheel(release))
+        return Sources(vllm_wheels.release_wheel(release))
     except WheelUnavailable as exc:
         pytest.skip(str(exc))
 
@@ -50,16 +52,16 @@ def release_sources(release: str) -> Sources:
 @pytest.fixture(scope="module")
 def rows() -> list[Row]:
     try:
-        return contract.all_rows()
+        return vllm_contract.all_rows()
     except WheelUnavailable as exc:
         pytest.skip(str(exc))
 
 
 def test_the_committed_table_is_what_the_check_computes_today(rows: list[Row], tmp_path: Path) -> None:
     written = tmp_path / "vllm-releases.md"
-    assert contract.main(["--write", str(written)]) == 0
-    assert TABLE.read_text() == written.read_text() == contract.markdown(rows), (
-        "docs/vllm-releases.md is stale: python -m moetrace.hooks.contract --write docs/vllm-releases.md")
+    assert vllm_contract.main(["--write", str(written)]) == 0
+    assert TABLE.read_text() == written.read_text() == vllm_contract.markdown(rows), (
+        "docs/vllm-releases.md is stale: python3 tools/vllm_contract.py --write docs/vllm-releases.md")
 
 
 def test_every_checked_release_has_every_internal_or_vllm_api_refuses_the_runner_that_lacks_one(
@@ -67,7 +69,7 @@ def test_every_checked_release_has_every_internal_or_vllm_api_refuses_the_runner
     assert set(TESTED) <= set(SUPPORTED) <= set(CHECKED)
     for release in CHECKED:
         for runner in ("v1", "v2"):
-            lacking = contract.unhandled(rows, release, runner)
+            lacking = vllm_contract.unhandled(rows, release, runner)
             refused = REFUSED.get((release, runner))
             assert (refused is None) == (not lacking), (
                 f"vLLM {release}, Model Runner {runner.upper()}: lacks {list(lacking)}, vllm_api.REFUSED says "
@@ -80,9 +82,9 @@ def test_every_checked_release_has_every_internal_or_vllm_api_refuses_the_runner
 
 
 def test_every_call_the_recorder_wraps_is_a_field_the_contract_checks() -> None:
-    points = contract.hook_points()
+    points = vllm_contract.hook_points()
     assert ("v1", "runner", "_update_states") in points and ("v2", "runner.speculator", "propose") in points
-    assert contract.uncovered_hook_points() == []
+    assert vllm_contract.uncovered_hook_points() == []
 
 
 def test_model_runner_v1_is_gone_in_0_34_and_both_runners_are_in_0_33(rows: list[Row]) -> None:
@@ -91,14 +93,14 @@ def test_model_runner_v1_is_gone_in_0_34_and_both_runners_are_in_0_33(rows: list
         assert status["0.34", internal] == "gone" and status["0.33", internal] == "present", internal
     for internal in (RUNNER_V2_PATH, CPU_RUNNER_V2_PATH):
         assert status["0.34", internal] == status["0.33", internal] == "present", internal
-    assert contract.unhandled(rows, "0.34", "v2") == ()
+    assert vllm_contract.unhandled(rows, "0.34", "v2") == ()
 
 
 def stand_in(sources: Sources, path: str) -> type:
     """A class with the module, name and base classes (those in vLLM's sources) that ``path`` has there."""
-    found = contract.find(sources, path)
+    found = vllm_contract.find(sources, path)
     assert found is not None and isinstance(found.node, ast.ClassDef), path
-    bases = [contract.expression_target(sources, found.module, base) for base in found.node.bases]
+    bases = [vllm_contract.expression_target(sources, found.module, base) for base in found.node.bases]
     parents = tuple(stand_in(sources, base.path) for base in bases
                     if base is not None and isinstance(base.node, ast.ClassDef))
     module, _, name = found.path.rpartition(".")
@@ -141,9 +143,9 @@ def test_a_release_outside_the_checked_ones_is_one_warning_line_and_recording_go
 
 
 def test_a_warmup_request_id_vllm_api_does_not_know_is_found_in_the_sources(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(contract, "WARMUP_REQUEST_PREFIXES", ("_warmup_", "_v2_mixed_warmup"))  # as before 0.34
-    assert contract.check_warmup(release_sources("0.33"), "0.33").status == "present"
-    new = contract.check_warmup(release_sources("0.34"), "0.34")
+    monkeypatch.setattr(vllm_contract, "WARMUP_REQUEST_PREFIXES", ("_warmup_", "_v2_mixed_warmup"))  # as before 0.34
+    assert vllm_contract.check_warmup(release_sources("0.33"), "0.33").status == "present"
+    new = vllm_contract.check_warmup(release_sources("0.34"), "0.34")
     assert (new.status, new.where, new.handled) == ("changed", "_context_warmup_", False)
 
 
@@ -181,29 +183,30 @@ def test_the_check_reads_the_installed_vllms_sources_as_python_imports_them() ->
                 Reads("common", ("vllm.forward_context.no_such_function",)),
                 Reads("common", ("vllm.no_such_module.determine_expert_map", EXPERT_MAP_PATHS[0])))
     for reads in (*vllm_api.CONTRACT, *controls):
-        checked = [(row.internal, row.status) for row in contract.check_reads(sources, release, reads)]
+        checked = [(row.internal, row.status) for row in vllm_contract.check_reads(sources, release, reads)]
         assert checked == runtime_status(reads)
-    assert [row.status for row in contract.check_reads(sources, release, controls[0])] == ["present", "present", "gone"]
-    assert [row.status for row in contract.check_reads(sources, release, controls[2])] == ["moved"]
+    statuses = [[row.status for row in vllm_contract.check_reads(sources, release, reads)] for reads in controls]
+    assert statuses[0] == ["present", "present", "gone"] and statuses[2] == ["moved"]
 
 
 def test_the_check_imports_nothing_from_vllm() -> None:
-    code = ("import sys\nfrom moetrace.hooks import contract\ncontract.check_release('0.34')\n"
+    code = ("import sys\nimport vllm_contract\nvllm_contract.check_release('0.34')\n"
             "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))\n")
     release_sources("0.34")  # cached, or skipped
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT / "tools")  # a development tool: importable from its folder, as its script runs
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_a_wheel_is_read_from_the_cache_and_one_pip_cannot_get_is_one_line_naming_it(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(wheels.WHEELS_ENV, str(tmp_path))
+    monkeypatch.setenv(vllm_wheels.WHEELS_ENV, str(tmp_path))
     cached = tmp_path / "vllm-0.99.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     cached.touch()
-    assert wheels.release_wheel("0.99") == cached  # no pip
+    assert vllm_wheels.release_wheel("0.99") == cached  # no pip
     with pytest.raises(WheelUnavailable) as unavailable:
-        wheels.release_wheel("0.0")  # vllm 0.0.0 was never released
+        vllm_wheels.release_wheel("0.0")  # vllm 0.0.0 was never released
     message = str(unavailable.value)
     assert "\n" not in message and "vLLM 0.0.0" in message and str(tmp_path) in message
     assert sorted(p.name for p in tmp_path.iterdir()) == [cached.name], "no download folder left behind"

@@ -1,6 +1,6 @@
 """vLLM releases' wheels, read without installing them: a release's wheel from PyPI (``pip download``) once, kept in
 ``$MOETRACE_VLLM_WHEELS`` (default ``~/.cache/moetrace/vllm-wheels``), and its ``.py`` members read with ``zipfile``
-and parsed with ``ast`` (``hooks.contract`` checks vllm_api's internals in them)."""
+and parsed with ``ast`` (``vllm_contract`` checks vllm_api's internals in them)."""
 
 from __future__ import annotations
 
