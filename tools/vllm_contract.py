@@ -33,6 +33,7 @@ from typing import NamedTuple
 from moetrace.hooks.vllm_api import (
     CHECKED,
     CONTRACT,
+    KIMI_K3_CONTRACT,
     TESTED,
     WARMUP_PATH,
     WARMUP_REQUEST_PREFIXES,
@@ -253,6 +254,21 @@ def check_wheel(wheel: Path, release: str) -> list[Row]:
     sources = Sources(wheel)
     return [row for reads in CONTRACT for row in check_reads(sources, release, reads)] + [
         check_warmup(sources, release)]
+
+
+def check_kimi_k3(release: str) -> list[Row]:
+    """Every internal of ``vllm_api.KIMI_K3_CONTRACT`` in ``release``'s sources (one of ``KIMI_K3_RELEASES``)."""
+    sources = Sources(release_wheel(release))
+    return [row for reads in KIMI_K3_CONTRACT for row in check_reads(sources, release, reads)]
+
+
+def base_paths(sources: Sources, path: str) -> list[str]:
+    """The class at ``path`` and every base class of it in the sources, nearest first."""
+    found = find(sources, path)
+    if found is None or not isinstance(found.node, ast.ClassDef):
+        return []
+    bases = [expression_target(sources, found.module, base) for base in found.node.bases]
+    return [found.path, *(p for base in bases if base is not None for p in base_paths(sources, base.path))]
 
 
 @cache

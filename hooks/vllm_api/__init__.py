@@ -49,7 +49,8 @@ __all__ = ["SUPPORTED", "TESTED", "CHECKED", "RUNNER_FIELDS", "INPUT_BATCH_FIELD
            "unchecked", "refuse_gone", "symbol", "first_symbol", "EXPERT_MAP_PATHS", "expert_placement",
            "EPLB_POLICY_PATH", "EPLB_LOGICAL_MAPS_PATH", "eplb_placement", "sequence_limits", "require_fields",
            "ForwardPlan", "HookPoint", "StepInputs", "RunnerV1", "RunnerV2", "GraphsNamingCaptures", "WorkerApi",
-           "worker_api", "worker_class", "engine_arg_exists", "on_cuda", "Reads", "CONTRACT"]
+           "worker_api", "worker_class", "engine_arg_exists", "on_cuda", "Reads", "CONTRACT", "KIMI_K3_RELEASES",
+           "KIMI_K3_CONTRACT"]
 
 log = logging.getLogger("moetrace")
 
@@ -193,4 +194,24 @@ CONTRACT = (
           reached="runner.speculator"),
     Reads("v2", ("vllm.v1.worker.gpu.cudagraph_utils.ModelCudaGraphManager",), GRAPH_MANAGER_V2_FIELDS,
           reached="runner.cudagraph_manager"),
+)
+
+# Kimi-K3 as the releases of ``KIMI_K3_RELEASES`` serve it (``vllm/models/kimi_k3/``), checked apart from CONTRACT
+# (older releases have no K3): its latent-MoE runner subclasses the MoE runner (the recorder finds its layers so)
+# and routes through the grouped top-k router the capture wraps (unless ``moe_backend=deep_gemm_mega_moe``, where
+# the model routes before the runner: SM100 only); the config keys the manifest reads; the speculative options the
+# manifest reads (synthetic acceptance, DSpark's adaptive verification); its MTP and DSpark drafters.
+KIMI_K3_RELEASES = ("0.34",)
+KIMI_K3_CONTRACT = (
+    Reads("kimi_k3", ("vllm.models.kimi_k3.nvidia.latent_moe_runner.LatentMoERunner",), MOE_RUNNER_FIELDS),
+    Reads("kimi_k3", ("vllm.model_executor.layers.fused_moe.router.grouped_topk_router.GroupedTopKRouter",),
+          ROUTER_FIELDS),
+    Reads("kimi_k3", ("vllm.transformers_utils.configs.kimi_linear.KimiLinearConfig",),
+          ("num_experts", "num_experts_per_token", "num_shared_experts", "routed_expert_hidden_size",
+           "moe_intermediate_size", "linear_attn_config")),
+    Reads("kimi_k3", ("vllm.config.speculative.SpeculativeConfig",),
+          ("num_speculative_tokens", "rejection_sample_method", "synthetic_acceptance_rates",
+           "enable_adaptive_verification")),
+    Reads("kimi_k3", ("vllm.models.kimi_k3.nvidia.mtp.KimiK3MTP",)),
+    Reads("kimi_k3", ("vllm.models.kimi_k3.nvidia.dspark_mla.K3DSparkForCausalLM",)),
 )

@@ -210,3 +210,17 @@ def test_a_wheel_is_read_from_the_cache_and_one_pip_cannot_get_is_one_line_namin
     message = str(unavailable.value)
     assert "\n" not in message and "vLLM 0.0.0" in message and str(tmp_path) in message
     assert sorted(p.name for p in tmp_path.iterdir()) == [cached.name], "no download folder left behind"
+
+
+def test_kimi_k3_as_0_34_serves_it_routes_through_what_the_recorder_wraps_and_has_what_the_manifest_reads() -> None:
+    for release in vllm_api.KIMI_K3_RELEASES:
+        sources = release_sources(release)
+        rows = vllm_contract.check_kimi_k3(release)
+        assert [row for row in rows if row.status != "present"] == [], release
+        assert len(rows) == sum(1 + len(reads.fields) for reads in vllm_api.KIMI_K3_CONTRACT)
+        # the recorder finds MoE layers as MoE runners and wraps their router: K3's latent runner is one, its
+        # grouped top-k router a BaseRouter
+        runner, router = (reads.paths[0] for reads in vllm_api.KIMI_K3_CONTRACT[:2])
+        assert vllm_api.MOE_RUNNER_PATH in vllm_contract.base_paths(sources, runner)
+        assert "vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter" in vllm_contract.base_paths(
+            sources, router)
