@@ -442,8 +442,7 @@ LAUNCH_DETACHED = (
 )
 
 if __name__ == "__main__":
-    # Run the importable module's serve, not this __main__ copy's: pickled steps name the classes of
-    # moetrace.writer.process.
+    # the importable module's serve, not this __main__ copy's: pickled steps name moetrace.writer.process's classes
     from moetrace.writer.process import serve as serve_steps
 
     ring, metrics = (int(fd) if int(fd) >= 0 else None for fd in sys.argv[4:6])  # where the engine shares them
