@@ -4,8 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/typecheck.sh
-python3 benchmarks/prediction_errors.py --check  # the record the report's intervals come from is the results'
-python3 benchmarks/results_index.py --check  # every evidence file cited, docs/results.md current
+python3 tools/prediction_errors.py --check  # the record the report's intervals come from is the results'
+python3 tools/results_index.py --check  # every evidence file cited, docs/results.md current
 # One worker per core, at most 2 (a worker running a vLLM engine holds up to 5 GiB): an engine on the CPU keeps
 # about one core busy, mostly importing and starting up. Tests that share one recording (xdist_group) run on one
 # worker.

@@ -4,8 +4,8 @@ traces were not recorded at, timed closed loop on a GPU) of every committed spee
 predicted speedup its interval (``analysis.uncertainty.interval_errors``); beside the cells, what following each
 recommended k cost against the measured best k; and the README's one line of GPU evidence.
 
-    python benchmarks/prediction_errors.py            # rewrite the record and the README's line from the results
-    python benchmarks/prediction_errors.py --check    # exit 1 where either is not the results' (CI)
+    python tools/prediction_errors.py            # rewrite the record and the README's line from the results
+    python tools/prediction_errors.py --check    # exit 1 where either is not the results' (CI)
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ PROVENANCE = {
         "written at 557537b in the same second as 27577f1 changed the prediction (unions); which code predicted it "
         "is not recorded"),
 }
-UNRECORDED = Provenance("re-predicted", None, "no evidence recorded in benchmarks/prediction_errors.py that the "
+UNRECORDED = Provenance("re-predicted", None, "no evidence recorded in tools/prediction_errors.py that the "
                                               "prediction code and plan were committed before the GPU ran")
 
 
@@ -160,7 +160,7 @@ def moved_from(name: str, document: dict[str, Any], row: dict[str, Any]) -> int 
     source = provenance(name).moved_from
     if source is None:
         sys.exit(f"{name}: predicted from traces moved to another context; record the context they were recorded at "
-                 "in PROVENANCE (benchmarks/prediction_errors.py)")
+                 "in PROVENANCE (tools/prediction_errors.py)")
     return source
 
 
@@ -255,6 +255,20 @@ def readme_figures(cells: list[dict[str, Any]]) -> str:
             f"{percent(max(blind))}), {len(again)} more re-predicted ({within(again)} within 10%)")
 
 
+def held_out_rows() -> list[tuple[str, str, str, int, int, float]]:
+    """Every row of every results file that sets a prediction beside a measurement at a held-out concurrency, read
+    plainly (not through ``held_out_cells``): what the record must hold, the moved-context files included."""
+    rows = []
+    for path in sorted(RESULTS.glob("*.json")):
+        document = json.loads(path.read_text())
+        found = document.get("rows") if isinstance(document, dict) else None
+        for row in found if isinstance(found, list) else []:
+            if isinstance(row, dict) and row.get("held_out_concurrency") and row.get("error") is not None:
+                rows.append((path.name, row["model"], row["drafter"], row["k"], row["concurrency"],
+                             round(row["error"], 4)))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="Exit 1 where the record is not the results'.")
@@ -264,10 +278,14 @@ def main() -> None:
     readme = README.read_text()
     said = README_FIGURES.sub(readme_figures(cells), readme, count=1)
     if args.check:
+        missing = sorted(set(held_out_rows()) - {(c["results"], c["model"], c["drafter"], c["k"], c["concurrency"],
+                                                  c["error"]) for c in cells})
+        if missing or not any(name.startswith("speedup-moved-context") for name, *_ in held_out_rows()):
+            sys.exit(f"{RECORD} leaves out held-out rows of {RESULTS}: {missing[:3]}")
         if RECORD.read_text() != text:
-            sys.exit(f"{RECORD} is not the record of {RESULTS}: run python benchmarks/prediction_errors.py")
+            sys.exit(f"{RECORD} is not the record of {RESULTS}: run python tools/prediction_errors.py")
         if said != readme or not README_FIGURES.search(readme):
-            sys.exit(f"{README} does not say {readme_figures(cells)!r}: run python benchmarks/prediction_errors.py")
+            sys.exit(f"{README} does not say {readme_figures(cells)!r}: run python tools/prediction_errors.py")
         return
     RECORD.write_text(text)
     README.write_text(said)

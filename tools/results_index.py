@@ -2,8 +2,8 @@
 commit, as ``docs/results.md``. A file no doc cites does not belong there (git keeps superseded runs); a
 ``*-measurements.json`` is cited through the validation it feeds (``compare`` reads it: the same run's name).
 
-    python benchmarks/results_index.py            # rewrite docs/results.md from the files and the docs
-    python benchmarks/results_index.py --check    # exit 1 where a file is uncited or the index is not current (CI)
+    python tools/results_index.py            # rewrite docs/results.md from the files and the docs
+    python tools/results_index.py --check    # exit 1 where a file is uncited or the index is not current (CI)
 
 The commit is the one the file names (``commit``), else the one that added it to git ("added in": the run's code is
 that commit's or an earlier one's); the command is the one the file names (``command``), else its first line.
@@ -29,7 +29,7 @@ HEADER = """# Evidence files: what each one is, who cites it, how it was made
 Every file in `benchmarks/results/`, the docs that cite it, the command that made it and its commit (the file's own,
 or the commit that added it: the run's code is that commit's or an earlier one's). A `*-measurements.json` is what a
 GPU measured; the `speedup-validation-*.json` of the same run sets the report's predictions beside it. Written by
-`python benchmarks/results_index.py`; CI checks it is current and that no file is uncited.
+`python tools/results_index.py`; CI checks it is current and that no file is uncited.
 
 | file | cited by | command | commit |
 |---|---|---|---|
@@ -108,7 +108,7 @@ def main() -> None:
         print(f"benchmarks/results/{name}: no doc cites it (cite it, or remove it: git keeps it)")
     for name in stale:
         print(f"docs/results.md: {name} is {'not listed' if name not in listed else 'listed but gone'}: "
-              "run python benchmarks/results_index.py")
+              "run python tools/results_index.py")
     sys.exit(1 if uncited or stale else 0)
 
 
