@@ -43,8 +43,8 @@ class PredictionPreset:
 
 
 def held_out_errors() -> HeldOutErrors:
-    """The committed record of the prediction's misses at held-out concurrencies (``benchmarks/
-    prediction_errors.py`` writes it from the speedup validations' results), as the intervals take them: the blind
+    """The committed record of the prediction's misses at held-out concurrencies (``tools/prediction_errors.py``
+    writes it from the speedup validations' results), as the intervals take them: the blind
     cells, or all while they are too few (``interval_errors``; its ``basis`` says which)."""
     document = json.loads((Path(__file__).parents[1] / "data" / "prediction-errors.json").read_text())
     return interval_errors(document["cells"])
