@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 from moetrace.analysis.adaptive import schedule_verdict
@@ -315,16 +316,24 @@ def budget_frontier(curves: pl.LazyFrame) -> pl.DataFrame:
     columns = list(FRONTIER_COLUMNS)
     budgets = (curves.group_by("k").agg(pl.int_range(1, pl.col("budget").max() + 1, dtype=pl.Int64).alias("budget"))
                .explode("budget"))
-    return (
+    held = (
         budgets.join(curves.select("k", "layer").unique(), on="k")
         .join(curves.select("k", "layer", "budget", *columns), on=["k", "layer", "budget"], how="left")
         .sort("k", "layer", "budget")
         .with_columns(pl.col(columns).forward_fill().over("k", "layer"))
-        .group_by("k", "budget")
-        .agg(pl.col(columns).mean())
-        .sort("k", "budget")
+        .sort("k", "budget", "layer")
         .collect()
     )
+    # summed by numpy in layer order: a float sum depends on its order, and Polars' parallel group-by changes it
+    # with the thread count (the Ray report must equal the one-machine one to the last digit)
+    groups = held.group_by("k", "budget", maintain_order=True).len()
+    starts = np.concatenate([[0], np.cumsum(groups["len"].to_numpy())[:-1]]).astype(np.int64)
+    if not held.height:
+        return groups.drop("len").with_columns(pl.lit(None, pl.Float64).alias(column) for column in columns)
+    counts = groups["len"].to_numpy()
+    return groups.drop("len").with_columns(
+        pl.Series(column, np.add.reduceat(held[column].cast(pl.Float64).to_numpy(), starts) / counts,
+                  dtype=pl.Float64).fill_nan(None) for column in columns)
 
 
 def dashboard_data(analysis: RunAnalysis) -> dict[str, Any]:

@@ -3,6 +3,11 @@ curve averaged at every budget, a curve that ended held at its last values."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import polars as pl
 import pytest
 
@@ -35,3 +40,30 @@ def test_a_frontier_of_unpriced_experts_saves_unknown_bytes_and_of_no_curves_is_
                             schema_overrides={"bytes_saved": pl.Float64})
     assert budget_frontier(unpriced.lazy())["bytes_saved"].to_list() == [None, None]
     assert budget_frontier(unpriced.clear().lazy()).is_empty()
+
+
+FRONTIER_IN_A_CHILD = """
+import sys
+import numpy as np, polars as pl
+from moetrace.report.payload import budget_frontier
+rng = np.random.default_rng(7)
+layers, budgets = 61, 200
+rows = 3 * layers * budgets
+curves = pl.DataFrame({"k": np.repeat([1, 2, 3], layers * budgets),
+                       "layer": np.tile(np.repeat(np.arange(layers), budgets), 3),
+                       "budget": np.tile(np.arange(1, budgets + 1), 3 * layers), "coverage": rng.random(rows) / 3,
+                       "rerouted_share": rng.random(rows) / 7, "bytes_saved": rng.random(rows) * 1e6 / 3})
+budget_frontier(curves.lazy()).write_parquet(sys.argv[1])
+"""
+
+
+def test_the_frontier_is_the_same_to_the_last_digit_on_any_number_of_threads(tmp_path: Path) -> None:
+    # a float sum depends on its order, which Polars' parallel group-by changes with the thread count (seen: the
+    # Ray report, its partitions on other processes, against the one-machine one)
+    frames = []
+    for threads in (1, 8):
+        out = tmp_path / f"frontier-{threads}.parquet"
+        subprocess.run([sys.executable, "-c", FRONTIER_IN_A_CHILD, str(out)], check=True,
+                       env={**os.environ, "POLARS_MAX_THREADS": str(threads)})
+        frames.append(pl.read_parquet(out))
+    assert frames[0].height == 3 * 200 and frames[0].equals(frames[1])
