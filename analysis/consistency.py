@@ -16,7 +16,10 @@ def routing_gaps(routing: pl.LazyFrame, steps: pl.LazyFrame, sampled_requests: b
     routing rows (``missing``: counted on the first recorded layer), and routed request-steps the steps table
     does not list (``unlisted``). ``sampled_requests``: the routing rows are of some requests only (one request in
     N), so only the request-steps of requests with routing rows are listed."""
-    routed = (routing.filter(not_prefill() & (pl.col("layer") == pl.col("layer").min()))
+    # the first layer found first: as a filter's own aggregate, Polars held every row's keys to take it (0.8 GB at
+    # 60M rows)
+    first_layer = routing.select(pl.col("layer").min()).collect().item()
+    routed = (routing.filter(not_prefill() & (pl.col("layer") == first_layer))
               .group_by(KEYS).agg(routed_tokens=pl.len()))
     listed = steps.filter(decoding()).select(*KEYS, "num_tokens")
     if sampled_requests:

@@ -18,7 +18,7 @@ import polars as pl
 from moetrace.analysis.acceptance import mean_ms
 from moetrace.analysis.calibration import AttentionCurve
 from moetrace.analysis.cost import end_to_end_speedup
-from moetrace.analysis.predicates import decoding
+from moetrace.analysis.predicates import decoding, phase_is
 from moetrace.analysis.sources import Source
 
 # Upper bounds (tokens of context, inclusive) of every bucket but the last, which is open: ≤1K, 1-4K, 4-16K, 16-64K,
@@ -78,7 +78,7 @@ def acceptance_by_context(steps: pl.LazyFrame, contexts: pl.LazyFrame, k: int) -
 def experts_by_context(routing: pl.LazyFrame, contexts: pl.LazyFrame) -> pl.DataFrame:
     """Per context bucket and MoE layer: verification windows (a request-step's anchor and drafts in one layer) and
     the mean number of unique experts one window read."""
-    verify = routing.filter(pl.col("phase").cast(pl.String) == "verify")
+    verify = routing.filter(phase_is("verify"))
     windows = verify.group_by(*KEYS, "layer").agg(unique=pl.col("experts").explode().n_unique())
     table = windows.join(contexts, on=list(KEYS)).group_by("bucket", "layer").agg(
         windows=pl.len().cast(pl.Int64), unique_experts=pl.col("unique").mean().cast(pl.Float64)

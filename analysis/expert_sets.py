@@ -4,6 +4,7 @@ vectorised word operations instead of a hash per (window, expert) pair."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -92,9 +93,14 @@ class MaskTable:
         return out.reshape(*experts.shape[:-1], words)
 
 
+@functools.lru_cache(maxsize=4)
+def _mask_table(num_experts: int) -> MaskTable:
+    return MaskTable(num_experts)  # built once per expert count: its table of pairs takes milliseconds to build
+
+
 def expert_masks(experts: npt.NDArray[np.integer], num_experts: int) -> Masks:
     """``experts`` [rows, slots] of expert ids per row -> bitsets [rows, words]."""
-    return MaskTable(num_experts, pairs=False).masks(experts)
+    return _mask_table(num_experts).masks(experts)
 
 
 def window_union(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import polars as pl
 
 from moetrace.analysis.growth import WindowRows
 
-CHUNK_ROWS = 4_000_000  # rows counted at a time: their flattened keys stay around 128 MB
+CHUNK_ROWS = 1 << 18  # rows counted at a time: their keys, as bincount copies them, stay around 16 MB
 
 
 def expert_load(rows: WindowRows, num_experts: int) -> pl.DataFrame:
@@ -17,9 +19,11 @@ def expert_load(rows: WindowRows, num_experts: int) -> pl.DataFrame:
         return pl.DataFrame(schema={"layer": pl.UInt16(), "expert": pl.UInt16(), "picks": pl.Int64()})
     bins = (int(rows.layer.max()) + 1) * num_experts
     counts = np.zeros(bins, dtype=np.int64)
+    # keys in the narrowest type that holds them all: the cheapest to add up (a Python int keeps an array's type)
+    key_type: type[np.unsignedinteger[Any]] = np.uint16 if bins <= 1 << 16 else np.uint32
     for start in range(0, len(rows.layer), CHUNK_ROWS):
-        layer = rows.layer[start : start + CHUNK_ROWS].astype(np.int32)
-        keys = layer[:, None] * num_experts + rows.experts[start : start + CHUNK_ROWS]
+        layer = rows.layer[start : start + CHUNK_ROWS].astype(key_type)
+        keys = layer[:, None] * num_experts + rows.experts[start : start + CHUNK_ROWS].astype(key_type)
         counts += np.bincount(keys.ravel(), minlength=bins)
     picked = np.flatnonzero(counts)
     return pl.DataFrame({
