@@ -15,16 +15,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import polars as pl
 
 from moetrace.analysis.counterfactual import CutSequence, Proposals, proposed_drafts
-from moetrace.analysis.predicates import HASH_RANGE, accepted_sequence, in_sequence, not_prefill, step_key
+from moetrace.analysis.expert_sets import group_starts
+from moetrace.analysis.predicates import HASH_RANGE, accepted_sequence, in_sequence, not_prefill, phase_is, step_key
 
 WINDOW = ["layer", "window_major", "window_minor"]
-NEVER_KEPT = 1 << 30  # rank of a picked expert the candidates did not list
 
 
 def budget_windows(routing: pl.LazyFrame, k: int, measured: bool, share: float = 1.0) -> pl.LazyFrame:
@@ -36,7 +37,7 @@ def budget_windows(routing: pl.LazyFrame, k: int, measured: bool, share: float =
     means over windows, so a uniform sample estimates them at a fraction of the cost."""
     if not measured:
         return CutSequence(accepted_sequence(routing).collect(), 0, None).windows(k, share=share, full=True)[0].lazy()
-    keyed = routing.filter(pl.col("phase").cast(pl.String) == "verify").with_columns(
+    keyed = routing.filter(phase_is("verify")).with_columns(
         window_major=step_key(), window_minor=pl.col("request")
     )
     if share < 1.0:
@@ -83,9 +84,10 @@ class WindowSample:
 
     def request_windows(self, k: int, max_windows: int) -> tuple[pl.LazyFrame, float]:
         """The counterfactual windows at ``k`` (``counterfactual``: one per request-step, as many accepted tokens as
-        its drafter proposed), keyed as ``CutSequence.windows``, thinned to about ``max_windows`` windows per layer;
-        with the share of the trace's windows they stand for."""
-        keyed, share = self.sequence.windows(k, max_windows)
+        its drafter proposed): the layer and experts of their rows (what ``concurrency`` reads), keyed as
+        ``CutSequence.windows``, thinned to about ``max_windows`` windows per layer; with the share of the trace's
+        windows they stand for."""
+        keyed, share = self.sequence.windows(k, max_windows, columns=["layer", "experts"])
         return keyed.lazy(), share * self.share
 
     def request_steps(self, max_windows: int) -> tuple[pl.LazyFrame, float]:
@@ -108,16 +110,30 @@ def sample_share(rows: int, max_rows: int = MAX_SAMPLE_ROWS) -> float:
     return min(1.0, max_rows / max(rows, 1))
 
 
+SAMPLE_KEYS = ["layer", "step", "dp_rank", "request", "position", "phase", "draft_pos", "accepted"]
+
+
 def sampled_windows(routing: pl.LazyFrame, share: float, columns: list[str],
                     experts: npt.NDArray[np.integer] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The accepted and stepped tables of a ``WindowSample`` at ``share`` (``sampled_tables``); ``columns`` besides
+    the keys every window needs; ``experts``: every non-prefill row's, in recording order, where the caller has
+    decoded them already (``growth.decode_and_verify``): not decoded again (``with_experts``)."""
+    if experts is None:
+        return sampled_tables(routing, share, columns)
+    accepted, stepped = sampled_tables(routing, share, columns, experts_apart=True)
+    return with_experts(accepted, experts, columns), with_experts(stepped, experts, columns)
+
+
+def sampled_tables(routing: pl.LazyFrame, share: float, columns: list[str],
+                   experts_apart: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The accepted and stepped tables of a ``WindowSample`` at ``share``, read in one pass over the rows (each
-    table's rows flagged, then split: a pass decodes every row's columns before any filter); ``columns`` besides the
-    keys every window needs; ``experts``: every non-prefill row's, in recording order, where the caller has decoded
-    them already (``growth.decode_and_verify``): not decoded again. Each row is kept or not by a hash of its own
-    block or step key, so the sample of a trace's parts is the sample of the whole."""
-    keys = ["layer", "step", "dp_rank", "request", "position", "phase", "draft_pos", "accepted"]
-    chosen = [*keys, *columns]
-    read = [name for name in chosen if experts is None or name != "experts"]
+    table's rows flagged, then split: a pass decodes every row's columns before any filter); ``experts_apart``:
+    without experts, each row with its index among the non-prefill rows instead (for ``with_experts``). Each row is
+    kept or not by a hash of its own block or step key, so the sample of a trace's parts is the sample of the
+    whole."""
+    chosen = [*SAMPLE_KEYS, *columns]
+    read = [name for name in chosen if not experts_apart or name != "experts"] + (
+        ["non_prefill_row"] if experts_apart else [])
     in_accepted, in_stepped = in_sequence(), pl.lit(True)
     if share < 1.0:
         in_accepted, in_stepped = in_accepted & block_sampled(share), step_sampled(share)
@@ -125,14 +141,19 @@ def sampled_windows(routing: pl.LazyFrame, share: float, columns: list[str],
             .with_columns(in_accepted=in_accepted, in_stepped=in_stepped)
             .with_row_index("non_prefill_row")
             .filter(pl.col("in_accepted") | pl.col("in_stepped"))
-            .select(*read, "step_key", "in_accepted", "in_stepped", "non_prefill_row").collect())
-    if experts is not None and "experts" in chosen:
-        taken = experts[both.get_column("non_prefill_row").to_numpy()]
-        both = both.with_columns(pl.Series("experts", taken, routing.collect_schema()["experts"]))
+            .select(*read, "step_key", "in_accepted", "in_stepped").collect())
     # one chunk each: Polars sorts and gathers a frame of many chunks (one per file and row group) many times slower
     # (a 3M-row sample: 11 s against 0.6 s)
-    return (both.filter("in_accepted").select(chosen).rechunk(),
-            both.filter("in_stepped").select(*chosen, "step_key").rechunk())
+    return (both.filter("in_accepted").select(read).rechunk(),
+            both.filter("in_stepped").select(*read, "step_key").rechunk())
+
+
+def with_experts(table: pl.DataFrame, experts: npt.NDArray[np.integer], columns: list[str]) -> pl.DataFrame:
+    """A table of ``sampled_tables`` read with ``experts_apart`` (and ``columns``), each row with its experts, taken
+    from ``experts``: every non-prefill row's, in recording order."""
+    taken = experts[table.get_column("non_prefill_row").to_numpy()]
+    order = [*SAMPLE_KEYS, *columns, *(["step_key"] if "step_key" in table.columns else [])]
+    return table.with_columns(pl.Series("experts", taken, pl.Array(pl.UInt16, taken.shape[1]))).select(order)
 
 
 def block_sampled(share: float) -> pl.Expr:
@@ -164,78 +185,103 @@ def window_share(rows: int, layers: int, k: int, max_windows: int) -> float:
 def budget_curves(windows: pl.LazyFrame, expert_bytes: int | None, use_candidates: bool) -> pl.DataFrame:
     """Per (layer, budget) from 1 to the largest useful budget: see the module doc for the columns (``bytes_saved``
     null where ``expert_bytes`` is: a format the cost model cannot price)."""
-    # The windows feed four aggregations: collected once (they are a sample of a long trace), not rescanned.
+    # Counted in numpy, the rows ordered by window and position: Polars' joins and window functions over the picks
+    # took a second per k for a sample of 30,000 windows.
     columns = [*WINDOW, "position", "experts", "weights", *(["cand_experts", "cand_scores"] if use_candidates else [])]
-    windows = windows.select(columns).collect().lazy()
-    picks = windows.select(
-        *WINDOW,
-        "position",
-        pl.col("experts").arr.to_list().alias("expert"),
-        pl.col("weights").arr.to_list().cast(pl.List(pl.Float64)).alias("weight"),
-    ).explode("expert", "weight")
-    picked = picks.group_by(*WINDOW, "expert").agg(pl.col("weight").sum())
+    frame = windows.select(columns).collect()
+    keys = [frame.get_column(name).to_numpy() for name in (*WINDOW, "position")]
+    order = np.lexsort(keys[::-1])
+    ordered = [key[order] for key in keys]
+    window_firsts = group_starts(*ordered[:3])
+    window = _group_of_row(window_firsts, len(order))  # [rows]: windows numbered in WINDOW order
+    token_firsts = group_starts(*ordered)  # a token: a window's rows at one position
+    layers, window_layer = np.unique(ordered[0][window_firsts], return_inverse=True)
+
+    def column(name: str) -> npt.NDArray[Any]:
+        values: npt.NDArray[Any] = frame.get_column(name).to_numpy()[order]
+        return values
+
+    def keyed(name: str) -> npt.NDArray[np.int64]:  # window · 2^16 + expert, per (row, slot) in row order
+        experts = column(name)
+        return (np.repeat(window, experts.shape[1]) << 16) | experts.reshape(-1).astype(np.int64)
+
+    pick = keyed("experts")
+    weights = column("weights").reshape(-1).astype(np.float64)
+    picked, picked_weight, of_pick = _summed(pick, weights)
     if use_candidates:
-        candidates = windows.select(
-            *WINDOW,
-            pl.col("cand_experts").arr.to_list().alias("expert"),
-            pl.col("cand_scores").arr.to_list().cast(pl.List(pl.Float64)).alias("score"),
-        ).explode("expert", "score")
-        scored = (
-            candidates.group_by(*WINDOW, "expert")
-            .agg(pl.col("score").sum())
-            .join(picked, on=[*WINDOW, "expert"], how="left")
-            .with_columns(pl.col("weight").fill_null(0.0))
-        )
+        scored, score, _ = _summed(keyed("cand_experts"), column("cand_scores").reshape(-1).astype(np.float64))
+        weight = _looked_up(picked, picked_weight, scored, 0.0)
     else:
-        scored = picked.with_columns(score=pl.col("weight"))
+        scored, score, weight = picked, picked_weight, picked_weight
+    # each scored expert's rank in its window: by score, descending, then by expert
+    by_rank = pl.DataFrame({"window": scored >> 16, "score": score, "expert": scored & 0xFFFF}).select(
+        pl.arg_sort_by("window", "score", "expert", descending=[False, True, False])).to_series().to_numpy()
+    rank = np.empty(len(scored), dtype=np.int64)
+    firsts = group_starts(scored[by_rank] >> 16)
+    rank[by_rank] = np.arange(len(scored)) - firsts[_group_of_row(firsts, len(scored))] + 1
+    budgets = int(rank.max(initial=0))
+    scored_layer = window_layer[scored >> 16]
+    deepest = np.zeros(len(layers), dtype=np.int64)  # per layer, its largest budget: the most experts a window scored
+    np.maximum.at(deepest, scored_layer, rank)
 
-    def rank_by(column: str) -> pl.Expr:
-        return (pl.int_range(pl.len()) + 1).over(WINDOW, order_by=[pl.col(column).neg(), pl.col("expert")])
+    def per_budget(layer: npt.NDArray[np.intp], budget: npt.NDArray[np.int64],
+                   values: npt.NDArray[np.float64] | None = None) -> npt.NDArray[Any]:
+        """[layers, budgets]: how many (or ``values`` summed, in their order) per layer and budget 1..budgets; a
+        budget past them (an expert no candidate listed) is dropped."""
+        counted = np.bincount(layer * (budgets + 2) + budget, values, minlength=len(layers) * (budgets + 2))
+        return counted.reshape(len(layers), budgets + 2)[:, 1 : budgets + 1]
 
-    ranked = scored.with_columns(rank_by("score").alias("rank"))
-    # summed in one row order (``ranked`` comes out of group_bys in any): the same float sums run after run
-    kept_by_rank = (ranked.sort(*WINDOW, "expert").group_by("layer", pl.col("rank").alias("budget"))
-                    .agg(kept_weight=pl.col("weight").sum()))
-    windows_reaching = (  # windows with at least `budget` picked experts
-        picked.with_columns(rank_by("weight").alias("budget")).group_by("layer", "budget").agg(reaching=pl.len())
-    )
-    worst_rank_per_token = (
-        picks.join(ranked.select(*WINDOW, "expert", "rank"), on=[*WINDOW, "expert"], how="left")
-        .group_by(*WINDOW, "position")
-        .agg(pl.col("rank").fill_null(NEVER_KEPT).max().alias("budget"))
-        .group_by("layer", "budget")
-        .agg(tokens_served=pl.len())
-    )
-    totals = picks.group_by("layer").agg(total_weight=pl.col("weight").sum()).join(
-        picks.select(*WINDOW, "position").unique().group_by("layer").agg(total_tokens=pl.len()), on="layer"
-    ).join(picked.select(*WINDOW).unique().group_by("layer").agg(total_windows=pl.len()), on="layer")
-    per_layer = pl.col("budget")
-    return (
-        kept_by_rank.join(windows_reaching, on=["layer", "budget"], how="left")
-        .join(worst_rank_per_token, on=["layer", "budget"], how="left")
-        .join(totals, on="layer")
-        .fill_null(0)
-        .sort("layer", "budget")
-        .with_columns(
-            coverage=pl.col("kept_weight").cum_sum().over("layer", order_by=per_layer) / pl.col("total_weight"),
-            rerouted_share=1.0
-            - pl.col("tokens_served").cum_sum().over("layer", order_by=per_layer) / pl.col("total_tokens"),
-            experts_read=pl.col("reaching").cum_sum().over("layer", order_by=per_layer) / pl.col("total_windows"),
-            mean_unique=pl.col("reaching").sum().over("layer") / pl.col("total_windows"),
-        )
-        .with_columns(experts_saved=pl.col("mean_unique") - pl.col("experts_read"))
-        .with_columns(bytes_saved=pl.col("experts_saved") * (None if expert_bytes is None else float(expert_bytes)))
-        .select(
-            pl.col("layer"),
-            pl.col("budget").cast(pl.Int64),
-            "coverage",
-            "rerouted_share",
-            "experts_read",
-            "experts_saved",
-            "bytes_saved",
-        )
-        .collect()
-    )
+    kept_weight = per_budget(scored_layer, rank, weight)  # summed in (window, expert) order: the same sums each run
+    unique = np.bincount(picked >> 16, minlength=len(window_layer))  # picked experts per window
+    # windows with at least b picked experts: those with b or more, counted down from the most
+    reaching = np.cumsum(per_budget(window_layer, np.minimum(unique, budgets))[:, ::-1], axis=1)[:, ::-1]
+    slots = len(pick) // max(len(order), 1)
+    pick_rank = (_looked_up(scored, rank, picked, budgets + 1) if use_candidates else rank)[of_pick]
+    worst = (np.maximum.reduceat(pick_rank, token_firsts * slots)
+             if len(pick) else np.zeros(0, dtype=np.int64))  # the rank a budget must reach to serve each token
+    token_layer = window_layer[window[token_firsts]]
+    served = per_budget(token_layer, worst)
+    total_weight = np.bincount(np.repeat(window_layer[window], slots), weights, minlength=len(layers))
+    total_tokens = np.bincount(token_layer, minlength=len(layers))
+    total_windows = np.bincount(window_layer, minlength=len(layers))
+    valid = np.arange(1, budgets + 1)[None, :] <= deepest[:, None]
+    row_layer, row_budget = np.nonzero(valid)
+    windows_of_row = total_windows[row_layer]
+    mean_unique = np.where(valid, reaching, 0).sum(axis=1)[row_layer] / windows_of_row
+    experts_read = np.cumsum(reaching, axis=1)[valid] / windows_of_row
+    experts_saved = mean_unique - experts_read
+    return pl.DataFrame({
+        "layer": pl.Series(layers[row_layer], dtype=frame.schema["layer"]),
+        "budget": row_budget.astype(np.int64) + 1,
+        "coverage": np.cumsum(kept_weight, axis=1)[valid] / total_weight[row_layer],
+        "rerouted_share": 1.0 - np.cumsum(served, axis=1)[valid] / total_tokens[row_layer],
+        "experts_read": experts_read,
+        "experts_saved": experts_saved,
+    }).with_columns(bytes_saved=pl.col("experts_saved") * (None if expert_bytes is None else float(expert_bytes)))
+
+
+def _group_of_row(firsts: npt.NDArray[np.int64], rows: int) -> npt.NDArray[np.int64]:
+    """Each row's group, from the groups' first rows."""
+    return np.repeat(np.arange(len(firsts)), np.diff(np.append(firsts, rows)))
+
+
+def _summed(keys: npt.NDArray[np.int64], values: npt.NDArray[np.float64]) -> tuple[
+        npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """Each key once, ascending, with its values summed (in row order), and the index of each row's key."""
+    order = np.argsort(keys, kind="stable")
+    firsts = group_starts(keys[order])
+    of_row = np.empty(len(keys), dtype=np.int64)
+    of_row[order] = _group_of_row(firsts, len(keys))
+    return keys[order][firsts], np.add.reduceat(values[order], firsts) if len(firsts) else values[:0], of_row
+
+
+def _looked_up(keys: npt.NDArray[np.int64], values: npt.NDArray[Any], wanted: npt.NDArray[np.int64],
+               missing: Any) -> npt.NDArray[Any]:
+    """The value of each ``wanted`` key in ascending ``keys`` (``missing`` where absent)."""
+    if len(keys) == 0:
+        return np.full(len(wanted), missing, dtype=values.dtype)
+    at = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+    return np.where(keys[at] == wanted, values[at], missing)
 
 
 def smallest_budgets(curves: pl.LazyFrame, coverage: float) -> pl.DataFrame:

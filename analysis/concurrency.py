@@ -29,6 +29,7 @@ unioned). Per layer, with the experts on the busiest rank under an expert placem
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +47,7 @@ from moetrace.analysis.expert_sets import (
     per_rank_counts,
     rank_masks,
 )
-from moetrace.analysis.predicates import step_key
+from moetrace.analysis.predicates import phase_is, step_key
 from moetrace.analysis.sources import Source, least_direct_expr
 
 MIN_MEASURED_STEPS = 5
@@ -90,7 +91,7 @@ def request_prompts(routing: pl.LazyFrame) -> dict[int, int]:
     rows end at the same position and agree at every position it holds. A request with no prefill rows, or whose
     token ids the trace did not record, is its own."""
     first_layer = routing.select(pl.col("layer").min()).collect().item()
-    keyed = (routing.filter((pl.col("phase").cast(pl.String) == "prefill") & (pl.col("layer") == first_layer))
+    keyed = (routing.filter(phase_is("prefill") & (pl.col("layer") == first_layer))
              .group_by("request")
              .agg(pl.col("token").null_count().alias("unknown"), pl.col("position").sort().alias("positions"),
                   pl.col("token").sort_by("position").alias("tokens"))
@@ -119,6 +120,15 @@ def request_prompts(routing: pl.LazyFrame) -> dict[int, int]:
     return {request: numbers.setdefault(found[request], len(numbers)) for request in sorted(found)}
 
 
+def prompt_numbers(prompts: Mapping[int, int], requests: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Each request's prompt number (``request_prompts``); -1 - request for a request that is its own."""
+    known = np.fromiter(prompts.keys(), dtype=np.int64, count=len(prompts))
+    order = np.argsort(known)
+    known, numbers = known[order], np.fromiter(prompts.values(), dtype=np.int64, count=len(prompts))[order]
+    at = np.minimum(np.searchsorted(known, requests), max(len(known) - 1, 0))
+    return np.where(known[at] == requests, numbers[at], -1 - requests) if len(known) else -1 - requests
+
+
 def holds_tail(positions: list[int], tokens: list[int], tail_positions: list[int], tail_tokens: list[int]) -> bool:
     """Whether a prompt's prefill rows (``positions``, ``tokens``, sorted by position) read ``tail_tokens`` at every
     one of ``tail_positions``."""
@@ -143,15 +153,22 @@ class LayerWindows:
 
 
 def window_masks(windows: pl.LazyFrame, num_experts: int, request_key: str) -> dict[int, LayerWindows]:
-    """Per layer, the windows' ``LayerWindows``; ``request_key``: the key column that holds the request."""
-    frame = windows.select(*WINDOW, "experts").sort(WINDOW).collect()
+    """Per layer, the windows' ``LayerWindows`` (ordered by their ``WINDOW`` key); ``request_key``: the key column
+    that holds the request."""
+    frame = windows.select(*WINDOW, "experts").collect()
+    keys = [frame.get_column(name).to_numpy() for name in WINDOW]
+    experts = frame.get_column("experts").to_numpy()
+    order = np.lexsort(keys[::-1])  # the samples' windows come in key order: then nothing is moved
+    if bool((order != np.arange(len(order))).any()):
+        keys, experts = [key[order] for key in keys], experts[order]
+    layer, major, minor = keys
+    requests = major if request_key == "window_major" else minor
     out: dict[int, LayerWindows] = {}
-    for (layer,), part in frame.group_by("layer", maintain_order=True):
-        major = part["window_major"].to_numpy().astype(np.int64)
-        starts = group_starts(major, part["window_minor"].to_numpy())
-        masks = group_union(expert_masks(part["experts"].to_numpy(), num_experts), starts)
-        out[int(str(layer))] = LayerWindows(masks, major[starts],
-                                            part[request_key].to_numpy().astype(np.int64)[starts])
+    bounds = np.append(group_starts(layer), len(layer)).tolist()
+    for first, end in zip(bounds[:-1], bounds[1:]):  # a layer's bitsets at a time: all of them would be 100 MB
+        starts = first + group_starts(major[first:end], minor[first:end])
+        masks = group_union(expert_masks(experts[first:end], num_experts), starts - first)
+        out[int(layer[first])] = LayerWindows(masks, major[starts].astype(np.int64), requests[starts].astype(np.int64))
     return out
 
 
@@ -209,7 +226,7 @@ def sampled_batch_unions(masks: Masks, prompts: npt.NDArray[np.int64], batch: in
     drawn = np.argpartition(-keys, rest - 1, axis=1)[:, :rest] if rest else np.zeros((draws, 0), dtype=np.int64)
     chosen = np.concatenate([np.tile(np.arange(len(counts)), (draws, every)), drawn], axis=1)
     picks = by_prompt[firsts[chosen] + (rng.random(chosen.shape) * counts[chosen]).astype(np.int64)]
-    return np.bitwise_or.reduce(masks[picks], axis=1), False
+    return np.bitwise_or.reduce(masks[picks.T], axis=0), False  # each draw's windows ORed in whole rows: 2-5x faster
 
 
 def batch_unions(recorded: Mapping[int, RecordedK], num_experts: int, top_k: int,
@@ -219,8 +236,9 @@ def batch_unions(recorded: Mapping[int, RecordedK], num_experts: int, top_k: int
     on (windows, measured steps), the uniform bound and the source (see the module doc). ``recorded``: the sweep's
     traces by k."""
     ranks = rank_masks(expert_rank, num_experts)
-    rows: list[dict[str, object]] = []
-    for k in ks:
+
+    def at(k: int) -> list[dict[str, object]]:
+        rows: list[dict[str, object]] = []
         drawn = recorded[drawn_from(recorded, k)]
         at_k = k in recorded and not drawn.scheduled
         if at_k:
@@ -231,7 +249,7 @@ def batch_unions(recorded: Mapping[int, RecordedK], num_experts: int, top_k: int
             sizes = {}
         per_layer = window_masks(windows, num_experts, "window_minor" if at_k else "window_major")
         for layer, found in sorted(per_layer.items()):
-            prompts = np.array([drawn.prompts.get(int(r), -1 - int(r)) for r in found.requests], dtype=np.int64)
+            prompts = prompt_numbers(drawn.prompts, found.requests)
             by_step = StepUnions.of(found.masks, found.major, prompts, sizes) if at_k else None
             for batch in batches:
                 unions = by_step.ran(batch) if by_step is not None else found.masks[:0]
@@ -252,6 +270,11 @@ def batch_unions(recorded: Mapping[int, RecordedK], num_experts: int, top_k: int
                              "ranks_touched": float((on_rank > 0).sum(axis=1).mean()),
                              "uniform_bound": uniform_unique_experts(num_experts, top_k, batch * (k + 1)),
                              "windows": len(found.masks), "steps": measured_steps, "source": source.value})
+        return rows
+
+    # two ks at a time: their windows are cut by Polars and counted by numpy, both of which let go of the GIL
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        rows = [row for found in pool.map(at, ks) for row in found]
     return pl.DataFrame(rows, schema=SCHEMA).sort("k", "batch", "layer")
 
 
