@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -25,7 +26,7 @@ import polars as pl
 
 from moetrace.analysis.concurrency import uniform_unique_experts
 from moetrace.analysis.counterfactual import Proposals, proposed_drafts, window_spans, window_tokens
-from moetrace.analysis.predicates import accepted_sequence, in_sequence, not_prefill, step_key
+from moetrace.analysis.predicates import accepted_sequence, in_sequence, not_prefill, phase_is, step_key
 from moetrace.analysis.sources import RANKS, Source
 from moetrace.analysis.streamed_windows import (
     Columns,
@@ -33,6 +34,7 @@ from moetrace.analysis.streamed_windows import (
     array_batches,
     counterfactual_streamed,
     routing_batches,
+    token_major_counts,
 )
 from moetrace.analysis.expert_sets import (
     Masks,
@@ -188,6 +190,23 @@ class WindowRows:
     def take(self, index: slice | npt.NDArray[np.int64]) -> WindowRows:
         return WindowRows(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
 
+    def token_layers(self) -> npt.NDArray[np.uint16] | None:
+        """The layers each token's rows hold, in row order, where the rows are token-major as the recorder writes
+        them: each token's rows consecutive, in one layer order, with its keys on every one (step, request,
+        position, draft position, in the sequence or not), and the steps in order (then layer i's rows are every L-th
+        row, as ``by_layer`` takes them); else None."""
+        rows = len(self.layer)
+        repeat = np.flatnonzero(self.layer[1 : 1 << 16] == self.layer[0]) if rows else np.zeros(0, np.int64)
+        width = int(repeat[0]) + 1 if len(repeat) else rows
+        layers = self.layer[:width]
+        if rows == 0 or rows % width or len(np.unique(layers)) != width:
+            return None
+        for values in (self.layer, self.step, self.request, self.position, self.draft_pos, self.in_sequence):
+            grid = values.reshape(-1, width)
+            if not bool((grid == (layers if values is self.layer else grid[:, :1])).all()):
+                return None
+        return layers if bool(np.all(np.diff(self.step[::width]) >= 0)) else None
+
     def by_layer(self) -> Iterator[tuple[int, WindowRows]]:
         """Each layer's rows with every verification window's rows contiguous. The recorder writes rows
         token-major, every token with the same layers in the same order: then layer i is every L-th row (a strided
@@ -215,29 +234,35 @@ class WindowRows:
             yield layer, part
 
 
+DECODE_BATCH_ROWS = 1 << 20
+"""Rows ``decode_and_verify`` takes from Polars at a time."""
+
+
 def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
-    """The trace's non-prefill rows as ``WindowRows``: one pass over the files; each column moved into numpy and
-    dropped from the Polars frame in turn, so that the peak holds the frame and one column's copy, not two frames."""
-    frame = (
-        routing.filter(not_prefill())
-        .select(
-            "layer",
-            step_key().alias("step"),
-            "request",
-            "position",
-            "draft_pos",
-            (pl.col("phase").cast(pl.String) == "verify").alias("is_verify"),
-            in_sequence().alias("in_sequence"),
-            "experts",
-        )
-        .collect()
-    )
-    columns = {}
-    for field in dataclasses.fields(WindowRows):
-        columns[field.name] = np.ascontiguousarray(frame.drop_in_place(field.name).to_numpy())
-    if frame.height == 0 and columns["experts"].ndim == 1:  # an empty list column has no width
-        columns["experts"] = columns["experts"].reshape(0, 0).astype(np.uint16)
-    return WindowRows(**columns)
+    """The trace's non-prefill rows as ``WindowRows``: one pass over the files, streamed in batches straight into
+    numpy arrays (collected whole, the Polars frame and its numpy copy both stood in memory: 4 GB at 60M rows)."""
+    query = routing.filter(not_prefill()).select(
+        "layer", step_key().alias("step"), "request", "position", "draft_pos", phase_is("verify").alias("is_verify"),
+        in_sequence().alias("in_sequence"), "experts")
+    most = int(routing.select(pl.len()).collect().item())  # rows allocated, not touched: what no batch fills costs none
+    columns: dict[str, npt.NDArray[Any]] = {}
+    filled = 0
+    for batch in query.collect_batches(chunk_size=DECODE_BATCH_ROWS, maintain_order=True):
+        for name in batch.columns:
+            at = filled
+            for chunk in batch.get_column(name).get_chunks():
+                values = chunk.to_numpy()
+                if name not in columns:
+                    columns[name] = np.empty((most, *values.shape[1:]), dtype=values.dtype)
+                columns[name][at : at + len(values)] = values
+                at += len(values)
+        filled += batch.height
+    if not filled:  # no batch, or an empty one: the empty frame's columns (an empty list column has no width)
+        empty = query.clear().collect()
+        columns = {name: empty.get_column(name).to_numpy() for name in empty.columns}
+        if columns["experts"].ndim == 1:
+            columns["experts"] = columns["experts"].reshape(0, 0).astype(np.uint16)
+    return WindowRows(**{field.name: columns[field.name][:filled] for field in dataclasses.fields(WindowRows)})
 
 
 def measured_window_sums(
@@ -245,8 +270,12 @@ def measured_window_sums(
 ) -> pl.DataFrame:
     """Window sums (``WINDOW_SUMS_SCHEMA``) of unique experts per recorded request-step (per request) and per step
     (whole batch, where ``whole_steps``: not where the rows are of one request in N), drafts capped at k, k =
-    0..trace_k. ``rows``: ``decode_and_verify`` of the trace."""
+    0..trace_k. ``rows``: ``decode_and_verify`` of the trace. Token-major rows (``WindowRows.token_layers``) are
+    counted over every layer at once, a chunk of whole steps at a time; others layer by layer."""
     ranks = rank_masks(expert_rank, num_experts)
+    layers = rows.token_layers()
+    if layers is not None:
+        return _token_major(rows, layers, num_experts, trace_k, ranks, whole_steps)[0]
     found: list[dict[str, object] | None] = []
     for layer, part in rows.by_layer():
         masks = expert_masks(part.experts, num_experts)
@@ -261,6 +290,26 @@ def measured_window_sums(
             if whole_steps:
                 found.append(_window_row(layer, k, MEASURED, PER_BATCH, group_union(read, group_starts(step)), ranks))
     return _frame(found)
+
+
+def _token_major(rows: WindowRows, layers: npt.NDArray[np.uint16], num_experts: int, measured_k: int, ranks: Masks,
+                 whole_steps: bool, counterfactual: tuple[Sequence[int], int, Proposals | None] | None = None
+                 ) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+    """The window sums of token-major ``rows`` holding ``layers`` (``streamed_windows.token_major_counts``: each
+    token's rows read in place, not copied out of every L-th row layer by layer, a cache miss each for every column):
+    measured as ``measured_window_sums``, rows in its order, and counterfactual where asked (its ks, the trace's k and
+    its proposals; None where the rows do not stream)."""
+    width, ks = len(layers), range(measured_k + 1)
+    keys = ("step", "request", "position", "draft_pos", "in_sequence")
+    tokens = {name: getattr(rows, name)[::width] for name in keys}  # a token's keys: its first row's
+    measured, cut = token_major_counts(rows.experts.reshape(len(tokens["step"]), width, -1), tokens, num_experts, ks,
+                                       whole_steps, ranks, counterfactual)
+    scopes = list(zip((PER_REQUEST, PER_BATCH), measured))
+    sums = _frame([stats.row(index, layer, k, MEASURED, scope) for index, layer in enumerate(layers.tolist())
+                   for k in ks for scope, stats in scopes])
+    if cut is None or counterfactual is None:
+        return sums, None
+    return sums, _frame(cut.rows(layers.astype(np.int64), counterfactual[0], COUNTERFACTUAL, PER_REQUEST))
 
 
 def rejected_only_sums(rows: WindowRows, num_experts: int) -> pl.DataFrame:
@@ -314,10 +363,24 @@ def growth_sums(
 ) -> pl.DataFrame:
     """Window sums of the measured (k ≤ trace_k) and counterfactual (every k in ks) growth per layer.
     ``rows``: ``decode_and_verify`` of ``routing``; ``proposals``: its ``counterfactual.proposed_drafts``;
-    ``whole_steps``: as ``measured_window_sums``."""
-    measured = measured_window_sums(rows, num_experts, min(trace_k, max(ks, default=0)), expert_rank, whole_steps)
-    return pl.concat([measured, counterfactual_window_sums(routing, num_experts, ks, expert_rank, trace_k, proposals,
-                                                           rows)])
+    ``whole_steps``: as ``measured_window_sums``. Token-major rows (``WindowRows.token_layers``) are read once for
+    both, in two threads."""
+    layers = rows.token_layers()
+    if layers is None:
+        measured = measured_window_sums(rows, num_experts, measured_k(trace_k, ks), expert_rank, whole_steps)
+        return pl.concat([measured, counterfactual_window_sums(routing, num_experts, ks, expert_rank, trace_k,
+                                                               proposals, rows)])
+    found = Proposals.of(proposals) if trace_k else None
+    measured, counterfactual = _token_major(rows, layers, num_experts, measured_k(trace_k, ks),
+                                            rank_masks(expert_rank, num_experts), whole_steps, (ks, trace_k, found))
+    if counterfactual is None:  # a request went back to a position it had passed
+        counterfactual = _counterfactual_sorted(routing, num_experts, ks, expert_rank, trace_k, found)
+    return pl.concat([measured, counterfactual])
+
+
+def measured_k(trace_k: int, ks: Sequence[int]) -> int:
+    """The largest k of ``ks`` a trace recorded at ``trace_k`` measured (``growth_sums``)."""
+    return min(trace_k, max(ks, default=0))
 
 
 def growth(

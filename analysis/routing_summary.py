@@ -8,13 +8,14 @@ in each, on both paths)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import numpy as np
 import numpy.typing as npt
 import polars as pl
 
-from moetrace.analysis.budgets import sampled_windows
+from moetrace.analysis.budgets import sampled_tables, with_experts
 from moetrace.analysis.consistency import routing_gaps
 from moetrace.analysis.counterfactual import proposed_drafts
 from moetrace.analysis.growth import WINDOW_KEYS, WindowRows, decode_and_verify, growth_sums, rejected_only_sums
@@ -51,19 +52,26 @@ def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame,
                       request: SummaryRequest) -> tuple[RoutingSummary, WindowRows]:
     """The summary of one trace's rows (or one partition's, numbered as in the whole), and its non-prefill rows
     (``growth.decode_and_verify``: the placement comparison takes them)."""
+    columns = list(request.sample_columns)
+    # the sample first (its experts taken from the rows): its reading's peak comes before the rows are in memory
+    accepted, stepped = sampled_tables(routing, request.share, columns, experts_apart=True)
     rows = decode_and_verify(routing)
-    accepted, stepped = sampled_windows(routing, request.share, list(request.sample_columns), rows.experts)
+    accepted, stepped = with_experts(accepted, rows.experts, columns), with_experts(stepped, rows.experts, columns)
     proposals = proposed_drafts(routing, request.trace_k)
-    return RoutingSummary(
-        growth=growth_sums(routing, request.num_experts, request.ks, request.trace_k, request.expert_rank, rows,
-                           proposals, request.whole_steps),
-        rejected_only=rejected_only_sums(rows, request.num_experts),
-        load=expert_load(rows, request.num_experts),
-        gaps=routing_gaps(routing, steps, sampled_requests=not request.whole_steps),
-        accepted=accepted,
-        stepped=stepped,
-        proposals=proposals,
-    ), rows
+
+    def rest() -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+        return (rejected_only_sums(rows, request.num_experts), expert_load(rows, request.num_experts),
+                routing_gaps(routing, steps, sampled_requests=not request.whole_steps))
+
+    # the rest beside the growth (itself two threads where the rows are token-major): numpy and Polars let go of
+    # the GIL in their loops, so each thread takes a core while it runs
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        beside = pool.submit(rest)
+        growth = growth_sums(routing, request.num_experts, request.ks, request.trace_k, request.expert_rank, rows,
+                             proposals, request.whole_steps)
+        rejected_only, load, gaps = beside.result()
+    return RoutingSummary(growth=growth, rejected_only=rejected_only, load=load, gaps=gaps, accepted=accepted,
+                          stepped=stepped, proposals=proposals), rows
 
 
 def added_summaries(parts: Sequence[RoutingSummary]) -> RoutingSummary:

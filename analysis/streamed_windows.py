@@ -5,7 +5,9 @@ complete, without a sort."""
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ from moetrace.analysis.expert_sets import (
     MaskTable,
     Scratch,
     group_starts,
+    group_union,
     rank_masks,
     window_union,
 )
@@ -137,7 +140,7 @@ class _TokenMajor:
         return keys, experts[:rows].reshape(rows // width, width, experts.shape[1])
 
 
-class _WindowStats:
+class WindowStats:
     """Sums over windows, per k and layer: windows, unique experts, busiest-rank experts and ranks touched."""
 
     def __init__(self, ks: Sequence[int], ranks: Masks) -> None:
@@ -171,36 +174,29 @@ class _WindowStats:
     def rows(
         self, layers: npt.NDArray[np.int64], ks: Sequence[int], source: str, scope: str
     ) -> list[dict[str, object]]:
-        rows: list[dict[str, object]] = []
-        for index in np.argsort(layers, kind="stable").tolist():
-            for k in ks:
-                windows = self.windows[k]
-                if windows == 0:
-                    continue
-                unique = int(self.unique[k][index])
-                busiest, touched = unique, windows
-                if len(self.ranks) > 1:
-                    busiest, touched = int(self.busiest[k][index]), int(self.touched[k][index])
-                rows.append(
-                    {
-                        "layer": int(layers[index]),
-                        "k": k,
-                        "source": source,
-                        "scope": scope,
-                        "windows": windows,
-                        "unique_sum": unique,
-                        "busiest_sum": busiest,
-                        "touched_sum": touched,
-                    }
-                )
-        return rows
+        """One row of sums per (layer, k), layers ascending (``layers``: the layer of each index)."""
+        found = (self.row(index, int(layers[index]), k, source, scope)
+                 for index in np.argsort(layers, kind="stable").tolist() for k in ks)
+        return [row for row in found if row is not None]
+
+    def row(self, index: int, layer: int, k: int, source: str, scope: str) -> dict[str, object] | None:
+        """The sums (``growth.WINDOW_SUMS_SCHEMA``) of the ``index``-th layer at ``k``; None where no window."""
+        windows = self.windows[k]
+        if windows == 0:
+            return None
+        unique = int(self.unique[k][index])
+        busiest, touched = unique, windows
+        if len(self.ranks) > 1:
+            busiest, touched = int(self.busiest[k][index]), int(self.touched[k][index])
+        return {"layer": layer, "k": k, "source": source, "scope": scope, "windows": windows, "unique_sum": unique,
+                "busiest_sum": busiest, "touched_sum": touched}
 
 
 # A request's pending tokens [P]: positions, drafts proposed (``counterfactual.Proposals.at``; None for a trace
-# without drafts), experts [P, layers, top_k]
-_Held = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None, npt.NDArray[np.integer]]
-# Tokens [T] of any requests: request, position, drafts proposed (as ``_Held``), experts [T, layers, top_k]
-_Tokens = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64] | None, npt.NDArray[np.integer]]
+# without drafts), their expert bitsets [P, layers, words]
+_Held = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None, Masks]
+# Tokens [T] of any requests: request, position, drafts proposed (as ``_Held``), bitsets [T, layers, words]
+_Tokens = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64] | None, Masks]
 
 
 class _SequenceWindows:
@@ -213,10 +209,10 @@ class _SequenceWindows:
     NO_POSITION = -1
     OPEN_END = np.iinfo(np.int64).max
 
-    def __init__(self, ks: Sequence[int], trace_k: int, table: MaskTable, stats: _WindowStats) -> None:
+    def __init__(self, ks: Sequence[int], trace_k: int, stats: WindowStats) -> None:
         self.ks, self.trace_k = list(ks), trace_k
         self.widest = max(self.ks, default=0) + 1  # no window holds more tokens
-        self.table, self.stats = table, stats
+        self.stats = stats
         self.scratch = Scratch()
         self.pending: dict[int, _Held] = {}
         self.seen = np.zeros(0, np.int64)  # requests seen so far, ascending
@@ -229,11 +225,12 @@ class _SequenceWindows:
         return np.where(self.seen[at] == request, self.last[at], self.NO_POSITION)
 
     def add(self, request: npt.NDArray[np.int64], position: npt.NDArray[np.int64],
-            proposed: npt.NDArray[np.int64] | None, experts: npt.NDArray[np.integer]) -> None:
+            proposed: npt.NDArray[np.int64] | None, masks: Masks) -> None:
+        """Tokens [T] in recording order, with their expert bitsets [T, layers, words] (read within this call)."""
         if (position <= self._last(request)).any():
             raise NotTokenMajor  # a request went back to a position already passed
         held = [(r, self.pending.pop(r)) for r in np.unique(request).tolist() if r in self.pending]
-        self._round(*self._joined(held, (request, position, proposed, experts)), final=False)
+        self._round(*self._joined(held, (request, position, proposed, masks)), final=False)
 
     def finish(self) -> None:
         held, self.pending = list(self.pending.items()), {}
@@ -242,19 +239,19 @@ class _SequenceWindows:
 
     @staticmethod
     def _joined(held: list[tuple[int, _Held]], new: _Tokens | None) -> _Tokens:
-        parts: list[_Tokens] = [(np.full(len(positions), r, np.int64), positions, proposed, experts)
-                                 for r, (positions, proposed, experts) in held]
+        parts: list[_Tokens] = [(np.full(len(positions), r, np.int64), positions, proposed, masks)
+                                 for r, (positions, proposed, masks) in held]
         if new is not None:
             parts.append(new)
         if len(parts) == 1:
             return parts[0]
-        request, position, proposed, experts = zip(*parts)
+        request, position, proposed, masks = zip(*parts)
         return (np.concatenate(request), np.concatenate(position),
-                None if proposed[0] is None else np.concatenate(proposed), np.concatenate(experts))
+                None if proposed[0] is None else np.concatenate(proposed), np.concatenate(masks))
 
     def _round(
         self, request: npt.NDArray[np.int64], position: npt.NDArray[np.int64],
-        proposed: npt.NDArray[np.int64] | None, experts: npt.NDArray[np.integer], final: bool,
+        proposed: npt.NDArray[np.int64] | None, unordered: Masks, final: bool,
     ) -> None:
         if len(request) == 0:
             return
@@ -271,7 +268,8 @@ class _SequenceWindows:
         np.maximum.at(last, index, np.concatenate([self.last, after]))
         self.last = last
         reach = np.full(len(runs), self.OPEN_END, np.int64) if final else after
-        masks = self.table.masks(np.take(experts, order, axis=0), self.scratch)  # [tokens, layers, words]
+        masks: Masks = np.take(unordered, order, axis=0, out=self.scratch.array(
+            "ordered", unordered.shape, np.uint64), mode="clip")  # in place: mode="raise" would buffer
         for k in self.ks:
             spans = window_spans(request, position, proposed, k, self.trace_k)
             run = run_of[spans.starts]
@@ -282,12 +280,12 @@ class _SequenceWindows:
         if keep.any():
             request, position = request[keep], position[keep]
             proposed = None if proposed is None else proposed[keep]
-            experts = np.take(experts, order[keep], axis=0)
+            held = masks[keep]  # a copy: the ordered bitsets are reused next round
             bounds = np.append(group_starts(request), len(request))
             for start, stop in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
                 self.pending[int(request[start])] = (position[start:stop],
                                                      None if proposed is None else proposed[start:stop],
-                                                     experts[start:stop])
+                                                     held[start:stop])
 
 
 def counterfactual_streamed(
@@ -300,11 +298,88 @@ def counterfactual_streamed(
     labelled ``source`` and ``scope``); raises ``NotTokenMajor`` for a trace not laid out so."""
     keys = ("request", "position", "step_key", "draft_pos") if proposals is not None else ("request", "position")
     tokens = _TokenMajor(batches, keys, keep="in_sequence")
-    stats = _WindowStats(ks, rank_masks(expert_rank, num_experts))
-    windows = _SequenceWindows(ks, trace_k, MaskTable(num_experts), stats)
+    stats = WindowStats(ks, rank_masks(expert_rank, num_experts))
+    windows, table, scratch = _SequenceWindows(ks, trace_k, stats), MaskTable(num_experts), Scratch()
     for found, experts in tokens:
         proposed = None if proposals is None else proposals.at(found["step_key"], found["request"],
                                                                found["draft_pos"])
-        windows.add(found["request"], found["position"], proposed, experts)
+        windows.add(found["request"], found["position"], proposed, table.masks(experts, scratch))
     windows.finish()
     return [] if tokens.layers is None else stats.rows(tokens.layers, ks, source, scope)
+
+
+TOKEN_CHUNK_ROWS = 1 << 18
+"""Rows ``token_major_counts`` turns into bitsets at a time (about 12 MB of them)."""
+
+
+def token_major_counts(
+    experts: npt.NDArray[np.integer], tokens: Columns, num_experts: int, measured_ks: Sequence[int], whole_steps: bool,
+    ranks: Masks, counterfactual: tuple[Sequence[int], int, Proposals | None] | None = None,
+) -> tuple[list[WindowStats], WindowStats | None]:
+    """Window sums over token-major rows (``experts`` [tokens, layers, top_k]; ``tokens``: each token's "step" key,
+    "request", "position", "draft_pos" and "in_sequence", in recording order, steps in order), a chunk of whole steps
+    at a time, each turned into bitsets once. The measured windows at ``measured_ks`` (``growth.measured_window_sums``)
+    per request and, where ``whole_steps``, per step; and, asked for ``counterfactual`` (its ks, the trace's k and
+    what its request-steps proposed), the counterfactual windows, cut from the same bitsets in a second thread (numpy
+    lets go of the GIL in its loops): None where a request goes back to a position it had passed."""
+    step, request, draft_pos = tokens["step"], tokens["request"], tokens["draft_pos"]
+    measured = [WindowStats(measured_ks, ranks) for _ in range(2 if whole_steps else 1)]
+    table = MaskTable(num_experts)
+    steps = group_starts(step)
+    cuts = np.searchsorted(steps, np.arange(0, len(step), max(1, TOKEN_CHUNK_ROWS // max(experts.shape[1], 1))))
+    bounds = np.unique(np.append(steps[cuts[cuts < len(steps)]], len(step))).tolist()  # at step starts
+    free: queue.Queue[Scratch] = queue.Queue()
+    for _ in range(3):  # the bitsets of a chunk being counted here, of one waiting and of one being cut
+        free.put(Scratch())
+    ready: queue.Queue[tuple[int, int, Masks, Scratch] | None] = queue.Queue()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        cut = None if counterfactual is None else pool.submit(_cut, ready, free, tokens, ranks, *counterfactual)
+        try:
+            for first, end in zip(bounds[:-1], bounds[1:]):
+                scratch = free.get()
+                masks = table.masks(experts[first:end], scratch)  # [tokens, layers, words]
+                for k in measured_ks:
+                    capped = draft_pos[first:end] <= k
+                    read, keys = masks, (step[first:end], request[first:end])
+                    if not bool(capped.all()):
+                        read, keys = masks[capped], (keys[0][capped], keys[1][capped])
+                    measured[0].add(k, group_union(read, group_starts(*keys)))
+                    if whole_steps:
+                        measured[1].add(k, group_union(read, group_starts(keys[0])))
+                if cut is None:
+                    free.put(scratch)
+                else:
+                    ready.put((first, end, masks, scratch))
+        finally:
+            ready.put(None)  # the second thread's end, however this one's ends
+        return measured, None if cut is None else cut.result()
+
+
+def _cut(ready: queue.Queue[tuple[int, int, Masks, Scratch] | None], free: queue.Queue[Scratch], tokens: Columns,
+         ranks: Masks, ks: Sequence[int], trace_k: int, proposals: Proposals | None) -> WindowStats | None:
+    """``token_major_counts``' counterfactual windows, from the chunks' bitsets as they come ``ready`` (each
+    scratch handed back ``free`` once read)."""
+    stats = WindowStats(ks, ranks)
+    windows: _SequenceWindows | None = _SequenceWindows(ks, trace_k, stats)
+    failed: Exception | None = None
+    while (chunk := ready.get()) is not None:
+        first, end, masks, scratch = chunk
+        try:
+            if windows is not None and failed is None:
+                keep = tokens["in_sequence"][first:end]
+                request, position = (tokens[name][first:end][keep].astype(np.int64) for name in ("request", "position"))
+                proposed = None if proposals is None else proposals.at(
+                    tokens["step"][first:end][keep], request, tokens["draft_pos"][first:end][keep])
+                windows.add(request, position, proposed, masks if bool(keep.all()) else masks[keep])
+        except NotTokenMajor:
+            windows = None
+        except Exception as exc:  # raised once every chunk is handed back: the first thread waits for them
+            failed = exc
+        finally:
+            free.put(scratch)
+    if failed is not None:
+        raise failed
+    if windows is None:
+        return None
+    windows.finish()
+    return stats
