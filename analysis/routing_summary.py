@@ -53,15 +53,16 @@ def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame,
     """The summary of one trace's rows (or one partition's, numbered as in the whole), and its non-prefill rows
     (``growth.decode_and_verify``: the placement comparison takes them)."""
     columns = list(request.sample_columns)
-    # the sample first (its experts taken from the rows): its reading's peak comes before the rows are in memory
+    # the gaps and the sample (its experts taken from the rows) first: the peaks of their own passes over the files
+    # come before the rows are in memory
+    gaps = routing_gaps(routing, steps, sampled_requests=not request.whole_steps)
     accepted, stepped = sampled_tables(routing, request.share, columns, experts_apart=True)
     rows = decode_and_verify(routing)
     accepted, stepped = with_experts(accepted, rows.experts, columns), with_experts(stepped, rows.experts, columns)
     proposals = proposed_drafts(routing, request.trace_k)
 
-    def rest() -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-        return (rejected_only_sums(rows, request.num_experts), expert_load(rows, request.num_experts),
-                routing_gaps(routing, steps, sampled_requests=not request.whole_steps))
+    def rest() -> tuple[pl.DataFrame, pl.DataFrame]:
+        return rejected_only_sums(rows, request.num_experts), expert_load(rows, request.num_experts)
 
     # the rest beside the growth (itself two threads where the rows are token-major): numpy and Polars let go of
     # the GIL in their loops, so each thread takes a core while it runs
@@ -69,7 +70,7 @@ def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame,
         beside = pool.submit(rest)
         growth = growth_sums(routing, request.num_experts, request.ks, request.trace_k, request.expert_rank, rows,
                              proposals, request.whole_steps)
-        rejected_only, load, gaps = beside.result()
+        rejected_only, load = beside.result()
     return RoutingSummary(growth=growth, rejected_only=rejected_only, load=load, gaps=gaps, accepted=accepted,
                           stepped=stepped, proposals=proposals), rows
 

@@ -101,6 +101,8 @@ def analyse_run(run: Run, options: Options, eplb: EplbPolicy) -> RunAnalysis:
     placement = expert_placement(trace, ep, options.placement_file)
     request = summary_request(trace, shape.num_experts, options.max_k, placement, run.routing_rows[trace.k])
     summary, rows = _routing(trace, request, options)
+    placements, placement_note = placement_scores(trace, rows, ep, eplb)
+    del rows  # every row's experts (2 GB at 60M rows): let go before the windowed analyses take their own
     growth = growth_table(summary.growth, summary.proposals, shape.num_experts, shape.top_k, request.ks, trace.k)
     by_position, per_k = _acceptance(run)
     disagreements = _disagreements(run, summary)
@@ -119,7 +121,6 @@ def analyse_run(run: Run, options: Options, eplb: EplbPolicy) -> RunAnalysis:
     bytes_table = step_bytes(inputs.filter(pl.col("batch") == 1), deployment_for(shape, tp, ep),
                              float(one_token.item()) if len(one_token) else 1.0)
     predicted = forecast(run, sample, inputs, shape, tp, ep, options, batches, timing, disagreements, schedule_at)
-    placements, placement_note = placement_scores(trace, rows, ep, eplb)
     fixed_k = ~pl.col("k").is_in(list(scheduled_ks(run)))  # an adaptive schedule's trace ran no fixed k
     checked = (against_trace(predicted.speedups, timing.steps.filter(fixed_k), None if timing.sync is None else
                              recorded_phases([timing.sync]))
