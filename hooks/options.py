@@ -45,8 +45,8 @@ class RecordingOptions:
     # the most the partitions under ``out`` may hold; there, ``at_cap``: "drop-oldest" partitions, or "stop" recording
     disk_cap_bytes: int | None = None
     at_cap: str = "drop-oldest"
-    # sampled under ``vllm serve`` (``moetrace.hooks.sampling``): a window of this many request steps every
-    # ``sample_every_seconds`` (from one window's first step to the next's); the steps between run unrecorded
+    # sampled under ``vllm serve`` (``moetrace.hooks.sampling``): a burst of this many request steps every
+    # ``sample_every_seconds`` (from one burst's first step to the next's); the steps between run unrecorded
     sample_steps: int | None = None
     sample_every_seconds: float | None = None
     # or one request in this many (chosen by its vLLM id: ``moetrace.trace.files.sampled_request``) has its routing
@@ -90,7 +90,7 @@ class RecordingOptions:
             raise ValueError(f"'sample_requests' must be an integer of at least 2 (one request in N), got "
                              f"{self.sample_requests!r}")
         if self.sample_requests is not None and self.sample_steps is not None:
-            raise ValueError("one sampling policy at a time: 'sample_steps' (windows of steps) or 'sample_requests' "
+            raise ValueError("one sampling policy at a time: 'sample_steps' (bursts of steps) or 'sample_requests' "
                              "(one request in N)")
         if self.at_cap not in AT_CAP:
             raise ValueError(f"'at_cap' must be one of {', '.join(AT_CAP)}, got {self.at_cap!r}")

@@ -33,7 +33,7 @@ from moetrace.hooks.partitioning import Partitions, StopAfter
 from moetrace.hooks.planned import PlannedStep
 from moetrace.hooks.requests import RequestBook
 from moetrace.hooks.rerouting import EngineFacts, Rerouting, budget_sizes
-from moetrace.hooks.sampling import StepWindows
+from moetrace.hooks.sampling import StepBursts
 from moetrace.hooks.vllm_api import ForwardPlan, RunnerV1, RunnerV2, WorkerApi
 from moetrace.hooks.rows import PackedLayout
 from moetrace.hooks.timing import TIMED_STEP_EVERY_ON_CUDA, StepTimer
@@ -74,10 +74,10 @@ class Recorder:
         self.partitions = None if options.partition_seconds is None else Partitions(options)
         if self.partitions is not None:
             options = self.partitions.options_for(options)
-        # sampled: request steps outside the windows run unrecorded (``recording.sampling``); across partitions
-        self.windows = None if options.sample_steps is None else StepWindows(
+        # sampled: request steps outside the bursts run unrecorded (``hooks.sampling``); across partitions
+        self.bursts = None if options.sample_steps is None else StepBursts(
             options.sample_steps, float(options.sample_every_seconds or 0.0))
-        self._sampled = True  # whether the step under way is in a window
+        self._sampled = True  # whether the step under way is in a burst
         rerouted = options.budget is not None or options.replay_routing is not None
         self.rerouting = None if not rerouted else Rerouting(options, EngineFacts(
             [moe.router for moe in self.runners], infos, int(runner.max_num_tokens), int(runner.max_num_reqs),
@@ -93,7 +93,7 @@ class Recorder:
         self._plan: tuple[Callable[..., ForwardPlan], Any, tuple[Any, ...], dict[str, Any]] | None = None
         self.dp_rank = int(parallel.data_parallel_rank)
         self._close_lock = threading.Lock()
-        # the live metrics' values, kept from one trace to the next (partitions, windows): each writer process maps it
+        # the live metrics' values, kept from one trace to the next (partitions, bursts): each writer process maps it
         self._metrics_state: MetricsState | None = None
         self._open_trace(options)
         if self.partitions is not None:
@@ -247,8 +247,8 @@ class Recorder:
                 self._next_partition()
             self._t_start = time.monotonic_ns()  # step bounds: CLOCK_MONOTONIC, one clock for a host's processes
             self._scheduled, self._step_kwargs, self._plan = scheduler_output, kwargs, None
-            if self.windows is not None:
-                self._sampled = self._is_request_step() and self.windows.admits(time.monotonic())
+            if self.bursts is not None:
+                self._sampled = self._is_request_step() and self.bursts.admits(time.monotonic())
             self.requests.scheduled(scheduler_output)
             if self.capture.ran:  # outside CUDA graphs the routers' Python ran and kept references to their outputs
                 self.capture.begin_step()
@@ -269,7 +269,7 @@ class Recorder:
             timer.own_ns["phase_timing"] += time.perf_counter_ns() - began
 
     def _is_recorded(self) -> bool:
-        """Whether the step under way is recorded: a request's step, in a sampling window if sampled."""
+        """Whether the step under way is recorded: a request's step, in a sampled burst if sampled."""
         return self._sampled and self._is_request_step()
 
     def _is_request_step(self) -> bool:

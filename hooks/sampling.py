@@ -1,5 +1,5 @@
 """Sampled recording under ``vllm serve``, one policy of ``MOETRACE_RECORD`` at a time: ``sample_steps`` and
-``sample_every_seconds``, a window of N request steps every M seconds (the steps between windows run unrecorded); or
+``sample_every_seconds``, a burst of N request steps every M seconds (the steps between bursts run unrecorded); or
 ``sample_requests``, one request in N (the requests whose vLLM id ``moetrace.trace.files.sampled_request`` keeps have
 their routing rows written; every request keeps its steps rows, so steps, counts and acceptance stay whole).
 """
@@ -20,15 +20,15 @@ def sampled_manifest(options: RecordingOptions) -> dict[str, Any] | None:
     return None
 
 
-class StepWindows:
-    """Admits ``steps`` request steps, then none until ``every_seconds`` have passed since that window's first step,
-    then the next window's. The clock is the caller's (seconds, monotonic)."""
+class StepBursts:
+    """Admits ``steps`` request steps (a burst), then none until ``every_seconds`` have passed since that burst's first
+    step, then the next burst's. The clock is the caller's (seconds, monotonic)."""
 
     def __init__(self, steps: int, every_seconds: float) -> None:
         self.steps, self.every_seconds = steps, every_seconds
-        self.taken = 0  # steps admitted in the window under way
+        self.taken = 0  # steps admitted in the burst under way
         self.began = 0.0  # when it began
-        self.windows = 0  # windows begun
+        self.bursts = 0  # bursts begun
 
     def admits(self, now: float) -> bool:
         """Whether the request step that begins at ``now`` is recorded (called once per request step)."""
@@ -37,6 +37,6 @@ class StepWindows:
                 return False
             self.taken = 0
         if self.taken == 0:
-            self.began, self.windows = now, self.windows + 1
+            self.began, self.bursts = now, self.bursts + 1
         self.taken += 1
         return True

@@ -124,8 +124,8 @@ def test_always_on_recording_writes_complete_partitions_that_equal_the_servers_c
     metrics_port = free_port()
     recording = {"out": str(root), "partition_seconds": 1, "disk_cap_bytes": 64 << 20, "metrics_port": metrics_port}
     with vllm_server(recording, tmp_path / "server.log") as base:
-        for burst in range(8):  # traffic over many periods, some of them idle
-            if burst == 4:
+        for wave in range(8):  # traffic over many periods, some of them idle
+            if wave == 4:
                 with ThreadPoolExecutor(1) as pool:
                     reporting = pool.submit(run_cli, "report", str(root))
                     send_traffic(base, requests=8, concurrency=4)
@@ -134,7 +134,7 @@ def test_always_on_recording_writes_complete_partitions_that_equal_the_servers_c
                 send_traffic(base, requests=8, concurrency=4)
             readings.append(server_memory(base, root))
             seen.update(partitions(root))
-            if burst % 3 == 2:
+            if wave % 3 == 2:
                 time.sleep(1.2)
         counters = spec_decode_counters(base)
         metrics = live_metrics(metrics_port, counters["num_draft_tokens"])
@@ -214,7 +214,7 @@ def test_at_its_disk_cap_always_on_recording_drops_the_oldest_partitions_while_s
     assert bytes_under(root) <= cap + sum(bytes_under(p) for p in kept[-2:])
 
 
-def test_a_sampled_recording_keeps_windows_of_n_steps_every_m_seconds_while_the_server_serves(
+def test_a_sampled_recording_keeps_bursts_of_n_steps_every_m_seconds_while_the_server_serves(
         tmp_path: Path) -> None:
     root = tmp_path / "sampled"
     recording = {"out": str(root), "partition_seconds": 3600, "sample_steps": 3, "sample_every_seconds": 1.0}
@@ -229,11 +229,11 @@ def test_a_sampled_recording_keeps_windows_of_n_steps_every_m_seconds_while_the_
     trace = open_trace(partition)
     assert trace.warnings == []
     starts = sorted(trace.steps().group_by("step").agg(pl.col("t_start_ns").first()).collect()["t_start_ns"])
-    # each window is 3 recorded steps in a row, so every third step opens one: at least a second after the last
+    # each burst is 3 recorded steps in a row, so every third step opens one: at least a second after the last
     firsts = starts[::3]
     assert len(firsts) >= 2
     assert all(after - before >= 1_000_000_000 for before, after in zip(firsts, firsts[1:]))
-    # the server verified more drafts than the windows hold: the steps between them ran unrecorded
+    # the server verified more drafts than the bursts hold: the steps between them ran unrecorded
     assert 0 < manifest["counts"]["drafts"] < counters["num_draft_tokens"]
 
 
@@ -260,8 +260,8 @@ def test_a_recording_sampled_by_request_keeps_routing_of_one_request_in_n_and_ev
     assert not [w for w in json.loads(reported.stdout)["warnings"] if "routing rows" in w]
 
 
-def test_a_recording_window_closes_the_trace_while_the_server_keeps_serving(tmp_path: Path) -> None:
-    trace_dir = tmp_path / "window"
+def test_a_bounded_recording_closes_the_trace_while_the_server_keeps_serving(tmp_path: Path) -> None:
+    trace_dir = tmp_path / "bounded"
     with vllm_server({"out": str(trace_dir), "steps": 20}, tmp_path / "server.log") as base:
         send_traffic(base, requests=8, concurrency=4)
         manifest = finished_manifest(trace_dir)  # closed before the server stops
