@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from speedup_load import LOAD
-from speedup_predicted import in_window, moved_with, predicted_rows, recommended, report_json
+from speedup_predicted import in_span, moved_with, predicted_rows, recommended, report_json
 from speedup_traces import (
     TIMED_RECORDED_TOLERANCE,
     acceptance_against_counters,
@@ -23,9 +23,9 @@ from speedup_traces import (
     measured_best,
     ratio_ci95,
     recorded_rounds,
-    recorded_windows,
+    recorded_spans,
     timed_over_recorded,
-    window_prefill_shares,
+    span_prefill_shares,
 )
 
 
@@ -44,7 +44,7 @@ class Run:
     source: Path
     source_engines: list[dict[str, Any]]
     context: int | None
-    windows: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    spans: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
 
     @property
     def model(self) -> str:
@@ -67,12 +67,12 @@ class Run:
         return next((e for e in self.source_engines if e["method"] == "sync"), None)
 
     def wall(self, engine: dict[str, Any]) -> dict[int, tuple[float, float]]:
-        """The engine's recorded rounds' own windows (``recorded_windows``), read once per trace."""
-        if engine["trace"] not in self.windows:
-            self.windows[engine["trace"]] = recorded_windows(
+        """The engine's recorded rounds' own spans (``recorded_spans``), read once per trace."""
+        if engine["trace"] not in self.spans:
+            self.spans[engine["trace"]] = recorded_spans(
                 self.runs / engine["trace"], self.doc["max_tokens"], tuple(self.doc["lengths"]),
                 recorded_rounds(engine), self.recorded)
-        return self.windows[engine["trace"]]
+        return self.spans[engine["trace"]]
 
 
 def open_run(runs: Path, path: Path, moved_from: Path | None) -> Run | None:
@@ -124,7 +124,7 @@ def model_facts(run: Run) -> dict[str, Any]:
 @dataclass
 class Predicted:
     """One drafter's prediction by the report from the run's sweep: its rows and check by (concurrency, k), its
-    decision by concurrency, the rows from the run's own traces where moved (``own``), the timed window's prefill
+    decision by concurrency, the rows from the run's own traces where moved (``own``), the timed span's prefill
     share per k and concurrency, and the k = 0 trace with async scheduling off it used (None: not drafted so)."""
 
     sweep: Path
@@ -135,7 +135,7 @@ class Predicted:
     checked: dict[tuple[int, int], Any]
     chosen: dict[int, dict[str, Any]]
     own: dict[tuple[int, int], Any]
-    window_shares: dict[int, dict[int, float]]
+    span_shares: dict[int, dict[int, float]]
 
 
 def asynchronous(source: Path, engine: dict[str, Any]) -> bool:
@@ -166,21 +166,21 @@ def predict(run: Run, method: str, scratch: Path) -> Predicted:
             (own_sweep / "k0").symlink_to(Path("..") / Path(run.baseline["trace"]))
         own_sync = run.runs / run.sync["trace"] if run.sync is not None and drafted_sync else None
         own, _ = predicted_rows(report_json(own_sweep, run.calibration, scratch, own_sync, run.timed))
-    # the window a timed round measures holds fewer prefills per token than the whole rounds a trace pools its
-    # prefill over (``window_prefill_share``): each prediction also in that window
+    # the span a timed round measures holds fewer prefills per token than the whole rounds a trace pools its
+    # prefill over (``span_prefill_share``): each prediction also in that span
     longest = longest_output(source / run.source_baseline["trace"])
-    window_engines = [run.source_baseline, *(e for e in source_engines if e["method"] == method and e["k"] > 0)]
-    shares = {e["k"]: window_prefill_shares(source / e["trace"], longest, sorted({*run.timed, *run.recorded}),
+    span_engines = [run.source_baseline, *(e for e in source_engines if e["method"] == method and e["k"] > 0)]
+    shares = {e["k"]: span_prefill_shares(source / e["trace"], longest, sorted({*run.timed, *run.recorded}),
                                             run.doc["max_tokens"], tuple(run.doc["lengths"]))
-              for e in window_engines}
+              for e in span_engines}
     return Predicted(sweep, k0_sync, drafted_sync, basis, rows, checked, recommended(report, run.context), own,
                      shares)
 
 
-def window_check(run: Run, method: str, predicted: Predicted) -> dict[str, Any]:
-    """Per k and recorded concurrency: the timed window's prefill share as simulated beside the recorded rounds'."""
+def span_check(run: Run, method: str, predicted: Predicted) -> dict[str, Any]:
+    """Per k and recorded concurrency: the timed span's prefill share as simulated beside the recorded rounds'."""
     engines = [run.source_baseline, *(e for e in run.source_engines if e["method"] == method and e["k"] > 0)]
-    return {str(e["k"]): {str(c): {"simulated": predicted.window_shares[e["k"]][c], "recorded": share}
+    return {str(e["k"]): {str(c): {"simulated": predicted.span_shares[e["k"]][c], "recorded": share}
                           for c, (_, share) in run.wall(e).items()} for e in engines}
 
 
@@ -188,7 +188,7 @@ def cell_rows(run: Run, method: str, predicted: Predicted, scratch: Path) -> lis
     """Per drafted engine of ``method`` and timed concurrency: the predicted speedup beside the measured one, with
     the report's check against the recorded steps and the terms that explain a miss."""
     rows: list[dict[str, Any]] = []
-    shares, by_key = predicted.window_shares, predicted.rows
+    shares, by_key = predicted.span_shares, predicted.rows
     for engine in (e for e in run.engines if e["method"] == method and e["k"] > 0):
         held_out, _ = predicted_rows(report_json(held_out_sweep(predicted.sweep, engine["k"], scratch),
                                                  run.calibration, scratch, predicted.k0_sync, run.timed, run.context),
@@ -197,8 +197,8 @@ def cell_rows(run: Run, method: str, predicted: Predicted, scratch: Path) -> lis
             key, at_recorded = (concurrency, engine["k"]), concurrency in run.recorded
             measured, interval = ratio_ci95(engine["tok_s"][str(concurrency)], run.baseline["tok_s"][str(concurrency)])
             row, trace, row0 = by_key.get(key), predicted.checked.get(key, {}), by_key.get((concurrency, 0))
-            window_speedup = (in_window(row, row0, shares[engine["k"]][concurrency], shares[0][concurrency])
-                              if row and row0 and engine["k"] in shares else None)
+            span_speedup = (in_span(row, row0, shares[engine["k"]][concurrency], shares[0][concurrency])
+                            if row and row0 and engine["k"] in shares else None)
             own, own0 = predicted.own.get(key), predicted.own.get((concurrency, 0))
             rows.append({
                 "model": run.model, "drafter": method, "concurrency": concurrency, "k": engine["k"],
@@ -209,9 +209,11 @@ def cell_rows(run: Run, method: str, predicted: Predicted, scratch: Path) -> lis
                 "predicted_speedup": row["speedup"] if row else None,
                 "measured_speedup": measured, "measured_ci95": interval,
                 "error": (row["speedup"] - measured) / measured if row else None,
+                # predicted with the prefill scaled to the timed span (its "window_" keys: as the committed
+                # results files name them)
+                "window_predicted_speedup": span_speedup,
+                "window_error": (span_speedup - measured) / measured if span_speedup else None,
                 # predicted with this k's own timing of vLLM's calls left out (held_out_sweep)
-                "window_predicted_speedup": window_speedup,
-                "window_error": (window_speedup - measured) / measured if window_speedup else None,
                 "held_out_predicted_speedup": held_out[key]["speedup"] if key in held_out else None,
                 "held_out_error": (held_out[key]["speedup"] - measured) / measured if key in held_out else None,
                 "trace_measured_speedup": trace.get("measured_speedup"),
@@ -241,20 +243,20 @@ def cell_rows(run: Run, method: str, predicted: Predicted, scratch: Path) -> lis
 
 def k0_rows(run: Run, predicted: Predicted) -> dict[str, dict[str, Any]]:
     """Per timed concurrency, the k = 0 step: the time per token the report predicts beside what the k = 0 engine
-    ran, also with the prefill scaled to the timed window."""
+    ran, also with the prefill scaled to the timed span."""
     out: dict[str, dict[str, Any]] = {}
     for concurrency in run.timed:
         row0 = predicted.rows.get((concurrency, 0))
         ran = concurrency / statistics.median(run.baseline["tok_s"][str(concurrency)]) * 1e3
-        share = predicted.window_shares[0][concurrency]
+        share = predicted.span_shares[0][concurrency]
         prefill = (row0["prefill_ms_per_token"] or 0.0) if row0 else 0.0
         estimate = row0["step_ms"] + prefill if row0 else None
-        in_its_window = row0["step_ms"] + share * prefill if row0 else None
+        in_its_span = row0["step_ms"] + share * prefill if row0 else None
         out[str(concurrency)] = {
             "predicted": estimate, "measured": ran, "step_source": row0["step_source"] if row0 else None,
             "error": (estimate - ran) / ran if estimate is not None else None,
-            "window_prefill_share": share, "window_predicted": in_its_window,
-            "window_error": (in_its_window - ran) / ran if in_its_window is not None else None}
+            "window_prefill_share": share, "window_predicted": in_its_span,  # keys: the timed span's
+            "window_error": (in_its_span - ran) / ran if in_its_span is not None else None}
     return out
 
 
@@ -304,8 +306,8 @@ def compare(args: argparse.Namespace) -> None:
                 predicted = predict(run, method, Path(scratch))
                 if predicted.basis is not None:
                     facts.setdefault("prediction_basis", {})[method] = predicted.basis
-                if run.context is None:  # the simulation against the recorded rounds' own windows
-                    facts.setdefault("window_prefill_share", {})[method] = window_check(run, method, predicted)
+                if run.context is None:  # the simulation against the recorded rounds' own spans
+                    facts.setdefault("window_prefill_share", {})[method] = span_check(run, method, predicted)
                 for engine in (e for e in run.engines if e["method"] == method and e["k"] > 0):
                     facts.setdefault("acceptance", {}).setdefault(method, {})[str(engine["k"])] = (
                         acceptance_against_counters(run.runs / engine["trace"], run.doc.get("synthetic_acceptance")))
@@ -326,7 +328,7 @@ def compare(args: argparse.Namespace) -> None:
 
 def show_facts(models: dict[str, Any]) -> None:
     """What each run says beside its cells: the move, k = 0 with async off, noisy timings, failed engines, the
-    timed window's prefill share and the k = 0 step predicted against ran."""
+    timed span's prefill share and the k = 0 step predicted against ran."""
     for model, facts in models.items():
         if facts["predicted_from"]:
             print(f"{model}: predicted from {facts['predicted_from']} (every cell held out from its context)")
@@ -343,11 +345,11 @@ def show_facts(models: dict[str, Any]) -> None:
         for missing in facts.get("missing", []):
             print(f"{model}: {missing}")
         for method, per_k in facts.get("window_prefill_share", {}).items():
-            print(f"{model} {method}: prefills per token in the timed window over a whole round's, simulated / in the "
+            print(f"{model} {method}: prefills per token in the timed span over a whole round's, simulated / in the "
                   "recorded rounds: " + "; ".join(f"k={k} " + ", ".join(
                       f"B={c} {v['simulated']:.3f} / {v['recorded']:.3f}" for c, v in at.items())
                       for k, at in per_k.items()))
-        print(f"{model}: k=0 ms per token, predicted / in the timed window / ran (errors): " + ", ".join(
+        print(f"{model}: k=0 ms per token, predicted / in the timed span / ran (errors): " + ", ".join(
             f"B={c} " + (f"{v['predicted']:.3f} / {v['window_predicted']:.3f} / {v['measured']:.3f} "
                          f"({100 * v['error']:+.1f}%, {100 * v['window_error']:+.1f}%)"
                          if v["predicted"] is not None else f"- / - / {v['measured']:.3f}")
@@ -408,19 +410,19 @@ def show_table(rows: list[dict[str, Any]]) -> None:
         return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
     print(f"{'model':<12} {'drafter':<6} {'B':>4} {'k':>2} {'predicted':>9} {'measured':>8} {'95% interval':>13} "
-          f"{'error':>6} {'window':>6} {'error':>6} {'held out':>8} {'error':>6} {'wall ×':>6} {'trace ×':>7} "
+          f"{'error':>6} {'span':>6} {'error':>6} {'held out':>8} {'error':>6} {'wall ×':>6} {'trace ×':>7} "
           f"{'step ms':>7} {'missing ms':>10} "
           f"{'grew':>6} {'fwd':>6} {'moe':>6} "
           f"{'sample':>6} {'draft':>6} {'async':>6}")
     for r in rows:
         error = 100 * r["error"] if r["error"] is not None else None
         held_error = 100 * r["held_out_error"] if r["held_out_error"] is not None else None
-        window_error = 100 * r["window_error"] if r["window_error"] is not None else None
+        span_error = 100 * r["window_error"] if r["window_error"] is not None else None
         batch = f"{r['concurrency']}{'*' if r['held_out_concurrency'] else ''}"
         print(f"{r['model']:<12} {r['drafter']:<6} {batch:>4} {r['k']:>2} "
               f"{show(r['predicted_speedup'], 9)} {show(r['measured_speedup'], 8)} "
               f"{r['measured_ci95'][0]:>6.2f}-{r['measured_ci95'][1]:<6.2f} {show(error, 5, 0)}% "
-              f"{show(r['window_predicted_speedup'], 6)} {show(window_error, 5, 0)}% "
+              f"{show(r['window_predicted_speedup'], 6)} {show(span_error, 5, 0)}% "
               f"{show(r['held_out_predicted_speedup'], 8)} {show(held_error, 5, 0)}% "
               f"{show(r['trace_wall_speedup'], 6)} "
               f"{show(r['trace_measured_speedup'], 7)} {show(r['trace_step_ms'], 7)} "

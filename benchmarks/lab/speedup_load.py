@@ -4,7 +4,7 @@ Load: closed loop, the shape of a server. At concurrency C exactly C requests ar
 engine (``LLMEngine.add_request``, stepped with ``step``), and each one that ends is replaced by the next until a
 round's ``max(8, 3 C)`` requests have all been added. A round's throughput is the output tokens generated while C
 were in flight (from the end of the step in which C requests had produced a token up to the first completion that
-no request replaces: at least 2 C completions, the fill and the drain left out) over that window's wall time. Greedy,
+no request replaces: at least 2 C completions, the fill and the drain left out) over that span's wall time. Greedy,
 ``ignore_eos``, 192 to 320 tokens each (256 on average, ``LENGTHS``), prefix caching off, every round the same
 requests.
 """
@@ -32,7 +32,7 @@ def parse_concurrencies(text: str) -> list[int]:
 
 
 def requests_per_round(concurrency: int) -> int:
-    """Requests of one round at ``concurrency``: eight one after another at 1; 3 C otherwise, so the window in
+    """Requests of one round at ``concurrency``: eight one after another at 1; 3 C otherwise, so the span in
     which C are in flight covers at least 2 C completions."""
     return max(8, 3 * concurrency)
 
@@ -66,23 +66,23 @@ def output_lengths(count: int, max_tokens: int, lengths: tuple[float, ...] = LEN
     return [round(max_tokens * lengths[i % len(lengths)]) for i in range(count)]
 
 
-def window_prefill_share(concurrency: int, lengths: list[int], gains: list[int], seeds: int = 20) -> float:
-    """Prefills per output token inside ``closed_loop``'s window at ``concurrency``, over those of its whole round
+def span_prefill_share(concurrency: int, lengths: list[int], gains: list[int], seeds: int = 20) -> float:
+    """Prefills per output token inside ``closed_loop``'s span at ``concurrency``, over those of its whole round
     (``lengths``: the tokens each request of the round produces; ``gains``: the tokens a request gains per decode
-    step, one drawn at random each step; [1] at k = 0). The window opens on the fill's requests all fresh, so none
+    step, one drawn at random each step; [1] at k = 0). The span opens on the fill's requests all fresh, so none
     ends in its first min(lengths) steps: it holds n − C prefills over more tokens than a server's steady state,
     for which a round's n prefills over its Σ lengths stand (and a trace's prefill, pooled over whole rounds).
     Simulated step by step, a finished request replaced by the next, whose prefill step gives its first token; the
     mean over ``seeds`` draws of the gains."""
     count = len(lengths)
     if count <= concurrency:
-        raise ValueError(f"a round of {count} requests has no window at concurrency {concurrency}")
+        raise ValueError(f"a round of {count} requests has no span at concurrency {concurrency}")
     shares = []
     for seed in range(seeds if len(set(gains)) > 1 else 1):
         draw = random.Random(seed).choice
         running = {index: 1 for index in range(concurrency)}  # request → tokens it has: the fill's first token
         added, ended, tokens = concurrency, 0, 0
-        while ended < count - concurrency + 1:  # the window closes at the first completion nobody replaces
+        while ended < count - concurrency + 1:  # the span closes at the first completion nobody replaces
             for index, have in list(running.items()):
                 gained = min(draw(gains), lengths[index] - have)
                 running[index], tokens = have + gained, tokens + gained

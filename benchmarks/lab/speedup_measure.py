@@ -41,7 +41,7 @@ TIME_PHASES_EVERY = 8
 def closed_loop(llm: Any, prompts: list[Any], concurrency: int, lengths: list[int], prefix: str) -> float:
     """Output tokens per second while exactly ``concurrency`` requests are in flight: request i (prompt
     ``i % len(prompts)``, ``lengths[i]`` tokens, id ``<prefix>-<i>``, unique within the engine) is added as soon as
-    one ends, until all ``len(lengths)`` are. The window opens once ``concurrency`` requests have produced a token
+    one ends, until all ``len(lengths)`` are. The span opens once ``concurrency`` requests have produced a token
     and closes at the first completion that no request replaces; its tokens are the steps' deltas inside it. The
     engine runs dry before this returns. In flight as a client sees it: vLLM's engine core runs a step or so with
     C − 1 after a completion, before the replacement reaches it, as a server's does."""
@@ -86,7 +86,7 @@ def closed_loop(llm: Any, prompts: list[Any], concurrency: int, lengths: list[in
         elif opened is None and len(produced) >= concurrency:
             opened = now
     if opened is None or closed is None or closed <= opened:
-        raise RuntimeError(f"{prefix}: no steady window at concurrency {concurrency} ({len(lengths)} requests)")
+        raise RuntimeError(f"{prefix}: no steady span at concurrency {concurrency} ({len(lengths)} requests)")
     return tokens / (closed - opened)
 
 

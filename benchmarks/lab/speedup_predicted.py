@@ -74,9 +74,9 @@ def moved_with(row: dict[str, Any], row0: dict[str, Any], own: dict[str, Any], o
                               (own if acceptance else row)["tokens_per_step"], own["prefill_ms_per_token"] or 0.0)
 
 
-def in_window(row: dict[str, Any], row0: dict[str, Any], share: float, share0: float) -> float:
+def in_span(row: dict[str, Any], row0: dict[str, Any], share: float, share0: float) -> float:
     """The speedup of a predicted ``row`` (its k=0 row ``row0``) as the report computes it, with the prefill a token
-    carries scaled to the closed loop's window (``share``/``share0``: ``window_prefill_shares`` at k and at k = 0)."""
+    carries scaled to the closed loop's span (``share``/``share0``: ``span_prefill_shares`` at k and at k = 0)."""
     from moetrace.analysis.cost import end_to_end_speedup
 
     prefill0, prefill = row0["prefill_ms_per_token"] or 0.0, row["prefill_ms_per_token"] or 0.0

@@ -1,5 +1,5 @@
 """What ``bench_speedup_validation.py compare`` reads from a measure directory besides the report: the engines'
-throughput ratios with their intervals, the recorded rounds' own windows in the traces, the acceptance against
+throughput ratios with their intervals, the recorded rounds' own spans in the traces, the acceptance against
 vLLM's counters, and the copies of a sweep with one k's timing held out."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from speedup_load import output_lengths, requests_per_round, round_order, window_prefill_share
+from speedup_load import output_lengths, requests_per_round, round_order, span_prefill_share
 
 
 def ratio_ci95(numerator: list[float], denominator: list[float], resamples: int = 10_000) -> tuple[float, list[float]]:
@@ -33,13 +33,13 @@ def recorded_rounds(engine: dict[str, Any]) -> int:
     return len(next(iter(engine["recorded_tok_s"].values())))
 
 
-def recorded_windows(trace: Path, max_tokens: int, lengths: tuple[float, ...], rounds: int,
-                     recorded: list[int]) -> dict[int, tuple[float, float]]:
+def recorded_spans(trace: Path, max_tokens: int, lengths: tuple[float, ...], rounds: int,
+                   recorded: list[int]) -> dict[int, tuple[float, float]]:
     """Per recorded concurrency, from the trace's own steps (the median over rounds): output tokens per second in the
-    closed loop's window, so it tells the recorded steps apart from what the host adds around them; and the
-    prefills per token in that window over those of its whole round (what ``window_prefill_share`` simulates).
+    closed loop's span, so it tells the recorded steps apart from what the host adds around them; and the
+    prefills per token in that span over those of its whole round (what ``span_prefill_share`` simulates).
     Requests were recorded in ``round_order``, ``requests_per_round(C)`` each; a request's index in the trace is the
-    order vLLM first ran it, which is the order they were added. Per round: the window opens as the step ends in
+    order vLLM first ran it, which is the order they were added. Per round: the span opens as the step ends in
     which the last of the first C requests produced its first token, and closes as the (n − C + 1)-th of its n
     requests ends (the first that no request replaced); its tokens are what each request gained (1 + accepted
     drafts a step, no more than its output length) in steps that ended inside it, its prefills the requests whose
@@ -143,9 +143,9 @@ def longest_output(baseline: Path) -> int:
                .select(pl.col("len").max() + 1).collect().item())
 
 
-def window_prefill_shares(trace: Path, longest: int, concurrencies: list[int], max_tokens: int,
-                          lengths: tuple[float, ...]) -> dict[int, float]:
-    """Per concurrency, ``window_prefill_share`` of a timed round there: its requests' output lengths as the engine
+def span_prefill_shares(trace: Path, longest: int, concurrencies: list[int], max_tokens: int,
+                        lengths: tuple[float, ...]) -> dict[int, float]:
+    """Per concurrency, ``span_prefill_share`` of a timed round there: its requests' output lengths as the engine
     produced them (none past ``longest``: ``longest_output``) and the tokens the decode steps of ``trace`` gained."""
     import polars as pl
 
@@ -153,7 +153,7 @@ def window_prefill_shares(trace: Path, longest: int, concurrencies: list[int], m
 
     gains = (pl.scan_parquet(str(trace / "steps" / "*.parquet")).filter(decoding())
              .select(pl.col("num_accepted") + 1).collect().to_series().to_list())
-    return {concurrency: window_prefill_share(concurrency, [min(n, longest) for n in output_lengths(
+    return {concurrency: span_prefill_share(concurrency, [min(n, longest) for n in output_lengths(
                 requests_per_round(concurrency), max_tokens, lengths)], gains)
             for concurrency in concurrencies}
 
