@@ -9,7 +9,7 @@ moetrace predicts it saves. Baseline: the same workload under the router's own r
    greedy outputs, step throughput against the unbudgeted run (measured on this machine) and the predicted speedup
    (moetrace's H200 Kimi-K2 preset, from each run's own unique experts).
 3. Bits per byte of the target model on held-out text (the standard-library modules left out of its training),
-   teacher-forced by transformers' DeepseekV3 on the same checkpoint, in windows of the 512 tokens it was trained
+   teacher-forced by transformers' DeepseekV3 on the same checkpoint, in sequences of the 512 tokens it was trained
    on, with each budget applied as verification applies it: to runs of k + 1 consecutive tokens, through
    moetrace's own ``hooks.budget.restrict``.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 HELD_OUT_BYTES = 3000  # per held-out module: the first bytes of each (a file's head: imports, docstrings, code)
-TRAINED_LENGTH = 512  # the model was trained on windows of 512 tokens: it is scored on such windows
+TRAINED_LENGTH = 512  # the model was trained on sequences of 512 tokens: it is scored on such sequences
 RESULTS = Path(__file__).parent / "results" / "budget-sweep.json"
 
 
@@ -52,7 +52,7 @@ def held_out_text() -> list[bytes]:
 
 def bits_per_byte(texts: list[bytes], budget: int | None, window: int) -> float:
     """Teacher-forced bits per byte of the default model on ``texts`` (byte tokens), each MoE layer limited to
-    ``budget`` experts per window of ``window`` consecutive tokens (None: the router's own routing)."""
+    ``budget`` experts per verify window of ``window`` consecutive tokens (None: the router's own routing)."""
     import numpy as np
     import torch
     from transformers import DeepseekV3ForCausalLM

@@ -10,7 +10,7 @@ n-gram k=3, rounds alternating off/on so that drift hits both sides alike; each 
 ratio, and the result is their median with a bootstrap 95% interval.
 
 Beside throughput, each round measures the host time in which the GPU idles (sync scheduling, Model Runner V1):
-stamps at class level beneath moetrace's hooks, alike in both modes (``idle_window_probe``), give per step the time
+stamps at class level beneath moetrace's hooks, alike in both modes (``idle_time_probe``), give per step the time
 from vLLM's sync to the end of ``sample_tokens`` (drafting), from there to the next ``execute_model`` (the engine
 loop, the scheduler, the recorder's hooks around both) and from there to the forward's launch (vLLM's input
 preparation): medians over thousands of steps, far less noisy than a round's throughput, so what recording adds to
@@ -70,11 +70,12 @@ def timed_generate(llm: Any, prompts: list[Any], batch: int, max_tokens: int) ->
                                  ("num_drafts", "num_accepted_tokens") if name in after}
 
 
-IDLE_WINDOW = (("_bookkeeping_sync", True), ("sample_tokens", True), ("execute_model", False),
+# the calls stamped, in a step's order (True: on return): from vLLM's sync to the forward's launch the GPU idles
+IDLE_STAMPS = (("_bookkeeping_sync", True), ("sample_tokens", True), ("execute_model", False),
                ("_model_forward", False))
 
 
-def idle_window_probe(worker: Any, read: bool, faults: bool = False) -> dict[str, Any] | None:
+def idle_time_probe(worker: Any, read: bool, faults: bool = False) -> dict[str, Any] | None:
     """In the worker (through ``collective_rpc``): install (once) stamps on V1's runner at class level, so they run
     beneath the recorder's hooks whether those are installed or not: on return from ``_bookkeeping_sync`` (vLLM has
     synced; the GPU idles from here) and ``sample_tokens``, on entry to ``execute_model`` and ``_model_forward`` (the
@@ -87,15 +88,15 @@ def idle_window_probe(worker: Any, read: bool, faults: bool = False) -> dict[str
     import bisect
 
     runner_class = type(worker.model_runner)
-    if not all(hasattr(runner_class, name) for name, _ in IDLE_WINDOW):
+    if not all(hasattr(runner_class, name) for name, _ in IDLE_STAMPS):
         return None
     stamps: list[list[int]] | None = getattr(runner_class, "_bench_idle_stamps", None)
     if stamps is None:
-        stamps = [[] for _ in IDLE_WINDOW]
+        stamps = [[] for _ in IDLE_STAMPS]
         runner_class._bench_idle_stamps = stamps
         runner_class._bench_forward_kinds = []  # per forward launched: its CUDA-graph mode and token count
-        runner_class._bench_idle_faults = [[] for _ in IDLE_WINDOW] if faults else None
-        for index, ((name, on_return), times) in enumerate(zip(IDLE_WINDOW, stamps)):
+        runner_class._bench_idle_faults = [[] for _ in IDLE_STAMPS] if faults else None
+        for index, ((name, on_return), times) in enumerate(zip(IDLE_STAMPS, stamps)):
             kinds = runner_class._bench_forward_kinds if name == "_model_forward" else None
             counts = runner_class._bench_idle_faults[index] if faults else None
             setattr(runner_class, name, stamping(getattr(runner_class, name), times, on_return, kinds, counts))
@@ -118,7 +119,7 @@ def idle_window_probe(worker: Any, read: bool, faults: bool = False) -> dict[str
             chain.append(times[at])
             chain_at.append(at)
         following = syncs[index + 1] if index + 1 < len(syncs) else None
-        if len(chain) < len(IDLE_WINDOW) or chain[-1] - sync > 20_000_000 or (
+        if len(chain) < len(IDLE_STAMPS) or chain[-1] - sync > 20_000_000 or (
                 following is not None and chain[-1] > following):  # the last step, the engine idled, or no forward
             continue
         step_parts = [end - start for start, end in zip(chain, chain[1:])]
@@ -294,9 +295,9 @@ def main() -> None:
         try:
             pinned = llm.collective_rpc(pin_engine_thread)[0] if args.pin_engine_thread else None
             timed_generate(llm, base, len(base), 16)  # warm-up
-            llm.collective_rpc(idle_window_probe, args=(False, args.faults))  # hooks reinstalled each round wrap it
+            llm.collective_rpc(idle_time_probe, args=(False, args.faults))  # hooks reinstalled each round wrap it
             usage: dict[tuple[int, str], list[dict[str, float]]] = {}  # the engine thread's, per round
-            idle: dict[tuple[int, str], list[dict[str, float]]] = {}  # per round: the idle window's medians
+            idle: dict[tuple[int, str], list[dict[str, float]]] = {}  # per round: the idle time's medians
             results: dict[tuple[int, str], list[float]] = {}
             elapsed_ms: dict[tuple[int, str], list[float]] = {}
             workload: dict[tuple[int, str], list[dict[str, float]]] = {}  # vLLM's counters, per round
@@ -320,11 +321,11 @@ def main() -> None:
                         results.setdefault((batch, mode), []).append(tok_s)
                         elapsed_ms.setdefault((batch, mode), []).append(elapsed * 1e3)
                         workload.setdefault((batch, mode), []).append(counted)
-                        window = llm.collective_rpc(idle_window_probe, args=(True,))[0]
-                        if window is not None:
+                        medians = llm.collective_rpc(idle_time_probe, args=(True,))[0]
+                        if medians is not None:
                             # the round's time beside its steps': engine idle between requests, steps left out
-                            window["outside_steps_ms"] = elapsed * 1e3 - window["steps_ms"]
-                            idle.setdefault((batch, mode), []).append(window)
+                            medians["outside_steps_ms"] = elapsed * 1e3 - medians["steps_ms"]
+                            idle.setdefault((batch, mode), []).append(medians)
             clocks.stop()
             llm.collective_rpc(set_mode, args=("on",))  # recording, whatever mode ran last, to close the trace
             closed = llm.collective_rpc("moetrace_close")
@@ -375,6 +376,7 @@ def main() -> None:
             report[str(batch)]["by_forward"] = {  # per mode: steps pooled by the kind of forward ending them
                 mode: added_by_forward(idle[(batch, mode)], idle[(batch, "off")]) for mode in modes[1:]
                 if idle.get((batch, mode))}
+            # the GPU's idle time per step (its "idle_window_" keys: as the committed results name them)
             report[str(batch)]["idle_window_off"] = {
                 part: statistics.median(r[part] for r in idle[(batch, "off")] if r["steps"]) for part in parts}
             report[str(batch)]["idle_window_added"] = {  # per mode, minus off, per round: median, 95% interval

@@ -127,8 +127,8 @@ def added_by_forward(on_rounds: list[dict[str, Any]], off_rounds: list[dict[str,
     rounds (at high concurrency their scheduling differs)."""
     pooled: dict[str, dict[str, list[list[int]]]] = {"on": {}, "off": {}}
     for mode, rounds in (("on", on_rounds), ("off", off_rounds)):
-        for window in rounds:
-            for kind, parts, step in zip(window["all_forwards"], window["all_parts_us"], window["all_steps_us"]):
+        for measured in rounds:
+            for kind, parts, step in zip(measured["all_forwards"], measured["all_parts_us"], measured["all_steps_us"]):
                 pooled[mode].setdefault(kind, []).append([*parts, step])
     names = (*IDLE_PARTS, BUSY_PART, "step_us")
     by_kind = {}

@@ -3,9 +3,9 @@
 where vLLM is installed on a CUDA GPU, vLLM's own fused-MoE kernel (``fused_experts``, Triton, bf16), whose time at
 a given number of experts also grows with the tokens (its block padding), so it is kept as a table, not a line.
 
-Weights live in a pool of experts and every timed call reads a different window of it, so small sets are not
-served from L2. On CUDA the calls are captured in a CUDA graph (as vLLM decodes) and timed by events over replays;
-on the CPU (tests, smoke runs) they are timed with a host clock.
+Weights live in a pool of experts and every timed call reads its experts from a different offset of it, so small
+sets are not served from L2. On CUDA the calls are captured in a CUDA graph (as vLLM decodes) and timed by events
+over replays; on the CPU (tests, smoke runs) they are timed with a host clock.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
-WINDOWS = 8  # distinct weight windows per timed batch of calls
+POOL_OFFSETS = 8  # distinct offsets into the pool the timed calls read from in turn
 
 
 def weight_bytes_per_expert(hidden: int, width: int, bits: int, group_size: int | None = None,
@@ -47,7 +47,7 @@ def group_offsets(rows: int, groups: int, device: torch.device, multiple: int = 
 
 def time_calls(call: Callable[[int], object], device: torch.device, reps: int, replays: int,
                use_graph: bool = True) -> tuple[float, str]:
-    """Median µs of one ``call(i)`` (i = 0..reps−1 picks the weight window) and how it was timed."""
+    """Median µs of one ``call(i)`` (i = 0..reps−1 picks the offset into the pool) and how it was timed."""
     for i in range(min(reps, 3)):
         call(i)
     if device.type != "cuda":
@@ -101,7 +101,8 @@ def time_calls(call: Callable[[int], object], device: torch.device, reps: int, r
 
 
 class ExpertPool:
-    """Weights of ``pool`` experts at one per-rank shape in one format, and the expert-layer call over a window."""
+    """Weights of ``pool`` experts at one per-rank shape in one format, and the expert-layer call over consecutive
+    experts of it."""
 
     def __init__(self, hidden: int, width: int, pool: int, fmt: str, device: torch.device, seed: int = 0) -> None:
         self.hidden, self.width, self.pool, self.fmt, self.device = hidden, width, pool, fmt, device
@@ -140,16 +141,16 @@ class ExpertPool:
     def bytes_per_expert(self) -> int:
         return weight_bytes_per_expert(self.hidden, self.width, self.bits)
 
-    def windows(self, experts: int) -> list[int]:
-        count = max(1, min(WINDOWS, self.pool // experts))
+    def pool_offsets(self, experts: int) -> list[int]:
+        count = max(1, min(POOL_OFFSETS, self.pool // experts))
         return [i * experts for i in range(count)]
 
     def layer_call(self, experts: int, rows: int) -> tuple[Callable[[int], object], int]:
         """The expert layer over ``experts`` experts holding ``rows`` routed rows; returns the call (its argument
-        picks the window) and the rows actually computed (padded where the kernel needs it)."""
+        picks the offset into the pool) and the rows actually computed (padded where the kernel needs it)."""
         offs, total = group_offsets(rows, experts, self.device, self.row_multiple)
         x = torch.randn(total, self.hidden, device=self.device).to(torch.bfloat16)
-        starts = self.windows(experts)
+        starts = self.pool_offsets(experts)
         width = self.width
         if self.fmt == "bf16":
             w13t = [self.w13[s:s + experts].transpose(1, 2) for s in starts]
@@ -179,15 +180,15 @@ class ExpertPool:
         return call_fp8, total
 
     def fused_moe_call(self, experts: int, tokens: int, top_k: int) -> Callable[[int], object]:
-        """vLLM's ``fused_experts`` over ``tokens`` tokens routed top-``top_k`` over exactly ``experts`` experts of a
-        window: token i takes the window's slots top_k·i … top_k·i + top_k − 1 modulo ``experts`` (distinct while
-        experts ≥ top_k). Call it inside ``vllm_kernel_context()``."""
+        """vLLM's ``fused_experts`` over ``tokens`` tokens routed top-``top_k`` over exactly ``experts`` consecutive
+        experts from an offset into the pool: token i takes slots top_k·i … top_k·i + top_k − 1 modulo ``experts``
+        (distinct while experts ≥ top_k). Call it inside ``vllm_kernel_context()``."""
         from vllm.model_executor.layers.fused_moe import fused_experts
 
         x = (torch.randn(tokens, self.hidden, device=self.device) * 0.1).to(torch.bfloat16)
         weights = torch.full((tokens, top_k), 1.0 / top_k, device=self.device, dtype=torch.float32)
         slots = (torch.arange(tokens * top_k, device=self.device) % experts).view(tokens, top_k)
-        ids = [((slots + start) % self.pool).to(torch.int32) for start in self.windows(experts)]
+        ids = [((slots + start) % self.pool).to(torch.int32) for start in self.pool_offsets(experts)]
 
         def call(i: int) -> object:
             return fused_experts(x, self.w13, self.w2, weights, ids[i % len(ids)])

@@ -3,8 +3,9 @@ by the writer process, from the steps it writes: nothing runs in the engine for 
 
 They live as long as the server, not as one writer process: an always-on recording starts a writer process per
 partition, so the values are kept in memory that the engine process creates once (``MetricsState``) and hands to
-each partition's writer process. Counters stay monotone across partition switches and the load gauges keep their
-window, as Prometheus expects of one process (a counter that fell at each switch would read as a restart).
+each partition's writer process. Counters stay monotone across partition switches and the load gauges keep the
+steps counted towards their next reading, as Prometheus expects of one process (a counter that fell at each switch
+would read as a restart).
 
 The series count is bounded whatever the model: the MoE layers are cut into at most ``LAYER_GROUPS`` groups of
 consecutive layers, and no series is per expert (``series_bound``). For Kimi-K2 (60 MoE layers, k = 4) that is 66
@@ -78,8 +79,8 @@ class MetricsState:
             "unique_buckets": (groups, len(UNIQUE_BUCKETS) + 1),     # [G, U] observations per bucket, not cumulative
             "unique_sum": (groups,),                                 # [G]
             "imbalance": (groups,),                                  # [G] the gauges
-            "load_steps": (1,),                                      # steps in the load window so far
-            "loads": (num_layers, num_experts),                      # [L, E] picks in the load window
+            "load_steps": (1,),                                      # steps counted towards the next imbalance reading
+            "loads": (num_layers, num_experts),                      # [L, E] picks in those steps
         }
         self.fd = fd
         self.memory = mmap.mmap(fd, self.nbytes(num_layers, num_experts, max_k))

@@ -299,7 +299,7 @@ def test_the_context_heatmap_shows_the_recommended_k_per_concurrency_and_context
     assert errors == []
 
 
-FIRST_SCREEN_PX = 900  # of the 1000 px tall window: what a reader sees before scrolling, browser chrome aside
+FIRST_SCREEN_PX = 900  # of the 1000 px tall viewport: what a reader sees before scrolling, browser chrome aside
 
 
 def _first_screen(page: Any) -> dict[str, Any]:
@@ -316,7 +316,7 @@ def _first_screen(page: Any) -> dict[str, Any]:
 
 @pytest.mark.browser
 def test_the_dashboard_opens_on_the_decision_as_pictures(dashboard: Path) -> None:
-    """Two drafters: in a 1400x1000 window the first plot is each drafter's recommended k, drawn within the first
+    """Two drafters: in a 1400x1000 viewport the first plot is each drafter's recommended k, drawn within the first
     900 px with no table before it, side by side on one colour scale; the source legend follows the pictures."""
     with browser_page(dashboard) as (page, errors):
         for figure in ("fig-decision-k-0", "fig-decision-k-1", "fig-decision-speedup-0", "fig-decision-speedup-1"):

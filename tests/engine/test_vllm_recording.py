@@ -103,12 +103,12 @@ def test_recorded_routing_matches_transformers_on_the_same_weights(recorded_trac
         # Drafts not in the final sequence (rejected, or accepted past max_tokens): route the window as vLLM saw
         # it, the anchor's prefix followed by the window's draft tokens.
         outside = rows.filter(~kept)
-        for window in outside.select("step").unique().to_series():
-            drafts = rows.filter((pl.col("step") == window) & (pl.col("draft_pos") > 0)).sort("draft_pos", "layer")
+        for step in outside.select("step").unique().to_series():
+            drafts = rows.filter((pl.col("step") == step) & (pl.col("draft_pos") > 0)).sort("draft_pos", "layer")
             anchor = int(drafts["position"].min()) - 1
             tokens = drafts.unique("draft_pos", maintain_order=True)["token"].to_list()
             routed = reference.route(sequence[: anchor + 1] + tokens)
-            for row in outside.filter(pl.col("step") == window).iter_rows(named=True):
+            for row in outside.filter(pl.col("step") == step).iter_rows(named=True):
                 ids, weights = routed[row["layer"]]
                 compared += 1
                 rejected_checked += row["accepted"] is False

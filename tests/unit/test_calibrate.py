@@ -76,7 +76,7 @@ def test_expert_layer_matches_a_reference_on_cpu() -> None:
     assert pool.check() is None
     torch.manual_seed(7)
     call, rows = pool.layer_call(experts=3, rows=7)
-    out = call(1)  # second window: experts 3, 4, 5, holding rows 0-2, 3-4 and 5-6
+    out = call(1)  # the second offset: experts 3, 4, 5, holding rows 0-2, 3-4 and 5-6
     assert isinstance(out, torch.Tensor) and out.shape == (rows, 32)
     torch.manual_seed(7)  # the same input the call drew
     x = torch.randn(rows, 32).to(torch.bfloat16).float()

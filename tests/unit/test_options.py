@@ -50,10 +50,10 @@ def test_a_wrong_option_is_named(raw: str, message: str) -> None:
 
 def test_the_plugin_does_not_record_with_malformed_options_and_says_why(monkeypatch: pytest.MonkeyPatch,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv(ENV_VAR, '{"out": "/tmp/run", "window": 5}')
+    monkeypatch.setenv(ENV_VAR, '{"out": "/tmp/run", "sample_seconds": 5}')
     with caplog.at_level(logging.WARNING):
         assert recording_options() is None
-    assert "moetrace: not recording: MOETRACE_RECORD is not valid (unknown option(s) window" in caplog.text
+    assert "moetrace: not recording: MOETRACE_RECORD is not valid (unknown option(s) sample_seconds" in caplog.text
     monkeypatch.setenv(ENV_VAR, '{"out": ')
     assert recording_options() is None
     monkeypatch.delenv(ENV_VAR)
