@@ -142,7 +142,7 @@ def decode_step_periods(steps: pl.LazyFrame, only: pl.LazyFrame | None = None) -
     concurrency (a prefill stalls every request of its step). A prefill step serves the concurrency of the decode
     steps it leads to: its own requests or, where more, those of the rank's next decoding step (requests that end
     together are replaced over steps of fewer requests, and a round starts with its prompts prefilled over steps of
-    growing batches); 0 where no step held a prefill.
+    more and more requests); 0 where no step held a prefill.
 
     ``only`` (``dp_rank, step``): the decode steps to measure ``period_ms`` and ``tokens_per_step`` over (those of
     one context bucket, say); ``prefill_ms_per_token`` is then null (prefill is paid over every step, not a

@@ -247,7 +247,7 @@ def attention_curve(doc: Mapping[str, Any]) -> AttentionCurve | None:
 def drafter_step_ms(curve: Mapping[str, Any], k: int, batch: int) -> float:
     """ms one speculative step spends in the calibrated model drafter (``moetrace calibrate --drafter``) at ``k``
     drafts per request and ``batch`` requests, passes as vLLM's EAGLE-style proposer runs them: the layers (and
-    EAGLE-3's fc) over every token the step verified, batch·(k+1), the LM head on the batch's last tokens, then
+    EAGLE-3's fc) over every token the step verified, batch·(k+1), the LM head on each request's last token, then
     k−1 passes of ``batch`` tokens through the layers and the head. Each part piecewise linear in tokens between
     the calibrated counts, along the end segments past them. 0 at k = 0 (no drafter runs)."""
     if k == 0:

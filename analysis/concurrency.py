@@ -206,7 +206,7 @@ class StepUnions:
 def sampled_batch_unions(masks: Masks, prompts: npt.NDArray[np.int64], batch: int, samples: int,
                          seed: int) -> tuple[Masks, bool]:
     """Unions of ``batch`` windows as one step of ``batch`` requests reads them (``prompts``: each window's prompt
-    number): one batch = every window once (exact mean); else ``samples`` draws (fewer over many prompts: at most
+    number): B = 1: every window once (exact mean); else ``samples`` draws (fewer over many prompts: at most
     ``KEYED_VALUES`` random keys in all) of ``batch`` distinct prompts, each as likely as it has windows (a request
     is in as many steps as it runs), and a window of each at random; over P < B prompts every prompt ⌊B/P⌋ times and
     the rest so drawn. All windows once when there are fewer windows than ``batch`` (the second value says so)."""

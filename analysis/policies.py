@@ -1,6 +1,6 @@
 """Policies that choose k step by step, replayed against a recorded trace (counterfactual): each concurrency B runs B
 request streams in lockstep, closed loop (a stream that ends is replaced by the next request until none is left),
-one k per step for the whole batch as vLLM runs it. A recorded request-step of the trace at its k (K) accepted a
+one k per step for all of its requests, as vLLM runs it. A recorded request-step of the trace at its k (K) accepted a
 drafts: under a policy's k it gains 1 + min(a, k) tokens (drafts are a prefix: the first k of K are the k a
 k-drafter proposes) and the step costs the predicted step at (B, k). Throughput is tokens per ms while all B slots
 are busy, over that of k = 0.

@@ -15,7 +15,7 @@ import torch
 
 
 class PlannedStep(NamedTuple):
-    """A step's batch as the runner has laid it out before its forward: request r's tokens are
+    """A step's tokens as the runner has laid them out before its forward: request r's tokens are
     query_start[r]:query_start[r+1] [R + 1], of which drafts[r] [R] are drafts it verifies."""
 
     query_start: npt.NDArray[np.int64]

@@ -1,9 +1,9 @@
 """Per-worker recorder: binds the routing buffers to the target model and turns each engine step into rows.
 
-# T tokens in the step, R requests in the batch, L recorded MoE layers, K top-k, d_i drafts of request i
+# T tokens in the step, R requests in the step, L recorded MoE layers, K top-k, d_i drafts of request i
 
 Both of vLLM's model runners are recorded (``vllm_api.RunnerV1`` and ``RunnerV2`` say which calls are wrapped and
-where a step's batch lives): a step begins, a call says which CUDA graph its forward replays, the forward runs,
+where a step's input batch lives): a step begins, a call says which CUDA graph its forward replays, the forward runs,
 ``sample_tokens`` runs the rejection sampler, and the drafter runs after both; each is timed on the timed steps
 (``timing.StepTimer``). Under sync scheduling the GPU idles from vLLM's sync after sampling until the next forward
 is launched, so whatever a hook does there slows every step: before the launch the hooks only note the step, after
@@ -11,7 +11,7 @@ vLLM's sync they count the host lists of sampled tokens and queue the step. The 
 launched, as ``sample_tokens`` begins: what lives on the host is copied (the runner reuses those arrays); what lives
 on the device (routing rows, positions, token ids) is packed into one block that the GPU writes, without blocking,
 on vLLM's stream, into a ring of pinned rows the writer process maps too (``transfer.StepCopier``), so vLLM's own
-sync covers it. Once a later step's forward is launched, steps are handed to the writer process in a batch (one
+sync covers it. Once a later step's forward is launched, steps are handed to the writer process together (one
 pickle, one pipe write), which assembles and encodes their rows: recording adds no host sync to a step, and the
 engine thread never touches the routing rows. docs/capture.md tells the design in full.
 """
@@ -273,8 +273,8 @@ class Recorder:
         return self._sampled and self._is_request_step()
 
     def _is_request_step(self) -> bool:
-        """Whether the step under way is a request's: V2 runs its dummy batches (profiling, idle DP ranks) through
-        execute_model too, and warms its kernels up with batches of requests of its own."""
+        """Whether the step under way is a request's: V2 runs its dummy steps (profiling, idle DP ranks) through
+        execute_model too, and warms its kernels up with steps of requests of its own."""
         scheduled = self._scheduled
         return scheduled is not None and bool(scheduled.total_num_scheduled_tokens) and not (
             self._step_kwargs and self._step_kwargs.get("dummy_run", False)) and not self.model_runner.is_warmup(
@@ -306,12 +306,12 @@ class Recorder:
         return result
 
     def inputs_prepared(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Model Runner V2 has laid the step's batch out (``HookPoint`` role ``plan``, hooked under a budget or a
+        """Model Runner V2 has laid the step's input batch out (``HookPoint`` role ``plan``, hooked under a budget or a
         replay): plan its tokens before the forward."""
-        batch = original(*args, **kwargs)
+        input_batch = original(*args, **kwargs)
         with self._guarded:
-            self._plan_tokens(cast(RunnerV2, self.model_runner).planned_step(batch))
-        return batch
+            self._plan_tokens(cast(RunnerV2, self.model_runner).planned_step(input_batch))
+        return input_batch
 
     def _plan_tokens(self, step: PlannedStep | None) -> None:
         """Plan the next forward's rerouting (``Rerouting.plan``); None: no request's step."""
@@ -412,7 +412,7 @@ class Recorder:
         except Exception as again:
             log.warning("moetrace: unhooking after that failed too (%s: %s)", type(again).__name__, again)
 
-    # -- batch layout ---------------------------------------------------------------------------------------
+    # -- step layout ----------------------------------------------------------------------------------------
 
     def _layout(self, replayed: Hashable | None, tokens_across_dp: list[int] | None) -> PendingStep:
         """Copy what this step's rows need before the runner's arrays are reused by the next step; ``replayed`` names

@@ -1,7 +1,7 @@
 """One engine step's rows, assembled from what the worker copied out: numpy only, so the trace writer's process
 can unpickle and assemble it without torch or vLLM.
 
-# T tokens in the step, R requests in the batch, L recorded MoE layers, K top-k, C candidates, d_i drafts of
+# T tokens in the step, R requests in the step, L recorded MoE layers, K top-k, C candidates, d_i drafts of
 # request i
 """
 

@@ -4,7 +4,7 @@ with moetrace's hooks paused, then recorded in the same closed loop, one engine 
 The load (closed loop, what a round is): ``speedup_load.py``.
 
 ``--timed`` (default 1,4,16,48): the concurrencies timed, moetrace's hooks paused (the engine exactly as vLLM built
-it), over ``--rounds`` rounds that alternate their order, after a short warm-up at each (every batch shape
+it), over ``--rounds`` rounds that alternate their order, after a short warm-up at each (every input shape
 compiled) and one whole round at each timed or recorded one, not counted. ``--recorded`` (default 1,16): the
 concurrencies then recorded, hooks resumed, in as many rounds of the same closed loop, so the trace is of what was
 timed: a round's throughput varies by up to ±10% on the H200 (host jitter, and under speculation which requests end
@@ -32,7 +32,7 @@ from typing import Any
 from kimi_slice import KIMI_K3_MXFP4, kimi_k2_eagle3_head, kimi_k2_slice, kimi_k3_slice
 from speedup_load import LENGTHS, LOAD, distinct_prompts, model_len, output_lengths, requests_per_round, round_order
 
-WARM_UP_TOKENS = 16  # per warm-up request: 2 C of them at each timed concurrency, every batch shape compiled
+WARM_UP_TOKENS = 16  # per warm-up request: 2 C of them at each timed concurrency, every input shape compiled
 # the recording times vLLM's calls one step in 8, not the recorder's 1 in 64 on a GPU: a k = 4 run of 16 requests
 # has about 150 decode steps, too few for 64 (the timed rounds run with the hooks paused, so this costs them nothing)
 TIME_PHASES_EVERY = 8
@@ -270,7 +270,7 @@ def measure_engine(settings: dict[str, Any], rounds: int, max_tokens: int, start
         if settings["engine_args"].get("load_format") == "dummy" and not all(llm.collective_rpc(spread_routing)):
             raise RuntimeError("no MoE router found to spread")
         llm.collective_rpc("moetrace_pause")
-        for concurrency in timed:  # warm-up, short: Triton compiles each new batch shape
+        for concurrency in timed:  # warm-up, short: Triton compiles each new input shape
             closed_loop(llm, prompts, concurrency, [min(WARM_UP_TOKENS, max_tokens)] * (2 * concurrency),
                         f"w{concurrency}")
         # then one whole round at each concurrency timed or recorded, not counted: an engine's first full round ran

@@ -8,7 +8,7 @@ releases are supported (``resolve``: ``SUPPORTED``, ``TESTED``: 0.26 on an H200,
 Two model runners (``runners``): V1 (``vllm.v1.worker.gpu_model_runner``, and the CPU runner that subclasses it;
 removed in 0.34) and V2 (``vllm.v1.worker.gpu.model_runner``, vLLM's default on GPUs from 0.3x, and the CPU runner
 that subclasses it). ``RunnerV1`` and ``RunnerV2`` say, for each, which calls the recorder wraps (``HookPoint``) and
-where a step's batch layout lives (``StepInputs``).
+where a step's layout lives (``StepInputs``).
 
 ``CONTRACT`` lists every internal as data: ``tools/vllm_contract.py`` checks it against the sources of each release
 in ``CHECKED`` (docs/vllm-releases.md), and ``REFUSED`` names, per release and runner, what that check found gone.

@@ -27,17 +27,17 @@ RUNNER_FIELDS = ("model", "max_num_tokens", "input_batch", "query_start_loc", "p
                  "_update_states", "_determine_batch_execution_and_padding", "_sample", "sample_tokens",
                  "propose_draft_token_ids")
 INPUT_BATCH_FIELDS = ("num_reqs", "req_ids", "num_prompt_tokens")
-# ... on Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``); its batch is a per-step
+# ... on Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``); its input batch is a per-step
 # ``InputBatch`` left in ``execute_model_state``, its CUDA graphs are run by a ``cudagraph_manager``.
 RUNNER_V2_FIELDS = ("model", "max_num_tokens", "req_states", "execute_model", "sample", "sample_tokens",
                     "capture_model", "speculator", "cudagraph_manager")
 INPUT_BATCH_V2_FIELDS = ("req_ids", "num_reqs", "num_tokens", "query_start_loc_np", "idx_mapping_np",
                          "num_draft_tokens_per_req", "positions", "input_ids")
 GRAPH_MANAGER_V2_FIELDS = ("graphs", "run_fullgraph", "run_pw_graph")
-# ... where a budget or a replay plans each forward's tokens: the batch as ``prepare_inputs`` lays it out, the
+# ... where a budget or a replay plans each forward's tokens: the input batch as ``prepare_inputs`` lays it out, the
 # positions buffer the forward reads (at a fixed address), the most requests a step holds
 PLANNING_V2_FIELDS = ("prepare_inputs", "input_buffers", "max_num_reqs")
-# V2 warms its kernels up at start-up (``WARMUP_PATH``) by running batches of requests of its own through
+# V2 warms its kernels up at start-up (``WARMUP_PATH``) by running steps of requests of its own through
 # execute_model and sample_tokens: their ids start so (``_context_warmup_``: from 0.34).
 WARMUP_PATH = "vllm.v1.worker.gpu.warmup"
 WARMUP_REQUEST_PREFIXES = ("_warmup_", "_v2_mixed_warmup", "_context_warmup_")

@@ -1,7 +1,7 @@
-"""The recorder's view of vLLM's two model runners: which calls it wraps (``HookPoint``) and where a step's batch
-lives (``StepInputs``).
+"""The recorder's view of vLLM's two model runners: which calls it wraps (``HookPoint``) and where a step's input
+batch lives (``StepInputs``).
 
-# T tokens in a step, R requests in the batch
+# T tokens in a step, R requests in the step
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ ForwardPlan = tuple[Hashable | None, list[int] | None]
 class HookPoint:
     """One call the recorder wraps: ``owner.name``, in the role it plays in a step (``step``: called once a step,
     before its forward, with the scheduler's output; ``sample``, ``sample_tokens``, ``drafting``,
-    ``capture_model``; ``plan``: returns a step's batch as laid out before its forward (``planning``); or ``graph``:
+    ``capture_model``; ``plan``: returns a step's input batch, laid out before its forward (``planning``); or ``graph``:
     a call that says which CUDA graph the forward replays, ``plan`` of its result and arguments, read as it returns,
     or, with ``plan_at_launch`` (a plan of the result and arguments alone, which vLLM leaves as they are), once the
     forward is launched: before the launch, under sync scheduling, the GPU idles, so there the hook only keeps the
@@ -65,7 +65,7 @@ class StepInputs(NamedTuple):
     """What a step's rows need from the runner, read right after its forward: host arrays (copied, the runner
     reuses them), positions and token ids where the runner keeps them (device or host)."""
 
-    req_ids: Sequence[str]  # [R] in batch order
+    req_ids: Sequence[str]  # [R] in the input batch's order
     query_start: npt.NDArray[np.int64]  # [R + 1]
     num_prompt_tokens: npt.NDArray[np.int64]  # [R]
     drafts: npt.NDArray[np.int64]  # [R]
@@ -76,8 +76,8 @@ class StepInputs(NamedTuple):
 class RunnerV1:
     """Model Runner V1: ``execute_model`` prepares the step and runs the target forward (in vLLM's forward context,
     set with the CUDA graph that ``_determine_batch_execution_and_padding`` chose), ``sample_tokens`` the rejection
-    sampler (``_sample``) and the drafter (``propose_draft_token_ids``); the batch lives in the runner's persistent
-    buffers."""
+    sampler (``_sample``) and the drafter (``propose_draft_token_ids``); the input batch lives in the runner's
+    persistent buffers."""
 
     name = "v1"
 
@@ -118,14 +118,14 @@ class RunnerV1:
 
     def planned_step(self, scheduler_output: Any, num_tokens: int | None) -> PlannedStep | None:
         """Once ``_determine_batch_execution_and_padding`` returns (the step's inputs prepared, its forward not yet
-        launched): the step's batch, in batch order; None where the forward about to run is not the step's (a
-        dummy run of ``num_tokens`` tokens)."""
+        launched): the step's tokens, in the input batch's order; None where the forward about to run is not the
+        step's (a dummy run of ``num_tokens`` tokens)."""
         if scheduler_output is None or num_tokens != scheduler_output.total_num_scheduled_tokens:
             return None
-        batch = self.runner.input_batch
-        num_reqs = int(batch.num_reqs)
+        input_batch = self.runner.input_batch
+        num_reqs = int(input_batch.num_reqs)
         spec = scheduler_output.scheduled_spec_decode_tokens
-        req_ids = list(batch.req_ids[:num_reqs])
+        req_ids = list(input_batch.req_ids[:num_reqs])
         return PlannedStep(self.runner.query_start_loc.np[: num_reqs + 1].astype(np.int64),
                            np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int64), req_ids)
 
@@ -141,15 +141,15 @@ class RunnerV1:
 
     def step_inputs(self) -> StepInputs:
         runner = self.runner
-        batch = runner.input_batch
-        num_reqs = int(batch.num_reqs)
+        input_batch = runner.input_batch
+        num_reqs = int(input_batch.num_reqs)
         query_start = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
         state = runner.execute_model_state
         spec = state.spec_decode_metadata if state is not None else None
         return StepInputs(
-            req_ids=batch.req_ids[:num_reqs],
+            req_ids=input_batch.req_ids[:num_reqs],
             query_start=query_start,
-            num_prompt_tokens=batch.num_prompt_tokens[:num_reqs].astype(np.int64),  # a copy: the runner reuses it
+            num_prompt_tokens=input_batch.num_prompt_tokens[:num_reqs].astype(np.int64),  # a copy: the runner reuses it
             drafts=(np.asarray(spec.num_draft_tokens, dtype=np.int64) if spec is not None
                     else np.zeros(num_reqs, np.int64)),
             positions=runner.positions,  # the same tensors every step: what the recorder packs can be kept
@@ -164,8 +164,8 @@ class RunnerV1:
 
     @staticmethod
     def kept_on_host(output: Any) -> list[int] | None:
-        """Tokens each request kept this step (accepted drafts + 1, 0 when nothing was sampled), in batch order,
-        from the host lists of ``sample_tokens``' output; None when it holds none (async scheduling)."""
+        """Tokens each request kept this step (accepted drafts + 1, 0 when nothing was sampled), in the input batch's
+        order, from the host lists of ``sample_tokens``' output; None when it holds none (async scheduling)."""
         sampled = getattr(output, "sampled_token_ids", None)
         return list(map(len, sampled)) if isinstance(sampled, list) else None
 
@@ -205,22 +205,22 @@ class RunnerV2:
         return points
 
     def plan_points(self) -> list[HookPoint]:
-        """Where a budget or a replay plans a forward's tokens: as ``prepare_inputs`` returns the step's batch
-        (dummy runs, CUDA-graph captures among them, lay theirs out elsewhere and run unplanned)."""
+        """Where a budget or a replay plans a forward's tokens: as ``prepare_inputs`` returns the step's input
+        batch (dummy runs, CUDA-graph captures among them, lay theirs out elsewhere and run unplanned)."""
         require_fields(self.runner, PLANNING_V2_FIELDS, "model runner (V2)")
         return [HookPoint("plan", self.runner, "prepare_inputs", planning=True)]
 
     @staticmethod
-    def planned_step(batch: Any) -> PlannedStep | None:
-        """The step's batch as ``prepare_inputs`` returned it, in its own request order (decodes first); None for a
-        kernel warm-up's (requests of V2's own: counted, they would shift which trace request a replay gives the
+    def planned_step(input_batch: Any) -> PlannedStep | None:
+        """The step's input batch as ``prepare_inputs`` returned it, in its own request order (decodes first); None
+        for a kernel warm-up's (requests of V2's own: counted, they would shift which trace request a replay gives the
         first request served)."""
-        num_reqs = int(batch.num_reqs)
-        req_ids = list(batch.req_ids[:num_reqs])
+        num_reqs = int(input_batch.num_reqs)
+        req_ids = list(input_batch.req_ids[:num_reqs])
         if req_ids and _is_warmup_request(req_ids[0]):
             return None
-        drafts = batch.num_draft_tokens_per_req
-        return PlannedStep(batch.query_start_loc_np[: num_reqs + 1].astype(np.int64),
+        drafts = input_batch.num_draft_tokens_per_req
+        return PlannedStep(input_batch.query_start_loc_np[: num_reqs + 1].astype(np.int64),
                            np.zeros(num_reqs, np.int64) if drafts is None else drafts[:num_reqs].astype(np.int64),
                            req_ids)
 
@@ -234,24 +234,24 @@ class RunnerV2:
 
     @staticmethod
     def is_warmup(scheduler_output: Any) -> bool:
-        """Whether the step is V2's kernel warm-up (its batches hold only requests of its own)."""
+        """Whether the step is V2's kernel warm-up (its steps hold only requests of its own)."""
         return _is_warmup_request(next(iter(scheduler_output.num_scheduled_tokens), ""))
 
     def step_inputs(self) -> StepInputs:
-        batch = self.runner.execute_model_state.input_batch
+        input_batch = self.runner.execute_model_state.input_batch
         if not self._batch_checked:
-            require_fields(batch, INPUT_BATCH_V2_FIELDS, "input batch (V2)")
+            require_fields(input_batch, INPUT_BATCH_V2_FIELDS, "input batch (V2)")
             self._batch_checked = True
-        num_reqs, num_tokens = int(batch.num_reqs), int(batch.num_tokens)
-        slots = batch.idx_mapping_np[:num_reqs]  # batch index -> the request's row in the runner's states
-        drafts = batch.num_draft_tokens_per_req
+        num_reqs, num_tokens = int(input_batch.num_reqs), int(input_batch.num_tokens)
+        slots = input_batch.idx_mapping_np[:num_reqs]  # index in the input batch -> the request's row in req_states
+        drafts = input_batch.num_draft_tokens_per_req
         return StepInputs(
-            req_ids=list(batch.req_ids[:num_reqs]),
-            query_start=batch.query_start_loc_np[: num_reqs + 1].astype(np.int64),
+            req_ids=list(input_batch.req_ids[:num_reqs]),
+            query_start=input_batch.query_start_loc_np[: num_reqs + 1].astype(np.int64),
             num_prompt_tokens=self.runner.req_states.prompt_len.np[slots].astype(np.int64),
             drafts=np.zeros(num_reqs, np.int64) if drafts is None else drafts[:num_reqs].astype(np.int64),
-            positions=batch.positions[:num_tokens],
-            input_ids=batch.input_ids[:num_tokens],
+            positions=input_batch.positions[:num_tokens],
+            input_ids=input_batch.input_ids[:num_tokens],
         )
 
     @staticmethod
@@ -288,5 +288,5 @@ class GraphsNamingCaptures(dict[Any, Any]):
 
 
 def _is_warmup_request(req_id: Any) -> bool:
-    """Whether ``req_id`` is one of V2's kernel warm-up requests (its batches hold only such requests)."""
+    """Whether ``req_id`` is one of V2's kernel warm-up requests (its steps hold only such requests)."""
     return isinstance(req_id, str) and req_id.startswith(WARMUP_REQUEST_PREFIXES)

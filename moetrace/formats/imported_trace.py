@@ -75,7 +75,7 @@ def write_trace(captures: list[StepCapture], manifest: dict[str, Any], moe_layer
     shutil.rmtree(staging, ignore_errors=True)
     try:  # written as the writer process writes a recording, then renamed into place
         files = TraceFiles(staging, manifest, moe_layers, top_k, candidates=0, rotate_rows=4_000_000,
-                           rotate_seconds=float("inf"), row_group_rows=262_144, batch_seconds=0.0)
+                           rotate_seconds=float("inf"), row_group_rows=262_144, write_every_seconds=0.0)
         files.write(list(captures))
         manifest = files.close({}, None)
         if not manifest["complete"]:

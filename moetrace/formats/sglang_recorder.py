@@ -28,7 +28,7 @@ of the file writes alike):
 A per_token dump imports as a k = 0 trace: every pass that routed a token is a step, in the file's order; each
 token group of it (a request's prefill chunk by ``extend_seq_lens``, each decode token) is a request of its own,
 with the pass's positions and token ids: the dump has no request ids, so no request spans passes and the
-counterfactual growth per request has no window past k = 0 (the growth per step's batch is measured). Physical
+counterfactual growth per request has no window past k = 0 (the growth per whole step is measured). Physical
 ids become logical through the dump's map (wrong for passes before an EPLB rebalance during the recording);
 passes that routed nothing (a dense drafter's, an idle one) and tokens routed in no layer (padding) are left out
 and counted; a verification pass (TARGET_VERIFY: which drafts were accepted is not in it) or a pass of another mode

@@ -88,7 +88,7 @@ def recorded_phases(traces: Sequence[Trace]) -> pl.DataFrame:
     """Per (k, batch): ms per step in vLLM's forward, sampling and drafting calls (``PHASE_COLUMNS``), from each
     trace's manifest ``phases`` (``phase_ms``); null where a trace did not time them (a trace without drafts has no
     drafting) or timed fewer than ``MIN_PHASE_CALLS`` calls (a median of one or two calls can be a one-off: a new
-    batch shape compiling)."""
+    input shape compiling)."""
     rows = [{"k": trace.k, "batch": int(batch), "phase": f"{phase}_ms", "ms": phase_ms(trace, phase, timing)}
             for trace in traces
             for phase, per_batch in trace.manifest.phases.items()

@@ -61,7 +61,7 @@ def sampled_request(request_id: str, one_in: int) -> bool:
 class StepCapture:
     """Everything one engine step contributes to the trace; arrays are host copies owned by the capture.
 
-    T tokens in the step, L recorded MoE layers, K top-k, C candidates, R requests in the batch.
+    T tokens in the step, L recorded MoE layers, K top-k, C candidates, R requests in the step.
     """
 
     step: int
@@ -167,13 +167,13 @@ class TraceFiles:
     """The writer process's side: one trace directory's manifest and rotated routing/steps files."""
 
     def __init__(self, root: Path, manifest: dict[str, Any], moe_layers: list[int], top_k: int, candidates: int,
-                 rotate_rows: int, rotate_seconds: float, row_group_rows: int, batch_seconds: float) -> None:
+                 rotate_rows: int, rotate_seconds: float, row_group_rows: int, write_every_seconds: float) -> None:
         self.root = root
         self.manifest = manifest
         self.layers = np.asarray(moe_layers, dtype=np.uint16)
         self.top_k = top_k
         self.candidates = candidates
-        self.batch_seconds = batch_seconds
+        self.write_every_seconds = write_every_seconds
         run_id = str(manifest.get("run_id", root.name))
         self._routing = RotatingParquet(
             root / ROUTING_DIR, routing_schema(top_k, candidates), run_id, rotate_rows, rotate_seconds, row_group_rows

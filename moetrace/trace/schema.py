@@ -41,7 +41,7 @@ def check_k(k: int, option: str = "--k") -> int:
 # manifest ``source.lacks``: what the source of an imported trace (``moetrace import``) could not know, so the report
 # leaves out what rests on it. Returned routing (vLLM's and SGLang's routed experts) holds the tokens each request
 # kept; SGLang's expert distribution recorder (``per_token`` dumps) holds every token a forward pass routed and the
-# pass's batch, but not which token groups of different passes are one request
+# pass's token groups, but not which token groups of different passes are one request
 SOURCE_LACKS = ("rejected_drafts", "router_weights", "acceptance", "step_timing", "batching", "request_identity")
 ROUTED_EXPERTS_LACKS = ("rejected_drafts", "router_weights", "acceptance", "step_timing", "batching")
 SGLANG_RECORDER_LACKS = ("request_identity", "router_weights", "step_timing")

@@ -126,8 +126,8 @@ class MetricsState:
 
 
 class LiveMetrics:
-    """The metrics of one recording, kept in ``state`` and exposed in ``registry``; ``observe`` takes each batch of
-    steps as it is written."""
+    """The metrics of one recording, kept in ``state`` and exposed in ``registry``; ``observe`` takes the steps of
+    each write as they are written."""
 
     def __init__(self, moe_layers: Sequence[int], num_experts: int, max_k: int, registry: CollectorRegistry,
                  state: MetricsState | None = None) -> None:

@@ -2,8 +2,8 @@
 
 The engine thread only hands over: a step's routing rows are written (on a GPU by the GPU itself) into a ring of rows
 that the engine process and the writer process both map (``SharedRows``); ``TraceWriter.submit`` queues the step,
-and ``forward_ready`` (called where the GPU is busy with the next forward) hands the queued steps over in batches:
-one pickle of what is left of each step whose rows have landed (its request order, query starts, drafts, kept
+and ``forward_ready`` (called where the GPU is busy with the next forward) hands the queued steps over several at a
+time: one pickle of what is left of each step whose rows have landed (its request order, query starts, drafts, kept
 counts, and where its rows lie in the ring: a few hundred bytes) and one write down a non-blocking pipe to the writer
 process (``python -m moetrace.writer.process``), which copies the rows out of the ring, releasing them, and
 assembles rows, builds Arrow tables, compresses and writes. Done by a thread of the engine process, that work took
@@ -51,7 +51,8 @@ IDLE_FORWARD_SECONDS = 0.1  # how long queued steps wait for the engine thread b
 # Queued steps are handed over together (one pickle, one pipe write) once this many wait, once the oldest has waited
 # this long, or once a quarter of the ring is reserved, whichever comes first. Code that runs once per step runs
 # cold (its instructions and data evicted by vLLM's own step): a hand-over per step cost the engine thread 60-70 µs
-# on an H200 host; with a pause between steps, 31-39 µs one by one against 20-25 µs on average batched (a CPU VM).
+# on an H200 host; with a pause between steps, 31-39 µs one by one against 20-25 µs on average handed over
+# together (a CPU VM).
 HAND_OVER_STEPS = 16
 SEND_EVERY_SECONDS = 0.05
 PIPE_BYTES = 1 << 20
@@ -64,7 +65,7 @@ class TraceWriter:
     No thread on the engine side takes the GIL from the engine loop while steps flow: ``submit`` (once per step, on
     the engine thread) only queues a step and counts it in memory shared with the writer process, and
     ``forward_ready`` (once per step, where the engine thread would otherwise wait for the GPU) hands the queued
-    steps whose copies have landed over in one batch (``HAND_OVER_STEPS``, ``SEND_EVERY_SECONDS``, a quarter of the
+    steps whose copies have landed over in one hand-over (``HAND_OVER_STEPS``, ``SEND_EVERY_SECONDS``, a quarter of the
     ring: their rows stay in the ``rows`` ring, which the writer process maps too, so only where they lie is
     pickled) through a non-blocking pipe, and otherwise returns at once; what the pipe cannot take yet waits in
     memory. Why recording stopped, if it did, is kept in the shared memory too. Once the engine has gone quiet for
@@ -73,7 +74,7 @@ class TraceWriter:
 
     def __init__(self, root: Path, manifest: dict[str, Any], moe_layers: list[int], top_k: int, candidates: int = 0,
                  rotate_rows: int = 4_000_000, rotate_seconds: float = 10.0, row_group_rows: int = 262_144,
-                 batch_seconds: float = 1.0, rows: SharedRows | None = None, metrics_port: int | None = None,
+                 write_every_seconds: float = 1.0, rows: SharedRows | None = None, metrics_port: int | None = None,
                  metrics_state: MetricsState | None = None, launch_beside: bool = False) -> None:
         """``rows``: the ring that steps leave their rows in, shared with the writer process (closed with the
         writer); ``metrics_port``: where the writer process serves the recording's live metrics
@@ -135,7 +136,8 @@ class TraceWriter:
         self._from_child = os.fdopen(from_child_r, "rb")
         config = {"root": root, "manifest": manifest, "moe_layers": moe_layers, "top_k": top_k,
                   "candidates": candidates, "rotate_rows": rotate_rows, "rotate_seconds": rotate_seconds,
-                  "row_group_rows": row_group_rows, "batch_seconds": batch_seconds, "metrics_port": metrics_port}
+                  "row_group_rows": row_group_rows, "write_every_seconds": write_every_seconds,
+                  "metrics_port": metrics_port}
         ring = (self.rows.capacity, self.rows.width) if self.rows else None
         self._backlog += pickle.dumps(("init", config, ring), protocol=pickle.HIGHEST_PROTOCOL)
         self._drain(wait=False)  # the writer process starts its files now, not at the first hand-over
@@ -179,7 +181,7 @@ class TraceWriter:
 
     @property
     def steps_waiting(self) -> int:
-        """Steps submitted and not yet handed over to the writer process (batched by ``forward_ready``)."""
+        """Steps submitted and not yet handed over to the writer process (handed over together by ``forward_ready``)."""
         return len(self._waiting)
 
     @property
@@ -269,22 +271,22 @@ class TraceWriter:
         """Pickle the leading steps that are ready (all of them when ``wait``) as one message into the backlog, and
         drain it (when ``wait``, until the pipe has taken all of it)."""
         self._last_forward = time.monotonic()
-        batch: list[StepCapture | Assemblable] = []
+        handed: list[StepCapture | Assemblable] = []
         # A copy (taken in one C call, so whole): the engine thread may queue steps while the idle forwarder is here,
         # and a deque changed under an iterator raises.
         for step in list(self._waiting):
             if isinstance(step, StepCapture):
-                batch.append(step)
+                handed.append(step)
             elif wait or step.is_ready():
-                batch.append(step.ready())
+                handed.append(step.ready())
             else:
                 break
         sections, self._sections = self._sections, None
         if sections is not None:
             self._backlog += pickle.dumps(("sections", sections), protocol=pickle.HIGHEST_PROTOCOL)
-        if batch:
-            self._backlog += pickle.dumps(("steps", batch), protocol=pickle.HIGHEST_PROTOCOL)
-            for _ in batch:  # only once pickled: an error before leaves them queued, counted as submitted
+        if handed:
+            self._backlog += pickle.dumps(("steps", handed), protocol=pickle.HIGHEST_PROTOCOL)
+            for _ in handed:  # only once pickled: an error before leaves them queued, counted as submitted
                 self._waiting.popleft()
         self._drain(wait)
         if len(self._backlog) > MAX_BACKLOG_BYTES:
@@ -306,7 +308,7 @@ class TraceWriter:
             del self._backlog[:written]
 
     def _read(self) -> None:
-        """Status thread (asleep in a read but for one progress message per batch): what the writer process
+        """Status thread (asleep in a read but for one progress message per write): what the writer process
         reports."""
         while True:
             try:
@@ -329,7 +331,7 @@ class TraceWriter:
 def serve(inbox: Any, outbox: Any, engine: EngineRecord, ring_fd: int | None = None,
           metrics_fd: int | None = None) -> None:
     """The writer process: read steps from ``inbox`` (their rows from the ring shared through ``ring_fd``, copied
-    out as each step arrives), write them in batches every ``batch_seconds``, rotate files on time even when idle,
+    out as each step arrives), write what arrived every ``write_every_seconds``, rotate files on time even when idle,
     and report progress, failure and the final manifest to ``outbox``; ``engine`` says what an engine that ended
     without closing had submitted, and why its recording stopped if it did; ``metrics_fd``: the live metrics' state
     (``MetricsState``), where the config asks for them."""
@@ -380,7 +382,7 @@ def serve(inbox: Any, outbox: Any, engine: EngineRecord, ring_fd: int | None = N
     while True:
         pending: list[Any] = []
         closing: tuple[Any, ...] | None = None
-        deadline = time.monotonic() + files.batch_seconds
+        deadline = time.monotonic() + files.write_every_seconds
         while closing is None and (remaining := deadline - time.monotonic()) > 0:
             try:
                 message = received.get(timeout=remaining)

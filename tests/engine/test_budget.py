@@ -88,7 +88,7 @@ def test_budgeted_verification_uses_at_most_the_budget_and_matches_an_independen
     used = (trace.routing().filter(pl.col("phase") == "verify").explode("experts").group_by("step", "layer")
             .agg(pl.col("experts").n_unique()).collect())
     assert used.height > 20 and used["experts"].max() <= BUDGET, "every verification step, every layer"
-    # a step whose engine batch held a request-step the trace left out (run after its request's end: async
+    # a step whose engine ran a request-step the trace left out (run after its request's end: async
     # scheduling) routed tokens the rows lack: the budget there cannot be recomputed from the rows alone
     whole = (trace.steps().group_by("step").agg(rows=pl.len(), batch=pl.col("batch_size").first())
              .filter(pl.col("rows") == pl.col("batch")).select("step"))

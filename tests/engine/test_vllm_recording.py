@@ -287,7 +287,7 @@ def test_routing_recomputed_from_router_logits_equals_the_wrapped_routers(record
     """The path for kernels that fuse routing (they never call the router): the recorder takes the logits where
     vLLM hands them on and runs the router's own routing function itself. Forced on the CPU's modular kernels, its
     rows must equal the wrapped router's on the same prompts (compared by request, position and layer: the two
-    runs may batch requests differently)."""
+    runs may group requests into steps differently)."""
     recomputed = open_trace(record_like_the_fixture(tmp_path, "--recompute-from-logits"))
     assert recomputed.manifest.document["capture"]["recomputed_from_logits"] is True
     assert open_trace(recorded_trace).manifest.document["capture"]["recomputed_from_logits"] is False

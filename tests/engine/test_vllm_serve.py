@@ -63,7 +63,7 @@ def assert_trace_matches(trace_dir: Path, counters: dict[str, float]) -> None:
 
 def live_metrics(port: int, drafts: float, timeout: float = 30) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """The recording's live metrics endpoint, parsed by prometheus_client's own parser, once its draft count reaches
-    ``drafts`` (the writer process updates them as it writes each batch of steps; a scrape that meets a writer
+    ``drafts`` (the writer process updates them as it writes the steps it received; a scrape that meets a writer
     process as it exits is tried again)."""
     deadline = time.monotonic() + timeout
     while True:

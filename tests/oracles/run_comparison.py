@@ -21,7 +21,7 @@ row's score vector, and a run that picks the top-k of its own scores can only sw
 differing row is then a near-tie by construction, and what tells a moved row from a misattributed one is where it
 moved: ``rows_nearer_another_token`` counts differing rows of run B that are not nearer (in score movement) to their
 own token's row of run A than to the rows of the other tokens around it (``NEIGHBOURS`` positions either side, same
-request and layer: where a stale buffer or a shifted batch layout would have taken them from), or that share no
+request and layer: where a stale buffer or a shifted step layout would have taken them from), or that share no
 candidate with their own token's row. A neighbour holding the same token id is no other token: in a small
 random-weight model its hidden state, and so its scores, can lie as near as rounding moves them (such rows are
 counted apart, ``rows_nearer_a_same_token_neighbour``). Every row counted is listed (``nearer_rows``).
@@ -80,7 +80,7 @@ def windows_after_finish(trace_dir: Path) -> pl.DataFrame:
 def agreeing_prefix(a_dir: Path, b_dir: Path) -> pl.DataFrame:
     """Per request (the caller's id): how many leading tokens (prompt + output) the two runs share, and the prompt
     length. Runs are matched on the caller's ids, not on request indices: a trace numbers requests in the order its
-    runner first scheduled them, and Model Runner V2 orders each batch its own way."""
+    runner first scheduled them, and Model Runner V2 orders each step's requests its own way."""
     a_outputs, b_outputs = ({o["request_id"]: o
                              for o in map(json.loads, (d / "outputs.jsonl").read_text().splitlines())}
                             for d in (a_dir, b_dir))

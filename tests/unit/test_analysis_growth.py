@@ -75,8 +75,8 @@ def test_measured_matches_brute_force() -> None:
             windows = [{e for r in w if r["draft_pos"] <= k for e in r["experts"]}  # type: ignore[operator, attr-defined]
                        for w in by_request_step.values()]
             _check(frame, layer, k, "request", windows)
-            batches = [{e for r in w if r["draft_pos"] <= k for e in r["experts"]} for w in by_step.values()]  # type: ignore[operator, attr-defined]
-            _check(frame, layer, k, "batch", batches)
+            steps = [{e for r in w if r["draft_pos"] <= k for e in r["experts"]} for w in by_step.values()]  # type: ignore[operator, attr-defined]
+            _check(frame, layer, k, "batch", steps)  # scope "batch": the union over a whole step's requests
 
 
 def test_counterfactual_windows_hold_what_the_drafter_proposed_by_brute_force() -> None:

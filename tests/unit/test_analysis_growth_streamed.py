@@ -1,4 +1,4 @@
-"""The streamed counterfactual path (token-major rows, batch after batch) against brute force, across batch sizes,
+"""The streamed counterfactual path (token-major rows, chunk after chunk) against brute force, across chunk sizes,
 and its fallback to the general path for rows laid out any other way."""
 
 from __future__ import annotations
@@ -69,13 +69,13 @@ def general_path_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("batch_rows", [1, 5, 16, 1 << 17])
+@pytest.mark.parametrize("chunk_rows", [1, 5, 16, 1 << 17])
 @pytest.mark.parametrize("ep", [1, 4])
 @pytest.mark.parametrize("read", ["scanned", "decoded"])  # streamed from the files, or from rows decoded already
-def test_streamed_matches_brute_force_across_batches(
-    batch_rows: int, ep: int, read: str, monkeypatch: pytest.MonkeyPatch, general_path_calls: list[int]
+def test_streamed_matches_brute_force_across_chunks(
+    chunk_rows: int, ep: int, read: str, monkeypatch: pytest.MonkeyPatch, general_path_calls: list[int]
 ) -> None:
-    monkeypatch.setattr(streamed_module, "BATCH_ROWS", batch_rows)
+    monkeypatch.setattr(streamed_module, "BATCH_ROWS", chunk_rows)
     tokens = verify_tokens(np.random.default_rng(7), MODEL, requests=3, steps=25, k=3, accept_prob=0.6,
                            variable_drafts=True)
     routing = routing_frame(tokens, MODEL)
@@ -97,7 +97,7 @@ def _shuffled(frame: pl.DataFrame, seed: int) -> pl.LazyFrame:
     [
         "shuffled",  # rows in any order
         "missing layer",  # one token without one of its layers
-        "positions go back",  # a request's positions decrease from batch to batch
+        "positions go back",  # a request's positions decrease from chunk to chunk
     ],
 )
 def test_other_layouts_take_the_general_path(
@@ -119,8 +119,8 @@ def test_other_layouts_take_the_general_path(
 
 def test_repeated_positions_count_rows_like_the_general_path(general_path_calls: list[int]) -> None:
     """A token recorded twice (same request and position, token-major) is two rows of its window, as in the general
-    path: the window no longer has k+1 rows, or has them with one position missing. (Within one batch: a repeat
-    in a later batch is a request going back, which takes the general path.)"""
+    path: the window no longer has k+1 rows, or has them with one position missing. (Within one chunk: a repeat
+    in a later chunk is a request going back, which takes the general path.)"""
     tokens = decode_tokens(np.random.default_rng(9), MODEL, requests=2, steps=30)
     frame = routing_frame(tokens, MODEL).collect()
     width = len(MODEL.layers)

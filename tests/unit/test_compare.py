@@ -79,7 +79,7 @@ def test_a_row_recorded_from_another_token_is_unexplained(tmp_path: Path) -> Non
 
 
 def test_runs_are_matched_on_the_callers_request_ids_not_on_request_indices(tmp_path: Path) -> None:
-    """Model Runner V2 orders its batches its own way, so a trace may number the same requests differently."""
+    """Model Runner V2 orders each step's requests its own way, so a trace may number the same requests differently."""
     a, b = runs(tmp_path)
     renumbered = dataclasses.replace(b, request=(1 - b.request).astype(b.request.dtype),  # request 0 <-> 1
                                      token=default_token_ids(b))  # each request's tokens as before

@@ -85,7 +85,7 @@ def generate(registry: CollectorRegistry) -> str:
 
 def served(port: int, drafts: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The endpoint's samples once it counts ``drafts`` draft tokens (the writer process updates its metrics after
-    it writes a batch; a new writer process serves once the last one has let go of the port), or after 10 s."""
+    each write; a new writer process serves once the last one has let go of the port), or after 10 s."""
     deadline = time.monotonic() + 10
     while True:
         try:

@@ -295,7 +295,7 @@ def test_report_predicts_from_the_sweeps_own_k0_steps(tmp_path: Path) -> None:
     no_k0 = CliRunner().invoke(main, ["report", str(tmp_path / "sweep" / "k2"), "--k", "2", "--tp", "2", "--force",
                                       "--calibration", str(calibration), "--profile", "measured"])
     assert no_k0.exit_code == 1 and "needs a k=0 trace" in no_k0.output
-    # a phase timed in fewer than 3 calls is not measured (one call can be a new batch shape compiling): the
+    # a phase timed in fewer than 3 calls is not measured (one call can be a new input shape compiling): the
     # forward's growth then stays out
     with_phases(k2, {"forward": {"2": {**timed(0.8, 0.75), "calls": 2}}, "sampling": {"2": timed(0.2, 0.15)}})
     few = [row for row in json.loads(report("--calibration", str(calibration), "--profile", "measured", "--batch", "2",

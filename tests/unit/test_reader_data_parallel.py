@@ -36,7 +36,7 @@ def test_a_data_parallel_recording_reads_as_one_trace_with_each_ranks_requests_a
     routing = trace.routing().collect()
     assert routing.height == sum(r.routing().collect().height for r in ranks)
     assert routing["dp_rank"].unique().sort().to_list() == [0, 1]
-    # the same request index on two ranks is two requests; a rank's step is its own batch
+    # the same request index on two ranks is two requests; a rank's step holds its own requests
     per_rank = [r.steps().collect() for r in ranks]
     steps = trace.steps().collect()
     assert steps.select("request").n_unique() == sum(f.select("request").n_unique() for f in per_rank)

@@ -85,7 +85,7 @@ def test_an_engine_killed_mid_step_leaves_closed_files_and_says_what_is_missing(
 
 
 def test_steps_queued_but_not_yet_handed_over_when_the_engine_is_killed_are_said_missing(tmp_path: Path) -> None:
-    """The engine thread hands its steps over a batch at a time; those it still held when killed are counted in
+    """The engine thread hands its steps over several at a time; those it still held when killed are counted in
     memory it shares with the writer process, which says they are missing."""
     final = kill_engine_and_read_manifest(tmp_path / "trace", mid_step=False, unsent=True)
     assert final["complete"] is False and "last 2 step(s) are missing" in final["error"]

@@ -1,5 +1,6 @@
 """The engine side of the trace writer: it never waits for a step's copies or for the writer process, hands steps
-over in batches, in order, through the shared ring, and forwards what it left queued once the engine goes quiet."""
+over several at a time, in order, through the shared ring, and forwards what it left queued once the engine goes
+quiet."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_the_engine_thread_never_waits_while_the_idle_forwarder_hands_a_step_ove
     assert np.array_equal(written, np.sort(expected.reshape(-1, TOP_K), axis=1))
 
 
-def test_steps_queued_while_the_idle_forwarder_hands_a_batch_over_follow_it_intact(tmp_path: Path) -> None:
+def test_a_step_queued_during_the_idle_forwarders_hand_over_follows_it_intact(tmp_path: Path) -> None:
     """The engine thread may queue a step while the idle forwarder is handing the queue over: recording goes on and
     both steps reach the trace, in order."""
     rng = np.random.default_rng(13)
@@ -90,7 +91,7 @@ def test_steps_queued_while_the_idle_forwarder_hands_a_batch_over_follow_it_inta
     assert open_trace(tmp_path).steps().collect()["step"].unique().sort().to_list() == [0, 1]
 
 
-def test_the_engine_thread_hands_steps_over_in_batches_not_a_pickle_per_step(
+def test_the_engine_thread_hands_steps_over_together_not_a_pickle_per_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Code run once per step runs cold, so ``forward_ready`` only queues until ``HAND_OVER_STEPS`` steps wait (or
@@ -105,7 +106,7 @@ def test_the_engine_thread_hands_steps_over_in_batches_not_a_pickle_per_step(
     assert writer.steps_waiting == HAND_OVER_STEPS - 1 and not writer.bytes_unsent, "nothing handed over yet"
     writer.submit(verify_step(HAND_OVER_STEPS - 1, rng))
     writer.forward_ready()
-    assert not writer.steps_waiting and not writer.bytes_unsent, "the whole batch went down the pipe at once"
+    assert not writer.steps_waiting and not writer.bytes_unsent, "the whole hand-over went down the pipe at once"
     assert writer.close()["counts"]["steps"] == HAND_OVER_STEPS
 
     layout = PackedLayout(layers=len(LAYERS), top_k=TOP_K, candidates=0, token_ids=True)
