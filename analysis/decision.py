@@ -184,7 +184,7 @@ def may_pay_more(row: Mapping[str, Any]) -> bool:
 
 
 def sweep_edge_lines(rows: Iterable[Mapping[str, Any]]) -> list[str]:
-    """The notes of the decision ``rows`` (the summary JSON's, per concurrency or per concurrency and context) whose
+    """The notes of the decision ``rows`` (the report JSON's, per concurrency or per concurrency and context) whose
     k is at the sweep's edge (``k_at_sweep_edge``), one line per k, note and context, naming the concurrencies it
     holds at beside the k's "+" mark: what the terminal and the export say under their tables."""
     where: dict[tuple[int, str, int | None], list[str]] = {}

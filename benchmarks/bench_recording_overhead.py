@@ -401,7 +401,7 @@ def main() -> None:
         print(f"{batch:>5} engine thread per round (median): " + "; ".join(
             f"{mode} " + ", ".join(f"{key} {value:.3g}" for key, value in per_mode.items())
             for mode, per_mode in report[str(batch)]["engine_thread_usage"].items()))
-        gpu_clocks = {mode: clocks.summary(spans[(batch, mode)]) for mode in modes}
+        gpu_clocks = {mode: clocks.stats(spans[(batch, mode)]) for mode in modes}
         if any(gpu_clocks.values()):
             report[str(batch)]["gpu_clocks"] = gpu_clocks
             print(f"{batch:>5} GPU while each mode ran (NVML every 5 ms): " + "; ".join(

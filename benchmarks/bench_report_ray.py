@@ -65,18 +65,18 @@ def timed_report(root: Path, scratch: Path, *extra: str) -> tuple[float, dict[st
     wall = time.perf_counter() - started
     if result.exit_code != 0:
         sys.exit(f"report {' '.join(extra)} failed: {result.output[-2000:]}")
-    summary: dict[str, Any] = json.loads(result.stdout)
-    summary.pop("dashboard")  # where each child wrote it
-    return wall, summary
+    report: dict[str, Any] = json.loads(result.stdout)
+    report.pop("dashboard")  # where each child wrote it
+    return wall, report
 
 
 def child_one_machine(root: Path, scratch: Path) -> dict[str, Any]:
     from moetrace.report.inputs import open_run
 
-    wall, summary = timed_report(root, scratch)
+    wall, report = timed_report(root, scratch)
     run = open_run(root, 3)
     return {"report_s": wall, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "rows": run.routing_rows[run.primary.k], "summary": summary}
+            "rows": run.routing_rows[run.primary.k], "report": report}
 
 
 def child_ray(root: Path, scratch: Path, workers: int) -> dict[str, Any]:
@@ -97,13 +97,13 @@ def child_ray(root: Path, scratch: Path, workers: int) -> dict[str, Any]:
     results = summarised_partitions(trace, request, "auto")
     map_s = time.perf_counter() - started
     drop_caches(root)
-    report_s, summary = timed_report(root, scratch, "--ray", "auto")
-    cached_s, cached_summary = timed_report(root, scratch, "--ray", "auto")
+    report_s, report = timed_report(root, scratch, "--ray", "auto")
+    cached_s, cached_report = timed_report(root, scratch, "--ray", "auto")
     return {
         "workers": workers, "map_s": map_s, "report_s": report_s, "cached_report_s": cached_s,
         "rows": run.routing_rows[trace.k],
         "tasks": [{"rows": r.rows, "seconds": r.seconds, "peak_rss_bytes": r.peak_rss_bytes} for r in results],
-        "summary": summary, "cached_summary": cached_summary,
+        "report": report, "cached_report": cached_report,
     }
 
 
@@ -140,8 +140,8 @@ def main(context: click.Context, partitions: int, tokens: int, layers: int, cach
     measured = []
     for workers in (1, 2):
         found = in_child("ray", str(root), str(workers))
-        same_report(found.pop("summary"), one["summary"], f"--ray at {workers} worker(s)")
-        same_report(found.pop("cached_summary"), one["summary"], f"--ray at {workers} worker(s), from the cache")
+        same_report(found.pop("report"), one["report"], f"--ray at {workers} worker(s)")
+        same_report(found.pop("cached_report"), one["report"], f"--ray at {workers} worker(s), from the cache")
         tasks = found["tasks"]
         found["rows_per_s_per_worker"] = rows / found["map_s"] / workers
         found["task_rows_per_s"] = sum(t["rows"] for t in tasks) / sum(t["seconds"] for t in tasks)
@@ -163,7 +163,7 @@ def main(context: click.Context, partitions: int, tokens: int, layers: int, cach
         command = f"benchmarks/bench_report_ray.py --partitions {partitions} --tokens {tokens} --layers {layers}"
         json_out.write_text(json.dumps({
             "command": f"{command} --json {json_out}", "rows": rows, "partitions": partitions,
-            "one_machine": {key: value for key, value in one.items() if key != "summary"},
+            "one_machine": {key: value for key, value in one.items() if key != "report"},
             "ray": measured, "projected_day_s": projection, "day_rows": DAY_ROWS,
         }, indent=1) + "\n")
 

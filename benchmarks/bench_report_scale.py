@@ -1,4 +1,4 @@
-"""Benchmark: the whole ``moetrace report`` (terminal summary, --json and the dashboard) on a large trace, against
+"""Benchmark: the whole ``moetrace report`` (terminal tables, --json and the dashboard) on a large trace, against
 one full scan of the same routing files with Polars, in the same run.
 
     python benchmarks/bench_report_scale.py [--tokens 1000000] [--layers 60]     # 60M rows: the target size

@@ -58,7 +58,7 @@ class GpuClocks:
         finally:
             pynvml.nvmlShutdown()
 
-    def summary(self, spans: list[tuple[int, int]]) -> dict[str, float] | None:
+    def stats(self, spans: list[tuple[int, int]]) -> dict[str, float] | None:
         """The samples taken inside ``spans`` (perf_counter ns): median and 10th percentile SM MHz, mean power W,
         and the share of samples the driver marked idle; None when there are none."""
         import bisect

@@ -115,13 +115,13 @@ def close_quietly(worker: Any) -> dict[str, Any] | None:
         return None
     worker._moetrace_recorder = None
     try:
-        return closed_summary(recorder.close())
+        return closed_trace_facts(recorder.close())
     except Exception as exc:
         log.warning("moetrace: closing the trace failed: %s", exc)
         return None
 
 
-def closed_summary(manifest: dict[str, Any]) -> dict[str, Any]:
+def closed_trace_facts(manifest: dict[str, Any]) -> dict[str, Any]:
     """What the driver hears of a closed trace: plain JSON, as vLLM's RPC carries."""
     return {"complete": bool(manifest["complete"]), "counts": dict(manifest.get("counts") or {}),
             "error": manifest.get("error"), "engine_thread_us_per_step": manifest.get("engine_thread_us_per_step"),
@@ -147,12 +147,12 @@ class RecordingWorkerExtension:
 
     def moetrace_next_trace(self, options: str) -> dict[str, Any] | None:
         """Close the trace under way and record into the one ``options`` (``RecordingOptions`` JSON) names, with
-        its budget, in this engine (``Recorder.next_trace``); the closed trace's summary, None where this worker
-        records nothing. Raises ``ValueError`` for options only a new engine could take."""
+        its budget, in this engine (``Recorder.next_trace``); the closed trace's facts (``closed_trace_facts``),
+        None where this worker records nothing. Raises ``ValueError`` for options only a new engine could take."""
         recorder = getattr(self, "_moetrace_recorder", None)
         if recorder is None:
             return None
-        return closed_summary(recorder.next_trace(worker_options(self, RecordingOptions.from_text(options))))
+        return closed_trace_facts(recorder.next_trace(worker_options(self, RecordingOptions.from_text(options))))
 
     def moetrace_pause(self) -> bool:
         """Unwrap routers and runner (recording off, engine as without moetrace) until ``moetrace_resume``."""

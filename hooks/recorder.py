@@ -207,7 +207,7 @@ class Recorder:
         sections: dict[str, Any] = {
             "capture_mechanisms": dict(self.mechanisms),
             "engine_thread_us_per_step": self.timer.us_per_step(),
-            "phases": self.timer.summary(final)}
+            "phases": self.timer.manifest_phases(final)}
         if self.partitions is not None and self.partitions.switch_ms is not None:
             sections["partition"] = {"switch_ms": round(self.partitions.switch_ms, 3)}
         return sections

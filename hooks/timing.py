@@ -88,7 +88,7 @@ class PhaseTiming:
             self.device_ms.setdefault(batch, Reservoir()).add(first.elapsed_time(last))
             self._free.append((first, last))
 
-    def summary(self, wait: bool = True) -> dict[str, dict[str, Any]]:
+    def medians(self, wait: bool = True) -> dict[str, dict[str, Any]]:
         """Per batch size: calls, and the host and device medians in ms (device: None off CUDA), over at most
         ``KEPT_PER_BATCH`` of the calls, a uniform sample of them; ``wait``: for the device times of calls still in
         flight (at close), else those completed so far."""
@@ -182,6 +182,6 @@ class StepTimer:
         steps = max(self.phases["forward"].calls, 1)
         return {name: round(ns / steps / 1e3, 2) for name, ns in self.own_ns.items()}
 
-    def summary(self, final: bool) -> dict[str, dict[str, dict[str, Any]]]:
-        """The manifest's ``phases`` (``PhaseTiming.summary``); ``final``: at close, waiting for events in flight."""
-        return {phase: timing.summary(wait=final) for phase, timing in self.phases.items()}
+    def manifest_phases(self, final: bool) -> dict[str, dict[str, dict[str, Any]]]:
+        """The manifest's ``phases`` (``PhaseTiming.medians``); ``final``: at close, waiting for events in flight."""
+        return {phase: timing.medians(wait=final) for phase, timing in self.phases.items()}

@@ -335,7 +335,7 @@ def write_json(doc: dict[str, Any], path: Path) -> None:
     tmp.replace(path)
 
 
-def summary_lines(doc: dict[str, Any]) -> list[str]:
+def digest_lines(doc: dict[str, Any]) -> list[str]:
     """A short plain-text digest of a calibration (what the device run prints last)."""
     lines = [f"device {doc['device'].get('name')} x{doc['device'].get('count')}, torch {doc['versions']['torch']}, "
              f"copy bandwidth {doc['copy_bandwidth_gbs']:.0f} GB/s"]
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = calibrate(settings, show)
     write_json(doc, args.out)
     print(f"wrote {args.out}", flush=True)
-    for line in summary_lines(doc):
+    for line in digest_lines(doc):
         print(line, flush=True)
     for note in doc["notes"]:
         print(f"note: {note}", flush=True)

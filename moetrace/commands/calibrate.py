@@ -104,7 +104,7 @@ def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp
     all-reduce time against message size for 2, 4, 8... GPUs, attention (MLA decode) against requests, query
     tokens and context length and, with --drafter, a model drafter's passes against tokens; write the curves as a
     calibration JSON for `moetrace report --calibration`."""
-    from moetrace.calibrate.run import calibrate as run_calibrate, summary_lines, write_json
+    from moetrace.calibrate.run import calibrate as run_calibrate, digest_lines, write_json
     from moetrace.calibrate.settings import Settings
 
     path = output or default_output(device, quick)
@@ -147,7 +147,7 @@ def calibrate(device: str, quick: bool, shape_preset: str, model: str | None, tp
     except OSError as exc:
         raise UserError(f"{path}: cannot write calibration ({exc.strerror})") from None
     console = Console()
-    for line in summary_lines(doc):
+    for line in digest_lines(doc):
         console.print(Text(line), highlight=False)
     for note in doc["notes"]:
         console.print(Text(f"note: {note}", style="yellow"), highlight=False)

@@ -23,17 +23,17 @@ def info(trace: Path, as_json: bool) -> None:
     from moetrace.trace.reader import open_traces
 
     traces = open_traces(trace)
-    summaries: list[dict[str, Any]] = []
+    described: list[dict[str, Any]] = []
     for t in traces:
         rows = t.routing().select("layer").collect().height
         steps = t.steps().select("step").collect().height
-        summaries.append({"path": str(t.path), "complete": t.complete, "routing_rows_readable": rows,
+        described.append({"path": str(t.path), "complete": t.complete, "routing_rows_readable": rows,
                           "steps_rows_readable": steps, "partitions": partition_span(t), "warnings": t.warnings,
                           "manifest": t.manifest.document})
     if as_json:
-        click.echo(json.dumps(summaries, indent=2))
+        click.echo(json.dumps(described, indent=2))
         return
-    for s, t in zip(summaries, traces):
+    for s, t in zip(described, traces):
         m = t.manifest
         # Text, not markup, wherever a path, a name or an error message is printed: they may hold "[...]".
         end = m.document.get("end")

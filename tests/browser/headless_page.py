@@ -54,7 +54,7 @@ def browser_page(path: Path) -> Iterator[tuple[Any, list[str]]]:
 
 
 def open_groups(page: Any) -> None:
-    """Open every collapsed group of tables (the runs' tables and the summary start collapsed), as a reader would."""
+    """Open every collapsed group of tables (the runs' tables, the figures at k), as a reader would."""
     page.evaluate("document.querySelectorAll('details.group:not([open]) > summary').forEach(s => s.click())")
 
 

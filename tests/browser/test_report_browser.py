@@ -1,5 +1,5 @@
 """The dashboard in headless Chromium, offline: no console errors, every figure drawn, the k picker redraws, every
-figure's source marked; and the dashboard rendered from the summary JSON alone."""
+figure's source marked; and the dashboard rendered from the JSON payload alone."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def dashboard(tmp_path: Path) -> Path:
 @pytest.fixture
 def sweep_report(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     """A TP-only sweep recorded at k=0, 1, 2 with drafts accepted often, reported at k=4: the dashboard and the
-    summary JSON ``report --json`` printed while writing it."""
+    payload JSON ``report --json`` printed while writing it."""
     model = Model(layers=(1, 2, 3))
     for k in SWEEP_K:
         rng = np.random.default_rng(10 + k)
@@ -90,11 +90,11 @@ def test_dashboard_renders_offline_and_reacts_to_k(dashboard: Path) -> None:
 @pytest.mark.browser
 def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
         sweep_report: tuple[Path, dict[str, Any]]) -> None:
-    path, summary = sweep_report
-    run = summary["runs"][0]
+    path, payload = sweep_report
+    run = payload["runs"][0]
     assert run["recorded_k"] == list(SWEEP_K) and run["source_at_k"] == "counterfactual"
     assert run["tp"] == 1 and run["ep"] == 1 and all(row["ep_bytes"] == 0 for row in run["step_bytes"])
-    may_pay = [row for decision in summary["decision"] for row in decision["per_batch"]
+    may_pay = [row for decision in payload["decision"] for row in decision["per_batch"]
                if row["k"] is not None and row["larger_k_may_pay"]]
     assert may_pay, "the sweep should leave a larger k predicted to pay (acceptance 0.9, extrapolated past k=2)"
     counterfactual, extrapolated = MARKS[Source.COUNTERFACTUAL], MARKS[Source.EXTRAPOLATED]
@@ -131,8 +131,8 @@ def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
         # (b) the decision table: a recommended k past which a larger (extrapolated) k may pay is "k+"
         cells = page.eval_on_selector_all(
             "#decision td.k", "cells => cells.map(c => ({text: c.innerText, title: c.title}))")
-        assert len(cells) == len(summary["decision"][0]["per_batch"])
-        for row, shown in zip(summary["decision"][0]["per_batch"], cells):
+        assert len(cells) == len(payload["decision"][0]["per_batch"])
+        for row, shown in zip(payload["decision"][0]["per_batch"], cells):
             if row["k"] is None:  # no recommendation at this concurrency
                 assert shown["text"] == "none" and row["status"] in shown["title"], shown
             elif row["larger_k_may_pay"]:
@@ -144,12 +144,12 @@ def test_every_figure_carries_its_source_and_the_step_plot_is_readable(
         # ... and under it, the crossover per drafter as the JSON says it
         crossovers = page.eval_on_selector_all(
             "p.crossover", "ps => ps.map(p => ({kind: p.dataset.kind, text: p.innerText}))")
-        expected = [(kind, found["says"]) for decision in summary["decision"]
+        expected = [(kind, found["says"]) for decision in payload["decision"]
                     for kind, found in decision["crossover"].items() if found]
         assert [(shown["kind"], shown["text"].split(", ", 1)[1]) for shown in crossovers] == expected, crossovers
         assert expected and expected[0][0] == "predicted"
         # ... and the policies replayed on the trace, with their verdict, as the JSON has them
-        policies = summary["decision"][0]["policies"]
+        policies = payload["decision"][0]["policies"]
         shown_rows = page.eval_on_selector_all(
             "table.policies tr[data-policy]",
             "rows => rows.map(r => [...r.querySelectorAll('td')].map(c => c.innerText))")
@@ -358,8 +358,8 @@ def test_the_first_screen_draws_the_recommended_k_and_speedups_as_the_json_has_t
     """Without --context, the heatmap is one row at the recorded context: its cells are ``report --json``'s
     recommended k per concurrency, each written with its speedup and interval; the speedup plot draws the run's
     predicted speedup per k and concurrency, and the recommended k's interval as a band."""
-    path, summary = sweep_report
-    decision, run = summary["decision"][0], summary["runs"][0]
+    path, payload = sweep_report
+    decision, run = payload["decision"][0], payload["runs"][0]
     rows = sorted(decision["per_batch"], key=lambda row: row["batch"])
     with browser_page(path) as (page, errors):
         page.wait_for_selector("#fig-decision-speedup-0 svg.main-svg", timeout=15_000)
@@ -398,9 +398,9 @@ def test_the_first_screen_marks_the_crossover_and_leaves_a_concurrency_without_a
         sweep_report: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     """The payload's crossover, where it crosses, is a line at its (interpolated) concurrency on the speedup plot;
     a concurrency with no recommendation is an empty cell named "none", and the band breaks around it."""
-    _, summary = sweep_report
-    summary.pop("dashboard")
-    decision = summary["decision"][0]
+    _, payload = sweep_report
+    payload.pop("dashboard")
+    decision = payload["decision"][0]
     rows = sorted(decision["per_batch"], key=lambda row: row["batch"])
     gap = rows[1]
     gap.update(k=None, status="too few request-steps", best_k=2)
@@ -408,7 +408,7 @@ def test_the_first_screen_marks_the_crossover_and_leaves_a_concurrency_without_a
                 "says": "predicted: no k pays above about 50 requests per step"}
     decision["crossover"]["predicted"] = crossing
     path = tmp_path / "crossing.html"
-    path.write_text(render_dashboard(summary), encoding="utf-8")
+    path.write_text(render_dashboard(payload), encoding="utf-8")
     with browser_page(path) as (page, errors):
         page.wait_for_selector("#fig-decision-speedup-0 svg.main-svg", timeout=15_000)
         drawn = page.evaluate(

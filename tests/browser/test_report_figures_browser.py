@@ -1,4 +1,4 @@
-"""The figures a reader of a speculative-decoding report expects, each plotting the summary JSON's own numbers:
+"""The figures a reader of a speculative-decoding report expects, each plotting the JSON payload's own numbers:
 unique experts per layer against k beside the uniform bound, bytes per k split into weights, all-reduce and
 all-to-all, acceptance by draft position (marked where vLLM set it), and the expert budget frontier."""
 
@@ -27,7 +27,7 @@ FIGURES = ("fig-growth", "fig-bytes", "fig-acceptance", "fig-budget")
 @pytest.fixture
 def synthetic_report(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     """A sweep at k = 0 and 2 whose k = 2 drafts vLLM kept at ``SET_RATES``, reported at k = 2 as run on TP = 2 and
-    EP = 2 (so that both collectives move bytes): the dashboard and the summary JSON printed while writing it."""
+    EP = 2 (so that both collectives move bytes): the dashboard and the JSON payload printed while writing it."""
     model = Model(layers=(1, 2, 3))
     write_trace(tmp_path / "sweep" / "k0", decode_tokens(np.random.default_rng(0), model, requests=3, steps=20),
                 model, k=0)
@@ -55,8 +55,8 @@ def _plotted(page: Any) -> dict[str, Any]:
 @pytest.mark.browser
 def test_the_growth_bytes_acceptance_and_budget_figures_plot_the_payloads_numbers(
         synthetic_report: tuple[Path, dict[str, Any]]) -> None:
-    path, summary = synthetic_report
-    run = summary["runs"][0]
+    path, payload = synthetic_report
+    run = payload["runs"][0]
     with browser_page(path) as (page, errors):
         for figure in FIGURES:
             page.wait_for_selector(f"#{figure} svg.main-svg", timeout=15_000)

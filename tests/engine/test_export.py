@@ -63,22 +63,22 @@ def test_vllm_reads_the_schedule_as_the_decision_says() -> None:
     assert lookup[2] == 4 and lookup[3] == 3 and lookup[16] == 3 and lookup[17] == 1 and lookup[256] == 1
 
 
-def test_export_writes_beside_the_summary_and_refuses_what_it_cannot_schedule(tmp_path: Path) -> None:
+def test_export_writes_beside_the_report_json_and_refuses_what_it_cannot_schedule(tmp_path: Path) -> None:
     report = CliRunner().invoke(main, ["report", str(well_sampled_sweep(tmp_path / "sweep")), "--batch", "1,4",
                                        "--json", "-o", str(tmp_path / "r.html")], catch_exceptions=False)
     assert report.exit_code == 0, report.output
-    summary = tmp_path / "summary.json"
-    summary.write_text(report.stdout)
+    decision_json = tmp_path / "decision.json"
+    decision_json.write_text(report.stdout)
     decided = {row["batch"]: row["k"] for row in json.loads(report.stdout)["decision"][0]["per_batch"]}
-    done = CliRunner().invoke(main, ["export", str(summary), "--vllm-spec-schedule"], catch_exceptions=False)
+    done = CliRunner().invoke(main, ["export", str(decision_json), "--vllm-spec-schedule"], catch_exceptions=False)
     assert done.exit_code == 0, done.output
-    written = json.loads((tmp_path / "summary.vllm-spec-schedule.json").read_text())
+    written = json.loads((tmp_path / "decision.vllm-spec-schedule.json").read_text())
     assert written == vllm_spec_schedule(json.loads(report.stdout)["decision"][0])
     ranges = written["num_speculative_tokens_per_batch_size"]
     assert all(any(start <= b <= end and k == decided[b] for start, end, k in ranges) for b in decided)
     assert "next: vllm serve MODEL --speculative-config" in done.output
     # as a subprocess: an existing file is kept without --force
-    again = subprocess.run([sys.executable, "-m", "moetrace", "export", str(summary), "--vllm-spec-schedule"],
+    again = subprocess.run([sys.executable, "-m", "moetrace", "export", str(decision_json), "--vllm-spec-schedule"],
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 1 and "already exists (use --force to overwrite)" in again.stderr
     assert "Traceback" not in again.stderr
@@ -100,26 +100,26 @@ def test_a_decision_per_context_exports_the_proposed_five_item_schedule_beside_t
     rows = [(1024, 1, 4), (1024, 8, 3), (32768, 1, 4), (32768, 8, None)]
     decided = {**decision((1, 4), (8, 2)), "by_context": {"recorded_context": 200.0, "per_batch": [
         {"context": c, "batch": b, "k": k, "status": "ok" if k is not None else "does not fit"} for c, b, k in rows]}}
-    summary = tmp_path / "summary.json"
-    summary.write_text(json.dumps({"decision": [decided]}))
-    done = CliRunner().invoke(main, ["export", str(summary), "--vllm-spec-schedule", "--context", "32768"],
+    decision_json = tmp_path / "decision.json"
+    decision_json.write_text(json.dumps({"decision": [decided]}))
+    done = CliRunner().invoke(main, ["export", str(decision_json), "--vllm-spec-schedule", "--context", "32768"],
                               catch_exceptions=False)
     assert done.exit_code == 1 and "no k is recommended at 8 request(s) per step: does not fit" in done.output
-    done = CliRunner().invoke(main, ["export", str(summary), "--vllm-spec-schedule", "--context", "1024"],
+    done = CliRunner().invoke(main, ["export", str(decision_json), "--vllm-spec-schedule", "--context", "1024"],
                               catch_exceptions=False)
     assert done.exit_code == 0, done.output
-    today = json.loads((tmp_path / "summary.vllm-spec-schedule.json").read_text())
+    today = json.loads((tmp_path / "decision.vllm-spec-schedule.json").read_text())
     assert today["num_speculative_tokens_per_batch_size"] == [[1, 2, 4], [3, LAST_BATCH, 3]]
-    proposed = json.loads((tmp_path / "summary.vllm-spec-schedule-by-context.json").read_text())
+    proposed = json.loads((tmp_path / "decision.vllm-spec-schedule-by-context.json").read_text())
     assert proposed == {"method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [
         [1, 2, 1, 5792, 4], [3, LAST_BATCH, 1, 5792, 3], [1, 2, 5793, 2**31 - 1, 4]]}
     assert "open proposal (RFC #48627, PR #48944)" in done.output
     assert "left out: 8 request(s) at 32,768 tokens: does not fit" in done.output
-    again = CliRunner().invoke(main, ["export", str(summary), "--vllm-spec-schedule", "--context", "999"],
+    again = CliRunner().invoke(main, ["export", str(decision_json), "--vllm-spec-schedule", "--context", "999"],
                                catch_exceptions=False)
     lines = [line for line in again.output.splitlines() if line.strip()]
     assert again.exit_code == 1 and lines == [
-        f"error: {summary}: no decision at context 999 (reported at: 1,024, 32,768)"]
+        f"error: {decision_json}: no decision at context 999 (reported at: 1,024, 32,768)"]
 
 @pytest.mark.vllm
 def test_a_cpu_engine_runs_the_exported_schedule(tmp_path: Path) -> None:

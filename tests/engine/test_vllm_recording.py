@@ -222,8 +222,8 @@ def test_info_prints_manifest_and_counts(recorded_trace: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "complete" in result.output and "random weights" not in result.output
     as_json = CliRunner().invoke(main, ["info", str(recorded_trace), "--json"])
-    (summary,) = json.loads(as_json.output)
-    assert summary["routing_rows_readable"] == summary["manifest"]["counts"]["routing_rows"] > 0
+    (described,) = json.loads(as_json.output)
+    assert described["routing_rows_readable"] == described["manifest"]["counts"]["routing_rows"] > 0
 
 
 def test_sigkill_mid_recording_leaves_readable_files_and_the_writer_process_finishes_the_trace(tmp_path: Path) -> None:

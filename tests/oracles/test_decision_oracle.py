@@ -102,12 +102,12 @@ def run_report(case: Case, sweep: Path, tmp_path: Path) -> dict[str, Any]:
         args += ["--ep", str(case.cost.ep)]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    summary: dict[str, Any] = json.loads(result.stdout)
-    return summary
+    payload: dict[str, Any] = json.loads(result.stdout)
+    return payload
 
 
-def report_speedups(summary: dict[str, Any], batch: int) -> dict[int, float]:
-    prediction = summary["runs"][0].get("prediction") or {}
+def report_speedups(payload: dict[str, Any], batch: int) -> dict[int, float]:
+    prediction = payload["runs"][0].get("prediction") or {}
     rows = prediction.get("per_batch") or []
     return {row["k"]: round(row["speedup"], 4) for row in rows if row.get("batch") == batch}
 
@@ -123,9 +123,9 @@ def agrees(case: Case, tmp_path: Path, well_sampled: tuple[int, ...] | None = No
     for batch in case.batches:
         assert oracle.margin(decided[batch][1]) >= MARGIN, (batch, decided[batch])  # the design is not knife-edge
     assert len({k for k, _ in decided.values()}) >= 2, decided  # the best k depends on B
-    summary = run_report(case, sweep, tmp_path)
-    assert summary["runs"][0]["checks"] == [], summary["runs"][0]["checks"]  # the self-check passes (DP = 2 too)
-    rows = {row["batch"]: row for row in summary["decision"][0]["per_batch"]}
+    payload = run_report(case, sweep, tmp_path)
+    assert payload["runs"][0]["checks"] == [], payload["runs"][0]["checks"]  # the self-check passes (DP = 2 too)
+    rows = {row["batch"]: row for row in payload["decision"][0]["per_batch"]}
     mismatches = []
     for batch in case.batches:
         row = rows.get(batch) or {"status": "missing"}
@@ -137,7 +137,7 @@ def agrees(case: Case, tmp_path: Path, well_sampled: tuple[int, ...] | None = No
         if row["k"] != k:
             oracle_speedups = {kk: round(v, 4) for kk, v in per_k.items()}
             mismatches.append(f"B={batch}: report k={row['k']}, oracle k={k}; speedup per k: oracle {oracle_speedups}, "
-                              f"report {report_speedups(summary, batch)}")
+                              f"report {report_speedups(payload, batch)}")
     assert not mismatches, "\n".join(mismatches)
     return decided
 

@@ -37,7 +37,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def summary(sweep: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def payload(sweep: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     result = CliRunner().invoke(main, ["report", str(sweep), "--json", "-o",
                                        str(tmp_path_factory.mktemp("out") / "r.html")])
     assert result.exit_code == 0, result.output[-3000:]
@@ -106,21 +106,21 @@ def test_every_fixed_k_drawn_from_an_adaptive_schedule_verifies_all_k_drafts_at_
 
 
 def test_the_report_prices_the_static_table_of_an_adaptive_trace_at_k_plus_1_tokens_and_checks_itself_clean(
-        sweep: Path, summary: dict[str, Any]) -> None:
-    run = summary["runs"][0]
+        sweep: Path, payload: dict[str, Any]) -> None:
+    run = payload["runs"][0]
     rows = decoding(sweep, K)
     per_k = {row["k"]: row for row in run["prediction"]["per_k"]}
     for k in range(1, K + 1):
         assert per_k[k]["tokens_per_step"] == pytest.approx(fixed_k_tokens(rows, k))
         assert per_k[k]["acceptance_source"] == "estimated"
     assert all(row["tokens_read"] == row["k"] + 1 for row in run["step_reads"])
-    assert run["checks"] == [] and not any("self-check" in line for line in summary["warnings"])
+    assert run["checks"] == [] and not any("self-check" in line for line in payload["warnings"])
 
 
 def test_growth_of_a_variable_k_trace_reads_each_request_step_at_its_own_k(
-        sweep: Path, summary: dict[str, Any]) -> None:
+        sweep: Path, payload: dict[str, Any]) -> None:
     """Measured per request-step, drafts capped at k: a request-step that verified d < k drafts reads d + 1."""
-    measured = [row for row in summary["runs"][0]["growth"] if row["source"] == "measured"
+    measured = [row for row in payload["runs"][0]["growth"] if row["source"] == "measured"
                 and row["scope"] == "request"]
     tokens = [row for row in routing(sweep) if row["phase"] != "prefill"]
     for k in range(K + 1):
@@ -135,14 +135,14 @@ def test_growth_of_a_variable_k_trace_reads_each_request_step_at_its_own_k(
 
 
 def test_one_requests_step_at_a_fixed_k_reads_k_plus_1_consecutive_accepted_tokens_from_each_anchor(
-        sweep: Path, summary: dict[str, Any]) -> None:
+        sweep: Path, payload: dict[str, Any]) -> None:
     """What the static table prices at one request: counterfactual windows of the drafter's k drafts."""
     rows = routing(sweep)
     kept = [row for row in rows if row["phase"] == "decode" or (row["phase"] == "verify" and (
         row["draft_pos"] == 0 or row["accepted"]))]
     sequence = {(row["request"], row["layer"], row["position"]): set(row["experts"]) for row in kept}
     anchors = {(row["request"], row["position"]) for row in kept if row["draft_pos"] == 0}
-    one = {row["k"]: row for row in summary["runs"][0]["step_reads"] if row["batch"] == 1}
+    one = {row["k"]: row for row in payload["runs"][0]["step_reads"] if row["batch"] == 1}
     for k in range(1, K + 1):
         windows: dict[tuple[int, int, int], set[int]] = {}
         for request, start in anchors:
@@ -173,8 +173,8 @@ def periods(steps: list[dict[str, Any]], requests: int) -> list[float]:
 
 
 def test_the_adaptive_schedule_is_set_beside_the_static_table_with_the_k_it_used_per_concurrency(
-        sweep: Path, summary: dict[str, Any]) -> None:
-    schedule = summary["runs"][0]["adaptive_schedule"]
+        sweep: Path, payload: dict[str, Any]) -> None:
+    schedule = payload["runs"][0]["adaptive_schedule"]
     assert schedule["trace_k"] == K
     [row] = schedule["rows"]  # every step ran the 4 requests
     rows = decoding(sweep, K)
@@ -194,7 +194,7 @@ def test_the_adaptive_schedule_is_set_beside_the_static_table_with_the_k_it_used
     assert row["unique_experts"] == pytest.approx(mean_union(unions, len(MODEL.layers)))
     assert row["union_source"] == "measured"
     # the static table's k: the fixed k <= 4 of largest predicted speedup at 4 requests, and which pays more
-    static = {r["k"]: r["speedup"] for r in summary["runs"][0]["prediction"]["per_batch"]
+    static = {r["k"]: r["speedup"] for r in payload["runs"][0]["prediction"]["per_batch"]
               if r["batch"] == REQUESTS and r["k"] <= K}
     best = max(static, key=lambda k: (static[k], -k))
     assert row["table_k"] == (best if static[best] > 1 else 0)
@@ -213,10 +213,10 @@ def test_the_terminal_report_shows_the_schedule_and_which_pays_more(sweep: Path,
 
 
 def test_a_kimi_k3_shaped_sweep_is_reported_with_figures_at_its_896_experts_and_top_16(
-        summary: dict[str, Any]) -> None:
+        payload: dict[str, Any]) -> None:
     """Each step reads 16 experts a token: at one request a plain decode step reads 16 of the 896, a window of 5
     tokens (k = 4) at most 80; the uniform bound is that of 5 tokens' random top-16 sets."""
-    run = summary["runs"][0]
+    run = payload["runs"][0]
     assert run["recorded_k"] == [0, K]
     one = {row["k"]: row for row in run["step_reads"] if row["batch"] == 1}
     assert one[0]["unique_experts"] == 16 and one[K]["unique_experts"] <= 80

@@ -92,13 +92,13 @@ def test_acceptance_rates_are_unconditional_and_sum_to_the_tokens_gained_when_dr
         assert row["proposed"] == sum(len(flags) >= i for flags in windows.values())
         assert row["accepted"] == sum(g >= i for g in gained)
         assert row["acceptance_rate"] == pytest.approx(sum(g >= i for g in gained) / len(windows))
-    summary = acceptance_summary(steps_frame(tokens)).to_dicts()[0]
-    assert summary["windows"] == len(windows)
-    assert summary["tokens_per_step"] == pytest.approx(1 + sum(gained) / len(windows))
-    assert tokens_per_step([row["acceptance_rate"] for row in by_position]) == pytest.approx(summary["tokens_per_step"])
+    totals = acceptance_summary(steps_frame(tokens)).to_dicts()[0]
+    assert totals["windows"] == len(windows)
+    assert totals["tokens_per_step"] == pytest.approx(1 + sum(gained) / len(windows))
+    assert tokens_per_step([row["acceptance_rate"] for row in by_position]) == pytest.approx(totals["tokens_per_step"])
     # the old per-position rates (accepted at i over proposed at i) sum to more than what was gained
     conditional = 1 + sum(row["accepted"] / row["proposed"] for row in by_position)
-    assert conditional > summary["tokens_per_step"] + 0.1
+    assert conditional > totals["tokens_per_step"] + 0.1
 
 
 def test_acceptance_per_k_is_measured_at_recorded_k_estimated_below_and_extrapolated_past() -> None:

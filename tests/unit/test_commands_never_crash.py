@@ -264,9 +264,9 @@ def run_every_command(trace: Path, out: Path, drawn: Flags, built_calibration: P
     moetrace("export", trace, "--eplb", "--ep", str(drawn.ep), "-o", out / "eplb.json")
     moetrace("place", trace, "--ep", str(drawn.ep), "-o", out / "placement.json")
     if as_json.exit_code == 0:
-        summary = out / "summary.json"
-        summary.write_text(json.dumps(strict_json(as_json.stdout)))
-        moetrace("export", summary, "--vllm-spec-schedule", "-o", out / "schedule.json")
+        decision_json = out / "decision.json"
+        decision_json.write_text(json.dumps(strict_json(as_json.stdout)))
+        moetrace("export", decision_json, "--vllm-spec-schedule", "-o", out / "schedule.json")
 
 
 @PROPERTY

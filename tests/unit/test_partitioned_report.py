@@ -82,8 +82,8 @@ def recorded(tmp_path: Path) -> tuple[Path, Path]:
 def report_json(path: Path) -> dict[str, Any]:
     result = CliRunner().invoke(main, ["report", str(path), "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    summary: dict[str, Any] = json.loads(result.stdout)
-    return summary
+    payload: dict[str, Any] = json.loads(result.stdout)
+    return payload
 
 
 def test_the_dashboard_of_an_always_on_root_is_written_beside_it_never_into_it(
@@ -136,9 +136,9 @@ def test_the_open_partition_is_read_to_the_last_step_its_closed_routing_and_step
     assert any("partition still open" in w for w in reported["warnings"])
     # info says what the root holds: how many partitions, over what time, which one is open
     info = CliRunner().invoke(main, ["info", str(root), "--json"])
-    [summary] = json.loads(info.stdout)
-    assert summary["partitions"] == {"count": 2, "first_start": "2026-12-04T15:00:00+0000", "last_end": None,
-                                     "open": [HOUR_16]}
+    [described] = json.loads(info.stdout)
+    assert described["partitions"] == {"count": 2, "first_start": "2026-12-04T15:00:00+0000", "last_end": None,
+                                       "open": [HOUR_16]}
     said = CliRunner().invoke(main, ["info", str(root)]).stdout
     assert f"partitions 2 (always on), from 2026-12-04T15:00:00+0000 to now, still open: {HOUR_16}" in said
 
@@ -274,7 +274,7 @@ def test_ray_is_refused_for_a_trace_that_is_not_partitioned(recorded: tuple[Path
 @pytest.mark.xdist_group("ray")
 def test_report_on_a_local_ray_cluster_equals_the_one_machine_report(tmp_path: Path) -> None:
     """Three partitions summarised as Ray tasks on a new local cluster (this machine's 2 cores), as a user runs it:
-    the whole summary (decision, growth, acceptance, budgets, step reads) equals the one-machine report's; run
+    the whole report (decision, growth, acceptance, budgets, step reads) equals the one-machine report's; run
     again, every partition's summary comes from its cache and the report is the same."""
     rng = np.random.default_rng(3)
     root = tmp_path / "always-on"

@@ -25,12 +25,12 @@ def test_past_its_size_a_reservoir_keeps_a_uniform_sample_and_counts_all() -> No
     assert abs(np.median(kept.values) - 50_000) < 4_000
 
 
-def test_a_phase_summary_counts_every_call_and_takes_its_median_from_the_sample() -> None:
+def test_a_phases_medians_count_every_call_and_come_from_the_sample() -> None:
     timing = PhaseTiming(cuda=False)
     for call in range(10_000):  # batch 4: host time call ms; past 4,096 kept, the count stays exact
         timing.start()
         timing.end(4, (), call * 1_000_000)
-    summary = timing.summary()["4"]
-    assert summary["calls"] == 10_000 and summary["device_ms_median"] is None
-    assert abs(summary["host_ms_median"] - 5_000) < 300  # the whole's median is 4,999.5 ms
+    medians = timing.medians()["4"]
+    assert medians["calls"] == 10_000 and medians["device_ms_median"] is None
+    assert abs(medians["host_ms_median"] - 5_000) < 300  # the whole's median is 4,999.5 ms
     assert len(timing.host_ms[4].values) == 4096

@@ -59,12 +59,12 @@ def test_hostile_model_name_is_escaped(verify_trace: Path) -> None:
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
 
 
-def test_json_summary(verify_trace: Path) -> None:
+def test_json_payload(verify_trace: Path) -> None:
     result = invoke("report", verify_trace, "--k", "2", "--json", "--ep", "4")
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout)
-    run = summary["runs"][0]
-    assert summary["k"] == 2 and run["source_at_k"] == "measured" and run["ep"] == 4
+    payload = json.loads(result.stdout)
+    run = payload["runs"][0]
+    assert payload["k"] == 2 and run["source_at_k"] == "measured" and run["ep"] == 4
     assert run["model"] == HOSTILE and run["random_weights"] is True
     assert run["growth_at_k"]["measured_request"] >= 2.0
     # the bound of what each request-step reads at k=2: its anchor and min(drafts, 2) drafts
@@ -74,7 +74,7 @@ def test_json_summary(verify_trace: Path) -> None:
     assert run["growth_at_k"]["uniform_bound"] == pytest.approx(np.mean([16 * (1 - (1 - 2 / 16) ** t) for t in tokens]))
     assert run["bytes_at_k"]["ep_bytes"] > 0
     assert set(run["budget"]["per_layer"][0]) >= {"layer", "budget", "coverage"}
-    assert Path(summary["dashboard"]).is_file()
+    assert Path(payload["dashboard"]).is_file()
     # under EP the placements are compared on held-out windows (odd steps): the linear one by brute force from the
     # rows, 16 experts over 4 ranks, 4 a rank
     rows = pl.read_parquet(verify_trace / "routing").filter((pl.col("phase") == "verify") & (pl.col("step") % 2 == 1))
@@ -112,8 +112,8 @@ def test_sweep_and_side_by_side(
     assert result.exit_code == 0, result.output
     assert "Side by side at k=2" in result.output
     assert (tmp_path / "verify-k3-vs-sweep.report.html").is_file()
-    summary = json.loads(invoke("report", sweep, "--k", "2", "--json", "-o", tmp_path / "s.html").stdout)
-    run = summary["runs"][0]
+    payload = json.loads(invoke("report", sweep, "--k", "2", "--json", "-o", tmp_path / "s.html").stdout)
+    run = payload["runs"][0]
     assert run["recorded_k"] == [1, 2] and run["primary_k"] == 2
     assert [row["k"] for row in run["acceptance_per_k"]] == [1, 2]
 

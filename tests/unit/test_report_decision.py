@@ -52,16 +52,16 @@ def _json_report(path: Path, tmp_path: Path, *extra: str) -> tuple[Result, dict[
 
 def test_the_self_check_passes_on_an_intact_sweep_and_every_recommendation_says_what_it_rests_on(
         tmp_path: Path) -> None:
-    result, summary = _json_report(well_sampled_sweep(tmp_path / "sweep"), tmp_path)
-    assert summary["warnings"] == [] and summary["runs"][0]["checks"] == [] and "warning" not in result.stderr
-    for row in summary["decision"][0]["per_batch"]:
+    result, payload = _json_report(well_sampled_sweep(tmp_path / "sweep"), tmp_path)
+    assert payload["warnings"] == [] and payload["runs"][0]["checks"] == [] and "warning" not in result.stderr
+    for row in payload["decision"][0]["per_batch"]:
         # 160 decoding request-steps at each of k = 0..3 (k = 1, 2 are cut from the k = 3 trace)
         assert row["status"] == "ok" and row["k"] is not None and row["windows"] == 160
     # tokens per step at the recorded k = 3: the acceptance table's, by hand from the steps table
     steps = pl.read_parquet(tmp_path / "sweep" / "k3" / "steps").filter(
         pl.col("num_tokens") == pl.col("num_drafts") + 1)
     measured = 1 + steps["num_accepted"].mean()
-    predicted = {row["k"]: row for row in summary["runs"][0]["prediction"]["per_k"]}
+    predicted = {row["k"]: row for row in payload["runs"][0]["prediction"]["per_k"]}
     assert predicted[3]["tokens_per_step"] == pytest.approx(measured)
 
 
@@ -75,8 +75,8 @@ def test_the_self_check_names_both_numbers_when_the_prediction_strays_from_the_m
         return original(inputs.with_columns(pl.col("tokens_per_step") * 1.2), *args)
 
     monkeypatch.setattr(prediction_module, "speedup_per_batch", conditional_tokens)
-    result, summary = _json_report(well_sampled_sweep(tmp_path / "sweep"), tmp_path)
-    checks = " ".join(summary["runs"][0]["checks"])
+    result, payload = _json_report(well_sampled_sweep(tmp_path / "sweep"), tmp_path)
+    checks = " ".join(payload["runs"][0]["checks"])
     assert "tokens per step at k=3" in checks and "acceptance table measured" in checks and "+20.0%" in checks
     assert "self-check" in result.stderr
 
@@ -87,10 +87,10 @@ def test_a_truncated_routing_file_is_flagged_and_no_k_is_recommended(tmp_path: P
     part = sorted((sweep / "k3" / "routing").glob("*.parquet"))[which]
     data = part.read_bytes()
     part.write_bytes(data[: len(data) // 2])
-    result, summary = _json_report(sweep, tmp_path)
+    result, payload = _json_report(sweep, tmp_path)
     assert "Traceback" not in result.output
-    assert any("k=3: routing and steps disagree" in w and "lack routing rows" in w for w in summary["warnings"])
-    for row in summary["decision"][0]["per_batch"]:
+    assert any("k=3: routing and steps disagree" in w and "lack routing rows" in w for w in payload["warnings"])
+    for row in payload["decision"][0]["per_batch"]:
         assert row["k"] is None and row["speedup"] is None and "disagree at k=3" in row["status"]
     assert "no recommendation" in result.stderr
     terminal = CliRunner().invoke(main, ["report", str(sweep), "--k", "3", "--batch", "1,4", "-o",
@@ -119,8 +119,8 @@ def test_context_gives_a_decision_per_concurrency_and_context_and_bad_contexts_o
     one_line_error(invoke("report", str(path), "--context", "1024"),
                     "--context: the trace does not say how many KV-cache bytes a token holds")
     _with_kv_bytes(path, 70_272)
-    _, summary = _json_report(path, tmp_path, "--context", "1024,65536,262144", "--batch", "1,16")
-    found = summary["decision"][0]["by_context"]
+    _, payload = _json_report(path, tmp_path, "--context", "1024,65536,262144", "--batch", "1,16")
+    found = payload["decision"][0]["by_context"]
     rows = {(row["context"], row["batch"]): row for row in found["per_batch"]}
     assert set(rows) == {(context, batch) for context in (1024, 65536, 262144) for batch in (1, 16)}
     bandwidth = json.loads((Path(__file__).parents[2] / "moetrace" / "data" / "calibration-h200.json").read_text())[
@@ -146,9 +146,9 @@ def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_
     layers = json.loads(next(path.glob("*/manifest.json")).read_text())["model"]["num_layers"]
     _with_kv_bytes(path, 1152 * layers)
     calibration = _with_attention_curve(tmp_path / "calibration.json")
-    _, summary = _json_report(path, tmp_path, "--context", "65536,131072", "--calibration",
+    _, payload = _json_report(path, tmp_path, "--context", "65536,131072", "--calibration",
                               str(tmp_path / "calibration.json"), "--tp", "8", "--profile", "kimi-k2-tp8")
-    found = summary["decision"][0]["by_context"]
+    found = payload["decision"][0]["by_context"]
     assert "MLA curve (by hand, 8 heads a rank)" in found["attention_basis"]
     recorded = found["recorded_context"]
     # a preset's prediction holds no prefill; acceptance stays the trace's, and the report says so
@@ -159,7 +159,7 @@ def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_
     assert rows[(131072, 1)]["speedup_source"] == "extrapolated"
     # every k the decision chose from: the recorded context's step plus the curve's growth at k + 1 queries (linear
     # in queries through the 1 and 4 it was given, carried on past 4), the recommended k's speedup among them
-    recorded_steps = {(row["batch"], row["k"]): row["step_ms"] for row in summary["runs"][0]["prediction"]["per_batch"]}
+    recorded_steps = {(row["batch"], row["k"]): row["step_ms"] for row in payload["runs"][0]["prediction"]["per_batch"]}
     moved = {(row["context"], row["batch"], row["k"]): row for row in found["speedups"]}
     ks = sorted({k for _, _, k in moved})
     assert len(ks) >= 3
@@ -176,20 +176,20 @@ def test_context_with_a_calibrated_attention_curve_prices_each_k_by_its_queries_
 
 def _moved_to_8192(sweep: Path, tmp_path: Path, *extra: str) -> tuple[dict[str, Any], str]:
     """The report of ``sweep`` at 1 and 4 requests per step, moved to 8,192 tokens (--context): its JSON, written to
-    ``tmp_path``/summary.json for the export, and its terminal text."""
+    ``tmp_path``/report.json for the export, and its terminal text."""
     args = ("report", sweep, "--k", "2", "--batch", "1,4", "--context", "8192", "-o", tmp_path / "r.html", "--force",
             *extra)
     as_json = invoke(*args, "--json")
     assert as_json.exit_code == 0, as_json.output
-    (tmp_path / "summary.json").write_text(as_json.stdout)
+    (tmp_path / "report.json").write_text(as_json.stdout)
     terminal = invoke(*args)
     assert terminal.exit_code == 0, terminal.output
     return json.loads(as_json.stdout), terminal.stdout
 
 
 def _exported(tmp_path: Path, *extra: str) -> str:
-    """What `moetrace export --vllm-spec-schedule` of the summary ``_moved_to_8192`` wrote says."""
-    result = invoke("export", tmp_path / "summary.json", "--vllm-spec-schedule", "-o", tmp_path / "schedule.json",
+    """What `moetrace export --vllm-spec-schedule` of the JSON payload ``_moved_to_8192`` wrote says."""
+    result = invoke("export", tmp_path / "report.json", "--vllm-spec-schedule", "-o", tmp_path / "schedule.json",
                     "--force", *extra)
     assert result.exit_code == 0, result.output
     return " ".join(result.stdout.split())
@@ -203,9 +203,9 @@ def test_a_k_at_the_largest_k_recorded_is_marked_in_every_decision_row_the_termi
     to record one."""
     recorded = (0, 2)
     record_past = "moetrace record MODEL --k 0,2,3,4"  # the sweep's k and the two past its largest
-    summary, terminal = _moved_to_8192(_with_kv_bytes(well_sampled_sweep(tmp_path / "sweep", recorded), 70_272),
+    payload, terminal = _moved_to_8192(_with_kv_bytes(well_sampled_sweep(tmp_path / "sweep", recorded), 70_272),
                                        tmp_path)
-    decision = summary["decision"][0]
+    decision = payload["decision"][0]
     rows = [*decision["per_batch"], *decision["by_context"]["per_batch"]]
     assert [(row.get("context"), row["batch"]) for row in rows] == [(None, 1), (None, 4), (8192, 1), (8192, 4)]
     for row in rows:
@@ -239,8 +239,8 @@ def test_a_k_below_the_largest_k_recorded_is_not_marked(tmp_path: Path) -> None:
     no row, terminal line or export line says a larger k was not looked at."""
     recorded = (0, 2, 4)
     sweep = _with_kv_bytes(well_sampled_sweep(tmp_path / "sweep", recorded, accept_prob=0.4), 70_272)
-    summary, terminal = _moved_to_8192(sweep, tmp_path)
-    decision = summary["decision"][0]
+    payload, terminal = _moved_to_8192(sweep, tmp_path)
+    decision = payload["decision"][0]
     rows = [*decision["per_batch"], *decision["by_context"]["per_batch"]]
     assert [row["k"] for row in rows] == [2] * 4 and 2 < max(recorded)
     assert not any(row["k_at_sweep_edge"] or row["sweep_edge_note"] or row["larger_k_may_pay"] for row in rows)
@@ -271,9 +271,9 @@ def test_a_hybrid_models_step_grows_with_context_in_its_full_attention_layers_al
             document = json.loads(manifest.read_text())
             document["model"]["attention_layers"] = full_attention
             manifest.write_text(json.dumps(document))
-        _, summary = _json_report(path, tmp_path, "--context", "65536", "--calibration",
+        _, payload = _json_report(path, tmp_path, "--context", "65536", "--calibration",
                                   str(tmp_path / "calibration.json"), "--tp", "8", "--profile", "kimi-k2-tp8")
-        found = summary["decision"][0]["by_context"]
+        found = payload["decision"][0]["by_context"]
         grown[name] = {row["batch"]: row["attention_kv_ms"] for row in found["per_batch"]}
         said = f"the cache grows in 1 of {layers} layers"
         assert (said in found["attention_basis"]) == (full_attention is not None)

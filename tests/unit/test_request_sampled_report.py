@@ -41,8 +41,8 @@ def sampled_copy(root: Path, tokens: Tokens, one_in: int) -> Path:
 def report(path: Path) -> dict[str, Any]:
     result = CliRunner().invoke(main, ["report", str(path), "--json", "--batch", "1,2,4"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    summary: dict[str, Any] = json.loads(result.stdout)
-    return summary
+    payload: dict[str, Any] = json.loads(result.stdout)
+    return payload
 
 
 def test_a_request_sampled_report_takes_acceptance_from_all_and_growth_from_the_sampled(tmp_path: Path) -> None:
