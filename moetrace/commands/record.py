@@ -35,7 +35,7 @@ from moetrace.hooks.options import BUDGET_SCOPES
                    "budgets.json written by `moetrace budget` (the router's own choice is kept as candidates); "
                    "a list such as 12,16,none records one run per budget.")
 @click.option("--budget-scope", type=click.Choice(BUDGET_SCOPES), default="step", show_default=True,
-              help="Apply the budget to a step's verifying tokens together, or to each request's window.")
+              help="Apply the budget to a step's verifying tokens together, or to each request's verify window.")
 @click.option("--replay-routing", type=click.Path(path_type=Path), metavar="TRACE",
               help="Route every token as a token of this trace was (recorded with --candidates): a model with "
                    "dummy weights, whose routers pick alike for every token, routed as a trained one.")
