@@ -121,7 +121,7 @@ def sampled_windows(routing: pl.LazyFrame, share: float, columns: list[str],
     if experts is None:
         return sampled_tables(routing, share, columns)
     accepted, stepped = sampled_tables(routing, share, columns, experts_apart=True)
-    return with_experts(accepted, experts, columns), with_experts(stepped, experts, columns)
+    return with_experts(accepted, columns, experts), with_experts(stepped, columns, experts)
 
 
 def sampled_tables(routing: pl.LazyFrame, share: float, columns: list[str],
@@ -148,10 +148,12 @@ def sampled_tables(routing: pl.LazyFrame, share: float, columns: list[str],
             both.filter("in_stepped").select(*read, "step_key").rechunk())
 
 
-def with_experts(table: pl.DataFrame, experts: npt.NDArray[np.integer], columns: list[str]) -> pl.DataFrame:
+def with_experts(table: pl.DataFrame, columns: list[str], experts: npt.NDArray[np.integer],
+                 numbers: npt.NDArray[np.int64] | None = None) -> pl.DataFrame:
     """A table of ``sampled_tables`` read with ``experts_apart`` (and ``columns``), each row with its experts, taken
-    from ``experts``: every non-prefill row's, in recording order."""
-    taken = experts[table.get_column("non_prefill_row").to_numpy()]
+    from ``experts``: those of the non-prefill rows ``numbers`` (ascending), or of every one, in recording order."""
+    at = table.get_column("non_prefill_row").to_numpy()
+    taken = experts[at if numbers is None else np.searchsorted(numbers, at)]
     order = [*SAMPLE_KEYS, *columns, *(["step_key"] if "step_key" in table.columns else [])]
     return table.with_columns(pl.Series("experts", taken, pl.Array(pl.UInt16, taken.shape[1]))).select(order)
 

@@ -33,8 +33,9 @@ from moetrace.analysis.streamed_windows import (
     NotTokenMajor,
     array_batches,
     counterfactual_streamed,
+    TokenMajorCounts,
+    WindowStats,
     routing_batches,
-    token_major_counts,
 )
 from moetrace.analysis.expert_sets import (
     Masks,
@@ -238,12 +239,17 @@ DECODE_BATCH_ROWS = 1 << 20
 """Rows ``decode_and_verify`` takes from Polars at a time."""
 
 
+def _decoded(routing: pl.LazyFrame) -> pl.LazyFrame:
+    """The non-prefill rows' ``WindowRows`` columns."""
+    return routing.filter(not_prefill()).select(
+        "layer", step_key().alias("step"), "request", "position", "draft_pos", phase_is("verify").alias("is_verify"),
+        in_sequence().alias("in_sequence"), "experts")
+
+
 def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
     """The trace's non-prefill rows as ``WindowRows``: one pass over the files, streamed in batches straight into
     numpy arrays (collected whole, the Polars frame and its numpy copy both stood in memory: 4 GB at 60M rows)."""
-    query = routing.filter(not_prefill()).select(
-        "layer", step_key().alias("step"), "request", "position", "draft_pos", phase_is("verify").alias("is_verify"),
-        in_sequence().alias("in_sequence"), "experts")
+    query = _decoded(routing)
     most = int(routing.select(pl.len()).collect().item())  # rows allocated, not touched: what no batch fills costs none
     columns: dict[str, npt.NDArray[Any]] = {}
     filled = 0
@@ -265,6 +271,38 @@ def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
     return WindowRows(**{field.name: columns[field.name][:filled] for field in dataclasses.fields(WindowRows)})
 
 
+def decode_in_chunks(routing: pl.LazyFrame) -> Iterator[WindowRows]:
+    """The trace's non-prefill rows as ``decode_and_verify`` reads them, in recording order, a chunk of whole steps
+    at a time (where each step's rows are consecutive), as Polars streams them: nothing held but a chunk and the
+    rows of the step under way, no copy of every row (at 60M rows, faulting in 2 GB of copies took longer than
+    reading the files)."""
+    held: WindowRows | None = None  # the rows of the last step seen, which the next batch may go on with
+    for batch in _decoded(routing).collect_batches(chunk_size=DECODE_BATCH_ROWS, maintain_order=True):
+        if batch.height == 0:
+            continue
+        rows = WindowRows(**{name: batch.get_column(name).rechunk().to_numpy() for name in batch.columns})
+        if held is not None:
+            other = np.flatnonzero(rows.step != held.step[-1])
+            head = int(other[0]) if len(other) else len(rows.step)  # the held step's rows this batch goes on with
+            held = _joined(held, rows.take(slice(0, head)))
+            if head == len(rows.step):
+                continue
+            yield held
+            rows = rows.take(slice(head, None))
+        other = np.flatnonzero(rows.step != rows.step[-1])
+        last = int(other[-1]) + 1 if len(other) else 0  # the first row of the batch's last step
+        if last:
+            yield rows.take(slice(0, last))
+        held = rows.take(slice(last, None))
+    if held is not None:
+        yield held
+
+
+def _joined(first: WindowRows, then: WindowRows) -> WindowRows:
+    return WindowRows(*(np.concatenate([getattr(first, f.name), getattr(then, f.name)])
+                        for f in dataclasses.fields(WindowRows)))
+
+
 def measured_window_sums(
     rows: WindowRows, num_experts: int, trace_k: int, expert_rank: npt.NDArray[np.int64], whole_steps: bool = True
 ) -> pl.DataFrame:
@@ -275,7 +313,9 @@ def measured_window_sums(
     ranks = rank_masks(expert_rank, num_experts)
     layers = rows.token_layers()
     if layers is not None:
-        return _token_major(rows, layers, num_experts, trace_k, ranks, whole_steps)[0]
+        with TokenMajorCounts(num_experts, range(trace_k + 1), whole_steps, ranks) as counts:
+            counts.add(*_tokens(rows, layers))
+            return _measured_frame(counts.result()[0], layers, range(trace_k + 1))
     found: list[dict[str, object] | None] = []
     for layer, part in rows.by_layer():
         masks = expert_masks(part.experts, num_experts)
@@ -292,24 +332,65 @@ def measured_window_sums(
     return _frame(found)
 
 
-def _token_major(rows: WindowRows, layers: npt.NDArray[np.uint16], num_experts: int, measured_k: int, ranks: Masks,
-                 whole_steps: bool, counterfactual: tuple[Sequence[int], int, Proposals | None] | None = None
-                 ) -> tuple[pl.DataFrame, pl.DataFrame | None]:
-    """The window sums of token-major ``rows`` holding ``layers`` (``streamed_windows.token_major_counts``: each
-    token's rows read in place, not copied out of every L-th row layer by layer, a cache miss each for every column):
-    measured as ``measured_window_sums``, rows in its order, and counterfactual where asked (its ks, the trace's k and
-    its proposals; None where the rows do not stream)."""
-    width, ks = len(layers), range(measured_k + 1)
-    keys = ("step", "request", "position", "draft_pos", "in_sequence")
-    tokens = {name: getattr(rows, name)[::width] for name in keys}  # a token's keys: its first row's
-    measured, cut = token_major_counts(rows.experts.reshape(len(tokens["step"]), width, -1), tokens, num_experts, ks,
-                                       whole_steps, ranks, counterfactual)
+class StreamedGrowth:
+    """``growth_sums`` of a token-major trace, fed a chunk of whole steps at a time (``add``: ``decode_in_chunks``
+    or the rows whole): each token's rows read in place (``streamed_windows.TokenMajorCounts``), not copied out of
+    every L-th row layer by layer, a cache miss each for every column. ``add`` raises ``NotTokenMajor`` at a chunk
+    that is not laid out so (``WindowRows.token_layers``), or whose steps do not follow the last chunk's. A context
+    manager: its second thread ends with it."""
+
+    def __init__(self, routing: pl.LazyFrame, num_experts: int, ks: Sequence[int], trace_k: int,
+                 expert_rank: npt.NDArray[np.int64], proposals: pl.DataFrame, whole_steps: bool = True) -> None:
+        self.routing, self.num_experts, self.ks, self.trace_k = routing, num_experts, list(ks), trace_k
+        self.expert_rank, self.whole_steps = expert_rank, whole_steps
+        self.proposals = Proposals.of(proposals) if trace_k else None
+        self.measured_ks = range(measured_k(trace_k, ks) + 1)
+        self.counts = TokenMajorCounts(num_experts, self.measured_ks, whole_steps,
+                                       rank_masks(expert_rank, num_experts), (ks, trace_k, self.proposals))
+        self.layers: npt.NDArray[np.uint16] | None = None
+        self.last_step: int | None = None
+
+    def __enter__(self) -> StreamedGrowth:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.counts.__exit__(*exc)
+
+    def add(self, rows: WindowRows) -> None:
+        layers = rows.token_layers()
+        if layers is None or (self.layers is not None and not np.array_equal(layers, self.layers)) or (
+                self.last_step is not None and int(rows.step[0]) <= self.last_step):
+            raise NotTokenMajor
+        self.layers, self.last_step = layers, int(rows.step[-1])
+        self.counts.add(*_tokens(rows, layers))
+
+    def sums(self) -> pl.DataFrame:
+        """The window sums (``growth_sums``) of every chunk added; ``NotTokenMajor`` where none was."""
+        if self.layers is None:
+            raise NotTokenMajor
+        measured, cut = self.counts.result()
+        sums = _measured_frame(measured, self.layers, self.measured_ks)
+        counterfactual = (_counterfactual_sorted(self.routing, self.num_experts, self.ks, self.expert_rank,
+                                                 self.trace_k, self.proposals)
+                          if cut is None  # a request went back to a position it had passed
+                          else _frame(cut.rows(self.layers.astype(np.int64), self.ks, COUNTERFACTUAL, PER_REQUEST)))
+        return pl.concat([sums, counterfactual])
+
+
+def _tokens(rows: WindowRows, layers: npt.NDArray[np.uint16]) -> tuple[npt.NDArray[np.uint16], Columns]:
+    """Token-major ``rows`` of ``layers`` as ``TokenMajorCounts.add`` takes them: experts [tokens, layers, top_k]
+    and each token's keys (its first row's)."""
+    width = len(layers)
+    tokens = {name: getattr(rows, name)[::width] for name in ("step", "request", "position", "draft_pos",
+                                                              "in_sequence")}
+    return rows.experts.reshape(len(tokens["step"]), width, -1), tokens
+
+
+def _measured_frame(measured: list[WindowStats], layers: npt.NDArray[np.uint16], ks: Sequence[int]) -> pl.DataFrame:
+    """The measured window sums (``TokenMajorCounts.result``) per layer of ``layers``, k and scope."""
     scopes = list(zip((PER_REQUEST, PER_BATCH), measured))
-    sums = _frame([stats.row(index, layer, k, MEASURED, scope) for index, layer in enumerate(layers.tolist())
+    return _frame([stats.row(index, layer, k, MEASURED, scope) for index, layer in enumerate(layers.tolist())
                    for k in ks for scope, stats in scopes])
-    if cut is None or counterfactual is None:
-        return sums, None
-    return sums, _frame(cut.rows(layers.astype(np.int64), counterfactual[0], COUNTERFACTUAL, PER_REQUEST))
 
 
 def rejected_only_sums(rows: WindowRows, num_experts: int) -> pl.DataFrame:
@@ -365,17 +446,13 @@ def growth_sums(
     ``rows``: ``decode_and_verify`` of ``routing``; ``proposals``: its ``counterfactual.proposed_drafts``;
     ``whole_steps``: as ``measured_window_sums``. Token-major rows (``WindowRows.token_layers``) are read once for
     both, in two threads."""
-    layers = rows.token_layers()
-    if layers is None:
+    if rows.token_layers() is None:
         measured = measured_window_sums(rows, num_experts, measured_k(trace_k, ks), expert_rank, whole_steps)
         return pl.concat([measured, counterfactual_window_sums(routing, num_experts, ks, expert_rank, trace_k,
                                                                proposals, rows)])
-    found = Proposals.of(proposals) if trace_k else None
-    measured, counterfactual = _token_major(rows, layers, num_experts, measured_k(trace_k, ks),
-                                            rank_masks(expert_rank, num_experts), whole_steps, (ks, trace_k, found))
-    if counterfactual is None:  # a request went back to a position it had passed
-        counterfactual = _counterfactual_sorted(routing, num_experts, ks, expert_rank, trace_k, found)
-    return pl.concat([measured, counterfactual])
+    with StreamedGrowth(routing, num_experts, ks, trace_k, expert_rank, proposals, whole_steps) as streamed:
+        streamed.add(rows)
+        return streamed.sums()
 
 
 def measured_k(trace_k: int, ks: Sequence[int]) -> int:

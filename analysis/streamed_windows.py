@@ -309,67 +309,82 @@ def counterfactual_streamed(
 
 
 TOKEN_CHUNK_ROWS = 1 << 18
-"""Rows ``token_major_counts`` turns into bitsets at a time (about 12 MB of them)."""
+"""Rows ``TokenMajorCounts`` turns into bitsets at a time (about 12 MB of them)."""
 
 
-def token_major_counts(
-    experts: npt.NDArray[np.integer], tokens: Columns, num_experts: int, measured_ks: Sequence[int], whole_steps: bool,
-    ranks: Masks, counterfactual: tuple[Sequence[int], int, Proposals | None] | None = None,
-) -> tuple[list[WindowStats], WindowStats | None]:
-    """Window sums over token-major rows (``experts`` [tokens, layers, top_k]; ``tokens``: each token's "step" key,
-    "request", "position", "draft_pos" and "in_sequence", in recording order, steps in order), a chunk of whole steps
-    at a time, each turned into bitsets once. The measured windows at ``measured_ks`` (``growth.measured_window_sums``)
-    per request and, where ``whole_steps``, per step; and, asked for ``counterfactual`` (its ks, the trace's k and
-    what its request-steps proposed), the counterfactual windows, cut from the same bitsets in a second thread (numpy
-    lets go of the GIL in its loops): None where a request goes back to a position it had passed."""
-    step, request, draft_pos = tokens["step"], tokens["request"], tokens["draft_pos"]
-    measured = [WindowStats(measured_ks, ranks) for _ in range(2 if whole_steps else 1)]
-    table = MaskTable(num_experts)
-    steps = group_starts(step)
-    cuts = np.searchsorted(steps, np.arange(0, len(step), max(1, TOKEN_CHUNK_ROWS // max(experts.shape[1], 1))))
-    bounds = np.unique(np.append(steps[cuts[cuts < len(steps)]], len(step))).tolist()  # at step starts
-    free: queue.Queue[Scratch] = queue.Queue()
-    for _ in range(3):  # the bitsets of a chunk being counted here, of one waiting and of one being cut
-        free.put(Scratch())
-    ready: queue.Queue[tuple[int, int, Masks, Scratch] | None] = queue.Queue()
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        cut = None if counterfactual is None else pool.submit(_cut, ready, free, tokens, ranks, *counterfactual)
-        try:
-            for first, end in zip(bounds[:-1], bounds[1:]):
-                scratch = free.get()
-                masks = table.masks(experts[first:end], scratch)  # [tokens, layers, words]
-                for k in measured_ks:
-                    capped = draft_pos[first:end] <= k
-                    read, keys = masks, (step[first:end], request[first:end])
-                    if not bool(capped.all()):
-                        read, keys = masks[capped], (keys[0][capped], keys[1][capped])
-                    measured[0].add(k, group_union(read, group_starts(*keys)))
-                    if whole_steps:
-                        measured[1].add(k, group_union(read, group_starts(keys[0])))
-                if cut is None:
-                    free.put(scratch)
-                else:
-                    ready.put((first, end, masks, scratch))
-        finally:
-            ready.put(None)  # the second thread's end, however this one's ends
-        return measured, None if cut is None else cut.result()
+class TokenMajorCounts:
+    """Window sums over token-major rows, fed a chunk of whole steps at a time (``add``), each turned into bitsets
+    once. The measured windows at ``measured_ks`` (``growth.measured_window_sums``) per request and, where
+    ``whole_steps``, per step; and, asked for ``counterfactual`` (its ks, the trace's k and what its request-steps
+    proposed), the counterfactual windows, cut from the same bitsets in a second thread (numpy lets go of the GIL in
+    its loops). Used as a context manager: the second thread ends with it, however the feeding ends."""
+
+    def __init__(self, num_experts: int, measured_ks: Sequence[int], whole_steps: bool, ranks: Masks,
+                 counterfactual: tuple[Sequence[int], int, Proposals | None] | None = None) -> None:
+        self.measured_ks, self.whole_steps = list(measured_ks), whole_steps
+        self.measured = [WindowStats(measured_ks, ranks) for _ in range(2 if whole_steps else 1)]
+        self.table = MaskTable(num_experts)
+        self.free: queue.Queue[Scratch] = queue.Queue()
+        for _ in range(3):  # the bitsets of a chunk being counted here, of one waiting and of one being cut
+            self.free.put(Scratch())
+        self.ready: queue.Queue[tuple[Columns, Masks, Scratch] | None] = queue.Queue()
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.cut = None if counterfactual is None else self.pool.submit(_cut, self.ready, self.free, ranks,
+                                                                         *counterfactual)
+
+    def __enter__(self) -> TokenMajorCounts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ready.put(None)  # the second thread's end, however the feeding ended
+        self.pool.shutdown(wait=True)
+
+    def add(self, experts: npt.NDArray[np.integer], tokens: Columns) -> None:
+        """Tokens of whole steps, in recording order, steps in order: ``experts`` [tokens, layers, top_k];
+        ``tokens``: each token's "step" key, "request", "position", "draft_pos" and "in_sequence"."""
+        step = tokens["step"]
+        steps = group_starts(step)
+        cuts = np.searchsorted(steps, np.arange(0, len(step), max(1, TOKEN_CHUNK_ROWS // max(experts.shape[1], 1))))
+        bounds = np.unique(np.append(steps[cuts[cuts < len(steps)]], len(step))).tolist()  # at step starts
+        for first, end in zip(bounds[:-1], bounds[1:]):
+            part = {name: values[first:end] for name, values in tokens.items()}
+            scratch = self.free.get()
+            masks = self.table.masks(experts[first:end], scratch)  # [tokens, layers, words]
+            for k in self.measured_ks:
+                capped = part["draft_pos"] <= k
+                read, keys = masks, (part["step"], part["request"])
+                if not bool(capped.all()):
+                    read, keys = masks[capped], (keys[0][capped], keys[1][capped])
+                self.measured[0].add(k, group_union(read, group_starts(*keys)))
+                if self.whole_steps:
+                    self.measured[1].add(k, group_union(read, group_starts(keys[0])))
+            if self.cut is None:
+                self.free.put(scratch)
+            else:
+                self.ready.put((part, masks, scratch))
+
+    def result(self) -> tuple[list[WindowStats], WindowStats | None]:
+        """The measured sums (per request, then per step where ``whole_steps``) and the counterfactual ones: None
+        where not asked for, or where a request went back to a position it had passed."""
+        self.ready.put(None)
+        return self.measured, None if self.cut is None else self.cut.result()
 
 
-def _cut(ready: queue.Queue[tuple[int, int, Masks, Scratch] | None], free: queue.Queue[Scratch], tokens: Columns,
-         ranks: Masks, ks: Sequence[int], trace_k: int, proposals: Proposals | None) -> WindowStats | None:
-    """``token_major_counts``' counterfactual windows, from the chunks' bitsets as they come ``ready`` (each
+def _cut(ready: queue.Queue[tuple[Columns, Masks, Scratch] | None], free: queue.Queue[Scratch], ranks: Masks,
+         ks: Sequence[int], trace_k: int, proposals: Proposals | None) -> WindowStats | None:
+    """``TokenMajorCounts``' counterfactual windows, from the chunks' tokens and bitsets as they come ``ready`` (each
     scratch handed back ``free`` once read)."""
     stats = WindowStats(ks, ranks)
     windows: _SequenceWindows | None = _SequenceWindows(ks, trace_k, stats)
     failed: Exception | None = None
     while (chunk := ready.get()) is not None:
-        first, end, masks, scratch = chunk
+        tokens, masks, scratch = chunk
         try:
             if windows is not None and failed is None:
-                keep = tokens["in_sequence"][first:end]
-                request, position = (tokens[name][first:end][keep].astype(np.int64) for name in ("request", "position"))
-                proposed = None if proposals is None else proposals.at(
-                    tokens["step"][first:end][keep], request, tokens["draft_pos"][first:end][keep])
+                keep = tokens["in_sequence"]
+                request, position = (tokens[name][keep].astype(np.int64) for name in ("request", "position"))
+                proposed = None if proposals is None else proposals.at(tokens["step"][keep], request,
+                                                                       tokens["draft_pos"][keep])
                 windows.add(request, position, proposed, masks if bool(keep.all()) else masks[keep])
         except NotTokenMajor:
             windows = None

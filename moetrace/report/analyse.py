@@ -100,7 +100,7 @@ def analyse_run(run: Run, options: Options, eplb: EplbPolicy) -> RunAnalysis:
     ep = parallel_size(trace.manifest.parallel.ep, "ep", options.ep)
     placement = expert_placement(trace, ep, options.placement_file)
     request = summary_request(trace, shape.num_experts, options.max_k, placement, run.routing_rows[trace.k])
-    summary, rows = _routing(trace, request, options)
+    summary, rows = _routing(trace, request, options, placing=ep > 1 and trace.k > 0)
     placements, placement_note = placement_scores(trace, rows, ep, eplb)
     del rows  # every row's experts (2 GB at 60M rows): let go before the windowed analyses take their own
     growth = growth_table(summary.growth, summary.proposals, shape.num_experts, shape.top_k, request.ks, trace.k)
@@ -151,12 +151,14 @@ def analyse_run(run: Run, options: Options, eplb: EplbPolicy) -> RunAnalysis:
     return analysis
 
 
-def _routing(trace: Trace, request: SummaryRequest, options: Options) -> tuple[RoutingSummary, WindowRows | None]:
+def _routing(trace: Trace, request: SummaryRequest, options: Options,
+             placing: bool) -> tuple[RoutingSummary, WindowRows | None]:
     """The routing summary (``analysis.routing_summary``): one pass over the rows, or each partition as a Ray task
-    (``--ray``: then no rows come back for the placements)."""
+    (``--ray``: then no rows come back for the placements); the rows themselves where ``placing`` (the placements
+    are compared on them)."""
     if options.ray is not None and trace.parts:
         return partitioned_summary(trace, request, options.ray), None
-    return summarise_routing(trace.routing(), trace.steps(), request)
+    return summarise_routing(trace.routing(), trace.steps(), request, keep_rows=placing)
 
 
 def _acceptance(run: Run) -> tuple[pl.DataFrame, pl.DataFrame]:

@@ -127,10 +127,9 @@ def partition_summary(part: Trace, first_step: int, first_request: int, request:
     cached = summary is not None
     rows = 0
     if summary is None:
-        summary, window_rows = summarise_routing(numbered_on(part.routing(), first_step, first_request),
-                                                 numbered_on(part.steps(), first_step, first_request), request)
-        rows = len(window_rows.layer)
-        del window_rows
+        summary, _ = summarise_routing(numbered_on(part.routing(), first_step, first_request),
+                                       numbered_on(part.steps(), first_step, first_request), request)
+        rows = int(summary.load["picks"].sum()) // part.manifest.model.top_k  # every non-prefill row's picks
         if part.complete:
             write_cache(folder, summary, request.share)
             for other in cache.iterdir() if folder.exists() else ():
