@@ -211,57 +211,62 @@ def verdict(at_k: list[dict[str, Any]], marked: str | None, min_agreement: float
             "measured_fastest": max(at_k, key=lambda r: r["measured_speedup"])["budget"]}
 
 
-def compare(args: argparse.Namespace) -> None:
-    """Per (concurrency, k, budget): measured and predicted speedup over k = 0, and each over the unbudgeted run;
-    per (concurrency, k) the budget moetrace marks beside the one measured fastest."""
-    runs: Path = args.runs
-    doc = json.loads((runs / "budget-measurements.json").read_text())
-    engines = {e["k"]: e for e in doc["engines"] if "tok_s" in e}
-    if 0 not in engines:
-        raise SystemExit("no k = 0 engine measured")
+def predicted_speedups(runs: Path, budgets: list[str], ks: list[int], calibration: Path,
+                       scratch: Path) -> dict[tuple[str, int, int], float]:
+    """``moetrace report``'s predicted speedup per (budget, concurrency, k), from a k-sweep of each (budget,
+    concurrency): k = 0 unbudgeted, every other k under the budget."""
+    predicted: dict[tuple[str, int, int], float] = {}
+    for name in budgets:
+        for concurrency in CONCURRENCIES:
+            sweep = scratch / f"{name}-c{concurrency}"
+            sweep.mkdir()
+            (sweep / "k0").symlink_to((runs / f"c{concurrency}-k0" / "budget-none").resolve())
+            for k in ks:
+                if k > 0:
+                    (sweep / f"k{k}").symlink_to((runs / f"c{concurrency}-k{k}" / f"budget-{name}").resolve())
+            report = report_json(sweep, calibration, scratch, None, list(CONCURRENCIES))
+            if report is None:
+                raise SystemExit(f"{sweep}: moetrace report failed")
+            for row in report["runs"][0]["prediction"]["per_batch"]:
+                if row["batch"] == concurrency:
+                    predicted[(name, concurrency, row["k"])] = row["speedup"]
+    return predicted
+
+
+def compared_rows(runs: Path, budgets: list[str], engines: dict[int, dict[str, Any]],
+                  predicted: dict[tuple[str, int, int], float],
+                  scratch: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One row per (concurrency, k, budget), measured beside predicted, and one verdict per (concurrency, k)."""
     rows: list[dict[str, Any]] = []
     sweeps: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as scratch_dir:
-        scratch = Path(scratch_dir)
-        predicted: dict[tuple[str, int, int], float] = {}
-        for name in doc["budgets"]:
-            for concurrency in CONCURRENCIES:
-                sweep = scratch / f"{name}-c{concurrency}"
-                sweep.mkdir()
-                (sweep / "k0").symlink_to((runs / f"c{concurrency}-k0" / "budget-none").resolve())
-                for k in sorted(engines):
-                    if k > 0:
-                        (sweep / f"k{k}").symlink_to((runs / f"c{concurrency}-k{k}" / f"budget-{name}").resolve())
-                report = report_json(sweep, args.calibration, scratch, None, list(CONCURRENCIES))
-                if report is None:
-                    raise SystemExit(f"{sweep}: moetrace report failed")
-                for row in report["runs"][0]["prediction"]["per_batch"]:
-                    if row["batch"] == concurrency:
-                        predicted[(name, concurrency, row["k"])] = row["speedup"]
-        baseline = engines[0]["tok_s"]["none"]
-        for concurrency in CONCURRENCIES:
-            for k in sorted(k for k in engines if k > 0):
-                table = budget_sweep_table(runs / f"c{concurrency}-k{k}", k, scratch)
-                marked = {row["budget"]: row for row in table["rows"]}
-                rates = engines[k]["tok_s"]
-                for name in doc["budgets"]:
-                    measured, interval = ratio_ci95(rates[name][str(concurrency)], baseline[str(concurrency)])
-                    unbudgeted = statistics.median(rates["none"][str(concurrency)])
-                    rows.append({
-                        "concurrency": concurrency, "k": k, "budget": name,
-                        "measured_speedup": measured, "measured_ci95": interval,
-                        "predicted_speedup": predicted.get((name, concurrency, k)),
-                        "measured_vs_none": statistics.median(rates[name][str(concurrency)]) / unbudgeted,
-                        "predicted_vs_none": (predicted[(name, concurrency, k)] / predicted[("none", concurrency, k)]
-                                              if (name, concurrency, k) in predicted
-                                              and ("none", concurrency, k) in predicted else None),
-                        "tokens_per_step": marked[name]["tokens_per_step"],
-                        "acceptance_by_position": marked[name]["acceptance_by_position"],
-                        "agreement": marked[name]["agreement"],
-                        "binds": marked[name]["binds"],
-                    })
-                at_k = [r for r in rows if r["concurrency"] == concurrency and r["k"] == k]
-                sweeps.append(verdict(at_k, table["best"], table["min_agreement"]))
+    baseline = engines[0]["tok_s"]["none"]
+    for concurrency in CONCURRENCIES:
+        for k in sorted(k for k in engines if k > 0):
+            table = budget_sweep_table(runs / f"c{concurrency}-k{k}", k, scratch)
+            marked = {row["budget"]: row for row in table["rows"]}
+            rates = engines[k]["tok_s"]
+            for name in budgets:
+                measured, interval = ratio_ci95(rates[name][str(concurrency)], baseline[str(concurrency)])
+                unbudgeted = statistics.median(rates["none"][str(concurrency)])
+                rows.append({
+                    "concurrency": concurrency, "k": k, "budget": name,
+                    "measured_speedup": measured, "measured_ci95": interval,
+                    "predicted_speedup": predicted.get((name, concurrency, k)),
+                    "measured_vs_none": statistics.median(rates[name][str(concurrency)]) / unbudgeted,
+                    "predicted_vs_none": (predicted[(name, concurrency, k)] / predicted[("none", concurrency, k)]
+                                          if (name, concurrency, k) in predicted
+                                          and ("none", concurrency, k) in predicted else None),
+                    "tokens_per_step": marked[name]["tokens_per_step"],
+                    "acceptance_by_position": marked[name]["acceptance_by_position"],
+                    "agreement": marked[name]["agreement"],
+                    "binds": marked[name]["binds"],
+                })
+            at_k = [r for r in rows if r["concurrency"] == concurrency and r["k"] == k]
+            sweeps.append(verdict(at_k, table["best"], table["min_agreement"]))
+    return rows, sweeps
+
+
+def print_comparison(rows: list[dict[str, Any]], sweeps: list[dict[str, Any]]) -> None:
     print(f"{'B':>3} {'k':>2} {'budget':>6} {'predicted':>9} {'measured':>8} {'95% interval':>13} {'error':>6} "
           f"{'pred/none':>9} {'meas/none':>9} {'tok/step':>8} {'agree':>6}")
     for r in rows:
@@ -275,6 +280,21 @@ def compare(args: argparse.Namespace) -> None:
         print(f"B={s['concurrency']} k={s['k']}: marked {s['marked']} (agreement >= {s['min_agreement']}), measured "
               f"best there {s['measured_best']}: {s['verdict']}; fastest predicted {s['predicted_fastest']}, measured "
               f"{s['measured_fastest']}")
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Per (concurrency, k, budget): measured and predicted speedup over k = 0, and each over the unbudgeted run;
+    per (concurrency, k) the budget moetrace marks beside the one measured fastest."""
+    runs: Path = args.runs
+    doc = json.loads((runs / "budget-measurements.json").read_text())
+    engines = {e["k"]: e for e in doc["engines"] if "tok_s" in e}
+    if 0 not in engines:
+        raise SystemExit("no k = 0 engine measured")
+    with tempfile.TemporaryDirectory() as scratch_dir:
+        scratch = Path(scratch_dir)
+        predicted = predicted_speedups(runs, doc["budgets"], sorted(engines), args.calibration, scratch)
+        rows, sweeps = compared_rows(runs, doc["budgets"], engines, predicted, scratch)
+    print_comparison(rows, sweeps)
     errors = [abs(r["predicted_speedup"] - r["measured_speedup"]) / r["measured_speedup"] for r in rows
               if r["predicted_speedup"] is not None]
     summary = {"machine": f"{doc['device']}, vLLM {doc['vllm_version']}, CUDA graphs {doc['cuda_graphs']}",

@@ -36,12 +36,14 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from capture_model import SIZES, Model, check_grouped_mm, compare, padded, reference_routing
+from cuda_graphs import graph_nodes, new_graph
 from moetrace.hooks import capture as cap
 
 REFERENCE_STEP_MS = 12.1
@@ -118,7 +120,7 @@ class Variant:
             _, columns = self.capture.collect(num_tokens, replayed)
             block = torch.cat(columns, dim=1)[:num_tokens]
             layers, top_k = self.capture.num_layers, self.capture.top_k
-            ids, weights = block.split(layers * top_k, dim=1)
+            ids, weights = torch.split(block, layers * top_k, dim=1)
             return Done({"ids": ids.reshape(num_tokens, layers, top_k),
                          "weights": weights.view(torch.float32).reshape(num_tokens, layers, top_k)})
         if self.name == "obvious":
@@ -177,7 +179,7 @@ class Bench:
         for p in sorted(SIZES, reverse=True):  # vLLM captures the largest first, into one shared pool
             x = self.static_x[p]
             self.load_input(x, 0, p)
-            side = torch.cuda.Stream()
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
@@ -232,10 +234,11 @@ class Bench:
         v = self.variant(name)
         if not graph:
             v.install()
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync: Callable[[], None] = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         if self.device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             begin.record()
         t0 = time.perf_counter()
         for i, t in enumerate(tokens):
@@ -243,7 +246,7 @@ class Bench:
         if self.device.type == "cuda":
             end.record()
             end.synchronize()
-            ms = begin.elapsed_time(end)
+            ms: float = begin.elapsed_time(end)
         else:
             ms = (time.perf_counter() - t0) * 1e3
         if not graph:
@@ -265,58 +268,12 @@ class Bench:
         return total / len(tokens) * 1e6
 
 
-def new_graph() -> torch.cuda.CUDAGraph:
-    """A graph that keeps its cudaGraph_t after instantiation, so that its nodes can be counted."""
-    try:
-        return torch.cuda.CUDAGraph(keep_graph=True)
-    except TypeError:
-        return torch.cuda.CUDAGraph()
-
-
-def graph_nodes(graph: torch.cuda.CUDAGraph) -> dict[str, int] | str:
-    """Nodes of a captured graph by type (cudaGraphGetNodes / cudaGraphNodeGetType through the CUDA runtime)."""
-    import ctypes
-
-    try:
-        raw = ctypes.c_void_p(graph.raw_cuda_graph())
-        import glob
-        import os
-
-        lib = None
-        torch_dir = os.path.dirname(torch.__file__)
-        found = sorted(glob.glob(os.path.join(torch_dir, "..", "nvidia", "**", "libcudart.so*"), recursive=True))
-        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so", *found):
-            try:
-                lib = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
-        if lib is None:
-            return "no libcudart"
-        count = ctypes.c_size_t(0)
-        if lib.cudaGraphGetNodes(raw, None, ctypes.byref(count)) != 0:
-            return "cudaGraphGetNodes failed"
-        nodes = (ctypes.c_void_p * count.value)()
-        if lib.cudaGraphGetNodes(raw, nodes, ctypes.byref(count)) != 0:
-            return "cudaGraphGetNodes failed"
-        names = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty"}
-        kinds: dict[str, int] = {}
-        for node in nodes:
-            kind = ctypes.c_int(-1)
-            lib.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
-            key = names.get(kind.value, f"type{kind.value}")
-            kinds[key] = kinds.get(key, 0) + 1
-        return kinds
-    except Exception as exc:  # noqa: BLE001 - informative only
-        return f"{type(exc).__name__}: {exc}"
-
-
 def token_counts(n: int, low: int, high: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(low, high + 1, (n,), generator=gen).tolist()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, few steps (a CPU dry run)")
@@ -339,43 +296,31 @@ def main() -> None:
         args.layers, args.hidden, args.experts, args.width = 4, 256, 64, 32
         args.rounds, args.block, args.eager_rounds, args.eager_block, args.check_steps = 2, 4, 2, 3, 6
     args.max_tokens = max(SIZES) * 2  # eager steps use up to 32 tokens (beyond the largest graph, as vLLM does)
-    device = torch.device(args.device)
-    graph = device.type == "cuda"
-    torch.manual_seed(0)
-    bench = Bench(args, device)
-    info = {
-        "device": torch.cuda.get_device_name(device) if graph else platform.processor() or "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "layers": args.layers, "hidden": args.hidden,
-        "experts": args.experts, "width": args.width, "top_k": args.top_k, "expert_kernel": bench.experts,
-        "no_experts": args.no_experts,
-    }
-    print(json.dumps(info), flush=True)
-    results: dict[str, Any] = {"info": info, "command": " ".join(sys.argv)}
+    return args
 
-    graph_names = ["none", "obvious", "design"] if graph else []
-    eager_names = ["none-eager", "naive", "design-eager"]
-    if graph:
+
+def capture_every_graph(bench: Bench, graph_names: list[str], info: dict[str, Any]) -> None:
+    """Each variant's graphs at every size, into one pool; ``info`` records the experts' kernel they hold."""
+    pool = torch.cuda.graph_pool_handle()
+    t0 = time.perf_counter()
+    try:
+        for name in graph_names:
+            bench.capture_graphs(name, pool)
+    except Exception as exc:  # noqa: BLE001 - e.g. a grouped GEMM that cannot be captured: fall back, once
+        print(f"capture failed ({type(exc).__name__}: {exc}); retrying with gather+bmm experts", flush=True)
+        for s in bench.model.sets:
+            s.grouped = False
+        bench.experts = info["expert_kernel"] = f"gather+bmm (grouped_mm capture failed: {type(exc).__name__})"
+        bench.graphs.clear()
+        bench.variants.clear()
         pool = torch.cuda.graph_pool_handle()
-        t0 = time.perf_counter()
-        try:
-            for name in graph_names:
-                bench.capture_graphs(name, pool)
-        except Exception as exc:  # noqa: BLE001 - e.g. a grouped GEMM that cannot be captured: fall back, once
-            print(f"capture failed ({type(exc).__name__}: {exc}); retrying with gather+bmm experts", flush=True)
-            for s in bench.model.sets:
-                s.grouped = False
-            bench.experts = info["expert_kernel"] = f"gather+bmm (grouped_mm capture failed: {type(exc).__name__})"
-            bench.graphs.clear()
-            bench.variants.clear()
-            pool = torch.cuda.graph_pool_handle()
-            for name in graph_names:
-                bench.capture_graphs(name, pool)
-        print(f"captured {len(graph_names) * len(SIZES)} graphs in {time.perf_counter() - t0:.1f}s", flush=True)
-        results["graph_nodes"] = {f"{n}/{p}": bench.nodes[(n, p)] for n in graph_names for p in SIZES}
-        for n in graph_names:
-            print(f"graph nodes {n}: " + ", ".join(f"P={p}: {bench.nodes[(n, p)]}" for p in SIZES), flush=True)
+        for name in graph_names:
+            bench.capture_graphs(name, pool)
+    print(f"captured {len(graph_names) * len(SIZES)} graphs in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    # Correctness: real token counts 1..16 padded to graph sizes; eager steps 1..32 unpadded.
+
+def check_correctness(bench: Bench, args: argparse.Namespace, graph: bool) -> dict[str, dict[str, int]]:
+    """Real token counts 1..16 padded to graph sizes; eager steps 1..32 unpadded."""
     checks = {}
     check_tokens = token_counts(max(args.check_steps, 1), 1, max(SIZES), seed=5)
     for name in ["design", "obvious"] if graph else []:
@@ -384,9 +329,12 @@ def main() -> None:
     for name in ["design-eager", "naive"]:
         checks[name] = bench.check(name, False, max(args.check_steps // 10, 3), token_counts(32, 1, 32, seed=6))
         print(f"check {name}: {checks[name]}", flush=True)
-    results["checks"] = checks
+    return checks
 
-    # Timing: interleaved rounds, same token sequence for every variant in a round; median over rounds.
+
+def time_variants(bench: Bench, args: argparse.Namespace, graph_names: list[str], eager_names: list[str],
+                  graph: bool) -> dict[str, list[float]]:
+    """Interleaved rounds, the same token sequence for every variant in a round: ms per step of each block."""
     times: dict[str, list[float]] = {n: [] for n in graph_names + eager_names}
     warm = token_counts(4, 1, max(SIZES), seed=99)
     for name in graph_names:
@@ -405,10 +353,12 @@ def main() -> None:
         for name in order:
             times[name].append(bench.time_block(name, False, tokens, start=r * args.eager_block))
     print(f"timed in {time.perf_counter() - t0:.1f}s", flush=True)
-    if graph:
-        results["design_host_collect_us"] = bench.host_collect_us("design", token_counts(50, 1, 16, seed=7))
+    return times
 
-    L = args.layers
+
+def overhead_rows(times: dict[str, list[float]], graph_names: list[str], eager_names: list[str],
+                  L: int) -> list[dict[str, Any]]:
+    """Each variant's overhead over its baseline (no capture, graphs or eager alike): medians over rounds."""
     rows = []
     for name in graph_names + eager_names:
         base = "none" if name in graph_names else "none-eager"
@@ -423,7 +373,10 @@ def main() -> None:
             "pct_of_12_1ms_step": over_us / (REFERENCE_STEP_MS * 1e3) * 100,
             "pct_of_own_step": over_us / (base_ms * 1e3) * 100, "blocks_ms": times[name],
         })
-    results["rows"] = rows
+    return rows
+
+
+def print_overhead_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     rounds = f"{args.rounds} graph / {args.eager_rounds} eager rounds"
     print()
     print(f"| variant | CUDA graphs | step ms (median, {rounds}) | vs baseline | overhead µs/layer/step (median "
@@ -434,6 +387,37 @@ def main() -> None:
         print(f"| {row['variant']} | {'yes' if row['graphs'] else 'no (eager)'} | {row['step_ms']:.3f} "
               f"| {row['ratio']:.4f} | {row['us_per_layer']:.3f} | {low:.2f} .. {high:.2f} "
               f"| {row['pct_of_12_1ms_step']:.3f} | {row['pct_of_own_step']:.3f} |")
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    graph = device.type == "cuda"
+    torch.manual_seed(0)
+    bench = Bench(args, device)
+    info = {
+        "device": torch.cuda.get_device_name(device) if graph else platform.processor() or "cpu",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "layers": args.layers, "hidden": args.hidden,
+        "experts": args.experts, "width": args.width, "top_k": args.top_k, "expert_kernel": bench.experts,
+        "no_experts": args.no_experts,
+    }
+    print(json.dumps(info), flush=True)
+    results: dict[str, Any] = {"info": info, "command": " ".join(sys.argv)}
+
+    graph_names = ["none", "obvious", "design"] if graph else []
+    eager_names = ["none-eager", "naive", "design-eager"]
+    if graph:
+        capture_every_graph(bench, graph_names, info)
+        results["graph_nodes"] = {f"{n}/{p}": bench.nodes[(n, p)] for n in graph_names for p in SIZES}
+        for n in graph_names:
+            print(f"graph nodes {n}: " + ", ".join(f"P={p}: {bench.nodes[(n, p)]}" for p in SIZES), flush=True)
+    checks = check_correctness(bench, args, graph)
+    results["checks"] = checks
+    times = time_variants(bench, args, graph_names, eager_names, graph)
+    if graph:
+        results["design_host_collect_us"] = bench.host_collect_us("design", token_counts(50, 1, 16, seed=7))
+    results["rows"] = overhead_rows(times, graph_names, eager_names, args.layers)
+    print_overhead_table(results["rows"], args)
     if "design_host_collect_us" in results:
         print(f"\ndesign: host time of collect() after the forward: {results['design_host_collect_us']:.1f} µs/step")
     ok = all(c["mismatched"] == c["ties"] for c in checks.values())
