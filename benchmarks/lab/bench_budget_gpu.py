@@ -116,7 +116,7 @@ def measure_engine(settings: dict[str, Any], out: Path, budgets: list[str], roun
         if not any(s["recording"] for s in statuses):
             raise RuntimeError(next((s["error"] for s in statuses if s["error"]), "the plugin did not load"))
         prompts = engine_prompts(settings)
-        for concurrency in CONCURRENCIES:  # warm-up: Triton compiles each new batch shape
+        for concurrency in CONCURRENCIES:  # warm-up: Triton compiles each new input shape
             generate(llm, prompts, concurrency, max_tokens)
         for name in budgets if k > 0 else ["none"]:
             for concurrency in CONCURRENCIES:
@@ -297,7 +297,7 @@ def compare(args: argparse.Namespace) -> None:
     print_comparison(rows, sweeps)
     errors = [abs(r["predicted_speedup"] - r["measured_speedup"]) / r["measured_speedup"] for r in rows
               if r["predicted_speedup"] is not None]
-    summary = {"machine": f"{doc['device']}, vLLM {doc['vllm_version']}, CUDA graphs {doc['cuda_graphs']}",
+    result = {"machine": f"{doc['device']}, vLLM {doc['vllm_version']}, CUDA graphs {doc['cuda_graphs']}",
                "command": doc["command"], "rounds": doc["rounds"], "requests": doc["requests"],
                "engine_start_s": {str(k): e["engine_start_s"] for k, e in engines.items()},
                "failed_engines": [e for e in doc["engines"] if "error" in e],
@@ -305,7 +305,7 @@ def compare(args: argparse.Namespace) -> None:
     if errors:
         print(f"largest |predicted - measured| / measured: {100 * max(errors):.1f}%")
     if args.json is not None:
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def main() -> None:
