@@ -18,7 +18,7 @@ from moetrace import require_same_checkout
 require_same_checkout(__file__, __name__)
 
 if TYPE_CHECKING:
-    from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary, step_times
+    from moetrace.analysis.acceptance import acceptance_by_position, acceptance_totals, step_times
     from moetrace.analysis.budgets import budget_curves, budget_windows, smallest_budgets
     from moetrace.analysis.growth import decode_and_verify
     from moetrace.analysis.growth import growth as expert_growth
@@ -28,13 +28,13 @@ if TYPE_CHECKING:
 # public name -> (module, name there)
 PUBLIC = {
     "acceptance_by_position": ("acceptance", "acceptance_by_position"),
-    "acceptance_summary": ("acceptance", "acceptance_summary"), "step_times": ("acceptance", "step_times"),
+    "acceptance_totals": ("acceptance", "acceptance_totals"), "step_times": ("acceptance", "step_times"),
     "budget_windows": ("budgets", "budget_windows"), "budget_curves": ("budgets", "budget_curves"),
     "smallest_budgets": ("budgets", "smallest_budgets"), "decode_and_verify": ("growth", "decode_and_verify"),
     "expert_growth": ("growth", "growth"), "expert_load": ("load", "expert_load"),
     "linear_placement": ("placement", "linear_placement"),
 }
-__all__ = ["acceptance_by_position", "acceptance_summary", "budget_curves", "budget_windows", "decode_and_verify",
+__all__ = ["acceptance_by_position", "acceptance_totals", "budget_curves", "budget_windows", "decode_and_verify",
            "expert_growth", "expert_load", "linear_placement", "smallest_budgets", "step_times"]
 
 

@@ -83,7 +83,7 @@ def acceptance_curve(measured: Mapping[int, float], k: int) -> tuple[list[float]
     return out, k > positions[-1]
 
 
-def acceptance_summary(steps: pl.LazyFrame) -> pl.DataFrame:
+def acceptance_totals(steps: pl.LazyFrame) -> pl.DataFrame:
     """One row: decoding request-steps (``windows``: each is one verification window, or one plain decode token
     where nothing was proposed), those with drafts, mean drafts and accepted per window with drafts, mean tokens
     a request-step read (``tokens_read``: anchor + drafts) and ``tokens_per_step`` gained (1 + accepted)."""
@@ -210,7 +210,7 @@ def acceptance_per_k(recorded: Mapping[int, pl.LazyFrame], ks: Sequence[int], gi
     """Per k: tokens a request gains per step, tokens a request-step reads, the decoding request-steps behind them,
     and where they come from. ``recorded``: the steps table of each trace of the sweep, by its k.
 
-    - a recorded k: measured (``acceptance_summary``; equal to 1 + the unconditional rates);
+    - a recorded k: measured (``acceptance_totals``; equal to 1 + the unconditional rates);
     - a k below a recorded one: estimated from the nearest larger recorded K: its rates at positions 1..k, and
       1 + mean(min(drafts, k)) tokens read;
     - past the largest recorded K: extrapolated (``acceptance_curve``), reading K's tokens plus, per extra

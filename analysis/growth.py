@@ -3,7 +3,8 @@
 - measured, per request: every decoding request-step ``(step, request)`` of the recorded trace, its drafts capped at
   k (the anchor and drafts 1..min(d, k) of the d it proposed: what it would have read at k, so one trace at K
   answers 0..K).
-- measured, per batch: the union over every decode/verify token of a step, drafts capped at k.
+- measured, per step (scope ``batch``, as the table and the JSON's ``measured_batch`` name it): the union over
+  every decode/verify token of a step, drafts capped at k.
 - counterfactual: ``counterfactual.window_spans``' windows of consecutive accepted tokens, one per request-step,
   as many tokens as its drafter proposed (a trace without drafts: full windows of k+1 tokens). Any trace, plain
   decoding included, answers every k this way.
@@ -31,11 +32,11 @@ from moetrace.analysis.sources import RANKS, Source
 from moetrace.analysis.streamed_windows import (
     Columns,
     NotTokenMajor,
-    array_batches,
+    array_chunks,
     counterfactual_streamed,
     TokenMajorCounts,
     WindowStats,
-    routing_batches,
+    routing_chunks,
 )
 from moetrace.analysis.expert_sets import (
     Masks,
@@ -132,13 +133,13 @@ def counterfactual_window_sums(
     caller has them; ``rows``: its ``decode_and_verify`` where the caller has them (not read again).
 
     Token-major traces (every token's layers on consecutive rows, in one layer order, and each request's positions
-    increasing from batch to batch: what the recorder writes) are streamed in batches, without a sort; anything else
+    increasing from chunk to chunk: what the recorder writes) are streamed in chunks, without a sort; anything else
     takes the general path, which sorts."""
     found = Proposals.of(proposed_drafts(routing, trace_k) if proposals is None else proposals) if trace_k else None
-    batches = routing_batches(routing, found is not None) if rows is None else array_batches(
+    chunks = routing_chunks(routing, found is not None) if rows is None else array_chunks(
         rows.columns())
     try:
-        return _frame(counterfactual_streamed(batches, num_experts, ks, expert_rank, trace_k, found, COUNTERFACTUAL,
+        return _frame(counterfactual_streamed(chunks, num_experts, ks, expert_rank, trace_k, found, COUNTERFACTUAL,
                                               PER_REQUEST))
     except NotTokenMajor:
         return _counterfactual_sorted(routing, num_experts, ks, expert_rank, trace_k, found)
@@ -235,7 +236,7 @@ class WindowRows:
             yield layer, part
 
 
-DECODE_BATCH_ROWS = 1 << 20
+DECODE_CHUNK_ROWS = 1 << 20
 """Rows ``decode_and_verify`` takes from Polars at a time."""
 
 
@@ -247,23 +248,23 @@ def _decoded(routing: pl.LazyFrame) -> pl.LazyFrame:
 
 
 def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
-    """The trace's non-prefill rows as ``WindowRows``: one pass over the files, streamed in batches straight into
+    """The trace's non-prefill rows as ``WindowRows``: one pass over the files, streamed in chunks straight into
     numpy arrays (collected whole, the Polars frame and its numpy copy both stood in memory: 4 GB at 60M rows)."""
     query = _decoded(routing)
-    most = int(routing.select(pl.len()).collect().item())  # rows allocated, not touched: what no batch fills costs none
+    most = int(routing.select(pl.len()).collect().item())  # rows allocated, not touched: what no chunk fills costs none
     columns: dict[str, npt.NDArray[Any]] = {}
     filled = 0
-    for batch in query.collect_batches(chunk_size=DECODE_BATCH_ROWS, maintain_order=True):
-        for name in batch.columns:
+    for chunk in query.collect_batches(chunk_size=DECODE_CHUNK_ROWS, maintain_order=True):
+        for name in chunk.columns:
             at = filled
-            for chunk in batch.get_column(name).get_chunks():
-                values = chunk.to_numpy()
+            for piece in chunk.get_column(name).get_chunks():
+                values = piece.to_numpy()
                 if name not in columns:
                     columns[name] = np.empty((most, *values.shape[1:]), dtype=values.dtype)
                 columns[name][at : at + len(values)] = values
                 at += len(values)
-        filled += batch.height
-    if not filled:  # no batch, or an empty one: the empty frame's columns (an empty list column has no width)
+        filled += chunk.height
+    if not filled:  # no chunk, or an empty one: the empty frame's columns (an empty list column has no width)
         empty = query.clear().collect()
         columns = {name: empty.get_column(name).to_numpy() for name in empty.columns}
         if columns["experts"].ndim == 1:
@@ -276,21 +277,21 @@ def decode_in_chunks(routing: pl.LazyFrame) -> Iterator[WindowRows]:
     at a time (where each step's rows are consecutive), as Polars streams them: nothing held but a chunk and the
     rows of the step under way, no copy of every row (at 60M rows, faulting in 2 GB of copies took longer than
     reading the files)."""
-    held: WindowRows | None = None  # the rows of the last step seen, which the next batch may go on with
-    for batch in _decoded(routing).collect_batches(chunk_size=DECODE_BATCH_ROWS, maintain_order=True):
-        if batch.height == 0:
+    held: WindowRows | None = None  # the rows of the last step seen, which the next part may go on with
+    for part in _decoded(routing).collect_batches(chunk_size=DECODE_CHUNK_ROWS, maintain_order=True):
+        if part.height == 0:
             continue
-        rows = WindowRows(**{name: batch.get_column(name).rechunk().to_numpy() for name in batch.columns})
+        rows = WindowRows(**{name: part.get_column(name).rechunk().to_numpy() for name in part.columns})
         if held is not None:
             other = np.flatnonzero(rows.step != held.step[-1])
-            head = int(other[0]) if len(other) else len(rows.step)  # the held step's rows this batch goes on with
+            head = int(other[0]) if len(other) else len(rows.step)  # the held step's rows this part goes on with
             held = _joined(held, rows.take(slice(0, head)))
             if head == len(rows.step):
                 continue
             yield held
             rows = rows.take(slice(head, None))
         other = np.flatnonzero(rows.step != rows.step[-1])
-        last = int(other[-1]) + 1 if len(other) else 0  # the first row of the batch's last step
+        last = int(other[-1]) + 1 if len(other) else 0  # the first row of the part's last step
         if last:
             yield rows.take(slice(0, last))
         held = rows.take(slice(last, None))
@@ -307,7 +308,7 @@ def measured_window_sums(
     rows: WindowRows, num_experts: int, trace_k: int, expert_rank: npt.NDArray[np.int64], whole_steps: bool = True
 ) -> pl.DataFrame:
     """Window sums (``WINDOW_SUMS_SCHEMA``) of unique experts per recorded request-step (per request) and per step
-    (whole batch, where ``whole_steps``: not where the rows are of one request in N), drafts capped at k, k =
+    (whole step, where ``whole_steps``: not where the rows are of one request in N), drafts capped at k, k =
     0..trace_k. ``rows``: ``decode_and_verify`` of the trace. Token-major rows (``WindowRows.token_layers``) are
     counted over every layer at once, a chunk of whole steps at a time; others layer by layer."""
     ranks = rank_masks(expert_rank, num_experts)
@@ -497,7 +498,7 @@ def growth_table(sums: pl.DataFrame, proposals: pl.DataFrame, num_experts: int, 
     return (
         window_means(sums).join(uniform, on="k", how="left")
         .with_columns(
-            # The bound is for one request-step's tokens; a batch holds more tokens, so it has none.
+            # The bound is for one request-step's tokens; a whole step holds more tokens, so it has none.
             uniform_bound=pl.when(pl.col("scope") == PER_REQUEST).then(pl.col("uniform_bound")),
         )
         .with_columns(locality=pl.col("unique_experts") / pl.col("uniform_bound"))

@@ -1,6 +1,6 @@
 """The streamed path of the counterfactual growth (``growth.counterfactual_window_sums``): a token-major trace (every
-token's layers on consecutive rows, in one layer order, each request's positions increasing from batch to batch:
-what the recorder writes) read in batches, its counterfactual windows (``counterfactual``) counted as they
+token's layers on consecutive rows, in one layer order, each request's positions increasing from chunk to chunk:
+what the recorder writes) read in chunks, its counterfactual windows (``counterfactual``) counted as they
 complete, without a sort."""
 
 from __future__ import annotations
@@ -26,60 +26,60 @@ from moetrace.analysis.expert_sets import (
     window_union,
 )
 
-BATCH_ROWS = 1 << 17
-"""Rows per streamed batch: small enough that a batch's bitsets (rows x 48 bytes for 384 experts) stay in the CPU's
-last-level cache, large enough that the per-batch Python overhead is small."""
+CHUNK_ROWS = 1 << 17
+"""Rows per streamed chunk: small enough that a chunk's bitsets (rows x 48 bytes for 384 experts) stay in the CPU's
+last-level cache, large enough that the per-chunk Python overhead is small."""
 
 
 class NotTokenMajor(Exception):
     """The rows are not laid out as the streamed path needs: take the general path."""
 
 
-# A batch of rows: routing column name -> its values [rows] (experts [rows, top_k])
+# A chunk of rows: routing column name -> its values [rows] (experts [rows, top_k])
 Columns = dict[str, npt.NDArray[Any]]
 
 
-def routing_batches(routing: pl.LazyFrame, with_proposals: bool) -> Iterator[Columns]:
-    """The columns ``counterfactual_streamed`` reads, streamed from ``routing`` in batches of ``BATCH_ROWS`` rows
+def routing_chunks(routing: pl.LazyFrame, with_proposals: bool) -> Iterator[Columns]:
+    """The columns ``counterfactual_streamed`` reads, streamed from ``routing`` in chunks of ``CHUNK_ROWS`` rows
     (``with_proposals``: the step key and draft position too)."""
     anchors: list[pl.Expr | str] = [step_key(), "draft_pos"] if with_proposals else []
     query = routing.select("request", "position", "layer", "experts", in_sequence().alias("in_sequence"), *anchors)
     collect_batches = getattr(query, "collect_batches", None)
-    # Polars without streamed batches: one collect, sliced
-    frames = query.collect().iter_slices(BATCH_ROWS) if collect_batches is None else collect_batches(
-        chunk_size=BATCH_ROWS)
+    # Polars without collect_batches: one collect, sliced
+    frames = query.collect().iter_slices(CHUNK_ROWS) if collect_batches is None else collect_batches(
+        chunk_size=CHUNK_ROWS)
     for frame in frames:
         yield {name: frame.get_column(name).to_numpy() for name in frame.columns}
 
 
-def array_batches(columns: Columns) -> Iterator[Columns]:
-    """``columns`` (rows decoded already) in batches of ``BATCH_ROWS`` rows, as views."""
+def array_chunks(columns: Columns) -> Iterator[Columns]:
+    """``columns`` (rows decoded already) in chunks of ``CHUNK_ROWS`` rows, as views."""
     rows = len(next(iter(columns.values()), ()))
-    for start in range(0, rows, BATCH_ROWS):
-        yield {name: values[start : start + BATCH_ROWS] for name, values in columns.items()}
+    for start in range(0, rows, CHUNK_ROWS):
+        yield {name: values[start : start + CHUNK_ROWS] for name, values in columns.items()}
 
 
 class _TokenMajor:
-    """Turns streamed row batches into whole tokens: per-token key columns and experts [tokens, layers, top_k].
+    """Turns streamed row chunks into whole tokens: per-token key columns and experts [tokens, layers, top_k].
 
     A token's rows are consecutive and share their keys; the first token fixes the layer order, every token must
     repeat it. Anything else raises ``NotTokenMajor``."""
 
-    def __init__(self, batches: Iterable[Columns], keys: Sequence[str], keep: str | None = None) -> None:
-        self.batches, self.keys, self.keep = batches, list(keys), keep
+    def __init__(self, chunks: Iterable[Columns], keys: Sequence[str], keep: str | None = None) -> None:
+        self.chunks, self.keys, self.keep = chunks, list(keys), keep
         self.layers: npt.NDArray[np.int64] | None = None
 
     def __iter__(self) -> Iterator[tuple[dict[str, npt.NDArray[np.int64]], npt.NDArray[np.integer]]]:
         names = [*self.keys, "layer"]
         left: dict[str, npt.NDArray[np.integer]] = {}
         left_experts: npt.NDArray[np.integer] | None = None
-        for batch in self.batches:
-            columns = {name: batch[name] for name in names}
-            experts = batch["experts"]
+        for chunk in self.chunks:
+            columns = {name: chunk[name] for name in names}
+            experts = chunk["experts"]
             if experts.ndim != 2 or experts.dtype.kind not in "ui":
                 raise NotTokenMajor
             if self.keep is not None:
-                keep = batch[self.keep]
+                keep = chunk[self.keep]
                 if keep.dtype != np.bool_:
                     raise NotTokenMajor
                 if not keep.all():
@@ -89,7 +89,7 @@ class _TokenMajor:
                 columns = {name: np.concatenate([left[name], columns[name]]) for name in names}
                 experts = np.concatenate([left_experts, experts])
             rows = len(experts)
-            if rows == 0:  # every row of the batch filtered out
+            if rows == 0:  # every row of the chunk filtered out
                 continue
             if self.layers is None:
                 self.layers = self._layer_order(columns, final=False)
@@ -289,15 +289,15 @@ class _SequenceWindows:
 
 
 def counterfactual_streamed(
-    batches: Iterable[Columns], num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64], trace_k: int,
+    chunks: Iterable[Columns], num_experts: int, ks: Sequence[int], expert_rank: npt.NDArray[np.int64], trace_k: int,
     proposals: Proposals | None, source: str, scope: str
 ) -> list[dict[str, object]]:
     """Counterfactual windows (``counterfactual``) over a token-major trace recorded at ``trace_k``, read in
-    ``batches`` of its rows in recording order (``routing_batches``, or rows already decoded; ``proposals``: what its
+    ``chunks`` of its rows in recording order (``routing_chunks``, or rows already decoded; ``proposals``: what its
     request-steps proposed; None without drafts): one row of sums per (layer, k) (``growth.WINDOW_SUMS_SCHEMA``,
     labelled ``source`` and ``scope``); raises ``NotTokenMajor`` for a trace not laid out so."""
     keys = ("request", "position", "step_key", "draft_pos") if proposals is not None else ("request", "position")
-    tokens = _TokenMajor(batches, keys, keep="in_sequence")
+    tokens = _TokenMajor(chunks, keys, keep="in_sequence")
     stats = WindowStats(ks, rank_masks(expert_rank, num_experts))
     windows, table, scratch = _SequenceWindows(ks, trace_k, stats), MaskTable(num_experts), Scratch()
     for found, experts in tokens:

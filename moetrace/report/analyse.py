@@ -12,7 +12,7 @@ from typing import Any
 
 import polars as pl
 
-from moetrace.analysis.acceptance import acceptance_by_position, acceptance_summary, measured_speedup, step_times
+from moetrace.analysis.acceptance import acceptance_by_position, acceptance_totals, measured_speedup, step_times
 from moetrace.analysis.adaptive import schedule_against_table, schedule_per_batch
 from moetrace.analysis.budgets import WindowSample, smallest_budgets
 from moetrace.analysis.consistency import disagreement, routing_gaps
@@ -167,7 +167,7 @@ def _acceptance(run: Run) -> tuple[pl.DataFrame, pl.DataFrame]:
         [acceptance_by_position(t.steps(), t.k).with_columns(k=pl.lit(t.k, pl.Int32)) for t in run.traces]
     )
     per_k = measured_speedup(pl.concat(
-        [pl.concat([acceptance_summary(t.steps()), step_times(t.steps())], how="horizontal")
+        [pl.concat([acceptance_totals(t.steps()), step_times(t.steps())], how="horizontal")
          .with_columns(k=pl.lit(t.k, pl.Int32))
          .with_columns(step_ms=pl.lit(None, pl.Float64) if t.lacks("step_timing") else pl.col("step_ms"))
          for t in run.traces]

@@ -14,7 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from moetrace.analysis.acceptance import acceptance_summary, step_times
+from moetrace.analysis.acceptance import acceptance_totals, step_times
 from moetrace.analysis.budgets import UNBUDGETED, best_budget, binds, greedy_agreement, largest_groups
 from moetrace.errors import UserError
 from moetrace.report.analyse import RunAnalysis
@@ -91,7 +91,7 @@ def budget_sweep_section(analyses: Sequence[RunAnalysis], min_agreement: float) 
             raise UserError(f"{analysis.run.path}: recorded at k={trace.k}; every run of a budget sweep is compared "
                             f"at the same k ({k}): give --k {trace.k}")
         steps = trace.steps()
-        gained = float(acceptance_summary(steps)["tokens_per_step"].item() or 1.0)
+        gained = float(acceptance_totals(steps)["tokens_per_step"].item() or 1.0)
         step_ms = step_times(steps)["step_ms"].item()
         rate = gained / step_ms if step_ms else None
         reference_rate = rate if reference_rate is None else reference_rate

@@ -75,7 +75,7 @@ def general_path_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_streamed_matches_brute_force_across_chunks(
     chunk_rows: int, ep: int, read: str, monkeypatch: pytest.MonkeyPatch, general_path_calls: list[int]
 ) -> None:
-    monkeypatch.setattr(streamed_module, "BATCH_ROWS", chunk_rows)
+    monkeypatch.setattr(streamed_module, "CHUNK_ROWS", chunk_rows)
     tokens = verify_tokens(np.random.default_rng(7), MODEL, requests=3, steps=25, k=3, accept_prob=0.6,
                            variable_drafts=True)
     routing = routing_frame(tokens, MODEL)
@@ -103,7 +103,7 @@ def _shuffled(frame: pl.DataFrame, seed: int) -> pl.LazyFrame:
 def test_other_layouts_take_the_general_path(
     layout: str, monkeypatch: pytest.MonkeyPatch, general_path_calls: list[int]
 ) -> None:
-    monkeypatch.setattr(streamed_module, "BATCH_ROWS", 12)
+    monkeypatch.setattr(streamed_module, "CHUNK_ROWS", 12)
     tokens = verify_tokens(np.random.default_rng(8), MODEL, requests=2, steps=20, k=2, accept_prob=0.5)
     frame = routing_frame(tokens, MODEL).collect()
     if layout == "shuffled":

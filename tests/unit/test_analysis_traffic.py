@@ -9,7 +9,7 @@ import pytest
 from moetrace.analysis.acceptance import (
     acceptance_by_position,
     acceptance_per_k,
-    acceptance_summary,
+    acceptance_totals,
     decode_step_periods,
     measured_speedup,
     step_times,
@@ -92,7 +92,7 @@ def test_acceptance_rates_are_unconditional_and_sum_to_the_tokens_gained_when_dr
         assert row["proposed"] == sum(len(flags) >= i for flags in windows.values())
         assert row["accepted"] == sum(g >= i for g in gained)
         assert row["acceptance_rate"] == pytest.approx(sum(g >= i for g in gained) / len(windows))
-    totals = acceptance_summary(steps_frame(tokens)).to_dicts()[0]
+    totals = acceptance_totals(steps_frame(tokens)).to_dicts()[0]
     assert totals["windows"] == len(windows)
     assert totals["tokens_per_step"] == pytest.approx(1 + sum(gained) / len(windows))
     assert tokens_per_step([row["acceptance_rate"] for row in by_position]) == pytest.approx(totals["tokens_per_step"])

@@ -1,6 +1,6 @@
 """The routing summary of a token-major trace, summed a chunk of whole steps at a time as Polars streams the rows
 (``growth.decode_in_chunks``), against the summary of the same rows in another order, which the general path (every
-row decoded, layer by layer, sorted windows) sums: equal, however the batches cut the steps."""
+row decoded, layer by layer, sorted windows) sums: equal, however Polars' parts cut the steps."""
 
 from __future__ import annotations
 
@@ -51,10 +51,10 @@ def assert_same(streamed: RoutingSummary, general: RoutingSummary) -> None:
         assert_frame_equal(mine.sort(SAMPLE_ORDER), theirs.sort(SAMPLE_ORDER))
 
 
-@pytest.mark.parametrize("batch_rows", [7, 60, 1 << 20])  # a step cut by every batch, by some, by none
+@pytest.mark.parametrize("chunk_rows", [7, 60, 1 << 20])  # a step cut by every part, by some, by none
 def test_a_summary_streamed_in_chunks_equals_the_general_paths_of_the_rows_in_another_order(
-        batch_rows: int, monkeypatch: pytest.MonkeyPatch, decoded_whole: list[int]) -> None:
-    monkeypatch.setattr(growth_module, "DECODE_BATCH_ROWS", batch_rows)
+        chunk_rows: int, monkeypatch: pytest.MonkeyPatch, decoded_whole: list[int]) -> None:
+    monkeypatch.setattr(growth_module, "DECODE_CHUNK_ROWS", chunk_rows)
     routing, steps = trace(3)
     streamed, rows = summarise_routing(routing.lazy(), steps, REQUEST)
     assert rows is None and not decoded_whole  # nothing decoded whole: the streamed path ran
@@ -69,7 +69,7 @@ def test_a_summary_streamed_in_chunks_equals_the_general_paths_of_the_rows_in_an
 def test_a_trace_found_out_of_order_midway_is_summed_by_the_general_path(
         monkeypatch: pytest.MonkeyPatch, decoded_whole: list[int]) -> None:
     """The streamed path gives up at the first chunk not laid out token-major, however many it summed before."""
-    monkeypatch.setattr(growth_module, "DECODE_BATCH_ROWS", 60)
+    monkeypatch.setattr(growth_module, "DECODE_CHUNK_ROWS", 60)
     routing, steps = trace(4)
     tail = routing.height // 4
     late = routing[routing.height - tail :]
