@@ -8,7 +8,8 @@ The trace is bench_growth's Kimi-shaped plain-decoding trace (384 experts, top-8
 table, generated once into the cache directory. The report runs in a child process (its peak memory is its own
 max RSS) with ``--acceptance 0.7`` (a plain-decoding trace has no drafts to measure) and writes its dashboard and
 JSON to a scratch folder. Baseline: a child that scans every routing file once (sum of all expert ids), the least
-any analysis of all rows must do. Targets: the report in at most 60 s and 4 GB.
+any analysis of all rows must do: the median of three such scans, one before the report and two after. Targets at
+60M rows: the report in at most 6× the scan's time and 3 GiB.
 
 ``--guard FILE`` (``scripts/test.sh`` runs it): the size, ratio and peak FILE commits; exit 1 where the report's time
 over the scan's, or its peak memory, grew past FILE's margin over them.
@@ -63,6 +64,9 @@ def add_steps(root: Path, tokens: int) -> None:
     (root / "manifest.json").write_text(json.dumps(manifest))
 
 
+TARGET_RATIO, TARGET_GIB = 6.0, 3.0  # at 60M rows: the report in at most 6 scans' time and 3 GiB
+
+
 def timed_child(command: list[str]) -> tuple[float, float]:
     """Wall seconds and peak RSS (GiB) of one child process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -90,19 +94,24 @@ def main(tokens: int, layers: int, cache: Path, guard: Path | None) -> None:
         print(f"generating {tokens * layers:,} rows into {root} ...", flush=True)
         generate(root, tokens, layers)
         add_steps(root, tokens)
+    scan = [sys.executable, "-c", SCAN, str(root)]
     with tempfile.TemporaryDirectory(prefix="moetrace-report-") as scratch:
-        scan_s, scan_gib = timed_child([sys.executable, "-c", SCAN, str(root)])
+        first_scan_s, scan_gib = timed_child(scan)  # first: the children's peak is the scan's alone
         report_s, report_gib = timed_child([
             sys.executable, "-m", "moetrace", "report", str(root), "--k", "3", "--acceptance", "0.7", "--json",
             "-o", str(Path(scratch) / "report.html")])
-    rows = tokens * layers
-    print(f"rows {rows:,}: report {report_s:.1f} s, peak {report_gib:.2f} GiB; one Polars scan {scan_s:.1f} s, "
-          f"peak {scan_gib:.2f} GiB; report / scan = {report_s / scan_s:.1f}× "
-          f"(targets: 60 s, 4 GiB: {'met' if report_s <= 60 and report_gib <= 4 else 'NOT met'})")
+    # the scan's median of one run before the report and two after: this VM's speed drifts by a fifth from one
+    # minute to the next, and one scan of a few seconds caught it alone
+    scans = sorted([first_scan_s, timed_child(scan)[0], timed_child(scan)[0]])
+    scan_s, rows, ratio = scans[1], tokens * layers, report_s / scans[1]
+    met = "met" if ratio <= TARGET_RATIO and report_gib <= TARGET_GIB else "NOT met"
+    print(f"rows {rows:,}: report {report_s:.1f} s, peak {report_gib:.2f} GiB; one Polars scan {scan_s:.1f} s "
+          f"(median of {', '.join(f'{s:.1f}' for s in scans)}), peak {scan_gib:.2f} GiB; report / scan = {ratio:.1f}× "
+          f"(targets: {TARGET_RATIO:g}×, {TARGET_GIB:g} GiB: {met})")
     if committed is not None:
         margin = float(committed["margin"])
         slid = [f"{what} {now:.2f} past {margin:g} × the committed {then:.2f}" for what, now, then in (
-            ("report / scan", report_s / scan_s, float(committed["ratio"])),
+            ("report / scan", ratio, float(committed["ratio"])),
             ("peak GiB", report_gib, float(committed["peak_gib"]))) if now > margin * then]
         if slid:
             sys.exit(f"{guard}: the report slid: {'; '.join(slid)} (find what grew, or commit new figures)")
