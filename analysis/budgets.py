@@ -113,49 +113,33 @@ def sample_share(rows: int, max_rows: int = MAX_SAMPLE_ROWS) -> float:
 SAMPLE_KEYS = ["layer", "step", "dp_rank", "request", "position", "phase", "draft_pos", "accepted"]
 
 
-def sampled_windows(routing: pl.LazyFrame, share: float, columns: list[str],
-                    experts: npt.NDArray[np.integer] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """The accepted and stepped tables of a ``WindowSample`` at ``share`` (``sampled_tables``); ``columns`` besides
-    the keys every window needs; ``experts``: every non-prefill row's, in recording order, where the caller has
-    decoded them already (``growth.decode_and_verify``): not decoded again (``with_experts``)."""
-    if experts is None:
-        return sampled_tables(routing, share, columns)
-    accepted, stepped = sampled_tables(routing, share, columns, experts_apart=True)
-    return with_experts(accepted, columns, experts), with_experts(stepped, columns, experts)
-
-
-def sampled_tables(routing: pl.LazyFrame, share: float, columns: list[str],
-                   experts_apart: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
+def sampled_windows(routing: pl.LazyFrame, share: float, columns: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The accepted and stepped tables of a ``WindowSample`` at ``share``, read in one pass over the rows (each
-    table's rows flagged, then split: a pass decodes every row's columns before any filter); ``experts_apart``:
-    without experts, each row with its index among the non-prefill rows instead (for ``with_experts``). Each row is
-    kept or not by a hash of its own block or step key, so the sample of a trace's parts is the sample of the
-    whole."""
-    chosen = [*SAMPLE_KEYS, *columns]
-    read = [name for name in chosen if not experts_apart or name != "experts"] + (
-        ["non_prefill_row"] if experts_apart else [])
+    table's rows flagged, then split: a pass decodes every row's columns before any filter); ``columns`` besides the
+    keys every window needs. Each row is kept or not by a hash of its own block or step key, so the sample of a
+    trace's parts is the sample of the whole."""
+    keep, beside = sample_selection(share, columns)
+    return split_sample(routing.filter(not_prefill()).with_columns(step_key()).filter(keep).select(beside).collect(),
+                        columns)
+
+
+def sample_selection(share: float, columns: list[str]) -> tuple[pl.Expr, list[str | pl.Expr]]:
+    """Which non-prefill routing rows (with their ``step_key``) a ``WindowSample`` at ``share`` keeps, and what it
+    reads of them (for ``split_sample``): its keys, ``columns``, the step key and each table's flag."""
     in_accepted, in_stepped = in_sequence(), pl.lit(True)
     if share < 1.0:
         in_accepted, in_stepped = in_accepted & block_sampled(share), step_sampled(share)
-    both = (routing.filter(not_prefill()).with_columns(step_key())
-            .with_columns(in_accepted=in_accepted, in_stepped=in_stepped)
-            .with_row_index("non_prefill_row")
-            .filter(pl.col("in_accepted") | pl.col("in_stepped"))
-            .select(*read, "step_key", "in_accepted", "in_stepped").collect())
+    return in_accepted | in_stepped, [*SAMPLE_KEYS, *columns, "step_key", in_accepted.alias("in_accepted"),
+                                      in_stepped.alias("in_stepped")]
+
+
+def split_sample(kept: pl.DataFrame, columns: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The accepted and stepped tables of the rows ``sample_selection`` kept."""
+    chosen = [*SAMPLE_KEYS, *columns]
     # one chunk each: Polars sorts and gathers a frame of many chunks (one per file and row group) many times slower
     # (a 3M-row sample: 11 s against 0.6 s)
-    return (both.filter("in_accepted").select(read).rechunk(),
-            both.filter("in_stepped").select(*read, "step_key").rechunk())
-
-
-def with_experts(table: pl.DataFrame, columns: list[str], experts: npt.NDArray[np.integer],
-                 numbers: npt.NDArray[np.int64] | None = None) -> pl.DataFrame:
-    """A table of ``sampled_tables`` read with ``experts_apart`` (and ``columns``), each row with its experts, taken
-    from ``experts``: those of the non-prefill rows ``numbers`` (ascending), or of every one, in recording order."""
-    at = table.get_column("non_prefill_row").to_numpy()
-    taken = experts[at if numbers is None else np.searchsorted(numbers, at)]
-    order = [*SAMPLE_KEYS, *columns, *(["step_key"] if "step_key" in table.columns else [])]
-    return table.with_columns(pl.Series("experts", taken, pl.Array(pl.UInt16, taken.shape[1]))).select(order)
+    return (kept.filter("in_accepted").select(chosen).rechunk(),
+            kept.filter("in_stepped").select(*chosen, "step_key").rechunk())
 
 
 def block_sampled(share: float) -> pl.Expr:

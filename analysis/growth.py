@@ -272,16 +272,40 @@ def decode_and_verify(routing: pl.LazyFrame) -> WindowRows:
     return WindowRows(**{field.name: columns[field.name][:filled] for field in dataclasses.fields(WindowRows)})
 
 
-def decode_in_chunks(routing: pl.LazyFrame) -> Iterator[WindowRows]:
+@dataclass
+class KeptRows:
+    """The rows ``decode_in_chunks`` keeps whole as it reads them: those of the non-prefill routing rows (with their
+    ``step_key``) where ``keep`` holds, their ``columns``; ``frames``: a frame of them per part read, in order."""
+
+    keep: pl.Expr
+    columns: list[str | pl.Expr]
+    frames: list[pl.DataFrame] = dataclasses.field(default_factory=list)
+
+
+_ROW_COLUMNS = {"layer": "layer", "step": "step_key", "request": "request", "position": "position",
+                "draft_pos": "draft_pos", "is_verify": "is_verify", "in_sequence": "in_sequence", "experts": "experts"}
+"""Each ``WindowRows`` field's column in ``decode_in_chunks``' query."""
+
+
+def decode_in_chunks(routing: pl.LazyFrame, kept: KeptRows | None = None) -> Iterator[WindowRows]:
     """The trace's non-prefill rows as ``decode_and_verify`` reads them, in recording order, a chunk of whole steps
     at a time (where each step's rows are consecutive), as Polars streams them: nothing held but a chunk and the
     rows of the step under way, no copy of every row (at 60M rows, faulting in 2 GB of copies took longer than
-    reading the files)."""
+    reading the files). ``kept``: rows kept whole in the same pass (the window sample: a pass of its own took a
+    sixth of the report)."""
+    beside = [] if kept is None else [*kept.columns, kept.keep.alias("row.kept")]
+    names = set(_ROW_COLUMNS.values())
+    query = routing.filter(not_prefill()).with_columns(step_key()).select(
+        "layer", "step_key", "request", "position", "draft_pos", phase_is("verify").alias("is_verify"),
+        in_sequence().alias("in_sequence"), "experts",
+        *(column for column in beside if _name(column) not in names))
     held: WindowRows | None = None  # the rows of the last step seen, which the next part may go on with
-    for part in _decoded(routing).collect_batches(chunk_size=DECODE_CHUNK_ROWS, maintain_order=True):
+    for part in query.collect_batches(chunk_size=DECODE_CHUNK_ROWS, maintain_order=True):
         if part.height == 0:
             continue
-        rows = WindowRows(**{name: part.get_column(name).rechunk().to_numpy() for name in part.columns})
+        if kept is not None:
+            kept.frames.append(part.filter("row.kept").select(_name(column) for column in kept.columns))
+        rows = WindowRows(**{field: part.get_column(name).rechunk().to_numpy() for field, name in _ROW_COLUMNS.items()})
         if held is not None:
             other = np.flatnonzero(rows.step != held.step[-1])
             head = int(other[0]) if len(other) else len(rows.step)  # the held step's rows this part goes on with
@@ -297,6 +321,10 @@ def decode_in_chunks(routing: pl.LazyFrame) -> Iterator[WindowRows]:
         held = rows.take(slice(last, None))
     if held is not None:
         yield held
+
+
+def _name(column: str | pl.Expr) -> str:
+    return column if isinstance(column, str) else column.meta.output_name()
 
 
 def _joined(first: WindowRows, then: WindowRows) -> WindowRows:

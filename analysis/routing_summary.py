@@ -15,11 +15,12 @@ import numpy as np
 import numpy.typing as npt
 import polars as pl
 
-from moetrace.analysis.budgets import sampled_tables, with_experts
+from moetrace.analysis.budgets import sample_selection, sampled_windows, split_sample
 from moetrace.analysis.consistency import routing_gaps
 from moetrace.analysis.counterfactual import proposed_drafts
 from moetrace.analysis.growth import (
     WINDOW_KEYS,
+    KeptRows,
     StreamedGrowth,
     WindowRows,
     decode_and_verify,
@@ -64,19 +65,18 @@ def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame, request: Summa
     token-major trace (what the recorder writes) is summed a chunk of whole steps at a time as Polars streams it,
     never held whole."""
     columns = list(request.sample_columns)
-    # the gaps and the sample (its experts taken from the rows) first: the peaks of their own passes over the files
-    # come before the rows are read
+    # the gaps first: the peak of their own pass over the files comes before the rows are read
     gaps = routing_gaps(routing, steps, sampled_requests=not request.whole_steps)
-    accepted, stepped = sampled_tables(routing, request.share, columns, experts_apart=True)
     proposals = proposed_drafts(routing, request.trace_k)
     if not keep_rows:
         try:
-            growth, rejected_only, load, sampled = _streamed(routing, request, proposals, accepted, stepped)
-            return RoutingSummary(growth=growth, rejected_only=rejected_only, load=load, gaps=gaps,
-                                  accepted=with_experts(accepted, columns, *sampled),
-                                  stepped=with_experts(stepped, columns, *sampled), proposals=proposals), None
+            growth, rejected_only, load, (accepted, stepped) = _streamed(routing, request, proposals)
+            return RoutingSummary(growth=growth, rejected_only=rejected_only, load=load, gaps=gaps, accepted=accepted,
+                                  stepped=stepped, proposals=proposals), None
         except NotTokenMajor:
             pass
+    # the sample before the rows: its reading's peak comes before they are in memory
+    accepted, stepped = sampled_windows(routing, request.share, columns)
     rows = decode_and_verify(routing)
 
     def rest() -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -89,41 +89,28 @@ def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame, request: Summa
         growth = growth_sums(routing, request.num_experts, request.ks, request.trace_k, request.expert_rank, rows,
                              proposals, request.whole_steps)
         rejected_only, load = beside.result()
-    return RoutingSummary(growth=growth, rejected_only=rejected_only, load=load, gaps=gaps,
-                          accepted=with_experts(accepted, columns, rows.experts),
-                          stepped=with_experts(stepped, columns, rows.experts), proposals=proposals), (
-        rows if keep_rows else None)
+    return RoutingSummary(growth=growth, rejected_only=rejected_only, load=load, gaps=gaps, accepted=accepted,
+                          stepped=stepped, proposals=proposals), rows if keep_rows else None
 
 
-SampledExperts = tuple[npt.NDArray[np.uint16], npt.NDArray[np.int64]]  # experts of rows, and the rows' numbers
-
-
-def _streamed(routing: pl.LazyFrame, request: SummaryRequest, proposals: pl.DataFrame, *sample: pl.DataFrame
-              ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, SampledExperts]:
-    """The growth sums, rejected-only sums and expert load of a token-major trace, summed a chunk of whole steps at
-    a time (``growth.decode_in_chunks``), and the experts of the ``sample`` tables' rows (with their numbers among
-    the non-prefill rows, ascending); ``NotTokenMajor`` at the first chunk not laid out so."""
-    numbers = np.unique(np.concatenate([table.get_column("non_prefill_row").to_numpy() for table in sample]))
-    sampled: npt.NDArray[np.uint16] | None = None
+def _streamed(routing: pl.LazyFrame, request: SummaryRequest, proposals: pl.DataFrame
+              ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, tuple[pl.DataFrame, pl.DataFrame]]:
+    """The growth sums, rejected-only sums, expert load and window sample of a token-major trace, summed a chunk of
+    whole steps at a time (``growth.decode_in_chunks``), the sample kept in the same pass; ``NotTokenMajor`` at the
+    first chunk not laid out so."""
+    columns = list(request.sample_columns)
+    sample = KeptRows(*sample_selection(request.share, columns))
     rejected: list[pl.DataFrame] = []
     load = ExpertLoad(request.num_experts)
-    first = 0  # the chunk's first row's number
     with StreamedGrowth(routing, request.num_experts, request.ks, request.trace_k, request.expert_rank, proposals,
                         request.whole_steps) as growth:
-        for chunk in decode_in_chunks(routing):
+        for chunk in decode_in_chunks(routing, sample):
             growth.add(chunk)
             rejected.append(rejected_only_sums(chunk, request.num_experts))
             load.add(chunk)
-            if sampled is None:
-                sampled = np.zeros((len(numbers), chunk.experts.shape[1]), dtype=np.uint16)
-            end = first + len(chunk.step)
-            lo, hi = np.searchsorted(numbers, [first, end]).tolist()
-            sampled[lo:hi] = chunk.experts[numbers[lo:hi] - first]
-            first = end
         sums = growth.sums()
-    assert sampled is not None  # growth.sums raised where no chunk came
     rejected_only = pl.concat(rejected).group_by("layer").agg(pl.col("*").sum()).sort("layer")
-    return sums, rejected_only, load.frame(), (sampled, numbers)
+    return sums, rejected_only, load.frame(), split_sample(pl.concat(sample.frames), columns)
 
 
 def added_summaries(parts: Sequence[RoutingSummary]) -> RoutingSummary:

@@ -8,8 +8,17 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moetrace.analysis.budgets import budget_curves, budget_windows, sampled_windows, smallest_budgets, window_share
-from moetrace.analysis.growth import decode_and_verify
+import moetrace.analysis.growth as growth_module
+from moetrace.analysis.budgets import (
+    budget_curves,
+    budget_windows,
+    sample_selection,
+    sampled_windows,
+    smallest_budgets,
+    split_sample,
+    window_share,
+)
+from moetrace.analysis.growth import KeptRows
 from trace_builder import Model, routing_frame, verify_tokens
 
 MODEL = Model(num_experts=16, top_k=2, layers=(1, 2))
@@ -121,15 +130,20 @@ def test_window_sample_keeps_whole_windows_and_estimates_the_full_curve() -> Non
 
 
 @pytest.mark.parametrize("share", [1.0, 0.3])
-def test_a_sample_given_the_rows_decoded_experts_equals_one_that_decodes_them(share: float) -> None:
-    """The report decodes every non-prefill row's experts once (``decode_and_verify``) and hands them to the sample
-    rather than decoding them again: the rows it keeps, and their experts, are the same."""
+@pytest.mark.parametrize("chunk_rows", [7, 1 << 20])
+def test_a_sample_kept_as_the_rows_stream_equals_one_read_on_its_own(share: float, chunk_rows: int,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report keeps the window sample in the pass that streams every non-prefill row (``decode_in_chunks``):
+    the rows it keeps, in order, with their experts and weights, are those a pass of its own reads."""
+    monkeypatch.setattr(growth_module, "DECODE_CHUNK_ROWS", chunk_rows)
     tokens = verify_tokens(np.random.default_rng(12), MODEL, requests=12, steps=30, k=3, accept_prob=0.6)
     routing = routing_frame(tokens, MODEL)
-    decoded = decode_and_verify(routing).experts
     columns = ["experts", "weights"]
-    for given, read in zip(sampled_windows(routing, share, columns, decoded), sampled_windows(routing, share, columns)):
-        assert given.height > 0 and given.equals(read)
+    kept = KeptRows(*sample_selection(share, columns))
+    for _ in growth_module.decode_in_chunks(routing, kept):
+        pass
+    for streamed, read in zip(split_sample(pl.concat(kept.frames), columns), sampled_windows(routing, share, columns)):
+        assert streamed.height > 0 and streamed.equals(read)
 
 
 def test_window_share_targets_max_windows_per_layer() -> None:
