@@ -64,7 +64,7 @@ def add_steps(root: Path, tokens: int) -> None:
     (root / "manifest.json").write_text(json.dumps(manifest))
 
 
-TARGET_RATIO, TARGET_GIB = 6.0, 3.0  # at 60M rows: the report in at most 6 scans' time and 3 GiB
+TARGET_ROWS, TARGET_RATIO, TARGET_GIB = 60_000_000, 6.0, 3.0  # the report in at most 6 scans' time and 3 GiB
 
 
 def timed_child(command: list[str]) -> tuple[float, float]:
@@ -104,7 +104,8 @@ def main(tokens: int, layers: int, cache: Path, guard: Path | None) -> None:
     # minute to the next, and one scan of a few seconds caught it alone
     scans = sorted([first_scan_s, timed_child(scan)[0], timed_child(scan)[0]])
     scan_s, rows, ratio = scans[1], tokens * layers, report_s / scans[1]
-    met = "met" if ratio <= TARGET_RATIO and report_gib <= TARGET_GIB else "NOT met"
+    met = ("met" if ratio <= TARGET_RATIO and report_gib <= TARGET_GIB else "NOT met") if rows >= TARGET_ROWS else (
+        f"set for {TARGET_ROWS:,} rows")
     print(f"rows {rows:,}: report {report_s:.1f} s, peak {report_gib:.2f} GiB; one Polars scan {scan_s:.1f} s "
           f"(median of {', '.join(f'{s:.1f}' for s in scans)}), peak {scan_gib:.2f} GiB; report / scan = {ratio:.1f}× "
           f"(targets: {TARGET_RATIO:g}×, {TARGET_GIB:g} GiB: {met})")
