@@ -20,7 +20,7 @@ require_same_checkout(__file__, __name__)
 if TYPE_CHECKING:
     from moetrace.analysis.acceptance import acceptance_by_position, acceptance_totals, step_times
     from moetrace.analysis.budgets import budget_curves, budget_windows, smallest_budgets
-    from moetrace.analysis.growth import decode_and_verify
+    from moetrace.analysis.window_rows import decode_and_verify
     from moetrace.analysis.growth import growth as expert_growth
     from moetrace.analysis.load import expert_load
     from moetrace.analysis.placement import linear_placement
@@ -30,7 +30,7 @@ PUBLIC = {
     "acceptance_by_position": ("acceptance", "acceptance_by_position"),
     "acceptance_totals": ("acceptance", "acceptance_totals"), "step_times": ("acceptance", "step_times"),
     "budget_windows": ("budgets", "budget_windows"), "budget_curves": ("budgets", "budget_curves"),
-    "smallest_budgets": ("budgets", "smallest_budgets"), "decode_and_verify": ("growth", "decode_and_verify"),
+    "smallest_budgets": ("budgets", "smallest_budgets"), "decode_and_verify": ("window_rows", "decode_and_verify"),
     "expert_growth": ("growth", "growth"), "expert_load": ("load", "expert_load"),
     "linear_placement": ("placement", "linear_placement"),
 }

@@ -7,13 +7,13 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from moetrace.analysis.growth import WindowRows
+from moetrace.analysis.window_rows import WindowRows
 
 CHUNK_ROWS = 1 << 15  # rows counted at a time: their keys, as bincount copies them (2 MB), stay in cache
 
 
 def expert_load(rows: WindowRows, num_experts: int) -> pl.DataFrame:
-    """Per (layer, expert): picks by decode and verification tokens. ``rows``: ``growth.decode_and_verify`` of the
+    """Per (layer, expert): picks by decode and verification tokens. ``rows``: ``window_rows.decode_and_verify`` of the
     trace (prefill already excluded)."""
     load = ExpertLoad(num_experts)
     load.add(rows)
@@ -21,7 +21,7 @@ def expert_load(rows: WindowRows, num_experts: int) -> pl.DataFrame:
 
 
 class ExpertLoad:
-    """Picks per (layer, expert), counted over rows added a chunk at a time (``growth.decode_in_chunks``), with one
+    """Picks per (layer, expert), counted over rows added a chunk at a time (``window_rows.decode_in_chunks``), with one
     bincount per chunk of rows, not by exploding the lists."""
 
     def __init__(self, num_experts: int) -> None:

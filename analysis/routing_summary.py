@@ -18,18 +18,10 @@ import polars as pl
 from moetrace.analysis.budgets import sample_selection, sampled_windows, split_sample
 from moetrace.analysis.consistency import routing_gaps
 from moetrace.analysis.counterfactual import proposed_drafts
-from moetrace.analysis.growth import (
-    WINDOW_KEYS,
-    KeptRows,
-    StreamedGrowth,
-    WindowRows,
-    decode_and_verify,
-    decode_in_chunks,
-    growth_sums,
-    rejected_only_sums,
-)
+from moetrace.analysis.growth import WINDOW_KEYS, StreamedGrowth, growth_sums, rejected_only_sums
 from moetrace.analysis.load import ExpertLoad, expert_load
 from moetrace.analysis.streamed_windows import NotTokenMajor
+from moetrace.analysis.window_rows import KeptRows, WindowRows, decode_and_verify, decode_in_chunks
 
 
 @dataclass(frozen=True)
@@ -61,7 +53,7 @@ class SummaryRequest:
 def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame, request: SummaryRequest,
                       keep_rows: bool = False) -> tuple[RoutingSummary, WindowRows | None]:
     """The summary of one trace's rows (or one partition's, numbered as in the whole); with its non-prefill rows
-    (``growth.decode_and_verify``) where ``keep_rows`` (the placement comparison takes them). Without, a
+    (``window_rows.decode_and_verify``) where ``keep_rows`` (the placement comparison takes them). Without, a
     token-major trace (what the recorder writes) is summed a chunk of whole steps at a time as Polars streams it,
     never held whole."""
     columns = list(request.sample_columns)
@@ -96,7 +88,7 @@ def summarise_routing(routing: pl.LazyFrame, steps: pl.LazyFrame, request: Summa
 def _streamed(routing: pl.LazyFrame, request: SummaryRequest, proposals: pl.DataFrame
               ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, tuple[pl.DataFrame, pl.DataFrame]]:
     """The growth sums, rejected-only sums, expert load and window sample of a token-major trace, summed a chunk of
-    whole steps at a time (``growth.decode_in_chunks``), the sample kept in the same pass; ``NotTokenMajor`` at the
+    whole steps at a time (``window_rows.decode_in_chunks``), the sample kept in the same pass; ``NotTokenMajor`` at the
     first chunk not laid out so."""
     columns = list(request.sample_columns)
     sample = KeptRows(*sample_selection(request.share, columns))

@@ -19,7 +19,7 @@ from moetrace.analysis.placement import linear_placement, replicated_placement
 from moetrace.analysis.predicates import DP_RANK_SHIFT
 
 if TYPE_CHECKING:
-    from moetrace.analysis.growth import WindowRows
+    from moetrace.analysis.window_rows import WindowRows
 
 
 FIT_WINDOWS = 8192
@@ -43,7 +43,7 @@ class LayerWindows:
 
 def layer_windows(rows: WindowRows, num_experts: int) -> Iterator[LayerWindows]:
     """Each layer's verification windows (rows of the ``verify`` phase grouped by step and request) from the rows
-    of ``analysis.growth.decode_and_verify``; plain decode rows are left out."""
+    of ``analysis.window_rows.decode_and_verify``; plain decode rows are left out."""
     verify = rows.take(np.flatnonzero(rows.is_verify))
     for layer, part in verify.by_layer():
         starts = group_starts(part.step, part.request)

@@ -35,7 +35,7 @@ def trace_load(trace_path: Path) -> tuple[Any, list[int]]:
         from moetrace.formats.sglang_recorder import stat_load
 
         return stat_load(trace_path)
-    from moetrace.analysis.growth import decode_and_verify
+    from moetrace.analysis.window_rows import decode_and_verify
     from moetrace.analysis.load import expert_load
     from moetrace.formats.export import sglang_logical_count
     from moetrace.report.inputs import open_run

@@ -11,7 +11,7 @@ import click
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moetrace.analysis.growth import decode_and_verify
+from moetrace.analysis.window_rows import decode_and_verify
 from moetrace.commands.common import console, err_console, trace_load, vllm_eplb
 from moetrace.errors import UserError, refuse_existing
 from moetrace.formats.export import sglang_physical_to_logical_map

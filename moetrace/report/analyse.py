@@ -19,7 +19,8 @@ from moetrace.analysis.consistency import disagreement, routing_gaps
 from moetrace.analysis.context import BUCKET_LABELS, bucket_index, context_tables
 from moetrace.analysis.decision import against_trace, crossover
 from moetrace.analysis.deployment import deployment_for
-from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, WindowRows, growth_table, rejected_only_experts
+from moetrace.analysis.growth import COUNTERFACTUAL, MEASURED, growth_table, rejected_only_experts
+from moetrace.analysis.window_rows import WindowRows
 from moetrace.analysis.routing_summary import RoutingSummary, SummaryRequest, summarise_routing
 from moetrace.analysis.shape import ModelShape
 from moetrace.analysis.traffic import step_bytes

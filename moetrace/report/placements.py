@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import polars as pl
 
-from moetrace.analysis.growth import WindowRows
+from moetrace.analysis.window_rows import WindowRows
 from moetrace.analysis.verification_placement import (
     SPREAD,
     VERIFICATION_AWARE,
@@ -32,10 +32,10 @@ EplbPolicy = Callable[[npt.NDArray[np.int64], int, int], npt.NDArray[np.int64]]
 def held_out_comparison(rows: WindowRows, where: str, experts: int, layers: list[int], ep: int, redundant: int,
                         eplb: EplbPolicy, spread: float = SPREAD, max_load: float = 1.1,
                         progress: Callable[[int], None] | None = None) -> PlacementComparison:
-    """The verification-aware placement of ``rows`` (``analysis.growth.decode_and_verify``) fitted on the windows of
-    even steps, scored on those of odd steps beside vLLM's EPLB policy (``eplb``, fitted on the same windows' load)
-    and the linear placement. A ``UserError`` (naming ``where``) when the windows do not span both halves or vLLM's
-    policy cannot be reached."""
+    """The verification-aware placement of ``rows`` (``analysis.window_rows.decode_and_verify``) fitted on the
+    windows of even steps, scored on those of odd steps beside vLLM's EPLB policy (``eplb``, fitted on the same
+    windows' load) and the linear placement. A ``UserError`` (naming ``where``) when the windows do not span both
+    halves or vLLM's policy cannot be reached."""
     fit = fitting_half(rows.step[rows.is_verify])
     if not fit.any() or fit.all():
         raise UserError(f"{where}: needs verification windows in both even and odd steps (fitted on one, scored "

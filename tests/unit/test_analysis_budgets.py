@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-import moetrace.analysis.growth as growth_module
+import moetrace.analysis.window_rows as rows_module
 from moetrace.analysis.budgets import (
     budget_curves,
     budget_windows,
@@ -18,7 +18,7 @@ from moetrace.analysis.budgets import (
     split_sample,
     window_share,
 )
-from moetrace.analysis.growth import KeptRows
+from moetrace.analysis.window_rows import KeptRows
 from trace_builder import Model, routing_frame, verify_tokens
 
 MODEL = Model(num_experts=16, top_k=2, layers=(1, 2))
@@ -135,12 +135,12 @@ def test_a_sample_kept_as_the_rows_stream_equals_one_read_on_its_own(share: floa
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The report keeps the window sample in the pass that streams every non-prefill row (``decode_in_chunks``):
     the rows it keeps, in order, with their experts and weights, are those a pass of its own reads."""
-    monkeypatch.setattr(growth_module, "DECODE_CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(rows_module, "DECODE_CHUNK_ROWS", chunk_rows)
     tokens = verify_tokens(np.random.default_rng(12), MODEL, requests=12, steps=30, k=3, accept_prob=0.6)
     routing = routing_frame(tokens, MODEL)
     columns = ["experts", "weights"]
     kept = KeptRows(*sample_selection(share, columns))
-    for _ in growth_module.decode_in_chunks(routing, kept):
+    for _ in rows_module.decode_in_chunks(routing, kept):
         pass
     for streamed, read in zip(split_sample(pl.concat(kept.frames), columns), sampled_windows(routing, share, columns)):
         assert streamed.height > 0 and streamed.equals(read)

@@ -12,7 +12,6 @@ import pytest
 from moetrace.analysis.growth import (
     counterfactual_window_sums,
     growth,
-    decode_and_verify,
     measured_window_sums,
     rejected_only_experts,
     rejected_only_sums,
@@ -20,6 +19,7 @@ from moetrace.analysis.growth import (
 )
 from moetrace.analysis.concurrency import uniform_unique_experts
 from moetrace.analysis.placement import linear_placement
+from moetrace.analysis.window_rows import decode_and_verify
 import decision_oracle as oracle
 from trace_builder import Model, Tokens, decode_tokens, routing_frame, verify_tokens
 

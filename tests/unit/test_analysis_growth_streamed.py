@@ -16,8 +16,9 @@ import moetrace.analysis.growth as growth_module
 import moetrace.analysis.streamed_windows as streamed_module
 from moetrace.analysis.counterfactual import Proposals, proposed_drafts
 from moetrace.analysis.expert_sets import MaskTable, expert_masks, window_union
-from moetrace.analysis.growth import counterfactual_window_sums, decode_and_verify, window_means
+from moetrace.analysis.growth import counterfactual_window_sums, window_means
 from moetrace.analysis.placement import linear_placement
+from moetrace.analysis.window_rows import decode_and_verify
 from moetrace.trace.reader import open_trace
 from trace_builder import Model, decode_tokens, routing_frame, verify_tokens, write_trace
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import moetrace.analysis.load as load
-from moetrace.analysis.growth import decode_and_verify
+from moetrace.analysis.window_rows import decode_and_verify
 from trace_builder import Model, routing_frame, verify_tokens
 
 MODEL = Model(num_experts=16, top_k=2, layers=(1, 3))

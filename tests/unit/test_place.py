@@ -146,7 +146,7 @@ def test_every_rank_keeps_its_slots_and_its_load_within_the_cap(tmp_path: Path) 
     """384 experts, 8 redundant slots, 8 ranks, on Kimi-shaped windows: every rank holds 49 slots, replica counts
     as the balanced start gives them (extra replicas to the most picked per replica), and each rank's load (an
     expert's picks split over its replicas) at most 1.1 × the mean or the start's busiest rank."""
-    from moetrace.analysis.growth import decode_and_verify
+    from moetrace.analysis.window_rows import decode_and_verify
     from moetrace.analysis.verification_placement import layer_windows
     from moetrace.trace.reader import open_traces
 

@@ -1,5 +1,5 @@
 """The routing summary of a token-major trace, summed a chunk of whole steps at a time as Polars streams the rows
-(``growth.decode_in_chunks``), against the summary of the same rows in another order, which the general path (every
+(``window_rows.decode_in_chunks``), against the summary of the same rows in another order, which the general path (every
 row decoded, layer by layer, sorted windows) sums: equal, however Polars' parts cut the steps."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-import moetrace.analysis.growth as growth_module
+import moetrace.analysis.window_rows as rows_module
 import moetrace.analysis.routing_summary as summary_module
 from moetrace.analysis.placement import linear_placement
 from moetrace.analysis.routing_summary import RoutingSummary, SummaryRequest, summarise_routing
@@ -27,7 +27,7 @@ def decoded_whole(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     whole = summary_module.decode_and_verify
 
-    def spy(routing: pl.LazyFrame) -> growth_module.WindowRows:
+    def spy(routing: pl.LazyFrame) -> rows_module.WindowRows:
         calls.append(1)
         return whole(routing)
 
@@ -54,7 +54,7 @@ def assert_same(streamed: RoutingSummary, general: RoutingSummary) -> None:
 @pytest.mark.parametrize("chunk_rows", [7, 60, 1 << 20])  # a step cut by every part, by some, by none
 def test_a_summary_streamed_in_chunks_equals_the_general_paths_of_the_rows_in_another_order(
         chunk_rows: int, monkeypatch: pytest.MonkeyPatch, decoded_whole: list[int]) -> None:
-    monkeypatch.setattr(growth_module, "DECODE_CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(rows_module, "DECODE_CHUNK_ROWS", chunk_rows)
     routing, steps = trace(3)
     streamed, rows = summarise_routing(routing.lazy(), steps, REQUEST)
     assert rows is None and not decoded_whole  # nothing decoded whole: the streamed path ran
@@ -69,7 +69,7 @@ def test_a_summary_streamed_in_chunks_equals_the_general_paths_of_the_rows_in_an
 def test_a_trace_found_out_of_order_midway_is_summed_by_the_general_path(
         monkeypatch: pytest.MonkeyPatch, decoded_whole: list[int]) -> None:
     """The streamed path gives up at the first chunk not laid out token-major, however many it summed before."""
-    monkeypatch.setattr(growth_module, "DECODE_CHUNK_ROWS", 60)
+    monkeypatch.setattr(rows_module, "DECODE_CHUNK_ROWS", 60)
     routing, steps = trace(4)
     tail = routing.height // 4
     late = routing[routing.height - tail :]
