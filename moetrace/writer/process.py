@@ -51,8 +51,7 @@ IDLE_FORWARD_SECONDS = 0.1  # how long queued steps wait for the engine thread b
 # Queued steps are handed over together (one pickle, one pipe write) once this many wait, once the oldest has waited
 # this long, or once a quarter of the ring is reserved, whichever comes first. Code that runs once per step runs
 # cold (its instructions and data evicted by vLLM's own step): a hand-over per step cost the engine thread 60-70 µs
-# on an H200 host; with a pause between steps, 31-39 µs one by one against 20-25 µs on average handed over
-# together (a CPU VM).
+# on an H200 host; with a pause between steps, 31-39 µs one by one against 20-25 µs together (a CPU VM).
 HAND_OVER_STEPS = 16
 SEND_EVERY_SECONDS = 0.05
 PIPE_BYTES = 1 << 20
@@ -134,10 +133,9 @@ class TraceWriter:
                 raise
         os.set_blocking(self._to_child, False)
         self._from_child = os.fdopen(from_child_r, "rb")
-        config = {"root": root, "manifest": manifest, "moe_layers": moe_layers, "top_k": top_k,
-                  "candidates": candidates, "rotate_rows": rotate_rows, "rotate_seconds": rotate_seconds,
-                  "row_group_rows": row_group_rows, "write_every_seconds": write_every_seconds,
-                  "metrics_port": metrics_port}
+        config = dict(root=root, manifest=manifest, moe_layers=moe_layers, top_k=top_k, candidates=candidates,
+                      rotate_rows=rotate_rows, rotate_seconds=rotate_seconds, row_group_rows=row_group_rows,
+                      write_every_seconds=write_every_seconds, metrics_port=metrics_port)
         ring = (self.rows.capacity, self.rows.width) if self.rows else None
         self._backlog += pickle.dumps(("init", config, ring), protocol=pickle.HIGHEST_PROTOCOL)
         self._drain(wait=False)  # the writer process starts its files now, not at the first hand-over
