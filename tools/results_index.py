@@ -6,7 +6,8 @@ commit, as ``docs/results.md``. A file no doc cites does not belong there (git k
     python tools/results_index.py --check    # exit 1 where a file is uncited or the index is not current (CI)
 
 The commit is the one the file names (``commit``), else the one that added it to git ("added in": the run's code is
-that commit's or an earlier one's); the command is the one the file names (``command``), else its first line.
+that commit's or an earlier one's); the command is the one the file names (``command``), else its first line: the
+command itself (``$ python ...``, ``# python ...``) or, in markdown, ``Command: `...` `` (what the backticks hold).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 INDEX = ROOT / "docs" / "results.md"
 CITING = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MEASUREMENTS = re.compile(r"^speedup-(?P<run>.+)-measurements\.json$")
+COMMAND_LINE = re.compile(r"^Command: `(?P<command>[^`]+)`")  # a markdown file's first line
 HEADER = """# Evidence files: what each one is, who cites it, how it was made
 
 Every file in `benchmarks/results/`, the docs that cite it, the command that made it and its commit (the file's own,
@@ -69,7 +71,9 @@ def provenance(path: Path) -> tuple[str, str]:
     commit = document.get("commit") if isinstance(document, dict) else None
     if not command:
         first = next((line for line in path.read_text(errors="replace").splitlines() if line.strip()), "")
-        command = first if first.lstrip("#$ ").startswith(("python", "moetrace", "bash")) else "-"
+        named = COMMAND_LINE.match(first)
+        command = (named["command"] if named else
+                   first if first.lstrip("#$ ").startswith(("python", "moetrace", "bash")) else "-")
     if not commit:
         added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%h", "-1", "--", str(path)], cwd=ROOT,
                                capture_output=True, text=True, check=False).stdout.strip()
