@@ -5,7 +5,8 @@ estimate of 1.9–2.3x at k=3: uniform routing, a per-draft acceptance rate, tha
     python benchmarks/lab/predict_design_profile.py [--calibration moetrace/data/calibration-h200.json]
         [--acceptance 0.7] [--max-k 6] [-o benchmarks/results/h200x2.md]
 
-Prints (and writes with -o) markdown: the calibration's fitted curves and all-reduce points, then step time,
+Prints (and writes with -o) markdown, its first line the command (``Command: `...` ``, what
+``tools/results_index.py`` reads): the calibration's fitted curves and all-reduce points, then step time,
 tokens per step and speedup per k for TP=8 and EP=8 (linear placement), each in three modes: the profile scaled by
 simple models (no calibration), the profile anchored with calibrated growth, and the calibration alone.
 
@@ -128,10 +129,12 @@ def prediction_tables(doc: dict[str, Any], acceptance: float, max_k: int) -> lis
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None)
 def main(calibration: Path, acceptance: float, max_k: int, output: Path | None) -> None:
     doc = json.loads(calibration.read_text())
-    lines = [f"# Calibration and prediction: {calibration.name}", "",
+    command = "python " + " ".join(sys.argv)
+    lines = [f"Command: `{command}` (from {calibration}; the calibration's own command below)", "",
+             f"# Calibration and prediction: {calibration.name}", "",
              "Produced by:", "", "```bash", doc["command"].replace("/root/out/", "benchmarks/results/")
              + "   # on the GPU machine (PYTHONPATH=. , NCCL_NVLS_ENABLE=0)",
-             "python " + " ".join(sys.argv), "```", "", "## Calibration", ""]
+             command, "```", "", "## Calibration", ""]
     lines += calibration_tables(doc)
     lines += ["", "## Prediction for a measured Kimi-K2.5 deployment (profile: 12.1 ms; all-reduce 51.5%, MoE 11.1%, "
               "attention 15.3%, other GEMMs 13.4%)", ""]
