@@ -22,7 +22,7 @@ import numpy.typing as npt
 import polars as pl
 
 from moetrace.analysis.counterfactual import CutSequence, Proposals, proposed_drafts
-from moetrace.analysis.expert_sets import group_starts
+from moetrace.analysis.expert_sets import group_of_row, group_starts, looked_up
 from moetrace.analysis.predicates import HASH_RANGE, accepted_sequence, in_sequence, not_prefill, phase_is, step_key
 
 WINDOW = ["layer", "window_major", "window_minor"]
@@ -179,7 +179,7 @@ def budget_curves(windows: pl.LazyFrame, expert_bytes: int | None, use_candidate
     order = np.lexsort(keys[::-1])
     ordered = [key[order] for key in keys]
     window_firsts = group_starts(*ordered[:3])
-    window = _group_of_row(window_firsts, len(order))  # [rows]: windows numbered in WINDOW order
+    window = group_of_row(window_firsts, len(order))  # [rows]: windows numbered in WINDOW order
     token_firsts = group_starts(*ordered)  # a token: a window's rows at one position
     layers, window_layer = np.unique(ordered[0][window_firsts], return_inverse=True)
 
@@ -196,7 +196,7 @@ def budget_curves(windows: pl.LazyFrame, expert_bytes: int | None, use_candidate
     picked, picked_weight, of_pick = _summed(pick, weights)
     if use_candidates:
         scored, score, _ = _summed(keyed("cand_experts"), column("cand_scores").reshape(-1).astype(np.float64))
-        weight = _looked_up(picked, picked_weight, scored, 0.0)
+        weight = looked_up(picked, picked_weight, scored, 0.0)
     else:
         scored, score, weight = picked, picked_weight, picked_weight
     # each scored expert's rank in its window: by score, descending, then by expert
@@ -204,7 +204,7 @@ def budget_curves(windows: pl.LazyFrame, expert_bytes: int | None, use_candidate
         pl.arg_sort_by("window", "score", "expert", descending=[False, True, False])).to_series().to_numpy()
     rank = np.empty(len(scored), dtype=np.int64)
     firsts = group_starts(scored[by_rank] >> 16)
-    rank[by_rank] = np.arange(len(scored)) - firsts[_group_of_row(firsts, len(scored))] + 1
+    rank[by_rank] = np.arange(len(scored)) - firsts[group_of_row(firsts, len(scored))] + 1
     budgets = int(rank.max(initial=0))
     scored_layer = window_layer[scored >> 16]
     deepest = np.zeros(len(layers), dtype=np.int64)  # per layer, its largest budget: the most experts a window scored
@@ -222,7 +222,7 @@ def budget_curves(windows: pl.LazyFrame, expert_bytes: int | None, use_candidate
     # windows with at least b picked experts: those with b or more, counted down from the most
     reaching = np.cumsum(per_budget(window_layer, np.minimum(unique, budgets))[:, ::-1], axis=1)[:, ::-1]
     slots = len(pick) // max(len(order), 1)
-    pick_rank = (_looked_up(scored, rank, picked, budgets + 1) if use_candidates else rank)[of_pick]
+    pick_rank = (looked_up(scored, rank, picked, budgets + 1) if use_candidates else rank)[of_pick]
     worst = (np.maximum.reduceat(pick_rank, token_firsts * slots)
              if len(pick) else np.zeros(0, dtype=np.int64))  # the rank a budget must reach to serve each token
     token_layer = window_layer[window[token_firsts]]
@@ -246,28 +246,14 @@ def budget_curves(windows: pl.LazyFrame, expert_bytes: int | None, use_candidate
     }).with_columns(bytes_saved=pl.col("experts_saved") * (None if expert_bytes is None else float(expert_bytes)))
 
 
-def _group_of_row(firsts: npt.NDArray[np.int64], rows: int) -> npt.NDArray[np.int64]:
-    """Each row's group, from the groups' first rows."""
-    return np.repeat(np.arange(len(firsts)), np.diff(np.append(firsts, rows)))
-
-
 def _summed(keys: npt.NDArray[np.int64], values: npt.NDArray[np.float64]) -> tuple[
         npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.int64]]:
     """Each key once, ascending, with its values summed (in row order), and the index of each row's key."""
     order = np.argsort(keys, kind="stable")
     firsts = group_starts(keys[order])
     of_row = np.empty(len(keys), dtype=np.int64)
-    of_row[order] = _group_of_row(firsts, len(keys))
+    of_row[order] = group_of_row(firsts, len(keys))
     return keys[order][firsts], np.add.reduceat(values[order], firsts) if len(firsts) else values[:0], of_row
-
-
-def _looked_up(keys: npt.NDArray[np.int64], values: npt.NDArray[Any], wanted: npt.NDArray[np.int64],
-               missing: Any) -> npt.NDArray[Any]:
-    """The value of each ``wanted`` key in ascending ``keys`` (``missing`` where absent)."""
-    if len(keys) == 0:
-        return np.full(len(wanted), missing, dtype=values.dtype)
-    at = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
-    return np.where(keys[at] == wanted, values[at], missing)
 
 
 def smallest_budgets(curves: pl.LazyFrame, coverage: float) -> pl.DataFrame:

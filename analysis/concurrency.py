@@ -44,6 +44,7 @@ from moetrace.analysis.expert_sets import (
     expert_masks,
     group_starts,
     group_union,
+    looked_up,
     per_rank_counts,
     rank_masks,
 )
@@ -125,8 +126,7 @@ def prompt_numbers(prompts: Mapping[int, int], requests: npt.NDArray[np.int64]) 
     known = np.fromiter(prompts.keys(), dtype=np.int64, count=len(prompts))
     order = np.argsort(known)
     known, numbers = known[order], np.fromiter(prompts.values(), dtype=np.int64, count=len(prompts))[order]
-    at = np.minimum(np.searchsorted(known, requests), max(len(known) - 1, 0))
-    return np.where(known[at] == requests, numbers[at], -1 - requests) if len(known) else -1 - requests
+    return looked_up(known, numbers, requests, -1 - requests)
 
 
 def holds_tail(positions: list[int], tokens: list[int], tail_positions: list[int], tail_tokens: list[int]) -> bool:

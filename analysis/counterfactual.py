@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import polars as pl
 
-from moetrace.analysis.expert_sets import group_starts
+from moetrace.analysis.expert_sets import group_of_row, group_starts
 from moetrace.analysis.predicates import HASH_RANGE, not_prefill, step_key
 
 NOT_AN_ANCHOR = -1  # ``proposed`` of a token that starts no request-step (an accepted draft)
@@ -150,7 +150,7 @@ class CutSequence:
         layer, request = keys["layer"].to_numpy()[self.order], keys["request"].to_numpy()[self.order]
         self.request, self.position = request.astype(np.int64), keys["position"].to_numpy()[self.order]
         starts = group_starts(layer, request)
-        self.sequence = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(request))))  # [T]
+        self.sequence = group_of_row(starts, len(request))  # [T]
         self.layers = max(len(np.unique(layer)), 1)
         self.proposed = None if proposals is None else proposals.at(
             keys["step_key"].to_numpy()[self.order], request, keys["draft_pos"].to_numpy()[self.order])

@@ -159,6 +159,21 @@ def group_starts(*keys: npt.NDArray[np.integer]) -> npt.NDArray[np.int64]:
     return np.flatnonzero(change).astype(np.int64)
 
 
+def group_of_row(starts: npt.NDArray[np.int64], rows: int) -> npt.NDArray[np.int64]:
+    """Each of ``rows`` rows' group, numbered from 0, from the groups' first rows (``group_starts``)."""
+    return np.repeat(np.arange(len(starts)), np.diff(np.append(starts, rows)))
+
+
+def looked_up(keys: npt.NDArray[np.integer], values: npt.NDArray[Any], wanted: npt.NDArray[np.integer],
+              missing: Any) -> npt.NDArray[Any]:
+    """The value of each ``wanted`` key in ascending, distinct ``keys``; ``missing`` where absent (one value, or one
+    per wanted key)."""
+    if len(keys) == 0:
+        return np.broadcast_to(np.asarray(missing, dtype=values.dtype), wanted.shape).copy()
+    at = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+    return np.where(keys[at] == wanted, values[at], missing)
+
+
 def rank_masks(expert_rank: npt.NDArray[np.integer], num_experts: int) -> Masks:
     """One bitset per rank holding the experts placed on it; ``expert_rank[e]`` is the rank of expert ``e``."""
     num_ranks = int(expert_rank.max()) + 1

@@ -20,8 +20,10 @@ from moetrace.analysis.expert_sets import (
     Masks,
     MaskTable,
     Scratch,
+    group_of_row,
     group_starts,
     group_union,
+    looked_up,
     rank_masks,
     window_union,
 )
@@ -219,10 +221,7 @@ class _SequenceWindows:
         self.last = np.zeros(0, np.int64)  # and the last position seen for each
 
     def _last(self, request: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        if len(self.seen) == 0:
-            return np.full(len(request), self.NO_POSITION, np.int64)
-        at = np.minimum(np.searchsorted(self.seen, request), len(self.seen) - 1)
-        return np.where(self.seen[at] == request, self.last[at], self.NO_POSITION)
+        return looked_up(self.seen, self.last, request, self.NO_POSITION)
 
     def add(self, request: npt.NDArray[np.int64], position: npt.NDArray[np.int64],
             proposed: npt.NDArray[np.int64] | None, masks: Masks) -> None:
@@ -259,7 +258,7 @@ class _SequenceWindows:
         request, position = request[order], position[order]
         proposed = None if proposed is None else proposed[order]
         runs = group_starts(request)
-        run_of = np.repeat(np.arange(len(runs)), np.diff(np.append(runs, len(request))))
+        run_of = group_of_row(runs, len(request))
         run_request = request[runs]
         before = self._last(run_request)
         after = position[np.append(runs[1:], len(request)) - 1]
